@@ -1,0 +1,1 @@
+"""ZeRO-Offload for PyTorch Lightning."""
