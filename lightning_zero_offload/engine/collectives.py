@@ -1,0 +1,58 @@
+"""The three collectives the engine uses, over whichever torch.distributed backend is running.
+
+NCCL only takes device tensors and gloo only CPU ones for some ops, so host data is moved to the
+backend's device and back here, not at every call site.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """Sum ``input`` over ranks; this rank receives chunk ``rank`` of the result in ``output``."""
+    _reduce_scatter_single(output, input, group=group)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """Concatenate every rank's ``input`` (chunk ``rank``) into ``output``."""
+    _all_gather_single(output, input, group=group)
+
+
+def comm_device(group: Optional[dist.ProcessGroup], fallback: torch.device) -> torch.device:
+    """Where tensors must live for collectives on ``group``: the accelerator for NCCL, else the CPU."""
+    return fallback if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def all_reduce_sum(values: torch.Tensor, group: Optional[dist.ProcessGroup], device: torch.device) -> torch.Tensor:
+    """Sum a small host tensor over ranks and return it on the host."""
+    target = comm_device(group, device)
+    moved = values.to(target)
+    dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=group)
+    return moved.cpu()
+
+
+def gather_host(shard: torch.Tensor, group: Optional[dist.ProcessGroup], device: torch.device) -> torch.Tensor:
+    """All-gather equal host shards into one host tensor (checkpoint-time only, bucket by bucket)."""
+    target = comm_device(group, device)
+    world = dist.get_world_size(group)
+    output = torch.empty(shard.numel() * world, dtype=shard.dtype, device=target)
+    all_gather(output, shard.to(target), group)
+    return output.cpu()
+
+
+def broadcast_tensors_(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+    """Overwrite ``tensors`` on every rank with rank 0's values (start from identical weights)."""
+    target = comm_device(group, device)
+    source = dist.get_global_rank(group, 0) if group is not None else 0
+    for tensor in tensors:
+        moved = tensor.detach().to(target)
+        dist.broadcast(moved, src=source, group=group)
+        if moved is not tensor:
+            tensor.detach().copy_(moved)

@@ -1,0 +1,412 @@
+"""The offload engine: one training step's data path, from device gradients to updated device params.
+
+```
+backward (device)  -> GradientStreamer: hooks, buckets, [reduce-scatter], fp32 accumulate on CPU
+step()             -> global norm + overflow (from the accumulate pass) -> clip x unscale factor
+                   -> fused CPU Adam per bucket, writing the low-precision copy in the same pass
+                   -> copy back bucket by bucket [all-gather] into the flat device parameter buffer
+```
+
+Device parameters are views into one flat low-precision buffer, so a bucket's update lands with a
+single copy (or one all-gather). The CPU holds only this rank's shard: fp32 master, two moments and
+an fp32 gradient buffer (16 bytes per owned parameter) plus a few bucket-sized staging buffers.
+Plain torch: no Lightning imports, so it can be driven and tested without a Trainer.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_zero_offload import kernels
+from lightning_zero_offload.engine.adam import AdamHyperparams, check_optimizer, read_hyperparams
+from lightning_zero_offload.engine.collectives import all_gather, all_reduce_sum, gather_host
+from lightning_zero_offload.engine.grads import GradientStreamer
+from lightning_zero_offload.engine.layout import Bucket, Layout, build_layout
+from lightning_zero_offload.engine.memory import BufferPool, can_pin, host_zeros, record_event, wait_event
+from lightning_zero_offload.engine.options import OffloadOptions, default_cpu_threads
+from lightning_zero_offload.engine.scaler import DynamicLossScaler
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class StepStats:
+    """What the last optimizer step did and where its time went (seconds)."""
+
+    skipped: bool = False
+    grad_norm: float = 0.0
+    loss_scale: float = 1.0
+    cpu_step_s: float = 0.0
+    copy_back_s: float = 0.0
+    transfer_wait_s: float = 0.0
+
+
+class OffloadEngine:
+    """Owns the CPU optimizer state of the trainable parameters of ``optimizer`` and updates them.
+
+    Args:
+        optimizer: the user's Adam/AdamW/CPUAdam; only its ``param_groups`` are used (read live).
+        device: where forward/backward run; parameters are moved there in ``param_dtype``.
+        param_dtype: dtype of the device parameters and gradients (bf16, fp16 or fp32).
+        options: validated engine settings.
+        process_group: ranks sharing the optimizer state (ZeRO-2); None for a single process.
+        local_world_size: ranks on this node, for the default CPU thread count.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        param_dtype: torch.dtype,
+        options: OffloadOptions,
+        process_group: Optional[dist.ProcessGroup] = None,
+        local_world_size: int = 1,
+    ) -> None:
+        options.validate()
+        check_optimizer(optimizer)
+        if param_dtype not in (*LOW_PRECISION, torch.float32):
+            raise ValueError(f"param_dtype must be bfloat16, float16 or float32, got {param_dtype}")
+        self.optimizer = optimizer
+        self.device = device
+        self.param_dtype = param_dtype
+        self.options = options
+        self.process_group = process_group
+        distributed = process_group is not None or (dist.is_available() and dist.is_initialized())
+        world = dist.get_world_size(process_group) if distributed else 1
+        rank = dist.get_rank(process_group) if distributed else 0
+        self.num_threads = options.cpu_threads or default_cpu_threads(local_world_size)
+        self.scaler = DynamicLossScaler(options.loss_scaler) if param_dtype == torch.float16 else None
+
+        # Trainable params in optimizer order; torch_index maps the optimizer's state-dict numbering.
+        self.params: list[torch.nn.Parameter] = []
+        self.group_of: list[int] = []
+        self.torch_index: list[int] = []
+        counter = 0
+        for group_index, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if p.requires_grad:
+                    self.params.append(p)
+                    self.group_of.append(group_index)
+                    self.torch_index.append(counter)
+                counter += 1
+        if not self.params:
+            raise ValueError("The optimizer has no parameter with requires_grad=True: nothing to train")
+
+        element = torch.empty(0, dtype=param_dtype).element_size()
+        self.layout: Layout = build_layout(
+            [p.shape for p in self.params], options.bucket_numel(element), world, rank
+        )
+        pin = options.pin_memory and can_pin(device)
+        shard = self.layout.shard_numel
+        self.master = host_zeros(shard, torch.float32, pin and param_dtype == torch.float32)
+        self.exp_avg = host_zeros(shard, torch.float32, False)
+        self.exp_avg_sq = host_zeros(shard, torch.float32, False)
+        self.grad = host_zeros(shard, torch.float32, False)
+        self.steps = [0] * len(self.params)
+        self._original_dtypes = [p.dtype for p in self.params]
+        self._load_shard(self.master, [p.detach() for p in self.params])
+
+        self.flat_params = torch.zeros(self.layout.flat_numel, dtype=param_dtype, device=device)
+        for slot, p in zip(self.layout.slots, self.params):
+            view = self.flat_params[self.layout.slot_range(slot.index)]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view(slot.shape)
+
+        max_shard = max(b.shard_numel for b in self.layout.buckets)
+        low_precision = param_dtype in LOW_PRECISION
+        self._publish_pool = BufferPool(2, max_shard, param_dtype, pin) if low_precision else None
+        self._pending_publish: list[Optional[torch.Event]] = []
+        self.grads = GradientStreamer(
+            self.layout, self.params, self.grad, device, param_dtype, pin, self.num_threads, process_group
+        )
+        self.clip_norm: Optional[float] = None
+        self.clip_value: Optional[float] = None
+        self.last = StepStats(loss_scale=self.loss_scale)
+        self.skipped_steps = 0
+        self._closed = False
+
+    # -- training ------------------------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scale if self.scaler is not None else loss
+
+    def finish_backward(self) -> None:
+        self.grads.finish_backward()
+
+    def step(self) -> StepStats:
+        """Apply the accumulated gradients: clip, unscale, CPU Adam, copy back. Skips on overflow."""
+        start = time.perf_counter()
+        self.grads.finish_backward()
+        self._wait_publish()
+        wait_s, self.grads.transfer_wait_s = self.grads.transfer_wait_s, 0.0
+        sumsq, overflow, has_grad = self._global_grad_summary()
+        scale = self.loss_scale
+        stats = StepStats(grad_norm=math.sqrt(sumsq) / scale, loss_scale=scale, transfer_wait_s=wait_s)
+
+        if overflow:
+            stats.skipped = True
+            self.skipped_steps += 1
+            if self.scaler is not None:
+                self.scaler.update(overflow=True)
+            else:
+                warnings.warn(
+                    "Non-finite gradients (inf/nan): the optimizer step was skipped and the parameters are "
+                    "unchanged. Check the loss for nan/inf or lower the learning rate.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        else:
+            multiplier = self._clip_and_unscale(stats.grad_norm, scale)
+            hparams = [read_hyperparams(self.optimizer, g) for g in self.optimizer.param_groups]
+            copy_back_s = 0.0
+            for bucket in self.layout.buckets:
+                copy_back_s += self._update_bucket(bucket, has_grad, hparams, multiplier)
+            for index, got in enumerate(has_grad):
+                if got:
+                    self.steps[index] += 1
+            if self.scaler is not None:
+                self.scaler.update(overflow=False)
+            # LR schedulers warn unless optimizer.step() ran; the engine's step stands in for it.
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
+            stats.copy_back_s = copy_back_s
+        self.grads.new_window()
+        self.clip_norm = self.clip_value = None
+        stats.cpu_step_s = time.perf_counter() - start - stats.copy_back_s - wait_s
+        self.last = stats
+        return stats
+
+    def _global_grad_summary(self) -> tuple[float, bool, list[bool]]:
+        sumsq = sum(self.grads.bucket_sumsq)
+        overflow = any(self.grads.bucket_nonfinite)
+        has_grad = list(self.grads.has_grad)
+        if self.layout.world_size > 1:
+            summary = torch.tensor([sumsq, float(overflow), *map(float, has_grad)], dtype=torch.float64)
+            summary = all_reduce_sum(summary, self.process_group, self.device)
+            sumsq, overflow = float(summary[0]), bool(summary[1] > 0)
+            has_grad = (summary[2:] > 0).tolist()
+        overflow = overflow or not math.isfinite(sumsq)
+        return sumsq, overflow, has_grad
+
+    def _clip_and_unscale(self, grad_norm: float, scale: float) -> float:
+        """The factor the kernel applies to the stored (loss-scaled) gradients."""
+        if self.clip_value is not None:
+            limit = self.clip_value * scale
+            self.grads.for_each_grad_range(lambda g: g.clamp_(-limit, limit))
+        clip_coef = 1.0
+        if self.clip_norm is not None:
+            # torch.nn.utils.clip_grad_norm_'s rule, so results match a plain run.
+            clip_coef = min(1.0, self.clip_norm / (grad_norm + 1e-6))
+        return clip_coef / scale
+
+    def _update_bucket(
+        self, bucket: Bucket, has_grad: list[bool], hparams: list[AdamHyperparams], multiplier: float
+    ) -> float:
+        """Update this rank's chunk of ``bucket`` and publish it; returns the seconds spent publishing."""
+        out = self._publish_pool.acquire() if self._publish_pool is not None else None
+        base = bucket.shard_start
+        for start, end, index in self._runs(bucket, has_grad):
+            window = slice(start, end)
+            if has_grad[index]:
+                hp = hparams[self.group_of[index]]
+                kernels.adam_step(
+                    self.master[window],
+                    self.grad[window],
+                    self.exp_avg[window],
+                    self.exp_avg_sq[window],
+                    step=self.steps[index] + 1,
+                    lr=hp.lr,
+                    beta1=hp.beta1,
+                    beta2=hp.beta2,
+                    eps=hp.eps,
+                    weight_decay=hp.weight_decay,
+                    adamw_mode=hp.adamw_mode,
+                    maximize=hp.maximize,
+                    grad_scale=multiplier,
+                    param_out=None if out is None else out[start - base : end - base],
+                    num_threads=self.num_threads,
+                )
+            elif out is not None:
+                out[start - base : end - base].copy_(self.master[window])
+        start_publish = time.perf_counter()
+        self._publish(bucket, out)
+        return time.perf_counter() - start_publish
+
+    def _runs(self, bucket: Bucket, has_grad: list[bool]) -> list[tuple[int, int, int]]:
+        """Merge this rank's segments into maximal runs that one kernel call can update.
+
+        Consecutive segments merge when they share param group, step count and gradient presence,
+        which in the common case turns a bucket into one call per param group.
+        """
+        runs: list[tuple[int, int, int]] = []
+        for seg in bucket.segments:
+            i = seg.param_index
+            if runs:
+                start, end, j = runs[-1]
+                same = (
+                    end == seg.shard_start
+                    and self.group_of[i] == self.group_of[j]
+                    and has_grad[i] == has_grad[j]
+                    and self.steps[i] == self.steps[j]
+                )
+                if same:
+                    runs[-1] = (start, seg.shard_end, j)
+                    continue
+            runs.append((seg.shard_start, seg.shard_end, i))
+        return runs
+
+    def _publish(self, bucket: Bucket, out: Optional[torch.Tensor]) -> None:
+        """Copy this rank's updated chunk of ``bucket`` to the device and gather the other chunks."""
+        source = self.master[bucket.shard_range] if out is None else out[: bucket.shard_numel]
+        target = self.flat_params[bucket.flat_start : bucket.flat_start + bucket.padded_numel]
+        if self.layout.world_size > 1:
+            chunk = torch.empty(bucket.shard_numel, dtype=self.param_dtype, device=self.device)
+            chunk.copy_(source, non_blocking=True)
+            all_gather(target, chunk, self.process_group)
+        else:
+            target.copy_(source, non_blocking=True)
+        event = record_event(self.device)
+        if out is None:
+            self._pending_publish.append(event)  # the copy reads the master: wait before the next update
+        else:
+            self._publish_pool.release(out, event)
+
+    def _wait_publish(self) -> None:
+        events, self._pending_publish = self._pending_publish, []
+        for event in events:
+            wait_event(event)
+
+    def refresh_device_params(self) -> None:
+        """Write the master weights (rounded to the device dtype) into the device parameters."""
+        for bucket in self.layout.buckets:
+            out = self._publish_pool.acquire() if self._publish_pool is not None else None
+            if out is not None:
+                out[: bucket.shard_numel].copy_(self.master[bucket.shard_range])
+            self._publish(bucket, out)
+        self._wait_publish()
+
+    # -- state in and out ----------------------------------------------------------------------
+
+    def _load_shard(self, shard: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """Copy this rank's part of full per-parameter tensors into a flat shard buffer."""
+        for bucket in self.layout.buckets:
+            for seg in bucket.segments:
+                flat = tensors[seg.param_index].reshape(-1)
+                shard[seg.shard_start : seg.shard_end].copy_(flat[seg.param_start : seg.param_start + seg.numel])
+
+    def _full_tensors(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Assemble full per-parameter fp32 tensors from every rank's shard (a collective if sharded)."""
+        full: list[Optional[torch.Tensor]] = [None] * len(self.params)
+        for bucket in self.layout.buckets:
+            chunk = shard[bucket.shard_range]
+            whole = gather_host(chunk, self.process_group, self.device) if self.layout.world_size > 1 else chunk
+            for index in bucket.param_indices:
+                slot = self.layout.slots[index]
+                full[index] = whole[slot.bucket_offset : slot.bucket_offset + slot.numel].view(slot.shape).clone()
+        return full  # type: ignore[return-value]
+
+    def master_params(self) -> list[torch.Tensor]:
+        """Full fp32 master weights, one tensor per trainable parameter (collective when sharded)."""
+        self._wait_publish()
+        return self._full_tensors(self.master)
+
+    def load_master_params(self, tensors: list[torch.Tensor]) -> None:
+        for p, t in zip(self.params, tensors):
+            if t.shape != p.shape:
+                raise ValueError(f"master weight of shape {tuple(t.shape)} does not fit parameter {tuple(p.shape)}")
+        self._wait_publish()
+        self._load_shard(self.master, [t.float() for t in tensors])
+        self.refresh_device_params()
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer state in ``torch.optim.AdamW``'s format (full tensors, collective when sharded)."""
+        exp_avg = self._full_tensors(self.exp_avg)
+        exp_avg_sq = self._full_tensors(self.exp_avg_sq)
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for index, torch_index in enumerate(self.torch_index):
+            if self.steps[index] > 0:
+                state[torch_index] = {
+                    "step": torch.tensor(float(self.steps[index]), dtype=torch.float32),
+                    "exp_avg": exp_avg[index],
+                    "exp_avg_sq": exp_avg_sq[index],
+                }
+        groups = []
+        counter = 0
+        for group in self.optimizer.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = list(range(counter, counter + len(group["params"])))
+            counter += len(group["params"])
+            groups.append(saved)
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam)."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.optimizer.param_groups) or any(
+            len(saved["params"]) != len(group["params"]) for saved, group in zip(groups, self.optimizer.param_groups)
+        ):
+            raise ValueError(
+                "The checkpoint's optimizer has a different number of param groups or parameters per group than "
+                "the one returned by configure_optimizers; build the optimizer the same way as when it was saved"
+            )
+        state = {int(k): v for k, v in state_dict["state"].items()}
+        exp_avg, exp_avg_sq = [], []
+        for index, torch_index in enumerate(self.torch_index):
+            entry = state.get(torch_index)
+            shape = self.params[index].shape
+            if entry is None:
+                self.steps[index] = 0
+                exp_avg.append(torch.zeros(shape))
+                exp_avg_sq.append(torch.zeros(shape))
+                continue
+            if entry["exp_avg"].shape != shape:
+                raise ValueError(
+                    f"optimizer state for parameter {torch_index} has shape {tuple(entry['exp_avg'].shape)}, "
+                    f"the parameter has {tuple(shape)}"
+                )
+            self.steps[index] = int(float(entry["step"]))
+            exp_avg.append(entry["exp_avg"].float())
+            exp_avg_sq.append(entry["exp_avg_sq"].float())
+        self._load_shard(self.exp_avg, exp_avg)
+        self._load_shard(self.exp_avg_sq, exp_avg_sq)
+        for group, saved in zip(self.optimizer.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
+    # -- accounting and teardown ---------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes held by the engine, from its own allocations."""
+        element = self.flat_params.element_size()
+        host_state = sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
+        staging = self.grads.staging_nbytes + (self._publish_pool.nbytes if self._publish_pool else 0)
+        return {
+            "params": sum(p.numel() for p in self.params),
+            "host_state_bytes": host_state,
+            "host_staging_bytes": staging,
+            "device_param_bytes": self.flat_params.numel() * element,
+            "device_grad_buffer_bytes": self.grads.device_buffer_nbytes,
+            "device_grad_buffers_peak": self.grads.device_buffers_peak,
+        }
+
+    def close(self) -> None:
+        """Detach from the module and hand the parameters back as CPU tensors holding the master weights.
+
+        Each parameter gets its original dtype back, so a module that came in fp32 leaves with the exact
+        fp32 trained weights, not their low-precision device copy.
+        """
+        if self._closed:
+            return
+        self.grads.close()
+        for p, weight, dtype in zip(self.params, self.master_params(), self._original_dtypes):
+            p.data = weight.to(dtype)
+        self._closed = True

@@ -1,0 +1,73 @@
+"""Dynamic loss scaling for fp16 training.
+
+The overflow check itself is free: the CPU accumulate kernel reports inf/nan while it copies the
+gradients, so the scaler only has to turn that flag into a decision. A host-side float is enough
+(no device tensor, no sync), because the decision is made on the CPU anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class LossScalerConfig:
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 1000
+    hysteresis: int = 2
+    min_scale: float = 1.0
+
+    def validate(self) -> None:
+        if not self.init_scale > 0:
+            raise ValueError(f"loss_scale_init must be > 0, got {self.init_scale}")
+        if not self.growth_factor > 1:
+            raise ValueError(f"loss_scale_growth_factor must be > 1, got {self.growth_factor}")
+        if not 0 < self.backoff_factor < 1:
+            raise ValueError(f"loss_scale_backoff_factor must be in (0, 1), got {self.backoff_factor}")
+        if self.growth_interval < 1:
+            raise ValueError(f"loss_scale_growth_interval must be >= 1, got {self.growth_interval}")
+        if self.hysteresis < 1:
+            raise ValueError(f"loss_scale_hysteresis must be >= 1, got {self.hysteresis}")
+        if not 0 < self.min_scale <= self.init_scale:
+            raise ValueError(
+                f"loss_scale_min must be in (0, loss_scale_init={self.init_scale}], got {self.min_scale}"
+            )
+
+
+class DynamicLossScaler:
+    """Multiplies the loss by ``scale``; shrinks it on overflow, grows it after a run of good steps.
+
+    ``hysteresis`` is the number of overflows tolerated before the scale is lowered (DeepSpeed's
+    meaning): a single fp16 spike does not halve the scale, but every overflowing step is skipped.
+    """
+
+    def __init__(self, config: LossScalerConfig) -> None:
+        config.validate()
+        self.config = config
+        self.scale = config.init_scale
+        self._good_steps = 0
+        self._hysteresis_left = config.hysteresis
+
+    def update(self, overflow: bool) -> None:
+        cfg = self.config
+        if overflow:
+            self._good_steps = 0
+            self._hysteresis_left -= 1
+            if self._hysteresis_left <= 0:
+                self.scale = max(self.scale * cfg.backoff_factor, cfg.min_scale)
+                self._hysteresis_left = cfg.hysteresis
+            return
+        self._good_steps += 1
+        if self._good_steps % cfg.growth_interval == 0:
+            self.scale *= cfg.growth_factor
+            self._hysteresis_left = cfg.hysteresis
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "good_steps": self._good_steps, "hysteresis_left": self._hysteresis_left}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale = float(state["scale"])
+        self._good_steps = int(state["good_steps"])
+        self._hysteresis_left = int(state["hysteresis_left"])

@@ -1,0 +1,114 @@
+"""Lightning glue for the optimizer step: run the closure, then the offload engine instead of ``optimizer.step``."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Optional, Union
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_zero_offload.engine import OffloadEngine
+
+_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}
+_ALIASES = {"bf16": "bf16-mixed", "16": "16-mixed", "32": "32-true"}
+_ALTERNATIVES = {
+    "bf16-true": "'bf16-mixed' (it already keeps bf16 weights on the device; fp32 master weights stay on the CPU)",
+    "16-true": "'16-mixed' (it already keeps fp16 weights on the device; fp32 master weights stay on the CPU)",
+    "64-true": "'32-true'",
+    "transformer-engine": "'bf16-mixed'",
+    "transformer-engine-float16": "'16-mixed'",
+}
+
+
+class ZeroOffloadPrecision(Precision):
+    """Precision for ``zero_offload``: what the device holds and how the step is taken.
+
+    - ``"bf16-mixed"`` / ``"16-mixed"``: bf16/fp16 parameters and gradients on the device, forward under
+      autocast, fp32 master weights and Adam on the CPU (DeepSpeed's meaning of mixed precision).
+    - ``"32-true"``: fp32 everywhere; the step still runs on the CPU, so device memory holds no optimizer state.
+
+    fp16 uses dynamic loss scaling; the overflow check and unscaling are fused into the CPU kernels.
+    """
+
+    def __init__(self, precision: str = "bf16-mixed") -> None:
+        precision = _ALIASES.get(str(precision), str(precision))
+        if precision not in _DTYPES:
+            alternative = _ALTERNATIVES.get(precision)
+            hint = f"use precision={alternative}" if alternative else f"choose one of {sorted(_DTYPES)}"
+            raise ValueError(f"zero_offload does not support precision={precision!r}: {hint}.")
+        self.precision = precision  # type: ignore[assignment]
+        self.param_dtype = _DTYPES[precision]
+        self.device_type = "cpu"  # set by the strategy once the device is known
+        self.engine: Optional[OffloadEngine] = None
+        self._pending_state: Optional[dict[str, Any]] = None
+
+    def forward_context(self) -> AbstractContextManager:
+        if self.param_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(self.device_type, dtype=self.param_dtype)
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        tensor = super().pre_backward(tensor, module)
+        return self.engine.scale_loss(tensor) if self.engine is not None else tensor
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        if kwargs:
+            raise TypeError(f"zero_offload's optimizer step takes no extra arguments, got {sorted(kwargs)}")
+        if self.engine is None:
+            raise RuntimeError("The offload engine is not set up: optimizer steps are only possible during fit")
+        closure_result = closure()
+        # Like AMP: training_step returned None in automatic optimization means "skip this step".
+        skip = closure_result is None and getattr(model, "automatic_optimization", True)
+        self._after_closure(model, optimizer)
+        if skip:
+            self.engine.finish_backward()
+            self.engine.clip_norm = self.engine.clip_value = None
+        else:
+            self.engine.step()
+        return closure_result
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Any,
+        clip_val: Union[int, float] = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        """Record the clip; the engine applies it on the CPU buffers, fused into the step."""
+        if clip_val <= 0:
+            return
+        if self.engine is None:
+            raise RuntimeError("Gradient clipping under zero_offload is only possible during fit")
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            self.engine.clip_value = float(clip_val)
+        else:
+            self.engine.clip_norm = float(clip_val)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if self.engine is not None and self.engine.scaler is not None:
+            return {"loss_scaler": self.engine.scaler.state_dict()}
+        return {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "loss_scaler" not in state_dict:
+            return
+        if self.engine is not None and self.engine.scaler is not None:
+            self.engine.scaler.load_state_dict(state_dict["loss_scaler"])
+        else:
+            self._pending_state = state_dict
+
+    def attach(self, engine: Optional[OffloadEngine]) -> None:
+        self.engine = engine
+        if engine is not None and self._pending_state is not None:
+            self.load_state_dict(self._pending_state)
+            self._pending_state = None

@@ -1,0 +1,347 @@
+"""``ZeroOffloadStrategy``: ZeRO-Offload (and ZeRO-2 across ranks) behind Lightning's unchanged Trainer loop.
+
+Lightning glue only. The strategy builds an :class:`~lightning_zero_offload.engine.OffloadEngine`
+from the optimizer that ``configure_optimizers`` returns, flushes gradient buckets after every
+backward, and translates checkpoints (fp32 master weights, torch AdamW optimizer format). The step
+itself is taken by :class:`~lightning_zero_offload.precision.ZeroOffloadPrecision`.
+
+It is a ``ParallelStrategy`` launched like DDP (Lightning's own launchers, ranks and collectives),
+but the module is never wrapped in ``DistributedDataParallel``: the engine reduce-scatters gradients
+itself. With one process it behaves like a single-device strategy (no process group, and the
+dataloader keeps its own sampler), so a one-GPU run matches ``strategy="auto"`` batch for batch.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    ReduceOp,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.environments import ClusterEnvironment
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from typing_extensions import override
+
+from lightning_zero_offload.engine import LossScalerConfig, OffloadEngine, OffloadOptions
+from lightning_zero_offload.engine.collectives import broadcast_tensors_
+from lightning_zero_offload.precision import ZeroOffloadPrecision
+
+
+class ZeroOffloadStrategy(ParallelStrategy):
+    """Low-precision params, forward and backward on the device; fp32 master weights and Adam on the CPU.
+
+    Args:
+        bucket_size_mb: size of a gradient bucket on the device. Gradients leave the device a bucket at a
+            time during backward and at most about two buckets exist there; larger buckets mean fewer,
+            more efficient transfers and collectives, smaller ones less device memory.
+        pin_memory: page-lock the host staging buffers (CUDA only) so transfers are asynchronous and fast.
+            Only bucket-sized buffers (and the master weights for "32-true") are pinned, never the whole
+            optimizer state.
+        cpu_threads: threads for the CPU Adam kernels. Default: the cores this process may use divided by
+            the ranks on this node. ``OMP_NUM_THREADS`` (which torchrun sets to 1) is not consulted.
+        loss_scale_init: fp16 only: initial dynamic loss scale.
+        loss_scale_growth_interval: fp16 only: overflow-free steps before the scale grows.
+        loss_scale_growth_factor: fp16 only: factor by which the scale grows.
+        loss_scale_backoff_factor: fp16 only: factor applied to the scale after ``loss_scale_hysteresis``
+            overflowing steps (each overflowing step is skipped).
+        loss_scale_hysteresis: fp16 only: overflows tolerated before the scale is lowered.
+        loss_scale_min: fp16 only: the scale never goes below this.
+        delayed_param_update: overlap the CPU update of step t with forward/backward of step t+1
+            (parameters one step stale) after ``dpu_warmup_steps`` synchronous steps.
+        dpu_warmup_steps: synchronous steps before the delayed update starts.
+        checkpoint_format: ``"full"``: one file with the full fp32 weights and optimizer state (rank 0 writes).
+            ``"sharded"``: a directory, each rank writes its own shard; resumable at any world size.
+        process_group_backend: torch.distributed backend (default: nccl on CUDA, gloo on CPU).
+        timeout: timeout of collective operations.
+        start_method: how Lightning starts the processes (as in ``DDPStrategy``).
+    """
+
+    strategy_name = "zero_offload"
+
+    def __init__(
+        self,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        bucket_size_mb: float = 25.0,
+        pin_memory: bool = True,
+        cpu_threads: Optional[int] = None,
+        loss_scale_init: float = 2.0**16,
+        loss_scale_growth_interval: int = 1000,
+        loss_scale_growth_factor: float = 2.0,
+        loss_scale_backoff_factor: float = 0.5,
+        loss_scale_hysteresis: int = 2,
+        loss_scale_min: float = 1.0,
+        delayed_param_update: bool = False,
+        dpu_warmup_steps: int = 40,
+        checkpoint_format: Literal["full", "sharded"] = "full",
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.options = OffloadOptions(
+            bucket_size_mb=bucket_size_mb,
+            pin_memory=pin_memory,
+            cpu_threads=cpu_threads,
+            loss_scaler=LossScalerConfig(
+                init_scale=loss_scale_init,
+                growth_factor=loss_scale_growth_factor,
+                backoff_factor=loss_scale_backoff_factor,
+                growth_interval=loss_scale_growth_interval,
+                hysteresis=loss_scale_hysteresis,
+                min_scale=loss_scale_min,
+            ),
+            delayed_param_update=delayed_param_update,
+            dpu_warmup_steps=dpu_warmup_steps,
+            checkpoint_format=checkpoint_format,
+        )
+        self.options.validate()
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self.engine: Optional[OffloadEngine] = None
+        self._param_keys: list[list[str]] = []
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="ZeRO-Offload: fp32 master weights and Adam on the CPU, low-precision training on the device",
+            override=True,
+        )
+
+    # Lightning builds a generic precision plugin from `precision=` and assigns it here; the offload step
+    # needs its own, so any plugin given is translated (and unsupported precisions are refused).
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> ZeroOffloadPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroOffloadPrecision("32-true")
+        return self._precision_plugin  # type: ignore[return-value]
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        if plugin is not None and not isinstance(plugin, ZeroOffloadPrecision):
+            plugin = ZeroOffloadPrecision(str(plugin.precision))
+        self._precision_plugin = plugin
+
+    # -- processes and ranks (as DDPStrategy, minus the DDP wrapper) ------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """More than one rank: Lightning then adds a DistributedSampler to the dataloaders."""
+        return self.num_nodes * self.num_processes > 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.set_world_ranks()
+        if not self.is_distributed:
+            return  # one process needs no process group (no free port, no NCCL init)
+        reset_seed()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src)
+        return container[0]
+
+    @override
+    def reduce(
+        self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.device_type = self.root_device.type
+        module = self.lightning_module
+        assert module is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            if self._layer_sync:
+                raise ValueError("zero_offload does not support sync_batchnorm=True")
+            distributed = self.is_distributed
+            if distributed:
+                broadcast_tensors_(list(module.state_dict().values()), None, self.root_device)
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 1:
+                raise ValueError(
+                    f"zero_offload takes exactly one optimizer, configure_optimizers returned {len(self.optimizers)}. "
+                    "Put the parameters in param groups of one optimizer instead."
+                )
+            self.engine = OffloadEngine(
+                self.optimizers[0],
+                self.root_device,
+                self.precision_plugin.param_dtype,
+                self.options,
+                process_group=dist.group.WORLD if distributed else None,
+                local_world_size=self.num_processes,
+            )
+            self._param_keys = _state_dict_keys(module, self.engine.params)
+            self.precision_plugin.attach(self.engine)
+        self.model_to_device()
+        self.setup_precision_plugin()
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.engine is not None:
+            self.engine.finish_backward()
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the master weights and moments live in the engine, which setup() creates
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict with the fp32 master weights in place of the device copies."""
+        assert self.lightning_module is not None
+        state = self.lightning_module.state_dict()
+        if self.engine is not None:
+            for keys, weight in zip(self._param_keys, self.engine.master_params()):
+                for key in keys:
+                    state[key] = weight
+        return state
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.engine is not None:
+            return self.engine.optimizer_state_dict()
+        return super().optimizer_state(optimizer)
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self.engine is not None:
+            state = checkpoint["state_dict"]
+            missing = [keys[0] for keys in self._param_keys if keys[0] not in state]
+            if missing and strict:
+                raise KeyError(f"The checkpoint has no weights for {missing[:5]}")
+            current = self.engine.master_params() if missing else None
+            self.engine.load_master_params(
+                [state[keys[0]] if keys[0] in state else current[i] for i, keys in enumerate(self._param_keys)]
+            )
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self.engine is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        states = checkpoint["optimizer_states"]
+        if len(states) != 1:
+            raise ValueError(f"expected one optimizer state in the checkpoint, found {len(states)}")
+        self.engine.load_optimizer_state_dict(states[0])
+
+    @override
+    def teardown(self) -> None:
+        if self.engine is not None:
+            # Hand the module back holding the trained fp32 master weights.
+            self.engine.close()
+            self.engine = None
+            self.precision_plugin.attach(None)
+        super().teardown()
+
+
+def _state_dict_keys(module: LightningModule, params: list[torch.nn.Parameter]) -> list[list[str]]:
+    """For each trainable parameter, every state-dict key it appears under (tied weights appear twice)."""
+    keys: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        keys.setdefault(id(p), []).append(name)
+    missing = [i for i, p in enumerate(params) if id(p) not in keys]
+    if missing:
+        raise ValueError(
+            "The optimizer holds parameters that are not parameters of the LightningModule; "
+            "build the optimizer from self.parameters() in configure_optimizers"
+        )
+    return [keys[id(p)] for p in params]
+
