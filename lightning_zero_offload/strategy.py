@@ -288,7 +288,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
         """The module's state dict with the fp32 master weights in place of the device copies."""
         assert self.lightning_module is not None
         state = self.lightning_module.state_dict()
-        if self.engine is not None:
+        if self.engine is not None and not self.engine.closed:
             for keys, weight in zip(self._param_keys, self.engine.master_params()):
                 for key in keys:
                     state[key] = weight
@@ -303,7 +303,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         super().load_model_state_dict(checkpoint, strict=strict)
-        if self.engine is not None:
+        if self.engine is not None and not self.engine.closed:
             state = checkpoint["state_dict"]
             missing = [keys[0] for keys in self._param_keys if keys[0] not in state]
             if missing and strict:
@@ -315,7 +315,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        if self.engine is None:
+        if self.engine is None or self.engine.closed:
             return super().load_optimizer_state_dict(checkpoint)
         states = checkpoint["optimizer_states"]
         if len(states) != 1:
@@ -325,9 +325,9 @@ class ZeroOffloadStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         if self.engine is not None:
-            # Hand the module back holding the trained fp32 master weights.
+            # Hand the module back holding the trained fp32 master weights; the CPU optimizer state stays
+            # with the closed engine so `trainer.save_checkpoint` after fit still saves it.
             self.engine.close()
-            self.engine = None
             self.precision_plugin.attach(None)
         super().teardown()
 

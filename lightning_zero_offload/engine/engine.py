@@ -398,15 +398,21 @@ class OffloadEngine:
             "device_grad_buffers_peak": self.grads.device_buffers_peak,
         }
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Detach from the module and hand the parameters back as CPU tensors holding the master weights.
 
         Each parameter gets its original dtype back, so a module that came in fp32 leaves with the exact
-        fp32 trained weights, not their low-precision device copy.
+        fp32 trained weights, not their low-precision device copy. The CPU optimizer state is kept, so
+        the optimizer state can still be saved after training (as with a plain torch optimizer).
         """
         if self._closed:
             return
         self.grads.close()
         for p, weight, dtype in zip(self.params, self.master_params(), self._original_dtypes):
             p.data = weight.to(dtype)
+        self.flat_params = self.flat_params.new_empty(0)
         self._closed = True
