@@ -62,7 +62,7 @@ class ZeroOffloadPrecision(Precision):
     ) -> Any:
         if kwargs:
             raise TypeError(f"zero_offload's optimizer step takes no extra arguments, got {sorted(kwargs)}")
-        if self.engine is None:
+        if self.engine is None or self.engine.closed:
             raise RuntimeError("The offload engine is not set up: optimizer steps are only possible during fit")
         closure_result = closure()
         # Like AMP: training_step returned None in automatic optimization means "skip this step".
@@ -85,7 +85,7 @@ class ZeroOffloadPrecision(Precision):
         """Record the clip; the engine applies it on the CPU buffers, fused into the step."""
         if clip_val <= 0:
             return
-        if self.engine is None:
+        if self.engine is None or self.engine.closed:
             raise RuntimeError("Gradient clipping under zero_offload is only possible during fit")
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             self.engine.clip_value = float(clip_val)
@@ -107,8 +107,8 @@ class ZeroOffloadPrecision(Precision):
         else:
             self._pending_state = state_dict
 
-    def attach(self, engine: Optional[OffloadEngine]) -> None:
+    def attach(self, engine: OffloadEngine) -> None:
         self.engine = engine
-        if engine is not None and self._pending_state is not None:
+        if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
             self._pending_state = None

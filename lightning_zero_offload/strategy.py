@@ -328,7 +328,6 @@ class ZeroOffloadStrategy(ParallelStrategy):
             # Hand the module back holding the trained fp32 master weights; the CPU optimizer state stays
             # with the closed engine so `trainer.save_checkpoint` after fit still saves it.
             self.engine.close()
-            self.precision_plugin.attach(None)
         super().teardown()
 
 

@@ -1,0 +1,224 @@
+"""ZeroOffloadStrategy through the unchanged Trainer loop, against plain Lightning runs."""
+
+import os
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+from helpers import QUIET, Classifier, loader
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+import lightning_zero_offload  # noqa: F401  (registers "zero_offload")
+from lightning_zero_offload import ZeroOffloadPrecision, ZeroOffloadStrategy
+
+
+def fit(strategy="zero_offload", precision="32-true", model=None, data=None, **trainer_kwargs):
+    model = model or Classifier()
+    kwargs = {**QUIET, "max_steps": 32, **trainer_kwargs}
+    trainer = L.Trainer(strategy=strategy, precision=precision, **kwargs)
+    trainer.fit(model, data or loader())
+    return model, trainer
+
+
+def assert_params_close(a, b, rtol, atol):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(q.detach(), p.detach(), rtol=rtol, atol=atol, msg=name)
+
+
+def test_32_true_matches_plain_lightning_with_groups_scheduler_clipping_accumulation():
+    common = {"gradient_clip_val": 1.0, "accumulate_grad_batches": 2, "max_steps": 32}
+    ref, _ = fit("auto", **common)
+    ours, trainer = fit("zero_offload", **common)
+    assert trainer.global_step == 32
+    assert isinstance(trainer.strategy, ZeroOffloadStrategy)
+    # fp32 end to end; the fused kernel differs from torch only by fp32 rounding (see tests/engine).
+    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+    assert ours.losses == pytest.approx(ref.losses, rel=1e-5)
+
+
+def test_clip_by_value_matches_plain_lightning():
+    common = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "value", "max_steps": 12}
+    ref, _ = fit("auto", **common)
+    ours, _ = fit("zero_offload", **common)
+    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_mixed_matches_plain_bf16_autocast_and_learns():
+    # Plain bf16-mixed keeps fp32 weights and runs forward/backward in bf16 under autocast: the same math
+    # as fp32 master on the CPU + bf16 weights on the device. Tolerance as in the engine test: a 1-ulp fp32
+    # kernel difference can flip one bf16 rounding, which moves later gradients by ~2^-8 relative.
+    ref, _ = fit("auto", precision="bf16-mixed", model=Classifier(scheduler=False), max_steps=40)
+    seen = {}
+
+    class Probe(Classifier):
+        def on_train_batch_start(self, batch, batch_idx):
+            seen["dtypes"] = {p.dtype for p in self.parameters()}
+
+    ours, _ = fit("zero_offload", precision="bf16-mixed", model=Probe(scheduler=False), max_steps=40)
+    assert seen["dtypes"] == {torch.bfloat16}  # low-precision params on the device while training
+    assert {p.dtype for p in ours.parameters()} == {torch.float32}  # master weights handed back
+    assert_params_close(ref, ours, rtol=0, atol=3e-3)
+    assert sum(ours.losses[-8:]) < 0.8 * sum(ours.losses[:8])
+
+
+def test_fp16_with_loss_scaling_trains_and_saves_scaler_state(tmp_path):
+    strategy = ZeroOffloadStrategy(loss_scale_init=2.0**12)
+    model, trainer = fit(strategy, precision=None, plugins=[ZeroOffloadPrecision("16-mixed")], max_steps=30)
+    assert trainer.precision_plugin.precision == "16-mixed"
+    assert sum(model.losses[-8:]) < sum(model.losses[:8])
+    trainer.save_checkpoint(tmp_path / "fp16.ckpt")
+    ckpt = torch.load(tmp_path / "fp16.ckpt", weights_only=True)
+    assert ckpt["ZeroOffloadPrecision"]["loss_scaler"]["scale"] == 2.0**12
+
+
+def test_resume_is_bitwise_identical_and_checkpoint_is_portable(tmp_path):
+    common = {"precision": "bf16-mixed", "gradient_clip_val": 1.0, "max_steps": -1}
+    full, _ = fit(max_epochs=2, **common)  # 20 steps per epoch
+    ckpt_cb = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1)
+    first, _ = fit(max_epochs=1, enable_checkpointing=True, callbacks=[ckpt_cb], **common)
+    path = tmp_path / "epoch=0.ckpt"
+    resumed = Classifier()
+    L.Trainer(strategy="zero_offload", max_epochs=2, **{**QUIET, "precision": "bf16-mixed"}, gradient_clip_val=1.0).fit(
+        resumed, loader(), ckpt_path=path, weights_only=True
+    )
+    assert resumed.losses == full.losses[20:]  # bitwise: the continuation is the uninterrupted run
+    for p, q in zip(full.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+
+    ckpt = torch.load(path, weights_only=True)
+    assert all(v.dtype == torch.float32 for v in ckpt["state_dict"].values())
+    masters = dict(first.named_parameters())
+    assert all(torch.equal(ckpt["state_dict"][k], masters[k]) for k in masters)  # fp32 master, not bf16 copy
+    opt = torch.optim.AdamW(Classifier().parameters())
+    opt_state = ckpt["optimizer_states"][0]
+    assert len(opt_state["param_groups"]) == 2 and float(opt_state["state"][0]["step"]) == 20
+    torch.optim.AdamW(
+        [{"params": list(Classifier().parameters())[::2]}, {"params": list(Classifier().parameters())[1::2]}]
+    ).load_state_dict(opt_state)
+    del opt
+
+    # LightningModule.load_from_checkpoint in a process that never imports lightning_zero_offload
+    code = (
+        "import sys, torch; from helpers import Classifier; "
+        f"m = Classifier.load_from_checkpoint({str(path)!r}, weights_only=True); "
+        "assert 'lightning_zero_offload' not in sys.modules; "
+        "print(float(sum(p.double().sum() for p in m.parameters())))"
+    )
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    expected = float(sum(p.double().sum() for p in first.parameters()))
+    assert float(out.stdout.strip().splitlines()[-1]) == pytest.approx(expected, rel=1e-12)
+
+
+def test_manual_optimization_matches_plain_lightning():
+    class Manual(Classifier):
+        def __init__(self):
+            super().__init__(scheduler=False)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            opt = self.optimizers()
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self(x).float(), y)
+            self.losses.append(loss.item())
+            opt.zero_grad()
+            self.manual_backward(loss)
+            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            opt.step()
+
+    ref, _ = fit("auto", model=Manual(), max_steps=15)
+    ours, _ = fit("zero_offload", model=Manual(), max_steps=15)
+    assert_params_close(ref, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_validate_test_predict_after_fit_and_fit_again():
+    model = Classifier()
+    trainer = L.Trainer(strategy="zero_offload", precision="bf16-mixed", max_steps=10, **QUIET)
+    trainer.fit(model, loader(), loader(32))
+    trained = [p.detach().clone() for p in model.parameters()]
+    val = trainer.validate(model, loader(32), verbose=False)[0]["val_loss"]
+    test = trainer.test(model, loader(32), verbose=False)[0]["test_loss"]
+    assert val == pytest.approx(test)
+    preds = trainer.predict(model, loader(32))
+    assert torch.cat(preds).shape == (32,)
+    assert all(torch.equal(a, p) for a, p in zip(trained, model.parameters()))  # evaluation changed nothing
+    trainer2 = L.Trainer(strategy="zero_offload", precision="bf16-mixed", max_steps=10, **QUIET)
+    trainer2.fit(model, loader())  # no stale engine, hooks or flat buffers from the first fit
+    assert not all(torch.equal(a, p) for a, p in zip(trained, model.parameters()))
+    assert len(model.losses) == 20
+
+
+def test_learning_rate_monitor_sees_the_scheduler():
+    monitor_ref, monitor = LearningRateMonitor(), LearningRateMonitor()
+    log = {"logger": CSVLogger("/tmp/unused-lzo-logs"), "log_every_n_steps": 1}
+    fit("auto", max_steps=12, callbacks=[monitor_ref], **log)
+    fit("zero_offload", max_steps=12, callbacks=[monitor], **log)
+    assert monitor.lrs == monitor_ref.lrs
+    assert monitor.lrs["lr-AdamW/pg1"][-1] == pytest.approx(1e-2 * 0.7**2)
+
+
+def test_frozen_params_stay_on_device_untouched():
+    model = Classifier()
+    model.net[0].requires_grad_(False)
+    frozen = [p.detach().clone() for p in model.net[0].parameters()]
+    fit(model=model, precision="bf16-mixed", max_steps=5)
+    assert all(torch.equal(a, p) and p.dtype == torch.float32 for a, p in zip(frozen, model.net[0].parameters()))
+
+
+def test_strategy_string_coerces_the_precision_plugin():
+    trainer = L.Trainer(strategy="zero_offload", precision="bf16-mixed", **QUIET)
+    assert isinstance(trainer.precision_plugin, ZeroOffloadPrecision)
+    assert trainer.precision_plugin.param_dtype == torch.bfloat16
+    trainer = L.Trainer(strategy=ZeroOffloadStrategy(bucket_size_mb=1), precision="32-true", **QUIET)
+    assert trainer.strategy.options.bucket_size_mb == 1
+    assert trainer.precision_plugin.param_dtype == torch.float32
+
+
+@pytest.mark.parametrize(("precision", "alternative"), [("bf16-true", "bf16-mixed"), ("16-true", "16-mixed"), ("64-true", "32-true")])
+def test_unsupported_precision_names_the_alternative(precision, alternative):
+    with pytest.raises(ValueError, match=f"precision='{alternative}'"):
+        L.Trainer(strategy="zero_offload", precision=precision, **QUIET)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"bucket_size_mb": 0}, "bucket_size_mb"),
+        ({"cpu_threads": 0}, "cpu_threads"),
+        ({"dpu_warmup_steps": -1}, "dpu_warmup_steps"),
+        ({"checkpoint_format": "zip"}, "checkpoint_format"),
+        ({"loss_scale_backoff_factor": 2.0}, "loss_scale_backoff_factor"),
+    ],
+)
+def test_invalid_strategy_options_name_the_option(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ZeroOffloadStrategy(**kwargs)
+
+
+class _SGD(Classifier):
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _TwoOptimizers(Classifier):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.net[0].parameters()), torch.optim.AdamW(self.net[2].parameters())
+
+
+@pytest.mark.parametrize(
+    ("model", "error", "message"),
+    [
+        (_SGD, TypeError, "cannot run SGD. Return torch.optim.AdamW"),
+        (_TwoOptimizers, ValueError, "exactly one optimizer"),
+    ],
+)
+def test_unsupported_optimizer_setups_fail_clearly(model, error, message):
+    with pytest.raises(error, match=message):
+        fit(model=model(), max_steps=1)
