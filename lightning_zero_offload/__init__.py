@@ -1,1 +1,16 @@
-"""ZeRO-Offload for PyTorch Lightning."""
+"""ZeRO-Offload for PyTorch Lightning.
+
+Importing the package registers the ``"zero_offload"`` strategy name, so that
+``Trainer(strategy="zero_offload")`` and ``trainer.strategy: zero_offload`` in LightningCLI YAML work.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_zero_offload.engine.checkpoint import convert_checkpoint_to_fp32_state_dict
+from lightning_zero_offload.optim import CPUAdam
+from lightning_zero_offload.precision import ZeroOffloadPrecision
+from lightning_zero_offload.strategy import ZeroOffloadStrategy
+
+ZeroOffloadStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["CPUAdam", "ZeroOffloadPrecision", "ZeroOffloadStrategy", "convert_checkpoint_to_fp32_state_dict"]

@@ -13,6 +13,7 @@ dataloader keeps its own sampler), so a one-GPU run matches ``strategy="auto"`` 
 
 from __future__ import annotations
 
+import shutil
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
@@ -30,7 +31,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.environments import ClusterEnvironment
-from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -39,6 +40,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lightning_zero_offload.engine import LossScalerConfig, OffloadEngine, OffloadOptions
+from lightning_zero_offload.engine.checkpoint import (
+    FORMAT_KEY,
+    META_FILE,
+    atomic_save,
+    is_sharded_checkpoint,
+    load_sharded,
+    publish_dir,
+    shard_file,
+    sharded_layout,
+    staging_dir,
+)
 from lightning_zero_offload.engine.collectives import broadcast_tensors_
 from lightning_zero_offload.precision import ZeroOffloadPrecision
 
@@ -283,22 +295,74 @@ class ZeroOffloadStrategy(ParallelStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the master weights and moments live in the engine, which setup() creates
 
+    @property
+    def _sharded(self) -> bool:
+        return self.options.checkpoint_format == "sharded" and self.engine is not None
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state dict with the fp32 master weights in place of the device copies."""
+        """The module's state dict with the fp32 master weights in place of the device copies.
+
+        Sharded: the trainable weights are left out here; each rank writes its shard of them instead.
+        """
         assert self.lightning_module is not None
         state = self.lightning_module.state_dict()
-        if self.engine is not None and not self.engine.closed:
-            for keys, weight in zip(self._param_keys, self.engine.master_params()):
+        if self.engine is None or self.engine.closed:
+            return state  # after fit the module itself holds the master weights
+        if self._sharded:
+            for keys in self._param_keys:
                 for key in keys:
-                    state[key] = weight
+                    state.pop(key, None)
+            return state
+        for keys, weight in zip(self._param_keys, self.engine.master_params()):
+            for key in keys:
+                state[key] = weight
         return state
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self.engine is not None:
-            return self.engine.optimizer_state_dict()
-        return super().optimizer_state(optimizer)
+        if self.engine is None:
+            return super().optimizer_state(optimizer)
+        if self._sharded:
+            return {"state": {}, "param_groups": self.engine.param_groups_state()}
+        return self.engine.optimizer_state_dict()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Full: rank 0 writes one file. Sharded: every rank writes its shard into a directory.
+
+        Either way the new checkpoint is complete on disk before it replaces an existing one.
+        """
+        if self._sharded:
+            self._save_sharded(checkpoint, filepath)
+        elif self.is_global_zero:
+            if storage_options is None and type(self.checkpoint_io) is TorchCheckpointIO:
+                atomic_save(checkpoint, filepath)
+            else:  # a custom CheckpointIO (e.g. remote storage) decides how to write
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        assert self.engine is not None
+        staging = staging_dir(filepath)
+        if self.is_global_zero:
+            if staging.exists():
+                shutil.rmtree(staging)
+            staging.mkdir(parents=True)
+        self.barrier("zero_offload_save_start")
+        atomic_save(self.engine.shard_state_dict(), staging / shard_file(self.global_rank))
+        if self.is_global_zero:
+            checkpoint[FORMAT_KEY] = sharded_layout(self.engine, self._param_keys)
+            atomic_save(checkpoint, staging / META_FILE)
+        self.barrier("zero_offload_save_written")
+        if self.is_global_zero:
+            publish_dir(staging, filepath)
+        self.barrier("zero_offload_save_done")
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if is_sharded_checkpoint(checkpoint_path):
+            return load_sharded(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:

@@ -340,6 +340,10 @@ class OffloadEngine:
                     "exp_avg": exp_avg[index],
                     "exp_avg_sq": exp_avg_sq[index],
                 }
+        return {"state": state, "param_groups": self.param_groups_state()}
+
+    def param_groups_state(self) -> list[dict[str, Any]]:
+        """The optimizer's hyperparameters, numbered as in ``torch.optim.Optimizer.state_dict``."""
         groups = []
         counter = 0
         for group in self.optimizer.param_groups:
@@ -347,7 +351,12 @@ class OffloadEngine:
             saved["params"] = list(range(counter, counter + len(group["params"])))
             counter += len(group["params"])
             groups.append(saved)
-        return {"state": state, "param_groups": groups}
+        return groups
+
+    def shard_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's flat fp32 master and moments, as stored in a sharded checkpoint."""
+        self._wait_publish()
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
     def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam)."""

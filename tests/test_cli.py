@@ -1,0 +1,238 @@
+"""The `zero-offload` command (LightningCLI): every shipped config parses, and a short real fit runs."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+EXPECTED_CONFIGS = {
+    "cpu_demo.yaml",
+    "gpu_bf16.yaml",
+    "gpu_fp16.yaml",
+    "dpu.yaml",
+    "multi_gpu.yaml",
+    "multi_node.yaml",
+}
+
+# A model and corpus small enough for a fit of a few steps in seconds.
+TINY = [
+    "--model.n_layer=1",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.warmup_steps=1",
+    "--data.block_size=32",
+    "--data.batch_size=4",
+    "--data.max_bytes=400000",
+    "--data.val_fraction=0.2",
+    "--data.val_samples=16",
+]
+
+
+@pytest.fixture(autouse=True)
+def _clean_argv(monkeypatch, tmp_path):
+    # LightningCLI warns when given `args` while sys.argv has extra entries (pytest's own).
+    monkeypatch.setattr(sys, "argv", ["zero-offload"])
+    # Relative paths in the configs (runs/) must land in the test's directory, not the repo.
+    monkeypatch.chdir(tmp_path)
+
+
+def print_config(*args: str) -> None:
+    from lightning_zero_offload.cli import cli_main
+
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["fit", *args, "--print_config"])
+    assert exc.value.code in (0, None)
+
+
+def printed(capsys) -> dict:
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+def test_all_configs_are_shipped():
+    assert set(CONFIGS) >= EXPECTED_CONFIGS
+
+
+def test_zero_offload_strategy_is_registered():
+    """The name used by the configs resolves once `lightning_zero_offload` is imported."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_zero_offload
+
+    assert "zero_offload" in StrategyRegistry
+    assert StrategyRegistry["zero_offload"]["strategy"] is lightning_zero_offload.ZeroOffloadStrategy
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_print_config(name, capsys):
+    print_config("--config", str(REPO / "configs" / name))
+    cfg = printed(capsys)
+    assert cfg["seed_everything"] == 1234
+    strategy = cfg["trainer"]["strategy"]
+    if isinstance(strategy, dict):
+        assert strategy["class_path"] == "lightning_zero_offload.ZeroOffloadStrategy"
+    else:
+        assert strategy == "zero_offload"
+    assert cfg["model"]["class_path"].endswith("GPT")
+    assert cfg["data"]["class_path"].endswith("StdlibCorpusDataModule")
+    assert cfg["trainer"]["logger"]["class_path"].endswith("CSVLogger")
+    # Linked: the model's block_size is not a separate setting, it comes from the data.
+    assert "block_size" not in cfg["model"]["init_args"]
+    assert cfg["data"]["init_args"]["block_size"] >= 128
+
+
+def test_config_specifics(capsys):
+    print_config("--config", str(REPO / "configs" / "dpu.yaml"))
+    dpu = printed(capsys)["trainer"]["strategy"]["init_args"]
+    assert dpu["delayed_param_update"] is True and dpu["dpu_warmup_steps"] == 40
+    print_config("--config", str(REPO / "configs" / "gpu_fp16.yaml"))
+    assert printed(capsys)["trainer"]["precision"] == "16-mixed"
+    print_config("--config", str(REPO / "configs" / "multi_gpu.yaml"))
+    assert printed(capsys)["trainer"]["devices"] == 4
+    print_config("--config", str(REPO / "configs" / "multi_node.yaml"))
+    trainer = printed(capsys)["trainer"]
+    assert trainer["num_nodes"] == 2 and trainer["devices"] == 8
+    print_config("--config", str(REPO / "configs" / "cpu_demo.yaml"))
+    trainer = printed(capsys)["trainer"]
+    assert trainer["accelerator"] == "cpu" and trainer["precision"] == "bf16-mixed"
+
+
+def test_gpu_configs_use_a_model_of_100m_plus_parameters(capsys):
+    from lightning_zero_offload.demo import GPT
+
+    for name in ("gpu_bf16.yaml", "gpu_fp16.yaml", "dpu.yaml", "multi_gpu.yaml", "multi_node.yaml"):
+        print_config("--config", str(REPO / "configs" / name))
+        cfg = printed(capsys)
+        args = dict(cfg["model"]["init_args"], block_size=cfg["data"]["init_args"]["block_size"])
+        with torch.device("meta"):
+            n = GPT(**args).num_parameters()
+        assert n >= 100_000_000, (name, n)
+
+
+def test_defaults_without_config(capsys):
+    print_config()
+    cfg = printed(capsys)
+    assert cfg["seed_everything"] == 1234
+    assert cfg["model"]["class_path"] == "lightning_zero_offload.demo.model.GPT"
+    assert cfg["data"]["class_path"] == "lightning_zero_offload.demo.data.StdlibCorpusDataModule"
+
+
+def test_any_user_model_and_datamodule_by_class_path():
+    from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+    from lightning_zero_offload.cli import cli_main
+
+    cli = cli_main(
+        [
+            "--model=lightning.pytorch.demos.boring_classes.BoringModel",
+            "--data=lightning.pytorch.demos.boring_classes.BoringDataModule",
+            "--trainer.logger=false",
+        ],
+        run=False,
+    )
+    assert type(cli.model) is BoringModel and type(cli.datamodule) is BoringDataModule
+
+
+def test_block_size_link(tmp_path):
+    from lightning_zero_offload.cli import cli_main
+
+    cli = cli_main(["--data.block_size=48", "--trainer.logger=false"], run=False)
+    assert cli.datamodule.block_size == 48 and cli.model.block_size == 48
+    assert cli.model.hparams.block_size == 48
+
+
+def read_metrics(log_dir: Path) -> list[dict[str, str]]:
+    with open(log_dir / "metrics.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def run_tiny_fit(tmp_path: Path, capsys, strategy: str) -> tuple[object, list[dict[str, str]], str]:
+    from lightning_zero_offload.cli import cli_main
+
+    cli = cli_main(
+        [
+            "fit",
+            "--config",
+            str(REPO / "configs" / "cpu_demo.yaml"),
+            f"--trainer.strategy={strategy}",
+            "--trainer.max_steps=3",
+            "--trainer.limit_val_batches=2",
+            "--trainer.val_check_interval=3",
+            "--trainer.log_every_n_steps=1",
+            "--trainer.num_sanity_val_steps=0",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
+            f"--trainer.default_root_dir={tmp_path}",
+            *TINY,
+        ]
+    )
+    out = capsys.readouterr().out
+    log_dir = Path(cli.trainer.log_dir)
+    return cli, read_metrics(log_dir), out
+
+
+def check_tiny_fit(cli, rows, out) -> None:
+    assert cli.trainer.global_step == 3
+    assert cli.model.block_size == 32  # linked from data.block_size
+    train = [float(r["train_loss"]) for r in rows if r.get("train_loss")]
+    val = [r for r in rows if r.get("val_ppl")]
+    assert len(train) == 3 and all(math.isfinite(v) for v in train)
+    assert len(val) == 1
+    assert float(val[0]["val_ppl"]) == pytest.approx(math.exp(float(val[0]["val_loss"])), rel=1e-5)
+    # The report line: final val perplexity next to the unigram baseline.
+    assert "val perplexity" in out and "unigram byte baseline" in out
+    assert (Path(cli.trainer.log_dir) / "config.yaml").is_file()
+
+
+def test_tiny_fit_with_auto_strategy(tmp_path, capsys):
+    cli, rows, out = run_tiny_fit(tmp_path, capsys, "auto")
+    check_tiny_fit(cli, rows, out)
+
+
+def test_tiny_fit_with_zero_offload_strategy(tmp_path, capsys):
+    """The main job's config as shipped (strategy zero_offload), shrunk to 3 steps."""
+    import lightning_zero_offload
+
+    cli, rows, out = run_tiny_fit(tmp_path, capsys, "zero_offload")
+    assert isinstance(cli.trainer.strategy, lightning_zero_offload.ZeroOffloadStrategy)
+    check_tiny_fit(cli, rows, out)
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_zero_offload",
+            "fit",
+            "--config",
+            str(REPO / "configs" / "cpu_demo.yaml"),
+            "--print_config",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert yaml.safe_load(proc.stdout)["trainer"]["strategy"] == "zero_offload"
+
+
+def test_main_returns_none_for_console_script(capsys):
+    # `zero-offload` passes main()'s return value to sys.exit: it must not be the CLI object.
+    from lightning_zero_offload.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(REPO / "configs" / "cpu_demo.yaml"), "--print_config"])
+    assert exc.value.code in (0, None)
