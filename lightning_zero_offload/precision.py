@@ -94,18 +94,28 @@ class ZeroOffloadPrecision(Precision):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        if self.engine is not None and self.engine.scaler is not None:
-            return {"loss_scaler": self.engine.scaler.state_dict()}
-        return {}
+        """Loss scale, step count (for the DPU warm-up) and, with a delayed update pending, the stale
+        device parameters in use, so that a resumed run continues bitwise."""
+        if self.engine is None:
+            return {}
+        state: dict[str, Any] = {"step_calls": self.engine.step_calls}
+        if self.engine.scaler is not None:
+            state["loss_scaler"] = self.engine.scaler.state_dict()
+        pending = self.engine.pending_state()
+        if pending is not None:
+            state["dpu_pending"] = pending
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "loss_scaler" not in state_dict:
-            return
-        if self.engine is not None and self.engine.scaler is not None:
-            self.engine.scaler.load_state_dict(state_dict["loss_scaler"])
-        else:
+        if self.engine is None or self.engine.closed:
             self._pending_state = state_dict
+            return
+        self.engine.step_calls = int(state_dict.get("step_calls", 0))
+        if "loss_scaler" in state_dict and self.engine.scaler is not None:
+            self.engine.scaler.load_state_dict(state_dict["loss_scaler"])
+        if "dpu_pending" in state_dict:
+            self.engine.load_pending_state(state_dict["dpu_pending"])
 
     def attach(self, engine: OffloadEngine) -> None:
         self.engine = engine

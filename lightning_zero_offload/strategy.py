@@ -284,9 +284,30 @@ class ZeroOffloadStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.engine is not None:
+            self.engine.begin_backward()
+
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self.engine is not None:
             self.engine.finish_backward()
+
+    def _sync_engine(self) -> None:
+        if self.engine is not None and not self.engine.closed:
+            self.engine.sync()  # evaluation sees fully updated parameters, also with a delayed update
+
+    @override
+    def on_validation_start(self) -> None:
+        self._sync_engine()
+
+    @override
+    def on_test_start(self) -> None:
+        self._sync_engine()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._sync_engine()
 
     # -- checkpoints -----------------------------------------------------------------------------
 

@@ -222,3 +222,25 @@ class _TwoOptimizers(Classifier):
 def test_unsupported_optimizer_setups_fail_clearly(model, error, message):
     with pytest.raises(error, match=message):
         fit(model=model(), max_steps=1)
+
+
+def test_delayed_param_update_resumes_bitwise(tmp_path):
+    def dpu():
+        return ZeroOffloadStrategy(delayed_param_update=True, dpu_warmup_steps=5)
+
+    common = {"precision": "bf16-mixed", "gradient_clip_val": 1.0, "max_steps": -1}
+    full, _ = fit(dpu(), max_epochs=2, **common)
+    sync, _ = fit("zero_offload", max_epochs=2, **common)
+    assert full.losses[:6] == sync.losses[:6]  # warm-up steps (and the first delayed one) are synchronous
+    assert full.losses[6:] != sync.losses[6:]  # afterwards the forward pass uses one-step-stale weights
+
+    _, trainer = fit(dpu(), max_epochs=1, **common)
+    trainer.save_checkpoint(tmp_path / "dpu.ckpt")  # an update is pending here: its stale weights are saved
+    state = torch.load(tmp_path / "dpu.ckpt", weights_only=True)["ZeroOffloadPrecision"]
+    assert state["step_calls"] == 20 and "dpu_pending" in state
+    resumed = Classifier()
+    L.Trainer(strategy=dpu(), max_epochs=2, gradient_clip_val=1.0, **{**QUIET, "precision": "bf16-mixed"}).fit(
+        resumed, loader(), ckpt_path=tmp_path / "dpu.ckpt", weights_only=True
+    )
+    assert resumed.losses == full.losses[20:]
+    assert all(torch.equal(p, q) for p, q in zip(full.parameters(), resumed.parameters()))

@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -38,14 +39,40 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 @dataclass
 class StepStats:
-    """What the last optimizer step did and where its time went (seconds)."""
+    """What the last optimizer step did and where its time went (seconds).
+
+    ``transfer_s`` is the time the gradient worker spent moving and accumulating buckets;
+    ``transfer_wait_s`` the part of it the training thread waited for after backward (not hidden).
+    In delayed mode ``cpu_step_s`` is the background update and ``update_wait_s`` the part of it the
+    training thread waited for.
+    """
 
     skipped: bool = False
     grad_norm: float = 0.0
     loss_scale: float = 1.0
-    cpu_step_s: float = 0.0
-    copy_back_s: float = 0.0
+    backward_s: float = 0.0
+    transfer_s: float = 0.0
     transfer_wait_s: float = 0.0
+    cpu_step_s: float = 0.0
+    update_wait_s: float = 0.0
+    copy_back_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def hidden_transfer_fraction(self) -> float:
+        if self.transfer_s <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.transfer_wait_s / self.transfer_s)
+
+
+class _Run(NamedTuple):
+    """One kernel call's worth of work: a shard range and what to do with it."""
+
+    start: int
+    end: int
+    hparams: Optional[AdamHyperparams]  # None: the parameter got no gradient, leave it alone
+    step: int
+    multiplier: float
 
 
 class OffloadEngine:
@@ -123,6 +150,21 @@ class OffloadEngine:
         low_precision = param_dtype in LOW_PRECISION
         self._publish_pool = BufferPool(2, max_shard, param_dtype, pin) if low_precision else None
         self._pending_publish: list[Optional[torch.Event]] = []
+        # Delayed Parameter Update: a second gradient buffer (backward t+1 fills one while the update of
+        # step t reads the other) and the low-precision result waiting to be swapped in.
+        self._grad_buffers = [self.grad]
+        self._next_params: Optional[torch.Tensor] = None
+        if options.delayed_param_update:
+            self._grad_buffers.append(host_zeros(shard, torch.float32, False))
+            if low_precision:
+                self._next_params = host_zeros(shard, param_dtype, pin)
+        self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-step")
+        self._pending: Optional[Future] = None
+        self._publish_due = False
+        self._last_update_s = 0.0
+        self._backward_start: Optional[float] = None
+        self._backward_s = 0.0
+        self.step_calls = 0
         self.grads = GradientStreamer(
             self.layout, self.params, self.grad, device, param_dtype, pin, self.num_threads, process_group
         )
@@ -141,50 +183,77 @@ class OffloadEngine:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.loss_scale if self.scaler is not None else loss
 
+    def begin_backward(self) -> None:
+        self._backward_start = time.perf_counter()
+
     def finish_backward(self) -> None:
+        if self._backward_start is not None:
+            self._backward_s += time.perf_counter() - self._backward_start
+            self._backward_start = None
         self.grads.finish_backward()
+
+    @property
+    def delayed(self) -> bool:
+        """Whether steps now run one step behind (Delayed Parameter Update, after the warm-up)."""
+        return self.options.delayed_param_update and self.step_calls >= self.options.dpu_warmup_steps
 
     def step(self) -> StepStats:
-        """Apply the accumulated gradients: clip, unscale, CPU Adam, copy back. Skips on overflow."""
+        """Apply the accumulated gradients: clip, unscale, CPU Adam, copy back. Skips on overflow.
+
+        Synchronous mode: bucket k is published (copied to the device, all-gathered) while the CPU
+        updates bucket k+1. Delayed mode (DPU): the update of this step runs in the background and is
+        published at the next call, so it overlaps the next forward/backward.
+        """
         start = time.perf_counter()
         self.grads.finish_backward()
+        stats = StepStats(loss_scale=self.loss_scale, backward_s=self._backward_s)
+        stats.transfer_wait_s, stats.transfer_s = self.grads.take_timings()
+        self._backward_s = 0.0
+        delayed = self.delayed
+        t = time.perf_counter()
+        stats.update_wait_s = self._finish_pending_update()  # a delayed update from the previous step
+        stats.copy_back_s = time.perf_counter() - t - stats.update_wait_s
         self._wait_publish()
-        wait_s, self.grads.transfer_wait_s = self.grads.transfer_wait_s, 0.0
         sumsq, overflow, has_grad = self._global_grad_summary()
         scale = self.loss_scale
-        stats = StepStats(grad_norm=math.sqrt(sumsq) / scale, loss_scale=scale, transfer_wait_s=wait_s)
+        stats.grad_norm = math.sqrt(sumsq) / scale if math.isfinite(sumsq) else math.inf
+        self.step_calls += 1
 
         if overflow:
-            stats.skipped = True
-            self.skipped_steps += 1
-            if self.scaler is not None:
-                self.scaler.update(overflow=True)
-            else:
-                warnings.warn(
-                    "Non-finite gradients (inf/nan): the optimizer step was skipped and the parameters are "
-                    "unchanged. Check the loss for nan/inf or lower the learning rate.",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+            self._skip(stats)
         else:
-            multiplier = self._clip_and_unscale(stats.grad_norm, scale)
-            hparams = [read_hyperparams(self.optimizer, g) for g in self.optimizer.param_groups]
-            copy_back_s = 0.0
-            for bucket in self.layout.buckets:
-                copy_back_s += self._update_bucket(bucket, has_grad, hparams, multiplier)
-            for index, got in enumerate(has_grad):
-                if got:
-                    self.steps[index] += 1
+            plan = self._plan(has_grad, self._clip_and_unscale(stats.grad_norm, scale))
             if self.scaler is not None:
                 self.scaler.update(overflow=False)
             # LR schedulers warn unless optimizer.step() ran; the engine's step stands in for it.
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
-            stats.copy_back_s = copy_back_s
+            if delayed:
+                grad = self.grad
+                self._pending = self._updater.submit(self._update_all, plan, grad)
+                self.grad = self._grad_buffers[1] if grad is self._grad_buffers[0] else self._grad_buffers[0]
+                self.grads.cpu_grad = self.grad
+            else:
+                stats.cpu_step_s, stats.copy_back_s = self._update_and_publish(plan)
         self.grads.new_window()
         self.clip_norm = self.clip_value = None
-        stats.cpu_step_s = time.perf_counter() - start - stats.copy_back_s - wait_s
+        if delayed and self._pending is not None:
+            stats.cpu_step_s = self._last_update_s
+        stats.total_s = time.perf_counter() - start
         self.last = stats
         return stats
+
+    def _skip(self, stats: StepStats) -> None:
+        stats.skipped = True
+        self.skipped_steps += 1
+        if self.scaler is not None:
+            self.scaler.update(overflow=True)
+            return
+        warnings.warn(
+            "Non-finite gradients (inf/nan): the optimizer step was skipped and the parameters are "
+            "unchanged. Check the loss for nan/inf or lower the learning rate.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _global_grad_summary(self) -> tuple[float, bool, list[bool]]:
         sumsq = sum(self.grads.bucket_sumsq)
@@ -209,38 +278,107 @@ class OffloadEngine:
             clip_coef = min(1.0, self.clip_norm / (grad_norm + 1e-6))
         return clip_coef / scale
 
-    def _update_bucket(
-        self, bucket: Bucket, has_grad: list[bool], hparams: list[AdamHyperparams], multiplier: float
-    ) -> float:
-        """Update this rank's chunk of ``bucket`` and publish it; returns the seconds spent publishing."""
-        out = self._publish_pool.acquire() if self._publish_pool is not None else None
+    def _plan(self, has_grad: list[bool], multiplier: float) -> list[list[_Run]]:
+        """Everything the update needs, fixed now: runs, hyperparameters, step numbers, grad factor.
+
+        Taken on the calling thread before any scheduler steps again, so a delayed update uses exactly
+        the hyperparameters a synchronous one would have used.
+        """
+        hparams = [read_hyperparams(self.optimizer, g) for g in self.optimizer.param_groups]
+        plan = []
+        for bucket in self.layout.buckets:
+            runs = []
+            for start, end, index in self._runs(bucket, has_grad):
+                hp = hparams[self.group_of[index]] if has_grad[index] else None
+                runs.append(_Run(start, end, hp, self.steps[index] + 1, multiplier))
+            plan.append(runs)
+        for index, got in enumerate(has_grad):
+            if got:
+                self.steps[index] += 1
+        return plan
+
+    def _update_bucket(self, bucket: Bucket, runs: list[_Run], grad: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+        """The CPU update of this rank's chunk of one bucket; writes the low-precision copy into ``out``."""
         base = bucket.shard_start
-        for start, end, index in self._runs(bucket, has_grad):
-            window = slice(start, end)
-            if has_grad[index]:
-                hp = hparams[self.group_of[index]]
-                kernels.adam_step(
-                    self.master[window],
-                    self.grad[window],
-                    self.exp_avg[window],
-                    self.exp_avg_sq[window],
-                    step=self.steps[index] + 1,
-                    lr=hp.lr,
-                    beta1=hp.beta1,
-                    beta2=hp.beta2,
-                    eps=hp.eps,
-                    weight_decay=hp.weight_decay,
-                    adamw_mode=hp.adamw_mode,
-                    maximize=hp.maximize,
-                    grad_scale=multiplier,
-                    param_out=None if out is None else out[start - base : end - base],
-                    num_threads=self.num_threads,
-                )
-            elif out is not None:
-                out[start - base : end - base].copy_(self.master[window])
-        start_publish = time.perf_counter()
-        self._publish(bucket, out)
-        return time.perf_counter() - start_publish
+        for run in runs:
+            window = slice(run.start, run.end)
+            target = None if out is None else out[run.start - base : run.end - base]
+            if run.hparams is None:  # no gradient this step: torch leaves the parameter alone
+                if target is not None:
+                    target.copy_(self.master[window])
+                continue
+            hp = run.hparams
+            kernels.adam_step(
+                self.master[window],
+                grad[window],
+                self.exp_avg[window],
+                self.exp_avg_sq[window],
+                step=run.step,
+                lr=hp.lr,
+                beta1=hp.beta1,
+                beta2=hp.beta2,
+                eps=hp.eps,
+                weight_decay=hp.weight_decay,
+                adamw_mode=hp.adamw_mode,
+                maximize=hp.maximize,
+                grad_scale=run.multiplier,
+                param_out=target,
+                num_threads=self.num_threads,
+            )
+
+    def _update_and_publish(self, plan: list[list[_Run]]) -> tuple[float, float]:
+        """Synchronous step, pipelined: the worker updates bucket k+1 while bucket k is published."""
+        low_precision = self._publish_pool is not None
+
+        def update(bucket: Bucket, runs: list[_Run]) -> tuple[Optional[torch.Tensor], float]:
+            out = self._publish_pool.acquire() if low_precision else None
+            t = time.perf_counter()
+            self._update_bucket(bucket, runs, self.grad, out)
+            return out, time.perf_counter() - t
+
+        futures = [self._updater.submit(update, b, runs) for b, runs in zip(self.layout.buckets, plan)]
+        update_s = publish_s = 0.0
+        for bucket, future in zip(self.layout.buckets, futures):
+            out, seconds = future.result()
+            update_s += seconds
+            t = time.perf_counter()
+            self._publish(bucket, out)
+            publish_s += time.perf_counter() - t
+        return update_s, publish_s
+
+    def _update_all(self, plan: list[list[_Run]], grad: torch.Tensor) -> None:
+        """Delayed step (worker thread): update every bucket into the next-parameters buffer."""
+        t = time.perf_counter()
+        for bucket, runs in zip(self.layout.buckets, plan):
+            out = None if self._next_params is None else self._next_params[bucket.shard_range]
+            self._update_bucket(bucket, runs, grad, out)
+        self._last_update_s = time.perf_counter() - t
+
+    def wait_update(self) -> float:
+        """Wait for a delayed update still running (the CPU state is then complete); returns seconds waited."""
+        if self._pending is None:
+            return 0.0
+        t = time.perf_counter()
+        self._pending.result()
+        self._pending = None
+        self._publish_due = True
+        return time.perf_counter() - t
+
+    def _finish_pending_update(self) -> float:
+        """Wait for the delayed update and swap its parameters in on the device."""
+        waited = self.wait_update()
+        if self._publish_due:
+            for bucket in self.layout.buckets:
+                source = None if self._next_params is None else self._next_params[bucket.shard_range]
+                self._publish(bucket, source, pooled=False)
+            self._wait_publish()
+            self._publish_due = False
+        return waited
+
+    def sync(self) -> None:
+        """Make the device parameters fully up to date (before evaluation, or at the end of training)."""
+        self._finish_pending_update()
+        self._wait_publish()
 
     def _runs(self, bucket: Bucket, has_grad: list[bool]) -> list[tuple[int, int, int]]:
         """Merge this rank's segments into maximal runs that one kernel call can update.
@@ -265,8 +403,11 @@ class OffloadEngine:
             runs.append((seg.shard_start, seg.shard_end, i))
         return runs
 
-    def _publish(self, bucket: Bucket, out: Optional[torch.Tensor]) -> None:
-        """Copy this rank's updated chunk of ``bucket`` to the device and gather the other chunks."""
+    def _publish(self, bucket: Bucket, out: Optional[torch.Tensor], pooled: bool = True) -> None:
+        """Copy this rank's updated chunk of ``bucket`` to the device and gather the other chunks.
+
+        ``out`` holds the low-precision chunk (None: copy the fp32 master itself).
+        """
         source = self.master[bucket.shard_range] if out is None else out[: bucket.shard_numel]
         target = self.flat_params[bucket.flat_start : bucket.flat_start + bucket.padded_numel]
         if self.layout.world_size > 1:
@@ -276,10 +417,10 @@ class OffloadEngine:
         else:
             target.copy_(source, non_blocking=True)
         event = record_event(self.device)
-        if out is None:
-            self._pending_publish.append(event)  # the copy reads the master: wait before the next update
-        else:
+        if out is not None and pooled:
             self._publish_pool.release(out, event)
+        else:
+            self._pending_publish.append(event)  # the copy reads host memory that will change: wait before then
 
     def _wait_publish(self) -> None:
         events, self._pending_publish = self._pending_publish, []
@@ -294,6 +435,27 @@ class OffloadEngine:
                 out[: bucket.shard_numel].copy_(self.master[bucket.shard_range])
             self._publish(bucket, out)
         self._wait_publish()
+        self._publish_due = False
+
+    def pending_state(self) -> Optional[dict[str, Any]]:
+        """What a checkpoint needs to resume a delayed run bitwise: the stale device params in use.
+
+        None when nothing is pending. Waits for a running update first, so the CPU state is complete.
+        """
+        self.wait_update()
+        if not self._publish_due:
+            return None
+        params = self._stale_at_close if self._closed else [p.detach().cpu().clone() for p in self.params]
+        return {"device_params": params}
+
+    def load_pending_state(self, state: dict[str, Any]) -> None:
+        """Restore the stale device params; the saved update (the master) is swapped in at the next step."""
+        with torch.no_grad():
+            for p, saved in zip(self.params, state["device_params"]):
+                p.copy_(saved)
+        if self._next_params is not None:
+            self._next_params.copy_(self.master)
+        self._publish_due = True
 
     # -- state in and out ----------------------------------------------------------------------
 
@@ -317,6 +479,7 @@ class OffloadEngine:
 
     def master_params(self) -> list[torch.Tensor]:
         """Full fp32 master weights, one tensor per trainable parameter (collective when sharded)."""
+        self.wait_update()
         self._wait_publish()
         return self._full_tensors(self.master)
 
@@ -324,12 +487,14 @@ class OffloadEngine:
         for p, t in zip(self.params, tensors):
             if t.shape != p.shape:
                 raise ValueError(f"master weight of shape {tuple(t.shape)} does not fit parameter {tuple(p.shape)}")
+        self.wait_update()
         self._wait_publish()
         self._load_shard(self.master, [t.float() for t in tensors])
         self.refresh_device_params()
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The optimizer state in ``torch.optim.AdamW``'s format (full tensors, collective when sharded)."""
+        self.wait_update()
         exp_avg = self._full_tensors(self.exp_avg)
         exp_avg_sq = self._full_tensors(self.exp_avg_sq)
         state: dict[int, dict[str, torch.Tensor]] = {}
@@ -355,6 +520,7 @@ class OffloadEngine:
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's flat fp32 master and moments, as stored in a sharded checkpoint."""
+        self.wait_update()
         self._wait_publish()
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
@@ -420,7 +586,12 @@ class OffloadEngine:
         """
         if self._closed:
             return
+        self.wait_update()
+        self._updater.shutdown(wait=True)
         self.grads.close()
+        # A delayed update not yet swapped in: keep the weights in use, so a checkpoint saved after
+        # training can still resume bitwise.
+        self._stale_at_close = [p.detach().cpu().clone() for p in self.params] if self._publish_due else None
         for p, weight, dtype in zip(self.params, self.master_params(), self._original_dtypes):
             p.data = weight.to(dtype)
         self.flat_params = self.flat_params.new_empty(0)

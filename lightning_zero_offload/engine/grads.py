@@ -71,7 +71,8 @@ class GradientStreamer:
         # Sum of squares and inf/nan flag of the fp32 buffer's current content, per bucket.
         self.bucket_sumsq = [0.0] * n_buckets
         self.bucket_nonfinite = [False] * n_buckets
-        self.transfer_wait_s = 0.0
+        self._wait_s = 0.0
+        self._busy_s = 0.0
         self._hooks = [self._register(index, p) for index, p in enumerate(params)]
 
     # -- backward side -------------------------------------------------------------------------
@@ -148,6 +149,7 @@ class GradientStreamer:
         self._futures.append(self._worker.submit(self._accumulate, bucket, staging, copied))
 
     def _accumulate(self, bucket: Bucket, staging: torch.Tensor, copied: Optional[torch.Event]) -> None:
+        start = time.perf_counter()
         wait_event(copied)
         overwrite = self._fresh[bucket.index]
         sumsq, nonfinite = kernels.grad_accumulate(
@@ -161,6 +163,7 @@ class GradientStreamer:
         self.bucket_sumsq[bucket.index] = sumsq
         self.bucket_nonfinite[bucket.index] = nonfinite
         self._staging.release(staging)
+        self._busy_s += time.perf_counter() - start
 
     def finish_backward(self) -> None:
         """Launch what is left (parameters without a gradient count as zero) and wait for the CPU."""
@@ -181,7 +184,13 @@ class GradientStreamer:
         futures, self._futures = self._futures, []
         for future in futures:
             future.result()
-        self.transfer_wait_s += time.perf_counter() - start
+        self._wait_s += time.perf_counter() - start
+
+    def take_timings(self) -> tuple[float, float]:
+        """(seconds the training thread waited for transfers, seconds the transfers took) since last call."""
+        timings = (self._wait_s, self._busy_s)
+        self._wait_s = self._busy_s = 0.0
+        return timings
 
     # -- step side -----------------------------------------------------------------------------
 

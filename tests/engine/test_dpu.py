@@ -1,0 +1,63 @@
+"""Delayed Parameter Update: the engine against a hand-written one-step-delayed reference loop."""
+
+import copy
+
+import torch
+from engine_helpers import CPU, batches, loss_fn, make_net, options
+
+from lightning_zero_offload.engine import OffloadEngine
+
+
+def test_dpu_trajectory_equals_the_delayed_reference_including_warmup():
+    warmup, steps = 4, 14
+    master_ref = make_net()
+    device_ref = copy.deepcopy(master_ref)
+    ref_opt = torch.optim.AdamW(master_ref.parameters(), lr=1e-2, weight_decay=0.01)
+    net = make_net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
+    engine = OffloadEngine(opt, CPU, torch.float32, options(delayed_param_update=True, dpu_warmup_steps=warmup))
+
+    pending = None
+    for t, batch in enumerate(batches(steps), start=1):
+        # reference: grads of step t are computed on `device_ref`
+        loss_fn(device_ref, batch).backward()
+        for p_master, p_dev in zip(master_ref.parameters(), device_ref.parameters()):
+            p_master.grad, p_dev.grad = p_dev.grad, None
+        if t <= warmup:  # synchronous: the update is used by the very next step
+            ref_opt.step()
+            device_ref.load_state_dict(master_ref.state_dict())
+        else:  # delayed: swap in update t-1 now, update t becomes visible at step t+2
+            if pending is not None:
+                device_ref.load_state_dict(pending)
+            ref_opt.step()
+            pending = copy.deepcopy(master_ref.state_dict())
+        ref_opt.zero_grad()
+
+        loss_fn(net, batch).backward()
+        engine.step()
+        assert engine.delayed == (t >= warmup)
+        for p_dev, p in zip(device_ref.parameters(), net.parameters()):
+            torch.testing.assert_close(p.detach(), p_dev.detach(), rtol=1e-6, atol=1e-7)
+        for p_master, master in zip(master_ref.parameters(), engine.master_params()):
+            torch.testing.assert_close(master, p_master.detach(), rtol=1e-6, atol=1e-7)
+    # the delayed steps actually used stale parameters (the test would pass trivially otherwise)
+    assert pending is not None
+    assert any(not torch.equal(p.detach(), m) for p, m in zip(net.parameters(), engine.master_params()))
+    engine.sync()
+    assert all(torch.equal(p.detach(), m) for p, m in zip(net.parameters(), engine.master_params()))
+
+
+def test_dpu_bf16_uses_a_second_gradient_buffer_and_publishes_rne_copies():
+    net = make_net()
+    engine = OffloadEngine(
+        torch.optim.AdamW(net.parameters(), lr=1e-2), CPU, torch.bfloat16, options(delayed_param_update=True, dpu_warmup_steps=0)
+    )
+    assert len(engine._grad_buffers) == 2 and engine.grad is engine._grad_buffers[0]
+    for batch in batches(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_fn(net, batch).backward()
+        engine.step()
+    assert engine.grad is engine._grad_buffers[1]  # swapped after each delayed step
+    engine.sync()
+    for p, master in zip(net.parameters(), engine.master_params()):
+        assert torch.equal(p.detach(), master.to(torch.bfloat16))
