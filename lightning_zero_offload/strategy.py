@@ -65,6 +65,9 @@ class ZeroOffloadStrategy(ParallelStrategy):
         pin_memory: page-lock the host staging buffers (CUDA only) so transfers are asynchronous and fast.
             Only bucket-sized buffers (and the master weights for "32-true") are pinned, never the whole
             optimizer state.
+        overlap: move and accumulate gradient buckets on a worker thread (and a side stream on CUDA) while
+            backward continues, and publish bucket k while the CPU updates bucket k+1. ``False`` serialises
+            everything; only useful to measure what overlap buys.
         cpu_threads: threads for the CPU Adam kernels. Default: the cores this process may use divided by
             the ranks on this node. ``OMP_NUM_THREADS`` (which torchrun sets to 1) is not consulted.
         loss_scale_init: fp16 only: initial dynamic loss scale.
@@ -95,6 +98,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
         precision_plugin: Optional[Precision] = None,
         bucket_size_mb: float = 25.0,
         pin_memory: bool = True,
+        overlap: bool = True,
         cpu_threads: Optional[int] = None,
         loss_scale_init: float = 2.0**16,
         loss_scale_growth_interval: int = 1000,
@@ -112,6 +116,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
         self.options = OffloadOptions(
             bucket_size_mb=bucket_size_mb,
             pin_memory=pin_memory,
+            overlap=overlap,
             cpu_threads=cpu_threads,
             loss_scaler=LossScalerConfig(
                 init_scale=loss_scale_init,

@@ -23,7 +23,14 @@ import torch.distributed as dist
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.collectives import reduce_scatter
 from lightning_zero_offload.engine.layout import Bucket, Layout
-from lightning_zero_offload.engine.memory import BufferPool, record_event, wait_event
+from lightning_zero_offload.engine.memory import (
+    BufferPool,
+    on_stream,
+    record_event,
+    side_stream,
+    stream_wait_event,
+    wait_event,
+)
 
 
 class GradientStreamer:
@@ -39,6 +46,7 @@ class GradientStreamer:
         pin_memory: bool,
         num_threads: int,
         process_group: Optional[dist.ProcessGroup] = None,
+        overlap: bool = True,
     ) -> None:
         self.layout = layout
         self.params = params
@@ -47,13 +55,16 @@ class GradientStreamer:
         self.grad_dtype = grad_dtype
         self.num_threads = num_threads
         self.process_group = process_group
+        self.overlap = overlap
         world = layout.world_size
         self.scale = 1.0 / world  # reduce-scatter sums; the average is taken on the CPU, in fp32
 
         max_bucket = max((b.padded_numel for b in layout.buckets), default=0)
         max_shard = max((b.shard_numel for b in layout.buckets), default=0)
         self._device_buffer_numel = max_bucket
-        self._free_device_buffers: list[torch.Tensor] = []
+        # Free device buffers, each with the event after which its last transfer has read it.
+        self._free_device_buffers: list[tuple[torch.Tensor, Optional[torch.Event]]] = []
+        self._stream = side_stream(device)
         self.device_buffers_live = 0
         self.device_buffers_peak = 0
         self._staging = BufferPool(2, max_shard, grad_dtype, pin_memory)
@@ -108,7 +119,8 @@ class GradientStreamer:
         buffer = self._bucket_buffer[bucket_index]
         if buffer is None:
             if self._free_device_buffers:
-                buffer = self._free_device_buffers.pop()
+                buffer, transferred = self._free_device_buffers.pop()
+                stream_wait_event(self.device, transferred)
             else:
                 buffer = torch.empty(self._device_buffer_numel, dtype=self.grad_dtype, device=self.device)
             bucket = self.layout.buckets[bucket_index]
@@ -134,19 +146,24 @@ class GradientStreamer:
                 if not self._seen[index]:
                     slot = self.layout.slots[index]
                     buffer[slot.bucket_offset : slot.bucket_offset + slot.numel].zero_()
-        source = buffer[: bucket.padded_numel]
-        if self.layout.world_size > 1:
-            chunk = torch.empty(bucket.shard_numel, dtype=self.grad_dtype, device=self.device)
-            reduce_scatter(chunk, source, self.process_group)
-            source = chunk
         staging = self._staging.acquire()
-        staging[: bucket.shard_numel].copy_(source, non_blocking=True)
-        copied = record_event(self.device)
-        # Later writes into the device buffer are queued after the copy on the same stream: safe to reuse.
+        with on_stream(self._stream):  # the transfer overlaps the rest of backward on the device
+            source = buffer[: bucket.padded_numel]
+            if self.layout.world_size > 1:
+                chunk = torch.empty(bucket.shard_numel, dtype=self.grad_dtype, device=self.device)
+                reduce_scatter(chunk, source, self.process_group)
+                source = chunk
+            staging[: bucket.shard_numel].copy_(source, non_blocking=True)
+            copied = record_event(self.device)
         self._bucket_buffer[bucket.index] = None
-        self._free_device_buffers.append(buffer)
+        self._free_device_buffers.append((buffer, copied))
         self.device_buffers_live -= 1
-        self._futures.append(self._worker.submit(self._accumulate, bucket, staging, copied))
+        if self.overlap:
+            self._futures.append(self._worker.submit(self._accumulate, bucket, staging, copied))
+        else:  # measured baseline: backward stops while each bucket is accumulated (all of it waited for)
+            start = time.perf_counter()
+            self._accumulate(bucket, staging, copied)
+            self._wait_s += time.perf_counter() - start
 
     def _accumulate(self, bucket: Bucket, staging: torch.Tensor, copied: Optional[torch.Event]) -> None:
         start = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import weakref
+from contextlib import AbstractContextManager, nullcontext
 from typing import Optional
 
 import torch
@@ -41,6 +42,25 @@ def _register_pinned(tensor: torch.Tensor) -> None:
             "pass pin_memory=False to the strategy to use pageable memory"
         )
     weakref.finalize(tensor, cudart.cudaHostUnregister, pointer)
+
+
+def side_stream(device: torch.device) -> Optional[torch.Stream]:
+    """A second stream for transfers, so they overlap compute; None where copies are synchronous (CPU)."""
+    return None if device.type == "cpu" else torch.Stream(device=device)
+
+
+def on_stream(stream: Optional[torch.Stream]) -> AbstractContextManager:
+    """Make ``stream`` current (after it has waited for the work queued so far on the current one)."""
+    if stream is None:
+        return nullcontext()
+    stream.wait_stream(torch.accelerator.current_stream(stream.device))
+    return stream
+
+
+def stream_wait_event(device: torch.device, event: Optional[torch.Event]) -> None:
+    """Queue a wait for ``event`` on the current stream (no host blocking)."""
+    if event is not None:
+        torch.accelerator.current_stream(device).wait_event(event)
 
 
 def record_event(device: torch.device) -> Optional[torch.Event]:

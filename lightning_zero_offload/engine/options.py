@@ -25,6 +25,7 @@ def default_cpu_threads(local_world_size: int = 1) -> int:
 class OffloadOptions:
     bucket_size_mb: float = 25.0
     pin_memory: bool = True
+    overlap: bool = True
     cpu_threads: Optional[int] = None
     loss_scaler: LossScalerConfig = field(default_factory=LossScalerConfig)
     delayed_param_update: bool = False

@@ -236,3 +236,17 @@ def test_invalid_options_name_the_option():
     frozen = make_net().requires_grad_(False)
     with pytest.raises(ValueError, match="requires_grad"):
         OffloadEngine(torch.optim.AdamW(frozen.parameters()), CPU, torch.float32, options())
+
+
+def test_overlap_off_gives_bitwise_the_same_result():
+    results = []
+    for overlap in (True, False):
+        net = make_net()
+        engine = OffloadEngine(two_groups(net), CPU, torch.bfloat16, options(overlap=overlap))
+        for batch in batches(6):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss_fn(net, batch).backward()
+            stats = engine.step()
+            assert stats.transfer_s > 0 and stats.cpu_step_s > 0 and 0 <= stats.hidden_transfer_fraction <= 1
+        results.append(engine.master_params())
+    assert all(torch.equal(a, b) for a, b in zip(*results))
