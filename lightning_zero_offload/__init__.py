@@ -6,6 +6,7 @@ Importing the package registers the ``"zero_offload"`` strategy name, so that
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_zero_offload.callbacks import OffloadMetrics
 from lightning_zero_offload.engine.checkpoint import convert_checkpoint_to_fp32_state_dict
 from lightning_zero_offload.optim import CPUAdam
 from lightning_zero_offload.precision import ZeroOffloadPrecision
@@ -13,4 +14,4 @@ from lightning_zero_offload.strategy import ZeroOffloadStrategy
 
 ZeroOffloadStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["CPUAdam", "ZeroOffloadPrecision", "ZeroOffloadStrategy", "convert_checkpoint_to_fp32_state_dict"]
+__all__ = ["CPUAdam", "OffloadMetrics", "ZeroOffloadPrecision", "ZeroOffloadStrategy", "convert_checkpoint_to_fp32_state_dict"]

@@ -39,6 +39,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
+from lightning_zero_offload.callbacks import OffloadMetrics
 from lightning_zero_offload.engine import LossScalerConfig, OffloadEngine, OffloadOptions
 from lightning_zero_offload.engine.checkpoint import (
     FORMAT_KEY,
@@ -82,6 +83,8 @@ class ZeroOffloadStrategy(ParallelStrategy):
         dpu_warmup_steps: synchronous steps before the delayed update starts.
         checkpoint_format: ``"full"``: one file with the full fp32 weights and optimizer state (rank 0 writes).
             ``"sharded"``: a directory, each rank writes its own shard; resumable at any world size.
+        metrics: add the :class:`~lightning_zero_offload.callbacks.OffloadMetrics` callback (per-step time
+            breakdown, gradient norm and loss scale as ``offload/*`` metrics, and a summary at the end of fit).
         process_group_backend: torch.distributed backend (default: nccl on CUDA, gloo on CPU).
         timeout: timeout of collective operations.
         start_method: how Lightning starts the processes (as in ``DDPStrategy``).
@@ -109,6 +112,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
         delayed_param_update: bool = False,
         dpu_warmup_steps: int = 40,
         checkpoint_format: Literal["full", "sharded"] = "full",
+        metrics: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -142,6 +146,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method = start_method
+        self.metrics = metrics
         self.engine: Optional[OffloadEngine] = None
         self._param_keys: list[list[str]] = []
 
@@ -285,6 +290,8 @@ class ZeroOffloadStrategy(ParallelStrategy):
             )
             self._param_keys = _state_dict_keys(module, self.engine.params)
             self.precision_plugin.attach(self.engine)
+            if self.metrics and not any(isinstance(c, OffloadMetrics) for c in trainer.callbacks):
+                trainer.callbacks.append(OffloadMetrics())
         self.model_to_device()
         self.setup_precision_plugin()
 

@@ -1,0 +1,45 @@
+import lightning as L
+import pytest
+from helpers import QUIET, Classifier, loader
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_zero_offload import OffloadMetrics, ZeroOffloadPrecision, ZeroOffloadStrategy
+
+
+def test_metrics_are_logged_per_optimizer_step_and_summary_printed(tmp_path, caplog):
+    trainer = L.Trainer(
+        strategy="zero_offload",
+        precision="bf16-mixed",
+        max_steps=6,
+        accumulate_grad_batches=2,
+        log_every_n_steps=1,
+        **{**QUIET, "logger": CSVLogger(tmp_path)},
+    )
+    with caplog.at_level("INFO"):
+        trainer.fit(Classifier(), loader())
+    assert sum(isinstance(c, OffloadMetrics) for c in trainer.callbacks) == 1
+    metrics = trainer.logged_metrics
+    for name in ("cpu_step_ms", "transfer_wait_ms", "copy_back_ms", "hidden_transfer_pct", "grad_norm", "backward_ms"):
+        assert f"offload/{name}" in metrics, name
+    assert metrics["offload/cpu_step_ms"] > 0 and 0 <= metrics["offload/hidden_transfer_pct"] <= 100
+    assert metrics["offload/grad_norm"] > 0 and metrics["offload/skipped_steps"] == 0
+    csv = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    assert "offload/cpu_step_ms" in csv[0] and len(csv) == 1 + 6  # one row per optimizer step, not per batch
+    summary = caplog.text
+    assert "16 B/param for plain mixed-precision Adam" in summary and "2.0 B/param (parameters)" in summary
+    assert "per optimizer step over 6 steps" in summary
+
+
+def test_fp16_logs_the_loss_scale_and_metrics_can_be_turned_off():
+    trainer = L.Trainer(
+        strategy=ZeroOffloadStrategy(loss_scale_init=2.0**8),
+        plugins=[ZeroOffloadPrecision("16-mixed")],
+        max_steps=2,
+        **QUIET,
+    )
+    trainer.fit(Classifier(), loader())
+    assert trainer.logged_metrics["offload/loss_scale"] == pytest.approx(2.0**8)
+    trainer = L.Trainer(strategy=ZeroOffloadStrategy(metrics=False), max_steps=2, **QUIET)
+    trainer.fit(Classifier(), loader())
+    assert not any(isinstance(c, OffloadMetrics) for c in trainer.callbacks)
+    assert not any(k.startswith("offload/") for k in trainer.logged_metrics)
