@@ -1,0 +1,39 @@
+# Two entry points for a fresh machine; both set everything up first (a venv in .venv).
+#   make demo   train the embedded demo (byte-level GPT on the Python stdlib sources) with zero_offload
+#   make test   lint + the test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# constraints.txt pins torch 2.13.0: a CPU build from this machine kind's local wheel store; on a GPU
+# machine pip takes the same release from PyPI with CUDA.
+INSTALLED := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(INSTALLED)
+
+$(INSTALLED): pyproject.toml setup.py constraints.txt $(wildcard native/*.c native/*.h native/*.py)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,dev,plot]'
+	$(BIN)/python -c "import lightning_zero_offload.kernels as k; print('CPU-Adam kernels:', k.backend())"
+	touch $@
+
+demo: $(INSTALLED)
+	$(BIN)/zero-offload fit --config configs/cpu_demo.yaml
+	$(BIN)/python scripts/plot_logs.py runs/cpu_demo --out docs/figures
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: $(INSTALLED)
+	$(BIN)/python benchmarks/cpu_adam.py
+	$(BIN)/python benchmarks/train_step.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info lightning_zero_offload/_native*.so runs
