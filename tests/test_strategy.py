@@ -244,3 +244,41 @@ def test_delayed_param_update_resumes_bitwise(tmp_path):
     )
     assert resumed.losses == full.losses[20:]
     assert all(torch.equal(p, q) for p, q in zip(full.parameters(), resumed.parameters()))
+
+
+class _Sparse(Classifier):
+    def __init__(self):
+        super().__init__(scheduler=False)
+        self.emb = torch.nn.Embedding(10, 16, sparse=True)
+
+    def forward(self, x):
+        return self.net(x + self.emb(torch.zeros(len(x), dtype=torch.long)))
+
+
+class _ForeignParams(Classifier):
+    def configure_optimizers(self):
+        return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+
+
+@pytest.mark.parametrize(
+    ("model", "trainer_kwargs", "error", "message"),
+    [
+        (_Sparse, {}, RuntimeError, r"sparse gradients \(nn.Embedding\(sparse=True\)\)"),
+        (_ForeignParams, {}, ValueError, "build the optimizer from self.parameters()"),
+        (Classifier, {"sync_batchnorm": True}, ValueError, "sync_batchnorm"),
+    ],
+)
+def test_unsupported_model_setups_fail_clearly(model, trainer_kwargs, error, message):
+    with pytest.raises(error, match=message):
+        fit(model=model(), max_steps=1, **trainer_kwargs)
+
+
+def test_optimizer_step_outside_fit_and_mismatched_optimizer_state_fail_clearly():
+    plugin = ZeroOffloadPrecision("bf16-mixed")
+    with pytest.raises(RuntimeError, match="only possible during fit"):
+        plugin.optimizer_step(None, Classifier(), lambda: None)
+    model, trainer = fit(max_steps=2)
+    state = trainer.strategy.engine.optimizer_state_dict()
+    state["param_groups"] = state["param_groups"][:1]
+    with pytest.raises(ValueError, match="different number of param groups"):
+        trainer.strategy.engine.load_optimizer_state_dict(state)
