@@ -22,14 +22,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train(name: str, config: Path, dpu: bool, warmup: int, max_steps: int | None, runs: Path) -> list[tuple[int, float]]:
+def train(
+    name: str, config: Path, dpu: bool, warmup: int, max_steps: int | None, runs: Path
+) -> list[tuple[int, float]]:
     overlay = {
         "trainer": {
             "strategy": {
                 "class_path": "lightning_zero_offload.ZeroOffloadStrategy",
                 "init_args": {"delayed_param_update": dpu, "dpu_warmup_steps": warmup},
             },
-            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(runs), "name": name}},
+            "logger": {
+                "class_path": "lightning.pytorch.loggers.CSVLogger",
+                "init_args": {"save_dir": str(runs), "name": name},
+            },
         }
     }
     if max_steps:
@@ -69,8 +74,10 @@ def main() -> None:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"final val loss after {sync_step} steps: sync {sync_loss:.4f}, DPU {dpu_loss:.4f} "
-          f"({100 * result['relative_difference']:+.2f}%)")
+    print(
+        f"final val loss after {sync_step} steps: sync {sync_loss:.4f}, DPU {dpu_loss:.4f} "
+        f"({100 * result['relative_difference']:+.2f}%)"
+    )
 
     import matplotlib
 

@@ -61,7 +61,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "train_step.json"))
     args = parser.parse_args()
-    size = {"n_layer": 2, "n_embd": 256, "block_size": 64} if args.quick else {"n_layer": 6, "n_embd": 512, "block_size": 128}
+    size = (
+        {"n_layer": 2, "n_embd": 256, "block_size": 64}
+        if args.quick
+        else {"n_layer": 6, "n_embd": 512, "block_size": 128}
+    )
     batch = 2 if args.quick else 4
     rounds, steps = (2, 3) if args.quick else (5, 6)
     g = torch.Generator().manual_seed(0)
@@ -91,11 +95,12 @@ def main() -> None:
                     "hidden_update": (1 - fields["update_wait_s"] / cpu) if MODES[mode][1] and cpu > 0 else 0.0,
                 }
             )
-        for model, engine in runs.values():
+        for _, engine in runs.values():
             engine.close()
 
     params = sum(p.numel() for p in GPT(**size).parameters())
-    print(f"\nGPT {size} = {params / 1e6:.1f}M params, batch {batch}, bf16 on the CPU device, kernels: {kernels.backend()}")
+    print(f"\nGPT {size} = {params / 1e6:.1f}M params, batch {batch}, bf16 on the CPU device")
+    print(f"CPU-Adam kernels: {kernels.backend()}")
     header = f"{'thr':>3} {'mode':<18} {'step ms':>8} {'vs base':>7} {'bwd':>7} {'xfer':>7} {'wait':>6} {'hid%':>5}"
     header += f" {'cpu step':>8} {'upd wait':>8} {'hid%':>5} {'copyback':>8}"
     print(header)
@@ -110,7 +115,11 @@ def main() -> None:
                 f" {100 * r['hidden_update']:4.0f}% {r['copy_back_ms']:8.1f}"
             )
     out = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "cores": torch.get_num_threads()},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "cores": torch.get_num_threads(),
+        },
         "torch": torch.__version__,
         "kernels": kernels.backend(),
         "model": {**size, "params": params, "batch": batch},

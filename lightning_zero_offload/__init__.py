@@ -14,4 +14,10 @@ from lightning_zero_offload.strategy import ZeroOffloadStrategy
 
 ZeroOffloadStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["CPUAdam", "OffloadMetrics", "ZeroOffloadPrecision", "ZeroOffloadStrategy", "convert_checkpoint_to_fp32_state_dict"]
+__all__ = [
+    "CPUAdam",
+    "OffloadMetrics",
+    "ZeroOffloadPrecision",
+    "ZeroOffloadStrategy",
+    "convert_checkpoint_to_fp32_state_dict",
+]

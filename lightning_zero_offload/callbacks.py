@@ -9,7 +9,7 @@ nothing. The global gradient norm is computed on the CPU anyway and logged here 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -43,7 +43,7 @@ class OffloadMetrics(L.Callback):
         self._count = 0
 
     @staticmethod
-    def _engine(trainer: L.Trainer) -> Optional[OffloadEngine]:
+    def _engine(trainer: L.Trainer) -> OffloadEngine | None:
         engine = getattr(trainer.strategy, "engine", None)
         return engine if isinstance(engine, OffloadEngine) and not engine.closed else None
 

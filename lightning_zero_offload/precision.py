@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -43,8 +44,8 @@ class ZeroOffloadPrecision(Precision):
         self.precision = precision  # type: ignore[assignment]
         self.param_dtype = _DTYPES[precision]
         self.device_type = "cpu"  # set by the strategy once the device is known
-        self.engine: Optional[OffloadEngine] = None
-        self._pending_state: Optional[dict[str, Any]] = None
+        self.engine: OffloadEngine | None = None
+        self._pending_state: dict[str, Any] | None = None
 
     def forward_context(self) -> AbstractContextManager:
         if self.param_dtype == torch.float32:
@@ -79,7 +80,7 @@ class ZeroOffloadPrecision(Precision):
     def clip_gradients(
         self,
         optimizer: Any,
-        clip_val: Union[int, float] = 0.0,
+        clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
         """Record the clip; the engine applies it on the CPU buffers, fused into the step."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import shutil
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -94,15 +94,15 @@ class ZeroOffloadStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        accelerator: Optional[Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
         bucket_size_mb: float = 25.0,
         pin_memory: bool = True,
         overlap: bool = True,
-        cpu_threads: Optional[int] = None,
+        cpu_threads: int | None = None,
         loss_scale_init: float = 2.0**16,
         loss_scale_growth_interval: int = 1000,
         loss_scale_growth_factor: float = 2.0,
@@ -113,8 +113,8 @@ class ZeroOffloadStrategy(ParallelStrategy):
         dpu_warmup_steps: int = 40,
         checkpoint_format: Literal["full", "sharded"] = "full",
         metrics: bool = True,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         self.options = OffloadOptions(
@@ -147,7 +147,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method = start_method
         self.metrics = metrics
-        self.engine: Optional[OffloadEngine] = None
+        self.engine: OffloadEngine | None = None
         self._param_keys: list[list[str]] = []
 
     @classmethod
@@ -169,7 +169,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
         return self._precision_plugin  # type: ignore[return-value]
 
     @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+    def precision_plugin(self, plugin: Precision | None) -> None:
         if plugin is not None and not isinstance(plugin, ZeroOffloadPrecision):
             plugin = ZeroOffloadPrecision(str(plugin.precision))
         self._precision_plugin = plugin
@@ -249,9 +249,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
         return container[0]
 
     @override
-    def reduce(
-        self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Any:
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
@@ -361,7 +359,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
         return self.engine.optimizer_state_dict()
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Full: rank 0 writes one file. Sharded: every rank writes its shard into a directory.
 
         Either way the new checkpoint is complete on disk before it replaces an existing one.
@@ -392,7 +390,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
         self.barrier("zero_offload_save_done")
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         if is_sharded_checkpoint(checkpoint_path):
             return load_sharded(checkpoint_path)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
@@ -440,4 +438,3 @@ def _state_dict_keys(module: LightningModule, params: list[torch.nn.Parameter]) 
             "build the optimizer from self.parameters() in configure_optimizers"
         )
     return [keys[id(p)] for p in params]
-

@@ -25,7 +25,9 @@ class Classifier(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(seed)
-        self.net = nn.Sequential(nn.Linear(16, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 4))
+        self.net = nn.Sequential(
+            nn.Linear(16, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 4)
+        )
         self.losses: list[float] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -53,7 +55,10 @@ class Classifier(L.LightningModule):
         decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
         no_decay = [p for n, p in self.named_parameters() if not n.endswith("weight")]
         opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0, "lr": self.hparams.lr / 2}],
+            [
+                {"params": decay, "weight_decay": 0.05},
+                {"params": no_decay, "weight_decay": 0.0, "lr": self.hparams.lr / 2},
+            ],
             lr=self.hparams.lr,
         )
         if not self.hparams.scheduler:

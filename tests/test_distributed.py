@@ -23,7 +23,9 @@ def launch(tmp: Path, name: str, **kwargs) -> dict:
     args = [sys.executable, str(SCENARIO), "--out", str(out)]
     for key, value in kwargs.items():
         args += [f"--{key.replace('_', '-')}", str(value)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE", "NODE_RANK"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE", "NODE_RANK"))
+    }
     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return torch.load(out, weights_only=True)
@@ -68,13 +70,17 @@ def test_per_rank_cpu_state_halves_at_two_ranks(runs):
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_sharded_checkpoint_resumes_at_another_world_size(runs, world):
-    resumed = launch(runs["tmp"], f"resumed{world}", devices=world, max_epochs=3, accumulate=1, resume=runs["tmp"] / "s2.ckpt")
+    resumed = launch(
+        runs["tmp"], f"resumed{world}", devices=world, max_epochs=3, accumulate=1, resume=runs["tmp"] / "s2.ckpt"
+    )
     # 8 more steps with a different reduction order than the N=2 run: fp32 rounding only.
     assert max_abs_diff(resumed, runs["full2"]) < 1e-6
 
 
 def test_full_checkpoint_from_one_rank_resumes_at_two(runs):
-    resumed = launch(runs["tmp"], "resumed_f1_at_2", devices=2, max_epochs=3, accumulate=1, resume=runs["tmp"] / "f1.ckpt")
+    resumed = launch(
+        runs["tmp"], "resumed_f1_at_2", devices=2, max_epochs=3, accumulate=1, resume=runs["tmp"] / "f1.ckpt"
+    )
     assert max_abs_diff(resumed, runs["full1"]) < 1e-6
 
 

@@ -177,7 +177,9 @@ def test_strategy_string_coerces_the_precision_plugin():
     assert trainer.precision_plugin.param_dtype == torch.float32
 
 
-@pytest.mark.parametrize(("precision", "alternative"), [("bf16-true", "bf16-mixed"), ("16-true", "16-mixed"), ("64-true", "32-true")])
+@pytest.mark.parametrize(
+    ("precision", "alternative"), [("bf16-true", "bf16-mixed"), ("16-true", "16-mixed"), ("64-true", "32-true")]
+)
 def test_unsupported_precision_names_the_alternative(precision, alternative):
     with pytest.raises(ValueError, match=f"precision='{alternative}'"):
         L.Trainer(strategy="zero_offload", precision=precision, **QUIET)

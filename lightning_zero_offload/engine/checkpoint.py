@@ -21,7 +21,7 @@ import argparse
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 
@@ -29,7 +29,7 @@ from lightning_zero_offload.engine.engine import OffloadEngine
 
 FORMAT_KEY = "zero_offload"
 META_FILE = "meta.pt"
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
 def shard_file(rank: int) -> str:
@@ -154,7 +154,7 @@ def _assemble(
     return out.view(shape)
 
 
-def convert_checkpoint_to_fp32_state_dict(checkpoint_path: PathLike, output_path: Optional[PathLike] = None) -> dict:
+def convert_checkpoint_to_fp32_state_dict(checkpoint_path: PathLike, output_path: PathLike | None = None) -> dict:
     """Write (and return) a plain fp32 ``state_dict`` for ``model.load_state_dict`` from either format."""
     if is_sharded_checkpoint(checkpoint_path):
         state_dict = load_sharded(checkpoint_path, with_optimizer=False)["state_dict"]
@@ -165,7 +165,7 @@ def convert_checkpoint_to_fp32_state_dict(checkpoint_path: PathLike, output_path
     return state_dict
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="zero-offload-convert",
         description="Export a zero_offload checkpoint (full file or sharded directory) to a plain fp32 state_dict.",

@@ -6,8 +6,6 @@ backend's device and back here, not at every call site.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -15,22 +13,22 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Sum ``input`` over ranks; this rank receives chunk ``rank`` of the result in ``output``."""
     _reduce_scatter_single(output, input, group=group)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None) -> None:
     """Concatenate every rank's ``input`` (chunk ``rank``) into ``output``."""
     _all_gather_single(output, input, group=group)
 
 
-def comm_device(group: Optional[dist.ProcessGroup], fallback: torch.device) -> torch.device:
+def comm_device(group: dist.ProcessGroup | None, fallback: torch.device) -> torch.device:
     """Where tensors must live for collectives on ``group``: the accelerator for NCCL, else the CPU."""
     return fallback if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
-def all_reduce_sum(values: torch.Tensor, group: Optional[dist.ProcessGroup], device: torch.device) -> torch.Tensor:
+def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
     """Sum a small host tensor over ranks and return it on the host."""
     target = comm_device(group, device)
     moved = values.to(target)
@@ -38,7 +36,7 @@ def all_reduce_sum(values: torch.Tensor, group: Optional[dist.ProcessGroup], dev
     return moved.cpu()
 
 
-def gather_host(shard: torch.Tensor, group: Optional[dist.ProcessGroup], device: torch.device) -> torch.Tensor:
+def gather_host(shard: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
     """All-gather equal host shards into one host tensor (checkpoint-time only, bucket by bucket)."""
     target = comm_device(group, device)
     world = dist.get_world_size(group)
@@ -47,7 +45,7 @@ def gather_host(shard: torch.Tensor, group: Optional[dist.ProcessGroup], device:
     return output.cpu()
 
 
-def broadcast_tensors_(tensors: list[torch.Tensor], group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+def broadcast_tensors_(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device) -> None:
     """Overwrite ``tensors`` on every rank with rank 0's values (start from identical weights)."""
     target = comm_device(group, device)
     source = dist.get_global_rank(group, 0) if group is not None else 0

@@ -20,7 +20,7 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -70,7 +70,7 @@ class _Run(NamedTuple):
 
     start: int
     end: int
-    hparams: Optional[AdamHyperparams]  # None: the parameter got no gradient, leave it alone
+    hparams: AdamHyperparams | None  # None: the parameter got no gradient, leave it alone
     step: int
     multiplier: float
 
@@ -93,7 +93,7 @@ class OffloadEngine:
         device: torch.device,
         param_dtype: torch.dtype,
         options: OffloadOptions,
-        process_group: Optional[dist.ProcessGroup] = None,
+        process_group: dist.ProcessGroup | None = None,
         local_world_size: int = 1,
     ) -> None:
         options.validate()
@@ -127,9 +127,7 @@ class OffloadEngine:
             raise ValueError("The optimizer has no parameter with requires_grad=True: nothing to train")
 
         element = torch.empty(0, dtype=param_dtype).element_size()
-        self.layout: Layout = build_layout(
-            [p.shape for p in self.params], options.bucket_numel(element), world, rank
-        )
+        self.layout: Layout = build_layout([p.shape for p in self.params], options.bucket_numel(element), world, rank)
         pin = options.pin_memory and can_pin(device)
         shard = self.layout.shard_numel
         self.master = host_zeros(shard, torch.float32, pin and param_dtype == torch.float32)
@@ -149,27 +147,35 @@ class OffloadEngine:
         max_shard = max(b.shard_numel for b in self.layout.buckets)
         low_precision = param_dtype in LOW_PRECISION
         self._publish_pool = BufferPool(2, max_shard, param_dtype, pin) if low_precision else None
-        self._pending_publish: list[Optional[torch.Event]] = []
+        self._pending_publish: list[torch.Event | None] = []
         # Delayed Parameter Update: a second gradient buffer (backward t+1 fills one while the update of
         # step t reads the other) and the low-precision result waiting to be swapped in.
         self._grad_buffers = [self.grad]
-        self._next_params: Optional[torch.Tensor] = None
+        self._next_params: torch.Tensor | None = None
         if options.delayed_param_update:
             self._grad_buffers.append(host_zeros(shard, torch.float32, False))
             if low_precision:
                 self._next_params = host_zeros(shard, param_dtype, pin)
         self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-step")
-        self._pending: Optional[Future] = None
+        self._pending: Future | None = None
         self._publish_due = False
         self._last_update_s = 0.0
-        self._backward_start: Optional[float] = None
+        self._backward_start: float | None = None
         self._backward_s = 0.0
         self.step_calls = 0
         self.grads = GradientStreamer(
-            self.layout, self.params, self.grad, device, param_dtype, pin, self.num_threads, process_group, options.overlap
+            self.layout,
+            self.params,
+            self.grad,
+            device,
+            param_dtype,
+            pin,
+            self.num_threads,
+            process_group,
+            options.overlap,
         )
-        self.clip_norm: Optional[float] = None
-        self.clip_value: Optional[float] = None
+        self.clip_norm: float | None = None
+        self.clip_value: float | None = None
         self.last = StepStats(loss_scale=self.loss_scale)
         self.skipped_steps = 0
         self._closed = False
@@ -297,7 +303,7 @@ class OffloadEngine:
                 self.steps[index] += 1
         return plan
 
-    def _update_bucket(self, bucket: Bucket, runs: list[_Run], grad: torch.Tensor, out: Optional[torch.Tensor]) -> None:
+    def _update_bucket(self, bucket: Bucket, runs: list[_Run], grad: torch.Tensor, out: torch.Tensor | None) -> None:
         """The CPU update of this rank's chunk of one bucket; writes the low-precision copy into ``out``."""
         base = bucket.shard_start
         for run in runs:
@@ -330,7 +336,7 @@ class OffloadEngine:
         """Synchronous step, pipelined: the worker updates bucket k+1 while bucket k is published."""
         low_precision = self._publish_pool is not None
 
-        def update(bucket: Bucket, runs: list[_Run]) -> tuple[Optional[torch.Tensor], float]:
+        def update(bucket: Bucket, runs: list[_Run]) -> tuple[torch.Tensor | None, float]:
             out = self._publish_pool.acquire() if low_precision else None
             t = time.perf_counter()
             self._update_bucket(bucket, runs, self.grad, out)
@@ -406,7 +412,7 @@ class OffloadEngine:
             runs.append((seg.shard_start, seg.shard_end, i))
         return runs
 
-    def _publish(self, bucket: Bucket, out: Optional[torch.Tensor], pooled: bool = True) -> None:
+    def _publish(self, bucket: Bucket, out: torch.Tensor | None, pooled: bool = True) -> None:
         """Copy this rank's updated chunk of ``bucket`` to the device and gather the other chunks.
 
         ``out`` holds the low-precision chunk (None: copy the fp32 master itself).
@@ -440,7 +446,7 @@ class OffloadEngine:
         self._wait_publish()
         self._publish_due = False
 
-    def pending_state(self) -> Optional[dict[str, Any]]:
+    def pending_state(self) -> dict[str, Any] | None:
         """What a checkpoint needs to resume a delayed run bitwise: the stale device params in use.
 
         None when nothing is pending. Waits for a running update first, so the CPU state is complete.
@@ -471,7 +477,7 @@ class OffloadEngine:
 
     def _full_tensors(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """Assemble full per-parameter fp32 tensors from every rank's shard (a collective if sharded)."""
-        full: list[Optional[torch.Tensor]] = [None] * len(self.params)
+        full: list[torch.Tensor | None] = [None] * len(self.params)
         for bucket in self.layout.buckets:
             chunk = shard[bucket.shard_range]
             whole = gather_host(chunk, self.process_group, self.device) if self.layout.world_size > 1 else chunk

@@ -14,8 +14,8 @@ order even if gradients arrive in a different order (DDP does the same).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ class GradientStreamer:
         grad_dtype: torch.dtype,
         pin_memory: bool,
         num_threads: int,
-        process_group: Optional[dist.ProcessGroup] = None,
+        process_group: dist.ProcessGroup | None = None,
         overlap: bool = True,
     ) -> None:
         self.layout = layout
@@ -63,7 +63,7 @@ class GradientStreamer:
         max_shard = max((b.shard_numel for b in layout.buckets), default=0)
         self._device_buffer_numel = max_bucket
         # Free device buffers, each with the event after which its last transfer has read it.
-        self._free_device_buffers: list[tuple[torch.Tensor, Optional[torch.Event]]] = []
+        self._free_device_buffers: list[tuple[torch.Tensor, torch.Event | None]] = []
         self._stream = side_stream(device)
         self.device_buffers_live = 0
         self.device_buffers_peak = 0
@@ -72,7 +72,7 @@ class GradientStreamer:
         self._futures: list[Future] = []
 
         n_buckets = len(layout.buckets)
-        self._bucket_buffer: list[Optional[torch.Tensor]] = [None] * n_buckets
+        self._bucket_buffer: list[torch.Tensor | None] = [None] * n_buckets
         self._arrived = [0] * n_buckets
         self._next_launch = 0
         self._seen = [False] * len(params)
@@ -165,7 +165,7 @@ class GradientStreamer:
             self._accumulate(bucket, staging, copied)
             self._wait_s += time.perf_counter() - start
 
-    def _accumulate(self, bucket: Bucket, staging: torch.Tensor, copied: Optional[torch.Event]) -> None:
+    def _accumulate(self, bucket: Bucket, staging: torch.Tensor, copied: torch.Event | None) -> None:
         start = time.perf_counter()
         wait_event(copied)
         overwrite = self._fresh[bucket.index]

@@ -85,9 +85,7 @@ class Layout:
         return slice(slot.flat_start, slot.flat_start + slot.numel)
 
 
-def build_layout(
-    shapes: Sequence[torch.Size], bucket_numel: int, world_size: int = 1, rank: int = 0
-) -> Layout:
+def build_layout(shapes: Sequence[torch.Size], bucket_numel: int, world_size: int = 1, rank: int = 0) -> Layout:
     """Lay out parameters of the given shapes (in registration order) into buckets and shards."""
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import queue
 import weakref
 from contextlib import AbstractContextManager, nullcontext
-from typing import Optional
 
 import torch
 
@@ -44,12 +43,12 @@ def _register_pinned(tensor: torch.Tensor) -> None:
     weakref.finalize(tensor, cudart.cudaHostUnregister, pointer)
 
 
-def side_stream(device: torch.device) -> Optional[torch.Stream]:
+def side_stream(device: torch.device) -> torch.Stream | None:
     """A second stream for transfers, so they overlap compute; None where copies are synchronous (CPU)."""
     return None if device.type == "cpu" else torch.Stream(device=device)
 
 
-def on_stream(stream: Optional[torch.Stream]) -> AbstractContextManager:
+def on_stream(stream: torch.Stream | None) -> AbstractContextManager:
     """Make ``stream`` current (after it has waited for the work queued so far on the current one)."""
     if stream is None:
         return nullcontext()
@@ -57,13 +56,13 @@ def on_stream(stream: Optional[torch.Stream]) -> AbstractContextManager:
     return stream
 
 
-def stream_wait_event(device: torch.device, event: Optional[torch.Event]) -> None:
+def stream_wait_event(device: torch.device, event: torch.Event | None) -> None:
     """Queue a wait for ``event`` on the current stream (no host blocking)."""
     if event is not None:
         torch.accelerator.current_stream(device).wait_event(event)
 
 
-def record_event(device: torch.device) -> Optional[torch.Event]:
+def record_event(device: torch.device) -> torch.Event | None:
     """An event marking the work queued so far on ``device``; None where copies are synchronous."""
     if device.type == "cpu":
         return None
@@ -72,7 +71,7 @@ def record_event(device: torch.device) -> Optional[torch.Event]:
     return event
 
 
-def wait_event(event: Optional[torch.Event]) -> None:
+def wait_event(event: torch.Event | None) -> None:
     """Block the calling host thread until ``event`` has completed (no-op for synchronous devices)."""
     if event is not None:
         event.synchronize()
@@ -86,7 +85,7 @@ class BufferPool:
     """
 
     def __init__(self, count: int, numel: int, dtype: torch.dtype, pin: bool) -> None:
-        self._free: queue.SimpleQueue[tuple[torch.Tensor, Optional[torch.Event]]] = queue.SimpleQueue()
+        self._free: queue.SimpleQueue[tuple[torch.Tensor, torch.Event | None]] = queue.SimpleQueue()
         self.buffers = [host_empty(numel, dtype, pin) for _ in range(count)]
         for buffer in self.buffers:
             self._free.put((buffer, None))
@@ -100,5 +99,5 @@ class BufferPool:
         wait_event(event)
         return buffer
 
-    def release(self, buffer: torch.Tensor, event: Optional[torch.Event] = None) -> None:
+    def release(self, buffer: torch.Tensor, event: torch.Event | None = None) -> None:
         self._free.put((buffer, event))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 from lightning_zero_offload.engine.scaler import LossScalerConfig
 
@@ -26,7 +26,7 @@ class OffloadOptions:
     bucket_size_mb: float = 25.0
     pin_memory: bool = True
     overlap: bool = True
-    cpu_threads: Optional[int] = None
+    cpu_threads: int | None = None
     loss_scaler: LossScalerConfig = field(default_factory=LossScalerConfig)
     delayed_param_update: bool = False
     dpu_warmup_steps: int = 40

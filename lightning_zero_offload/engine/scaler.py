@@ -31,9 +31,7 @@ class LossScalerConfig:
         if self.hysteresis < 1:
             raise ValueError(f"loss_scale_hysteresis must be >= 1, got {self.hysteresis}")
         if not 0 < self.min_scale <= self.init_scale:
-            raise ValueError(
-                f"loss_scale_min must be in (0, loss_scale_init={self.init_scale}], got {self.min_scale}"
-            )
+            raise ValueError(f"loss_scale_min must be in (0, loss_scale_init={self.init_scale}], got {self.min_scale}")
 
 
 class DynamicLossScaler:

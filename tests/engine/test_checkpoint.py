@@ -53,7 +53,9 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, 
 
 def test_sharded_shard_math_matches_full_tensors(tmp_path):
     """Shard files reassembled by name give the full parameters and torch-format optimizer state."""
-    trainer = L.Trainer(strategy=ZeroOffloadStrategy(checkpoint_format="sharded", bucket_size_mb=0.001), max_steps=2, **QUIET)
+    trainer = L.Trainer(
+        strategy=ZeroOffloadStrategy(checkpoint_format="sharded", bucket_size_mb=0.001), max_steps=2, **QUIET
+    )
     model = Classifier(width=7)
     trainer.fit(model, loader())
     trainer.save_checkpoint(tmp_path / "s.ckpt")

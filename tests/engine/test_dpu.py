@@ -50,7 +50,10 @@ def test_dpu_trajectory_equals_the_delayed_reference_including_warmup():
 def test_dpu_bf16_uses_a_second_gradient_buffer_and_publishes_rne_copies():
     net = make_net()
     engine = OffloadEngine(
-        torch.optim.AdamW(net.parameters(), lr=1e-2), CPU, torch.bfloat16, options(delayed_param_update=True, dpu_warmup_steps=0)
+        torch.optim.AdamW(net.parameters(), lr=1e-2),
+        CPU,
+        torch.bfloat16,
+        options(delayed_param_update=True, dpu_warmup_steps=0),
     )
     assert len(engine._grad_buffers) == 2 and engine.grad is engine._grad_buffers[0]
     for batch in batches(3):

@@ -151,9 +151,7 @@ def test_device_gradient_memory_stays_within_two_buckets():
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
     bucket_mb = 64 * 65 * 2 / 2**20  # one layer of bf16 gradients per bucket
-    engine = OffloadEngine(
-        torch.optim.AdamW(net.parameters()), CPU, torch.bfloat16, options(bucket_size_mb=bucket_mb)
-    )
+    engine = OffloadEngine(torch.optim.AdamW(net.parameters()), CPU, torch.bfloat16, options(bucket_size_mb=bucket_mb))
     assert len(engine.layout.buckets) == 8
     worst = []
 
