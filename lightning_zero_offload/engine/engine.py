@@ -191,6 +191,7 @@ class OffloadEngine:
 
     def begin_backward(self) -> None:
         self._backward_start = time.perf_counter()
+        self.grads.begin()
 
     def finish_backward(self) -> None:
         if self._backward_start is not None:

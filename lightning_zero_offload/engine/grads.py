@@ -76,6 +76,7 @@ class GradientStreamer:
         self._arrived = [0] * n_buckets
         self._next_launch = 0
         self._seen = [False] * len(params)
+        self._open = False  # a backward pass has produced gradients that finish_backward has not flushed
         # Across an accumulation window: which params got a gradient, whether a bucket was written yet.
         self.has_grad = [False] * len(params)
         self._fresh = [True] * n_buckets
@@ -107,6 +108,7 @@ class GradientStreamer:
                 "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
             )
         self._seen[index] = True
+        self._open = True
         slot = self.layout.slots[index]
         buffer = self._acquire_bucket_buffer(slot.bucket)
         buffer[slot.bucket_offset : slot.bucket_offset + slot.numel].copy_(grad.reshape(-1))
@@ -182,8 +184,20 @@ class GradientStreamer:
         self._staging.release(staging)
         self._busy_s += time.perf_counter() - start
 
+    def begin(self) -> None:
+        """A backward pass starts: its flush will launch every bucket, even if this rank got no gradient."""
+        self._open = True
+
     def finish_backward(self) -> None:
-        """Launch what is left (parameters without a gradient count as zero) and wait for the CPU."""
+        """Launch what is left (parameters without a gradient count as zero) and wait for the CPU.
+
+        A second call without a backward in between only waits, so the collectives of a backward are
+        issued exactly once.
+        """
+        if not self._open:
+            self.wait()
+            return
+        self._open = False
         buckets = self.layout.buckets
         distributed = self.layout.world_size > 1
         for bucket in buckets[self._next_launch :]:
