@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import importlib
+import importlib.util
 import math
 import os
 import subprocess
@@ -118,12 +120,19 @@ def test_gpu_configs_use_a_model_of_100m_plus_parameters(capsys):
         assert n >= 100_000_000, (name, n)
 
 
+def resolve(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
 def test_defaults_without_config(capsys):
+    from lightning_zero_offload.demo import GPT, StdlibCorpusDataModule
+
     print_config()
     cfg = printed(capsys)
     assert cfg["seed_everything"] == 1234
-    assert cfg["model"]["class_path"] == "lightning_zero_offload.demo.model.GPT"
-    assert cfg["data"]["class_path"] == "lightning_zero_offload.demo.data.StdlibCorpusDataModule"
+    assert resolve(cfg["model"]["class_path"]) is GPT
+    assert resolve(cfg["data"]["class_path"]) is StdlibCorpusDataModule
 
 
 def test_any_user_model_and_datamodule_by_class_path():
@@ -196,6 +205,24 @@ def check_tiny_fit(cli, rows, out) -> None:
 def test_tiny_fit_with_auto_strategy(tmp_path, capsys):
     cli, rows, out = run_tiny_fit(tmp_path, capsys, "auto")
     check_tiny_fit(cli, rows, out)
+    check_plot_script(Path(cli.trainer.log_dir), tmp_path / "plots", capsys)
+
+
+def check_plot_script(log_dir: Path, out_dir: Path, capsys) -> None:
+    """scripts/plot_logs.py reads the run's metrics.csv; it plots when matplotlib (an extra) is installed."""
+    spec = importlib.util.spec_from_file_location("plot_logs", REPO / "scripts" / "plot_logs.py")
+    plot_logs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_logs)
+    series = plot_logs.read_metrics(log_dir)
+    assert len(series["train_loss"]) == 3 and len(series["val_ppl"]) == 1
+    assert plot_logs.time_columns([series]) == []  # the auto strategy logs no offload/*_ms timings
+    code = plot_logs.main([str(log_dir), "--label", "tiny", "--out", str(out_dir)])
+    if importlib.util.find_spec("matplotlib") is None:
+        assert code == 1
+        assert "lightning-zero-offload[plot]" in capsys.readouterr().err
+    else:
+        assert code == 0
+        assert (out_dir / "loss.png").stat().st_size > 0
 
 
 def test_tiny_fit_with_zero_offload_strategy(tmp_path, capsys):

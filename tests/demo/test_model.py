@@ -15,6 +15,16 @@ from lightning_zero_offload.demo.model import GPT
 TINY = {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32}
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # These models are tiny: one intra-op thread is fastest, and it avoids OpenMP spin-waiting turning a
+    # sub-second test into tens of seconds when other processes share the (2-core) machine.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def test_default_size_is_a_few_million_parameters():
     model = GPT()
     n = model.num_parameters()
