@@ -263,3 +263,73 @@ def test_main_returns_none_for_console_script(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["fit", "--config", str(REPO / "configs" / "cpu_demo.yaml"), "--print_config"])
     assert exc.value.code in (0, None)
+
+
+STRATEGY_YAML = """\
+trainer:
+  accelerator: cpu
+  devices: 1
+  precision: bf16-mixed
+  max_steps: 2
+  limit_val_batches: 1
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  strategy:
+    class_path: lightning_zero_offload.ZeroOffloadStrategy
+    init_args:
+      bucket_size_mb: 1
+      delayed_param_update: true
+      dpu_warmup_steps: 1
+"""
+
+PLAIN_CLI = """\
+import sys
+
+import torch
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
+
+
+class AdamBoring(BoringModel):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+cli = LightningCLI(AdamBoring, BoringDataModule, save_config_callback=None)
+assert "lightning_zero_offload" in sys.modules  # imported by jsonargparse from the class_path, not by us
+strategy = cli.trainer.strategy
+print(type(strategy).__name__, strategy.options.delayed_param_update, cli.trainer.global_step)
+"""
+
+
+def test_class_path_strategy_in_a_plain_lightning_cli_script_without_import(tmp_path):
+    """`class_path: lightning_zero_offload.ZeroOffloadStrategy` + `init_args:` works in any LightningCLI."""
+    (tmp_path / "config.yaml").write_text(STRATEGY_YAML)
+    (tmp_path / "train.py").write_text(PLAIN_CLI)
+    done = subprocess.run(
+        [sys.executable, "train.py", "fit", "--config", "config.yaml"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "ZeroOffloadStrategy True 2"
+
+
+def test_print_config_lists_only_the_strategy_own_options(tmp_path):
+    import inspect
+
+    import yaml
+
+    from lightning_zero_offload import ZeroOffloadStrategy
+
+    (tmp_path / "config.yaml").write_text(STRATEGY_YAML)
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_zero_offload", "fit", "--config", "config.yaml", "--print_config"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = yaml.safe_load(done.stdout)["trainer"]["strategy"]["init_args"]
+    own = set(inspect.signature(ZeroOffloadStrategy.__init__).parameters) - {"self"}
+    assert set(printed) <= own and "find_unused_parameters" not in printed and "bucket_size_mb" in printed
+    assert printed["delayed_param_update"] is True and printed["bucket_size_mb"] == 1
