@@ -1,0 +1,322 @@
+"""CPU Adam benchmark: our kernels against torch and the memory roofline, measured in one process.
+
+Rows, at 1 and 2 threads, for N params as one tensor and as 200 tensors of mixed sizes:
+  roofline        C probe that reads p, g, m, v and writes p, m, v (28 B/param), the Adam traffic
+  torch foreach   torch.optim.AdamW(foreach=True)
+  torch fused     torch.optim.AdamW(fused=True)
+  deepspeed       DeepSpeedCPUAdam (only if importable)
+  ours fp32       kernels.adam_step (one tensor) / CPUAdam (200 tensors)
+  torch offload   the offload step with torch ops: bf16 grad -> fp32, x unscale/clip factor,
+                  fused AdamW, params -> bf16
+  torch offload2  the same with the factor folded into fused AdamW's grad_scale (one pass fewer)
+  ours offload    kernels.adam_step_multi: bf16 grad in, fp32 master + bf16 param_out, one pass
+
+The implementations are interleaved within every repetition (the machine is shared and noisy) and
+each row reports the median; ratios are taken between rows of the same run.
+
+    python benchmarks/cpu_adam.py            # full run (about 3 minutes on 2 cores)
+    python benchmarks/cpu_adam.py --quick    # small sizes, few repetitions
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from lightning_zero_offload import kernels
+from lightning_zero_offload.optim import CPUAdam
+
+HP = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+FACTOR = 0.5  # the unscale x clip factor applied to the gradient in the offload rows
+RESULTS = Path(__file__).parent / "results" / "cpu_adam.json"
+
+
+def split_sizes(n: int, count: int, seed: int = 0) -> list[int]:
+    """`count` mixed sizes (log-normal, like a model's weights and biases) that sum to `n`."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.empty(count).log_normal_(0.0, 2.0, generator=gen)
+    sizes = [max(1, int(w)) for w in (weights / weights.sum() * n).tolist()]
+    sizes[sizes.index(max(sizes))] += n - sum(sizes)
+    return sizes
+
+
+def make(sizes: list[int], dtype: torch.dtype = torch.float32, fill: str = "randn") -> list[torch.Tensor]:
+    if fill == "zeros":
+        return [torch.zeros(s, dtype=dtype) for s in sizes]
+    return [torch.randn(s).to(dtype) for s in sizes]
+
+
+def build_cases(sizes: list[int], threads: int) -> dict[str, Callable[[], None]]:
+    """One closure per row, each with its own buffers, all doing one optimizer step per call."""
+    grads = make(sizes)
+    grads_bf16 = [g.to(torch.bfloat16) for g in grads]
+    single = len(sizes) == 1
+    cases: dict[str, Callable[[], None]] = {}
+
+    # The memory limit does not depend on how the params are split: one flat probe for both layouts.
+    probe = [torch.randn(sum(sizes)) for _ in range(4)]
+
+    def roofline() -> None:
+        kernels.bandwidth_probe(*probe, num_threads=threads)
+
+    cases["roofline"] = roofline
+
+    def torch_optimizer(**flags: bool) -> Callable[[], None]:
+        params = [torch.nn.Parameter(t) for t in make(sizes)]
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt = torch.optim.AdamW(
+            params,
+            lr=HP["lr"],
+            betas=(HP["beta1"], HP["beta2"]),
+            eps=HP["eps"],
+            weight_decay=HP["weight_decay"],
+            **flags,
+        )
+        return opt.step
+
+    cases["torch foreach"] = torch_optimizer(foreach=True)
+    cases["torch fused"] = torch_optimizer(fused=True)
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        params = [torch.nn.Parameter(t) for t in make(sizes)]
+        for p, g in zip(params, grads):
+            p.grad = g
+        ds = DeepSpeedCPUAdam(params, lr=HP["lr"], weight_decay=HP["weight_decay"], adamw_mode=True)
+        ds.step()
+        cases["deepspeed"] = ds.step
+    except Exception:  # optional baseline: not installed, or its JIT build failed
+        pass
+
+    params = [torch.nn.Parameter(t) for t in make(sizes)]
+    exp_avg, exp_avg_sq = make(sizes, fill="zeros"), make(sizes, fill="zeros")
+    if single:  # the kernel itself
+        counter = {"step": 0}
+
+        def ours_fp32() -> None:
+            counter["step"] += 1
+            kernels.adam_step(
+                params[0].data,
+                grads[0],
+                exp_avg[0],
+                exp_avg_sq[0],
+                step=counter["step"],
+                adamw_mode=True,
+                num_threads=threads,
+                **HP,
+            )
+
+        cases["ours fp32"] = ours_fp32
+    else:  # the optimizer, with its per-tensor Python work
+        for p, g in zip(params, grads):
+            p.grad = g
+        cpu_adam = CPUAdam(
+            params,
+            lr=HP["lr"],
+            betas=(HP["beta1"], HP["beta2"]),
+            eps=HP["eps"],
+            weight_decay=HP["weight_decay"],
+        )
+        cases["ours fp32"] = cpu_adam.step
+
+    # The offload step: fp32 master/moments, bf16 grads in, bf16 params out.
+    t_master, t_m, t_v = make(sizes), make(sizes, fill="zeros"), make(sizes, fill="zeros")
+    t_g32 = make(sizes, fill="zeros")
+    t_out = make(sizes, torch.bfloat16, fill="zeros")
+    t_steps = [torch.tensor(0.0) for _ in sizes]
+
+    def torch_offload() -> None:
+        torch._foreach_copy_(t_g32, grads_bf16)
+        torch._foreach_mul_(t_g32, FACTOR)
+        torch._foreach_add_(t_steps, 1.0)
+        torch._fused_adamw_(
+            t_master,
+            t_g32,
+            t_m,
+            t_v,
+            [],
+            t_steps,
+            lr=HP["lr"],
+            beta1=HP["beta1"],
+            beta2=HP["beta2"],
+            weight_decay=HP["weight_decay"],
+            eps=HP["eps"],
+            amsgrad=False,
+            maximize=False,
+        )
+        torch._foreach_copy_(t_out, t_master)
+
+    cases["torch offload"] = torch_offload
+
+    # A stronger torch variant than the brief's composition: the fused kernel divides the gradient
+    # by its grad_scale argument, which saves the separate multiply pass.
+    f_master, f_m, f_v = make(sizes), make(sizes, fill="zeros"), make(sizes, fill="zeros")
+    f_g32 = make(sizes, fill="zeros")
+    f_out = make(sizes, torch.bfloat16, fill="zeros")
+    f_steps = [torch.tensor(0.0) for _ in sizes]
+    inverse = torch.tensor(1.0 / FACTOR)
+
+    def torch_offload_scale() -> None:
+        torch._foreach_copy_(f_g32, grads_bf16)
+        torch._foreach_add_(f_steps, 1.0)
+        torch._fused_adamw_(
+            f_master,
+            f_g32,
+            f_m,
+            f_v,
+            [],
+            f_steps,
+            lr=HP["lr"],
+            beta1=HP["beta1"],
+            beta2=HP["beta2"],
+            weight_decay=HP["weight_decay"],
+            eps=HP["eps"],
+            amsgrad=False,
+            maximize=False,
+            grad_scale=inverse,
+        )
+        torch._foreach_copy_(f_out, f_master)
+
+    cases["torch offload2"] = torch_offload_scale
+
+    o_master, o_m, o_v = make(sizes), make(sizes, fill="zeros"), make(sizes, fill="zeros")
+    o_out = make(sizes, torch.bfloat16, fill="zeros")
+    o_step = {"step": 0}
+
+    def ours_offload() -> None:
+        o_step["step"] += 1
+        kernels.adam_step_multi(
+            o_master,
+            grads_bf16,
+            o_m,
+            o_v,
+            [o_step["step"]] * len(sizes),
+            adamw_mode=True,
+            grad_scale=FACTOR,
+            params_out=o_out,
+            num_threads=threads,
+            **HP,
+        )
+
+    cases["ours offload"] = ours_offload
+    return cases
+
+
+def measure(cases: dict[str, Callable[[], None]], reps: int, warmup: int) -> dict[str, float]:
+    """Median seconds per call; every repetition runs every case once, in a rotating order."""
+    names = list(cases)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(warmup + reps):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        for name in order:
+            start = time.perf_counter()
+            cases[name]()
+            elapsed = time.perf_counter() - start
+            if rep >= warmup:
+                times[name].append(elapsed)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def machine_info() -> dict[str, object]:
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "cpu": model,
+        "machine": platform.machine(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "backend": kernels.backend(),
+        "available_backends": kernels.available_backends(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="N = 2^18, 2^20 and 5 repetitions")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--tensors", type=int, default=200, help="tensors in the many-tensor layout")
+    parser.add_argument("--out", type=Path, default=None, help=f"JSON report (default: {RESULTS}; --quick: none)")
+    args = parser.parse_args()
+    sizes_n = [1 << 18, 1 << 20] if args.quick else [1 << 22, 1 << 25]
+    reps = args.reps or (5 if args.quick else 30)
+
+    rows = []
+    header = f"{'threads':>7} {'N':>9} {'layout':>11} {'impl':<14} {'ms':>8} {'Mparam/s':>9} {'% roof':>7}"
+    print(header)
+    print("-" * len(header))
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        kernels.set_num_threads(threads)  # CPUAdam uses the module default
+        for n in sizes_n:
+            for layout, sizes in (
+                ("1 tensor", [n]),
+                (f"{args.tensors} tensors", split_sizes(n, args.tensors)),
+            ):
+                cases = build_cases(sizes, threads)
+                load = os.getloadavg()[0]  # other processes on the machine skew 2-thread rows most
+                medians = measure(cases, reps=reps, warmup=3)
+                roof = n / medians["roofline"]
+                result = {
+                    "threads": threads,
+                    "n": n,
+                    "layout": layout,
+                    "load_average_1min": load,
+                    "seconds": medians,
+                    "mparam_per_s": {k: n / t / 1e6 for k, t in medians.items()},
+                    "percent_of_roofline": {k: 100 * n / t / roof for k, t in medians.items()},
+                    "ratios": {
+                        "ours fp32 / torch fused": medians["torch fused"] / medians["ours fp32"],
+                        "ours fp32 / roofline": medians["roofline"] / medians["ours fp32"],
+                        "ours offload / torch offload": medians["torch offload"] / medians["ours offload"],
+                        "ours offload / torch offload2": medians["torch offload2"] / medians["ours offload"],
+                    },
+                }
+                rows.append(result)
+                for name, t in medians.items():
+                    print(
+                        f"{threads:>7} {f'2^{n.bit_length() - 1}':>9} {layout:>11} {name:<14} {t * 1e3:8.2f} "
+                        f"{n / t / 1e6:9.0f} {100 * n / t / roof:6.1f}%"
+                    )
+                ratios = "  ".join(f"{k}: {v:.2f}x" for k, v in result["ratios"].items())
+                print(f"{'':>7} ratios  {ratios}  (load average {load:.1f})")
+                del cases
+
+    report = {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "config": {
+            "sizes": sizes_n,
+            "reps": reps,
+            "warmup": 3,
+            "tensors": args.tensors,
+            "hparams": HP,
+            "offload_grad_factor": FACTOR,
+            "quick": args.quick,
+        },
+        "rows": rows,
+    }
+    out = args.out or (None if args.quick else RESULTS)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,534 @@
+"""CPU kernels of the offload step: a fused Adam/AdamW update and gradient accumulation.
+
+Why native code: torch's fused CPU AdamW already runs a plain fp32 step at memory bandwidth, but the
+offload step around it (cast the bf16/fp16 grads, unscale and clip, step, cast the params back)
+takes several passes and >= 48 B/param. :func:`adam_step` does all of it in one pass of 28 B/param,
+and :func:`grad_accumulate` computes the gradient norm and the inf/nan check in the same pass that
+copies gradients into the CPU buffer.
+
+Every kernel has one Python signature, implemented twice: by the C extension
+``lightning_zero_offload._native`` (built when the package is installed; AVX-512, AVX2 or portable
+code chosen at import) and by torch ops, used when the extension is missing or when
+``set_backend("torch")``/``LZO_BACKEND=torch`` asks for it. Arguments are validated up front; the
+kernels work in place on the caller's memory and never on a hidden copy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+import os
+import warnings
+from collections.abc import Sequence
+from typing import NamedTuple, NoReturn
+
+import torch
+from torch import Tensor
+
+try:
+    from lightning_zero_offload._native import ffi, lib
+except ImportError as _error:
+    ffi = lib = None
+    _import_error: ImportError | None = _error
+else:
+    _import_error = None
+
+__all__ = [
+    "adam_step",
+    "adam_step_multi",
+    "available_backends",
+    "backend",
+    "bandwidth_probe",
+    "get_num_threads",
+    "grad_accumulate",
+    "set_backend",
+    "set_num_threads",
+]
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_GRAD_DTYPES = (torch.float32, *_LOW_PRECISION)
+if lib is not None:
+    _DTYPE_CODES = {
+        torch.float32: lib.LZO_FLOAT32,
+        torch.bfloat16: lib.LZO_BFLOAT16,
+        torch.float16: lib.LZO_FLOAT16,
+    }
+    _ISAS = {"avx512": lib.LZO_ISA_AVX512, "avx2": lib.LZO_ISA_AVX2, "scalar": lib.LZO_ISA_SCALAR}
+else:
+    _DTYPE_CODES, _ISAS = {}, {}
+
+
+class _AdamHparams(NamedTuple):
+    """Field order is that of the C struct lzo_adam_hparams (the tuple initialises it)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_scale: float
+    adamw_mode: bool
+    maximize: bool
+
+
+def _default_num_threads() -> int:
+    """The cores this process may run on (not OMP_NUM_THREADS, which torchrun sets to 1)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+_num_threads = _default_num_threads()
+_backend = "torch"
+
+
+def available_backends() -> list[str]:
+    """Backends this CPU and build can run, fastest first; ``"torch"`` is always last."""
+    return [name for name, isa in _ISAS.items() if lib.lzo_isa_supported(isa)] + ["torch"]
+
+
+def backend() -> str:
+    """The active path: ``"avx512"``, ``"avx2"``, ``"scalar"`` (native) or ``"torch"`` (fallback)."""
+    return _backend
+
+
+def set_backend(name: str) -> None:
+    """Force a path (tests, benchmarks). Raises ValueError naming the choices if it cannot run here."""
+    global _backend
+    choices = available_backends()
+    if name not in choices:
+        raise ValueError(f"backend {name!r} is not available on this machine; choose one of {choices}")
+    if name != "torch":
+        lib.lzo_set_isa(_ISAS[name])
+    _backend = name
+
+
+def set_num_threads(n: int) -> None:
+    """Default thread count of the native kernels (initially the cores this process may use).
+
+    The torch fallback ignores it: torch ops use ``torch.set_num_threads``.
+    """
+    global _num_threads
+    _num_threads = _check_threads("n", n)
+
+
+def get_num_threads() -> int:
+    """Thread count used when a call passes ``num_threads=None``."""
+    return _num_threads
+
+
+# --------------------------------------------------------------------------------------------------
+# argument checks: every message names the argument and says what to pass instead
+
+
+def _check_threads(name: str, n: object) -> int:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= 1, got {n!r}")
+    if n < 1:
+        raise ValueError(f"{name} must be >= 1, got {n}")
+    return int(n)
+
+
+def _real(name: str, value: object) -> float:
+    if type(value) is not float:  # the common case skips the slow ABC check
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+        value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_step(name: str, step: object) -> int:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"{name} must be an int (the 1-based count of this update), got {step!r}")
+    if step < 1:
+        raise ValueError(f"{name} must be >= 1 (the first update is step 1), got {step}")
+    return int(step)
+
+
+def _check_tensor(
+    name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: int | None = None, numel_of: str = ""
+) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu" or t.layout != torch.strided:
+        raise ValueError(
+            f"{name} is a {t.layout} tensor on {t.device}; the CPU kernels need dense CPU tensors "
+            "(use .cpu() / .to_dense())"
+        )
+    if t.dtype not in dtypes:
+        expected = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} has dtype {t.dtype}; expected {expected}")
+    if not t.is_contiguous():
+        raise ValueError(
+            f"{name} is not contiguous; the kernels update memory in place, so pass a contiguous tensor "
+            "(for example a view of a flat buffer) rather than a strided view"
+        )
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements but {numel_of} has {numel}; sizes must match")
+
+
+def _check_hparams(
+    lr: object,
+    beta1: object,
+    beta2: object,
+    eps: object,
+    weight_decay: object,
+    adamw_mode: object,
+    maximize: object,
+    grad_scale: object,
+) -> _AdamHparams:
+    hp = _AdamHparams(
+        lr=_real("lr", lr),
+        beta1=_real("beta1", beta1),
+        beta2=_real("beta2", beta2),
+        eps=_real("eps", eps),
+        weight_decay=_real("weight_decay", weight_decay),
+        grad_scale=_real("grad_scale", grad_scale),
+        adamw_mode=bool(adamw_mode),
+        maximize=bool(maximize),
+    )
+    if hp.lr < 0:
+        raise ValueError(f"lr must be >= 0, got {hp.lr}")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= getattr(hp, name) < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {getattr(hp, name)}")
+    if hp.eps <= 0:
+        raise ValueError(f"eps must be > 0 (it keeps the update finite where exp_avg_sq is 0), got {hp.eps}")
+    if hp.weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {hp.weight_decay}")
+    return hp
+
+
+def _adam_table(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    params_out: Sequence[Tensor] | None,
+    steps: Sequence[int] | Sequence[Tensor],
+    plural: bool,
+) -> list[tuple[int, ...]]:
+    """Validate the tensors of one Adam call; returns the rows of the C table (lzo_adam_tensor).
+
+    One fast pass that checks and collects at once; only if it fails does _explain_bad_tensors look
+    for the culprit, so a valid call with hundreds of tensors costs little Python time.
+    """
+    count = len(params)
+    others = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "params_out": params_out}
+    for name, tensors in others.items():
+        if tensors is not None and len(tensors) != count:
+            raise ValueError(f"{name} has {len(tensors)} tensors but params has {count}; pass one per param")
+    if count == 0:
+        return []
+    f32 = torch.float32
+    counters = isinstance(steps[0], Tensor)
+    grad_dtype = getattr(grads[0], "dtype", None)
+    out_dtype = None if params_out is None else getattr(params_out[0], "dtype", None)
+    rows = []
+    try:
+        for p, g, m, v, o, step in zip(
+            params, grads, exp_avgs, exp_avg_sqs, params_out or itertools.repeat(None), steps
+        ):
+            n = p.numel()
+            if not (
+                p.is_cpu
+                and g.is_cpu
+                and m.is_cpu
+                and v.is_cpu
+                and p.dtype is f32
+                and g.dtype is grad_dtype
+                and m.dtype is f32
+                and v.dtype is f32
+                and p.is_contiguous()
+                and g.is_contiguous()
+                and m.is_contiguous()
+                and v.is_contiguous()
+                and g.numel() == n
+                and m.numel() == n
+                and v.numel() == n
+                and (o is None or (o.is_cpu and o.dtype is out_dtype and o.is_contiguous() and o.numel() == n))
+            ):
+                break
+            if counters:
+                if not (step.is_cpu and step.dtype is f32 and step.dim() == 0):
+                    break
+                step, counter = 0, step.data_ptr()
+            else:
+                counter = 0
+            out = 0 if o is None else o.data_ptr()
+            rows.append((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), out, n, step, counter))
+    except (AttributeError, RuntimeError):  # not a tensor, or a layout without strides
+        pass
+    if len(rows) == count and grad_dtype in _GRAD_DTYPES and (params_out is None or out_dtype in _LOW_PRECISION):
+        return rows
+    _explain_bad_tensors(params, grads, exp_avgs, exp_avg_sqs, params_out, steps, plural)
+
+
+def _explain_bad_tensors(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    params_out: Sequence[Tensor] | None,
+    steps: Sequence[int] | Sequence[Tensor],
+    plural: bool,
+) -> NoReturn:
+    """Raise the error that names the first invalid tensor of an Adam call and says how to fix it."""
+    if isinstance(steps[0], Tensor):
+        for i, step in enumerate(steps):
+            if not (isinstance(step, Tensor) and step.is_cpu and step.dtype is torch.float32 and step.dim() == 0):
+                raise TypeError(
+                    f"steps[{i}] must be a 0-dim float32 CPU tensor (torch's state['step']) like steps[0]; "
+                    "or pass every step as an int"
+                )
+    f32 = (torch.float32,)
+    lists = [("grad", grads, _GRAD_DTYPES), ("exp_avg", exp_avgs, f32), ("exp_avg_sq", exp_avg_sqs, f32)]
+    if params_out is not None:
+        lists.append(("param_out", params_out, _LOW_PRECISION))
+    for i, param in enumerate(params):
+        param_name = f"params[{i}]" if plural else "param"
+        _check_tensor(param_name, param, f32)
+        for name, tensors, dtypes in lists:
+            _check_tensor(f"{name}s[{i}]" if plural else name, tensors[i], dtypes, param.numel(), param_name)
+    raise TypeError("all grads of one call must share a dtype, as must all params_out; split the call by dtype")
+
+
+# --------------------------------------------------------------------------------------------------
+# public kernels
+
+
+def adam_step(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool,
+    maximize: bool = False,
+    grad_scale: float = 1.0,
+    param_out: Tensor | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """One Adam (``adamw_mode=False``, L2) or AdamW (decoupled decay) update, in place.
+
+    Follows torch's single-tensor Adam/AdamW order of operations, with the gradient first multiplied
+    by ``grad_scale`` (the engine's unscale x clip factor). ``param``, ``exp_avg`` and ``exp_avg_sq``
+    are contiguous fp32 CPU tensors; ``grad`` is fp32, bf16 or fp16. If ``param_out`` (bf16 or fp16)
+    is given, it receives the updated param rounded to nearest even in the same pass: the
+    low-precision copy that goes back to the accelerator.
+    """
+    hp = _check_hparams(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize, grad_scale)
+    step = _check_step("step", step)
+    nt = _num_threads if num_threads is None else _check_threads("num_threads", num_threads)
+    outs = None if param_out is None else [param_out]
+    table = _adam_table([param], [grad], [exp_avg], [exp_avg_sq], outs, [step], plural=False)
+    _adam_impl(table, [param], [grad], [exp_avg], [exp_avg_sq], outs, [step], hp, nt)
+
+
+def adam_step_multi(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[int] | Sequence[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw_mode: bool,
+    maximize: bool = False,
+    grad_scale: float = 1.0,
+    params_out: Sequence[Tensor] | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """:func:`adam_step` over many tensors in ONE native call (pointer arrays, threads split the total).
+
+    Why: a model has hundreds of small tensors, and a call per tensor would cost more in Python and
+    thread wake-ups than the update itself. ``steps[i]`` is tensor i's own step number (torch keeps
+    one per param), either as an int >= 1 or as torch's ``state["step"]`` tensor (0-dim float32,
+    the count before this update), which the call increments in place: then counting steps costs
+    no Python work per tensor. All grads must share a dtype, as must all ``params_out``.
+    """
+    hp = _check_hparams(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize, grad_scale)
+    if len(steps) != len(params):
+        raise ValueError(f"steps has {len(steps)} entries but params has {len(params)}; pass one per param")
+    counters = bool(steps) and isinstance(steps[0], Tensor)
+    if not counters and not all(type(s) is int and s >= 1 for s in steps):
+        steps = [_check_step(f"steps[{i}]", s) for i, s in enumerate(steps)]
+    nt = _num_threads if num_threads is None else _check_threads("num_threads", num_threads)
+    table = _adam_table(params, grads, exp_avgs, exp_avg_sqs, params_out, steps, plural=True)
+    if table:
+        _adam_impl(table, params, grads, exp_avgs, exp_avg_sqs, params_out, steps, hp, nt)
+
+
+def grad_accumulate(
+    dst: Tensor,
+    src: Tensor,
+    *,
+    scale: float = 1.0,
+    overwrite: bool = False,
+    num_threads: int | None = None,
+) -> tuple[float, bool]:
+    """``dst = src * scale`` (``overwrite``) or ``dst += src * scale``, in one pass over memory.
+
+    Returns the sum of squares of ``dst`` after the update (accumulated in double; the same value
+    for any thread count) and whether ``dst`` now holds an inf or nan, so the gradient norm and the
+    overflow check need no second pass. ``dst`` is contiguous fp32; ``src`` is fp32, bf16 or fp16.
+    """
+    scale = _real("scale", scale)
+    nt = _num_threads if num_threads is None else _check_threads("num_threads", num_threads)
+    _check_tensor("dst", dst, (torch.float32,))
+    _check_tensor("src", src, _GRAD_DTYPES, dst.numel(), "dst")
+    if _backend == "torch":
+        sumsq = _torch_grad_accumulate(dst, src, scale, bool(overwrite))
+    else:
+        sumsq = lib.lzo_grad_accumulate(
+            ffi.cast("float *", dst.data_ptr()),
+            ffi.cast("void *", src.data_ptr()),
+            dst.numel(),
+            _DTYPE_CODES[src.dtype],
+            scale,
+            bool(overwrite),
+            nt,
+        )
+    # A finite float squared is < 2^256, so the double sum is finite iff every element is.
+    return sumsq, not math.isfinite(sumsq)
+
+
+def bandwidth_probe(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, num_threads: int | None = None) -> None:
+    """The memory roofline of an fp32 Adam step: reads p, g, m, v and writes p, m, v (28 B/element).
+
+    For benchmarks (it changes the tensors). Uses the active native backend's vector width.
+    """
+    if _backend == "torch":
+        raise RuntimeError("bandwidth_probe needs a native backend; the active backend is 'torch'")
+    nt = _num_threads if num_threads is None else _check_threads("num_threads", num_threads)
+    for name, t in (("p", p), ("g", g), ("m", m), ("v", v)):
+        _check_tensor(name, t, (torch.float32,), p.numel(), "p")
+    lib.lzo_bandwidth_probe(*(ffi.cast("float *", t.data_ptr()) for t in (p, g, m, v)), p.numel(), nt)
+
+
+# --------------------------------------------------------------------------------------------------
+# implementations
+
+
+def _adam_impl(
+    table: list[tuple[int, ...]],
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    params_out: Sequence[Tensor] | None,
+    steps: Sequence[int] | Sequence[Tensor],
+    hp: _AdamHparams,
+    num_threads: int,
+) -> None:
+    if _backend == "torch":
+        _torch_adam(params, grads, exp_avgs, exp_avg_sqs, params_out, steps, hp)
+        return
+    bad = lib.lzo_adam_step(
+        ffi.new("lzo_adam_hparams *", hp),
+        ffi.new("lzo_adam_tensor[]", table),
+        len(table),
+        _DTYPE_CODES[grads[0].dtype],
+        lib.LZO_NONE if params_out is None else _DTYPE_CODES[params_out[0].dtype],
+        num_threads,
+    )
+    if bad:
+        raise _bad_counter(bad - 1, steps[bad - 1])
+
+
+def _bad_counter(index: int, counter: Tensor) -> ValueError:
+    return ValueError(f"steps[{index}] holds {float(counter)}; a step count must be >= 0 before the update")
+
+
+def _torch_adam(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    params_out: Sequence[Tensor] | None,
+    steps: Sequence[int] | Sequence[Tensor],
+    hp: _AdamHparams,
+) -> None:
+    """Fallback: cast/scale the grads (temporaries), torch's fused CPU Adam, then the copy-out."""
+    if isinstance(steps[0], Tensor):  # torch-format counters: incremented in place, as torch does
+        bad = next((i for i, s in enumerate(steps) if not float(s) >= 0), None)
+        if bad is not None:
+            raise _bad_counter(bad, steps[bad])
+        torch._foreach_add_(list(steps), 1.0)
+        step_tensors = list(steps)
+    else:
+        step_tensors = [torch.tensor(float(s)) for s in steps]
+    if grads[0].dtype != torch.float32 or hp.grad_scale != 1.0:
+        grads = [g.to(torch.float32, copy=True).mul_(hp.grad_scale) for g in grads]
+    fused = torch._fused_adamw_ if hp.adamw_mode else torch._fused_adam_
+    fused(
+        list(params),
+        list(grads),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        [],
+        step_tensors,
+        lr=hp.lr,
+        beta1=hp.beta1,
+        beta2=hp.beta2,
+        weight_decay=hp.weight_decay,
+        eps=hp.eps,
+        amsgrad=False,
+        maximize=hp.maximize,
+    )
+    for param, out in zip(params, params_out or ()):
+        out.copy_(param)
+
+
+def _torch_grad_accumulate(dst: Tensor, src: Tensor, scale: float, overwrite: bool) -> float:
+    """Fallback: the same arithmetic (exact cast, multiply, add) in two passes."""
+    if overwrite:
+        dst.copy_(src)
+        dst.mul_(scale)
+    else:
+        dst.add_(src.to(torch.float32, copy=True).mul_(scale))
+    return float(torch.linalg.vector_norm(dst, dtype=torch.float64)) ** 2
+
+
+def _select_initial_backend() -> None:
+    requested = os.environ.get("LZO_BACKEND", "").strip().lower()
+    if lib is None and requested != "torch":
+        warnings.warn(
+            f"lightning_zero_offload: native CPU kernels are not built ({_import_error}); using the slower "
+            "torch fallback. To build them, install a C compiler (e.g. gcc) and reinstall: "
+            "`pip install --force-reinstall --no-deps -e .` in a source checkout, or "
+            "`pip install --force-reinstall --no-deps lightning-zero-offload`.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if requested:
+        try:
+            set_backend(requested)
+        except ValueError as err:
+            raise ValueError(f"LZO_BACKEND={requested!r}: {err}") from None
+    else:
+        set_backend(available_backends()[0])
+    if lib is not None and not lib.lzo_has_openmp():
+        warnings.warn(
+            "lightning_zero_offload: the native kernels were built without OpenMP and run single-threaded; "
+            "install OpenMP for your compiler (e.g. libomp) and reinstall the package to use all cores.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+_select_initial_backend()

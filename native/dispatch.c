@@ -1,0 +1,188 @@
+/* The one dispatch point: instruction-set selection, per-tensor Adam constants and the split of
+ * work over threads.
+ *
+ * Threads claim fixed pieces of work dynamically (OpenMP schedule(dynamic)): on a shared machine a
+ * descheduled thread then delays only the piece it holds, where a static split would make the
+ * whole call wait for it.
+ *
+ * Determinism: the Adam step is elementwise and every lane gets the same arithmetic (tails go
+ * through padded vectors), so any split gives identical bits. The sum of squares in
+ * grad_accumulate is reduced over blocks whose size depends only on n, and the block partials are
+ * added in block order, so it is also identical for any thread count. */
+#define LZO_INTERNAL
+#include "lzo.h"
+
+#include <math.h>
+
+/* Below this many elements one thread is faster than waking a team. */
+#define PARALLEL_MIN ((int64_t)1 << 15)
+/* Elements per piece of work a thread claims: 256 KiB of every fp32 stream. */
+#define CHUNK ((int64_t)1 << 16)
+/* grad_accumulate: at most this many blocks of at least BLOCK_MIN elements. */
+#define MAX_BLOCKS 1024
+#define BLOCK_MIN ((int64_t)1 << 14)
+/* grad_accumulate overwriting at least this many elements (1 MiB, beyond the caches that matter)
+ * stores dst non-temporally: it is only written, so reading it into the cache first is waste. */
+#define STREAM_MIN ((int64_t)1 << 18)
+
+static const lzo_kernel_table *active = &lzo_kernels_scalar;
+
+int lzo_isa_supported(int isa)
+{
+    switch (isa) {
+    case LZO_ISA_SCALAR:
+        return 1;
+#if defined(__x86_64__) || defined(__i386__)
+    case LZO_ISA_AVX2:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+               __builtin_cpu_supports("f16c");
+    case LZO_ISA_AVX512:
+        __builtin_cpu_init();
+        return __builtin_cpu_supports("avx512f");
+#endif
+    default:
+        return 0;
+    }
+}
+
+int lzo_set_isa(int isa)
+{
+    if (!lzo_isa_supported(isa))
+        return -1;
+    switch (isa) {
+#if defined(__x86_64__) || defined(__i386__)
+    case LZO_ISA_AVX512:
+        active = &lzo_kernels_avx512;
+        break;
+    case LZO_ISA_AVX2:
+        active = &lzo_kernels_avx2;
+        break;
+#endif
+    default:
+        active = &lzo_kernels_scalar;
+    }
+    return 0;
+}
+
+int lzo_has_openmp(void)
+{
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static int element_size(int dtype) { return dtype == LZO_FLOAT32 ? 4 : 2; }
+
+/* Scalars are computed in double and rounded to float once, in torch's order of operations. */
+static lzo_adam_consts adam_consts(const lzo_adam_hparams *hp, double step)
+{
+    lzo_adam_consts c;
+    double bc1 = 1.0 - pow(hp->beta1, step);
+    double bc2 = 1.0 - pow(hp->beta2, step);
+    float w = (float)(1.0 - hp->beta1);
+    c.grad_scale = (float)(hp->maximize ? -hp->grad_scale : hp->grad_scale);
+    c.l2 = hp->adamw_mode ? 0.0f : (float)hp->weight_decay;
+    c.decay = hp->adamw_mode && hp->weight_decay != 0.0 ? (float)(1.0 - hp->lr * hp->weight_decay)
+                                                        : 1.0f;
+    c.lerp_from_end = !(w < 0.5f);
+    c.lerp_w = c.lerp_from_end ? w - 1.0f : w;
+    c.beta2 = (float)hp->beta2;
+    c.one_minus_beta2 = (float)(1.0 - hp->beta2);
+    c.bc2_sqrt = (float)pow(bc2, 0.5);
+    c.neg_step_size = (float)(-(hp->lr / bc1));
+    c.eps = (float)hp->eps;
+    return c;
+}
+
+/* The step number this call uses for t: `step`, or the counter plus one (in float32, as torch
+ * counts). Counters are stored back only after the update, so every thread reads the same value. */
+static double next_step(const lzo_adam_tensor *t)
+{
+    if (!t->step_counter)
+        return (double)t->step;
+    return (double)(*(const float *)(intptr_t)t->step_counter + 1.0f);
+}
+
+int64_t lzo_adam_step(const lzo_adam_hparams *hp, const lzo_adam_tensor *tensors, size_t count,
+                      int grad_dtype, int out_dtype, int num_threads)
+{
+    const lzo_kernel_table *k = active;
+    int64_t total = 0;
+    for (size_t i = 0; i < count; ++i) {
+        if (!(next_step(&tensors[i]) >= 1.0)) /* also catches a NaN counter */
+            return (int64_t)i + 1;
+        total += tensors[i].numel;
+    }
+    int64_t gsz = element_size(grad_dtype);
+    int nt = num_threads > 1 ? num_threads : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1 && total >= PARALLEL_MIN)
+    {
+        /* Cursor: tensor i starts at element `start` of the concatenation. A thread's chunks come
+         * in increasing order, so its cursor only moves forward. */
+        size_t i = 0, consts_of = count; /* c holds the constants of tensor consts_of */
+        int64_t start = 0;
+        lzo_adam_consts c;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t chunk = 0; chunk < (total + CHUNK - 1) / CHUNK; ++chunk) {
+            int64_t lo = chunk * CHUNK, hi = lo + CHUNK < total ? lo + CHUNK : total;
+            while (start + tensors[i].numel <= lo)
+                start += tensors[i++].numel;
+            /* run the kernel on the part of each tensor that lies in [lo, hi) */
+            int64_t s = start;
+            for (size_t j = i; j < count && s < hi; s += tensors[j++].numel) {
+                const lzo_adam_tensor *t = &tensors[j];
+                int64_t a = lo > s ? lo - s : 0, b = hi - s < t->numel ? hi - s : t->numel;
+                if (a >= b)
+                    continue;
+                if (consts_of != j) {
+                    c = adam_consts(hp, next_step(t));
+                    consts_of = j;
+                }
+                void *out = out_dtype == LZO_NONE ? NULL : (uint16_t *)(intptr_t)t->param_out + a;
+                k->adam(&c, (float *)(intptr_t)t->param + a, (const char *)(intptr_t)t->grad + a * gsz,
+                        (float *)(intptr_t)t->exp_avg + a, (float *)(intptr_t)t->exp_avg_sq + a, out,
+                        b - a, grad_dtype, out_dtype);
+            }
+        }
+    }
+    for (size_t i = 0; i < count; ++i)
+        if (tensors[i].step_counter)
+            *(float *)(intptr_t)tensors[i].step_counter += 1.0f;
+    return 0;
+}
+
+double lzo_grad_accumulate(float *dst, const void *src, int64_t n, int src_dtype, float scale,
+                           int overwrite, int num_threads)
+{
+    const lzo_kernel_table *k = active;
+    int64_t block = (n + MAX_BLOCKS - 1) / MAX_BLOCKS;
+    block = block < BLOCK_MIN ? BLOCK_MIN : (block + 63) / 64 * 64;
+    int64_t nblocks = (n + block - 1) / block, ssz = element_size(src_dtype);
+    double partial[MAX_BLOCKS];
+    int nt = num_threads > 1 ? num_threads : 1, stream = n >= STREAM_MIN;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && nblocks > 1)
+    for (int64_t b = 0; b < nblocks; ++b) {
+        int64_t start = b * block, len = n - start < block ? n - start : block;
+        partial[b] = k->accumulate(dst + start, (const char *)src + start * ssz, len, src_dtype,
+                                   scale, overwrite, stream);
+    }
+    double sumsq = 0.0;
+    for (int64_t b = 0; b < nblocks; ++b)
+        sumsq += partial[b];
+    return sumsq;
+}
+
+void lzo_bandwidth_probe(float *p, const float *g, float *m, float *v, int64_t n,
+                         int num_threads)
+{
+    const lzo_kernel_table *k = active;
+    int nt = num_threads > 1 ? num_threads : 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && n >= PARALLEL_MIN)
+    for (int64_t lo = 0; lo < n; lo += CHUNK) {
+        int64_t len = n - lo < CHUNK ? n - lo : CHUNK;
+        k->probe(p + lo, g + lo, m + lo, v + lo, len);
+    }
+}

@@ -1,0 +1,179 @@
+/* Portable kernels: plain C that compiles anywhere (gcc auto-vectorises the fp32 loops with the
+ * baseline instruction set). The bf16/fp16 conversions are exact bit manipulations. */
+#define LZO_INTERNAL
+#include "lzo.h"
+
+#include <math.h>
+#include <string.h>
+
+static inline uint32_t f32_bits(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
+static inline float bits_f32(uint32_t u)
+{
+    float x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+/* Round to nearest even; NaN stays NaN (quieted, sign and top payload bits kept). Branch-free, so
+ * the loops that use it vectorise. */
+static inline uint16_t f32_to_bf16(float x)
+{
+    uint32_t u = f32_bits(x);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16, quiet = (u >> 16) | 0x40u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet : rounded);
+}
+
+static inline float f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    if (exp == 0x1fu) /* inf, nan */
+        return bits_f32(sign | 0x7f800000u | (mant << 13));
+    if (exp != 0) /* normal: rebias 15 -> 127 */
+        return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+    float sub = (float)mant * 0x1p-24f; /* zero or subnormal: exact in fp32 */
+    return sign ? -sub : sub;
+}
+
+/* Round to nearest even, overflow to inf, subnormals exact; NaN stays NaN (quieted). */
+static inline uint16_t f32_to_f16(float x)
+{
+    uint32_t u = f32_bits(x);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u)
+        return sign | 0x7e00u | (uint16_t)((a >> 13) & 0x3ffu);
+    if (a >= 0x477ff000u) /* >= 65520: rounds to inf (and inf itself) */
+        return sign | 0x7c00u;
+    if (a >= 0x38800000u) { /* normal half: rebias 127 -> 15, round away 13 bits */
+        a += 0xc8000fffu + ((a >> 13) & 1u); /* 0xc8000000 == -(112 << 23) mod 2^32 */
+        return sign | (uint16_t)(a >> 13);
+    }
+    /* subnormal half: units of 2^-24, i.e. the 24-bit significand shifted right by 126 - exp */
+    uint32_t exp = a >> 23, shift = 126u - exp;
+    if (shift > 24u)
+        return sign;
+    uint32_t mant = (a & 0x7fffffu) | 0x800000u;
+    uint32_t q = mant >> shift, rem = mant & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+    q += rem > half || (rem == half && (q & 1u));
+    return sign | (uint16_t)q;
+}
+
+static inline float load_elem(const void *src, int64_t i, int dtype)
+{
+    switch (dtype) {
+    case LZO_BFLOAT16:
+        return bf16_to_f32(((const uint16_t *)src)[i]);
+    case LZO_FLOAT16:
+        return f16_to_f32(((const uint16_t *)src)[i]);
+    default:
+        return ((const float *)src)[i];
+    }
+}
+
+static inline void store_elem(void *out, int64_t i, float x, int dtype)
+{
+    if (dtype == LZO_BFLOAT16)
+        ((uint16_t *)out)[i] = f32_to_bf16(x);
+    else if (dtype == LZO_FLOAT16)
+        ((uint16_t *)out)[i] = f32_to_f16(x);
+}
+
+/* Fused multiply-add where the hardware has one (then every backend gives the same bits), else a
+ * multiply and an add: a libm fmaf call per element would make this path several times slower. */
+#ifdef FP_FAST_FMAF
+#define FMA(a, b, c) fmaf(a, b, c)
+#else
+#define FMA(a, b, c) ((a) * (b) + (c))
+#endif
+
+/* Inlined with constant dtypes by the dispatch below, so each loop is specialised. */
+static inline __attribute__((always_inline)) void
+adam_loop(const lzo_adam_consts *c, float *restrict p, const void *restrict g, float *restrict m,
+          float *restrict v, void *restrict out, int64_t n, int gdt, int odt)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        float gi = load_elem(g, i, gdt) * c->grad_scale, pi = p[i];
+        if (c->l2 != 0.0f)
+            gi = FMA(pi, c->l2, gi);
+        pi = pi * c->decay;
+        float mi = m[i];
+        mi = FMA(c->lerp_w, gi - mi, c->lerp_from_end ? gi : mi);
+        float vi = FMA(c->one_minus_beta2 * gi, gi, v[i] * c->beta2);
+        float denom = sqrtf(vi) / c->bc2_sqrt + c->eps;
+        pi = pi + c->neg_step_size * mi / denom;
+        p[i] = pi;
+        m[i] = mi;
+        v[i] = vi;
+        store_elem(out, i, pi, odt);
+    }
+}
+
+#define ADAM_CASE(G, O)                                                                           \
+    if (gdt == (G) && odt == (O)) {                                                               \
+        adam_loop(c, p, g, m, v, out, n, G, O);                                                   \
+        return;                                                                                   \
+    }
+
+static void adam(const lzo_adam_consts *c, float *p, const void *g, float *m, float *v, void *out,
+                 int64_t n, int gdt, int odt)
+{
+    ADAM_CASE(LZO_FLOAT32, LZO_NONE)
+    ADAM_CASE(LZO_BFLOAT16, LZO_NONE)
+    ADAM_CASE(LZO_FLOAT16, LZO_NONE)
+    ADAM_CASE(LZO_FLOAT32, LZO_BFLOAT16)
+    ADAM_CASE(LZO_BFLOAT16, LZO_BFLOAT16)
+    ADAM_CASE(LZO_FLOAT16, LZO_BFLOAT16)
+    ADAM_CASE(LZO_FLOAT32, LZO_FLOAT16)
+    ADAM_CASE(LZO_BFLOAT16, LZO_FLOAT16)
+    ADAM_CASE(LZO_FLOAT16, LZO_FLOAT16)
+}
+
+static inline __attribute__((always_inline)) double
+accumulate_loop(float *restrict dst, const void *restrict src, int64_t n, int sdt, float scale,
+                int overwrite)
+{
+    double sumsq = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+        float x = load_elem(src, i, sdt) * scale;
+        if (!overwrite)
+            x = dst[i] + x;
+        dst[i] = x;
+        sumsq += (double)x * (double)x;
+    }
+    return sumsq;
+}
+
+static double accumulate(float *dst, const void *src, int64_t n, int sdt, float scale,
+                         int overwrite, int stream)
+{
+    (void)stream; /* portable C has no non-temporal stores */
+    switch (sdt) {
+    case LZO_BFLOAT16:
+        return accumulate_loop(dst, src, n, LZO_BFLOAT16, scale, overwrite);
+    case LZO_FLOAT16:
+        return accumulate_loop(dst, src, n, LZO_FLOAT16, scale, overwrite);
+    default:
+        return accumulate_loop(dst, src, n, LZO_FLOAT32, scale, overwrite);
+    }
+}
+
+static void probe(float *restrict p, const float *restrict g, float *restrict m,
+                  float *restrict v, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        p[i] += g[i];
+        m[i] += g[i];
+        v[i] += g[i];
+    }
+}
+
+const lzo_kernel_table lzo_kernels_scalar = {adam, accumulate, probe};

@@ -1,0 +1,80 @@
+/* C API of the lightning_zero_offload CPU kernels.
+ *
+ * The part above LZO_INTERNAL is also the cffi cdef (native/build.py drops the preprocessor lines),
+ * so it holds only plain declarations. Pointers are raw tensor storage: the Python layer checks
+ * devices, dtypes, sizes and contiguity before calling, and the kernels trust it.
+ */
+#ifndef LZO_H
+#define LZO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Element types of gradients and of the low-precision param copy (LZO_NONE: no copy). */
+enum { LZO_NONE = -1, LZO_FLOAT32 = 0, LZO_BFLOAT16 = 1, LZO_FLOAT16 = 2 };
+
+/* Instruction-set paths. One shared object holds all of them; Python selects one at import. */
+enum { LZO_ISA_SCALAR = 0, LZO_ISA_AVX2 = 1, LZO_ISA_AVX512 = 2 };
+
+typedef struct {
+    double lr, beta1, beta2, eps, weight_decay, grad_scale;
+    int adamw_mode, maximize;
+} lzo_adam_hparams;
+
+int lzo_isa_supported(int isa); /* 1 if this CPU can run the path */
+int lzo_set_isa(int isa);       /* 0 on success, -1 if unsupported */
+int lzo_has_openmp(void);       /* 0: built without OpenMP, num_threads is ignored */
+
+/* One tensor of an Adam call. Addresses are integers so that Python can build the whole table in
+ * one allocation. param_out is 0 when there is no low-precision copy. The step number is `step`,
+ * or, if step_counter is not 0, the float32 count at that address (torch's state["step"]) plus one,
+ * which the call stores back: optimizers then need no per-tensor Python work to count steps. */
+typedef struct {
+    int64_t param, grad, exp_avg, exp_avg_sq, param_out;
+    int64_t numel, step, step_counter;
+} lzo_adam_tensor;
+
+/* One Adam/AdamW step over `count` tensors, all with grads of grad_dtype. If out_dtype is not
+ * LZO_NONE, every param_out receives the updated param rounded to nearest even, in the same pass.
+ * Returns 0, or i + 1 if tensor i's step number is below 1 (then nothing was changed). */
+int64_t lzo_adam_step(const lzo_adam_hparams *hp, const lzo_adam_tensor *tensors, size_t count,
+                      int grad_dtype, int out_dtype, int num_threads);
+
+/* dst = src * scale (overwrite) or dst + src * scale. Returns the sum of squares of the new dst,
+ * accumulated in double in fixed blocks (same result for any thread count). It is finite exactly
+ * when every element of dst is finite: a finite float squared is below 2^256. */
+double lzo_grad_accumulate(float *dst, const void *src, int64_t n, int src_dtype, float scale,
+                           int overwrite, int num_threads);
+
+/* Memory roofline for an fp32 Adam step: reads p, g, m, v and writes p, m, v (28 B/element). */
+void lzo_bandwidth_probe(float *p, const float *g, float *m, float *v, int64_t n,
+                         int num_threads);
+
+#ifdef LZO_INTERNAL
+/* Per-tensor Adam constants, rounded to float once, the way torch rounds its Python scalars. */
+typedef struct {
+    float grad_scale;   /* negated for maximize */
+    float l2;           /* Adam: g += l2 * p (0: off) */
+    float decay;        /* AdamW: p *= decay (1: off) */
+    float lerp_w;       /* m = lerp(m, g, 1 - beta1), torch's two-sided formula */
+    int lerp_from_end;  /* 1 - beta1 >= 0.5: m = g + (1 - beta1 - 1) * (g - m) */
+    float beta2, one_minus_beta2, bc2_sqrt, neg_step_size, eps;
+} lzo_adam_consts;
+
+/* Kernels of one instruction set over a contiguous range. */
+typedef struct {
+    void (*adam)(const lzo_adam_consts *c, float *p, const void *g, float *m, float *v, void *out,
+                 int64_t n, int grad_dtype, int out_dtype);
+    double (*accumulate)(float *dst, const void *src, int64_t n, int src_dtype, float scale,
+                         int overwrite, int stream);
+    void (*probe)(float *p, const float *g, float *m, float *v, int64_t n);
+} lzo_kernel_table;
+
+extern const lzo_kernel_table lzo_kernels_scalar;
+#if defined(__x86_64__) || defined(__i386__)
+extern const lzo_kernel_table lzo_kernels_avx2;
+extern const lzo_kernel_table lzo_kernels_avx512;
+#endif
+
+#endif /* LZO_INTERNAL */
+#endif /* LZO_H */

@@ -1,0 +1,632 @@
+"""lightning_zero_offload.kernels against torch, a float64 reference and itself, on every backend.
+
+Tolerances. The native Adam kernel performs torch's single-tensor operations in torch's order, in
+fp32, with fused multiply-adds where torch's vectorised CPU kernels use them. The one systematic
+difference is the square root: ours is correctly rounded, torch's (MKL) is within 1 ulp. So after
+S steps the params differ by at most a few roundings per step: |dp| <= S * (ulp(p) + 2^-21 lr),
+i.e. rtol = S * 2^-23 and atol = S * lr * 2^-21 (observed: below a fifth of that). Rounding errors of
+the moments scale with the terms they add up: atol = S * 2^-23 * |g|max for exp_avg and its square
+for exp_avg_sq. The portable backend on CPUs without FMA rounds multiply-adds separately and stays
+inside the same bounds. Against float64, Adam's L2 mode can be ill-conditioned; see
+test_adam_matches_torch_and_float64.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import sys
+import warnings
+
+import pytest
+import torch
+
+from lightning_zero_offload import kernels
+
+BACKENDS = kernels.available_backends()
+NATIVE = [b for b in BACKENDS if b != "torch"]
+SIMD = [b for b in NATIVE if b != "scalar"]
+SIZES = [0, 1, 7, 15, 16, 17, 31, 63, 64, 65, 1023, 2**20 + 3]
+LOW = [torch.bfloat16, torch.float16]
+HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Reference torch ops on one thread: on a busy shared machine, OpenMP barriers waiting for a
+    descheduled thread made them 10x slower. (The kernels take their thread count per call.)"""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(autouse=True)
+def seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest):
+    previous = kernels.backend()
+    kernels.set_backend(request.param)
+    yield request.param
+    kernels.set_backend(previous)
+
+
+@pytest.fixture(params=NATIVE)
+def native(request: pytest.FixtureRequest):
+    previous = kernels.backend()
+    kernels.set_backend(request.param)
+    yield request.param
+    kernels.set_backend(previous)
+
+
+def grads_like(n: int, steps: int, seed: int) -> list[torch.Tensor]:
+    """Gradients spanning six orders of magnitude, so eps and the sqrt both matter."""
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(n, generator=gen) * 10.0 ** torch.randint(-3, 3, (n,), generator=gen).float() for _ in range(steps)
+    ]
+
+
+def torch_steps(p0: torch.Tensor, grads: list[torch.Tensor], hp: dict, adamw_mode: bool, maximize: bool):
+    """torch's single-tensor Adam/AdamW, the behaviour we reproduce."""
+    param = p0.clone().requires_grad_()
+    cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    opt = cls(
+        [param],
+        lr=hp["lr"],
+        betas=(hp["beta1"], hp["beta2"]),
+        eps=hp["eps"],
+        weight_decay=hp["weight_decay"],
+        maximize=maximize,
+        foreach=False,
+    )
+    for g in grads:
+        param.grad = g.clone()
+        opt.step()
+    state = opt.state[param]
+    return param.detach(), state["exp_avg"], state["exp_avg_sq"]
+
+
+def reference64(p0: torch.Tensor, grads: list[torch.Tensor], hp: dict, adamw_mode: bool, maximize: bool):
+    """The update rule in float64 (the documented order of operations)."""
+    p, m, v = (
+        p0.double(),
+        torch.zeros_like(p0, dtype=torch.float64),
+        torch.zeros_like(p0, dtype=torch.float64),
+    )
+    lr, b1, b2, eps, wd = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"]
+    for step, grad in enumerate(grads, start=1):
+        g = -grad.double() if maximize else grad.double()
+        if wd and not adamw_mode:
+            g = g + wd * p
+        if wd and adamw_mode:
+            p = p * (1 - lr * wd)
+        m = m + (g - m) * (1 - b1)
+        v = v * b2 + (1 - b2) * g * g
+        denom = v.sqrt() / math.sqrt(1 - b2**step) + eps
+        p = p - lr / (1 - b1**step) * m / denom
+    return p, m, v
+
+
+def our_steps(p0: torch.Tensor, grads: list[torch.Tensor], hp: dict, adamw_mode: bool, maximize: bool, **kw):
+    p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+    for step, g in enumerate(grads, start=1):
+        kernels.adam_step(p, g, m, v, step=step, adamw_mode=adamw_mode, maximize=maximize, **hp, **kw)
+    return p, m, v
+
+
+def assert_adam_close(actual, expected, steps: int, hp: dict, gmax: float, slack=(0.0, 0.0, 0.0)) -> None:
+    """(param, exp_avg, exp_avg_sq) within the rounding bound of the module docstring.
+
+    Rounding errors of the moments scale with the terms they add up: the effective gradient
+    (bounded by gmax) for exp_avg, its square for exp_avg_sq. `slack` widens the bound elementwise
+    where the problem itself is ill-conditioned (see test_adam_matches_torch_and_float64).
+    """
+    rtol = steps * 2**-23
+    scales = (steps * hp["lr"] * 2**-21, steps * 2**-23 * gmax, steps * 2**-23 * gmax**2)
+    for name, a, e, atol, extra in zip(("param", "exp_avg", "exp_avg_sq"), actual, expected, scales, slack):
+        a, e = a.double(), e.double()
+        error, allowed = (a - e).abs(), atol + rtol * e.abs() + extra
+        worst = int((error - allowed).argmax()) if error.numel() else 0
+        assert (error <= allowed).all(), (
+            f"{name}[{worst}] = {a[worst].item()!r}, expected {e[worst].item()!r} +- {allowed[worst].item():.3g}"
+        )
+
+
+def grad_bound(p0: torch.Tensor, grads: list[torch.Tensor], hp: dict, scale: float = 1.0) -> float:
+    """A bound on |grad * scale + weight_decay * param| over the run (params move by <= ~10 lr a step)."""
+    drift = 10 * hp["lr"] * len(grads)
+    biggest = max((float(g.abs().max()) for g in grads if g.numel()), default=0.0)
+    pmax = float(p0.abs().max()) if p0.numel() else 0.0
+    return biggest * abs(scale) + hp["weight_decay"] * (pmax + drift)
+
+
+# --------------------------------------------------------------------------------------------------
+# Adam step
+
+
+@functools.cache
+def every_size_case(size: int):
+    """Inputs and torch's result, shared by the backends (tests run grouped by size)."""
+    p0 = torch.randn(size, generator=torch.Generator().manual_seed(size))
+    grads = grads_like(size, 20, seed=size)
+    return p0, grads, torch_steps(p0, grads, HP, adamw_mode=True, maximize=False)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_adam_matches_torch_every_size(size: int, backend: str) -> None:
+    p0, grads, expected = every_size_case(size)
+    ours = our_steps(p0, grads, HP, adamw_mode=True, maximize=False)
+    assert_adam_close(ours, expected, len(grads), HP, grad_bound(p0, grads, HP))
+
+
+@pytest.mark.parametrize("adamw_mode", [True, False], ids=["adamw", "adam"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("maximize", [False, True], ids=["min", "max"])
+@pytest.mark.parametrize(
+    "lr,betas,eps",
+    [
+        (1e-3, (0.9, 0.999), 1e-8),
+        (1e-1, (0.8, 0.99), 1e-6),
+        (3e-2, (0.3, 0.5), 1e-3),
+    ],  # beta1 < 0.5: lerp's other branch
+    ids=["default", "fast", "low-beta"],
+)
+def test_adam_matches_torch_and_float64(backend, adamw_mode, weight_decay, maximize, lr, betas, eps) -> None:
+    steps, n = 25, 1023
+    hp = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "eps": eps, "weight_decay": weight_decay}
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    grads = grads_like(n, steps, seed=7)
+    ours = our_steps(p0, grads, hp, adamw_mode, maximize)
+    gmax = grad_bound(p0, grads, hp)
+    expected = torch_steps(p0, grads, hp, adamw_mode, maximize)
+    exact = reference64(p0, grads, hp, adamw_mode, maximize)
+    # In Adam (L2) mode a gradient that nearly cancels weight_decay * param loses its relative
+    # precision in fp32, and Adam's normalisation by sqrt(v) amplifies that: torch's own fp32 result
+    # is then far from the exact one. Where it is, we allow ours the same distance (3x, to cover
+    # both being off in opposite directions); elsewhere the plain rounding bound applies.
+    slack = tuple(3 * (t.double() - x).abs() for t, x in zip(expected, exact))
+    assert_adam_close(ours, expected, steps, hp, gmax, slack)
+    assert_adam_close(ours, exact, steps, hp, gmax, slack)
+
+
+def test_grad_scale_is_applied_first(backend: str) -> None:
+    """adam_step(grad, grad_scale=s) == adam_step(grad * s): the engine's unscale x clip factor."""
+    n, steps, scale = 4099, 10, 0.125  # a power of two: g * s is exact, so both runs see equal grads
+    p0, grads = torch.randn(n, generator=torch.Generator().manual_seed(2)), grads_like(n, steps, seed=3)
+    scaled = our_steps(p0, grads, HP, adamw_mode=False, maximize=True, grad_scale=scale)
+    reference = our_steps(p0, [g * scale for g in grads], HP, adamw_mode=False, maximize=True)
+    for a, b in zip(scaled, reference):
+        assert torch.equal(a, b)
+    other = our_steps(p0, grads, HP, adamw_mode=True, maximize=False, grad_scale=0.3)
+    expected = torch_steps(p0, [g * 0.3 for g in grads], HP, True, False)
+    assert_adam_close(other, expected, steps, HP, grad_bound(p0, grads, HP, 0.3))
+
+
+def test_multi_equals_single_calls(backend: str) -> None:
+    """One call over many tensors (each with its own step) == one call per tensor."""
+    sizes = [1, 17, 0, 4096, 70_001, 3]
+    steps = [1, 5, 2, 9, 3, 100]
+    params = [torch.randn(s) for s in sizes]
+    grads = [torch.randn(s).to(torch.bfloat16) for s in sizes]
+    moments = [(torch.rand(s), torch.rand(s)) for s in sizes]
+    single = [
+        (p.clone(), m.clone(), v.clone(), torch.empty(s, dtype=torch.float16))
+        for p, (m, v), s in zip(params, moments, sizes)
+    ]
+    multi = [
+        (p.clone(), m.clone(), v.clone(), torch.empty(s, dtype=torch.float16))
+        for p, (m, v), s in zip(params, moments, sizes)
+    ]
+    for (p, m, v, out), g, step in zip(single, grads, steps):
+        kernels.adam_step(p, g, m, v, step=step, adamw_mode=True, grad_scale=0.5, param_out=out, **HP)
+    kernels.adam_step_multi(
+        [t[0] for t in multi],
+        grads,
+        [t[1] for t in multi],
+        [t[2] for t in multi],
+        steps,
+        adamw_mode=True,
+        grad_scale=0.5,
+        params_out=[t[3] for t in multi],
+        **HP,
+    )
+    for a, b in zip(single, multi):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+def test_multi_with_torch_step_counters(backend: str) -> None:
+    """torch-format step tensors: the call uses count + 1 and stores it back, like torch's step_t += 1."""
+    sizes, counts = [5, 300, 1], [0.0, 6.0, 41.0]
+    params, grads = [torch.randn(s) for s in sizes], [torch.randn(s) for s in sizes]
+    with_ints = [
+        [t.clone() for t in params],
+        [torch.zeros(s) for s in sizes],
+        [torch.zeros(s) for s in sizes],
+    ]
+    with_counters = [
+        [t.clone() for t in params],
+        [torch.zeros(s) for s in sizes],
+        [torch.zeros(s) for s in sizes],
+    ]
+    counters = [torch.tensor(c) for c in counts]
+    kernels.adam_step_multi(*with_ints[:1], grads, *with_ints[1:], [int(c) + 1 for c in counts], adamw_mode=True, **HP)
+    kernels.adam_step_multi(*with_counters[:1], grads, *with_counters[1:], counters, adamw_mode=True, **HP)
+    assert [float(c) for c in counters] == [c + 1 for c in counts]
+    for a, b in zip(with_ints, with_counters):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    p = [torch.zeros(2), torch.zeros(2)]
+    with pytest.raises(ValueError, match=r"steps\[1\] holds -3.0; a step count must be >= 0"):
+        kernels.adam_step_multi(p, p, p, p, [torch.tensor(0.0), torch.tensor(-3.0)], adamw_mode=True, **HP)
+    with pytest.raises(TypeError, match=r"steps\[1\] must be a 0-dim float32 CPU tensor"):
+        kernels.adam_step_multi(p, p, p, p, [torch.tensor(0.0), torch.tensor([1.0])], adamw_mode=True, **HP)
+
+
+@pytest.mark.skipif(len(SIMD) < 2, reason="needs two SIMD backends")
+@pytest.mark.parametrize("grad_dtype", [torch.float32, *LOW])
+def test_simd_backends_agree_bitwise(grad_dtype: torch.dtype) -> None:
+    """AVX2 and AVX-512 run the same operations: the same bits, tails included."""
+    previous = kernels.backend()
+    n = 100_003
+    results = []
+    for name in SIMD:
+        kernels.set_backend(name)
+        p, m, v = torch.randn(n, generator=torch.Generator().manual_seed(1)), torch.zeros(n), torch.zeros(n)
+        out = torch.empty(n, dtype=torch.bfloat16)
+        for step, g in enumerate(grads_like(n, 4, seed=2), start=1):
+            kernels.adam_step(p, g.to(grad_dtype), m, v, step=step, adamw_mode=False, param_out=out, **HP)
+        results.append((p, m, v, out))
+    kernels.set_backend(previous)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("grad_dtype", LOW)
+@pytest.mark.parametrize("out_dtype", [None, *LOW])
+def test_fused_low_precision_step(backend: str, grad_dtype: torch.dtype, out_dtype) -> None:
+    """bf16/fp16 grad in, fp32 master/moments, low-precision copy out: the offload step in one pass.
+
+    Against the torch composition (cast the grad to fp32, scale, AdamW, cast the param): the master
+    and moments agree to fp32 rounding, and param_out is bitwise the rounding of our own master.
+    """
+    n, steps, scale = 2**16 + 5, 8, 0.37
+    p0 = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    grads = [g.to(grad_dtype) for g in grads_like(n, steps, seed=11)]
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    # a view at an odd element offset: the streaming stores of the copy-out must handle misalignment
+    out = None if out_dtype is None else torch.full((n + 1,), 7.0, dtype=out_dtype)[1:]
+    for step, g in enumerate(grads, start=1):
+        kernels.adam_step(p, g, m, v, step=step, adamw_mode=True, grad_scale=scale, param_out=out, **HP)
+    expected = torch_steps(p0, [g.float() * scale for g in grads], HP, adamw_mode=True, maximize=False)
+    assert_adam_close((p, m, v), expected, steps, HP, grad_bound(p0, [g.float() for g in grads], HP, scale))
+    if out is not None:
+        assert torch.equal(out, p.to(out_dtype))
+
+
+def test_zero_lr_copies_out_with_exact_rounding(backend: str) -> None:
+    """With lr=0 the param is unchanged, so param_out checks fp32 -> bf16/fp16 rounding itself."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (1 << 18,), dtype=torch.int64, generator=gen).to(torch.int32)
+    ties_fp16 = [2.0**-25 * k for k in range(1, 64, 2)] + [1 + 2**-11, 1 + 3 * 2**-11, 2048 + 1, 2048 + 3]
+    ties_bf16 = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)]
+    edges = [
+        0.0,
+        -0.0,
+        65504.0,
+        65519.99,
+        65520.0,
+        2.0**-14,
+        2.0**-24,
+        2.0**-25,
+        2.0**-26,
+        3.4e38,
+        1e-45,
+        float("inf"),
+        float("-inf"),
+        float("nan"),
+        2.0**-14 * (1 - 2**-11),
+    ]
+    special = torch.tensor(ties_fp16 + ties_bf16 + edges, dtype=torch.float32)
+    p = torch.cat([bits.view(torch.float32), special, -special])
+    n = p.numel()
+    for dtype in LOW:
+        out = torch.empty(n, dtype=dtype)
+        master = p.clone()
+        kernels.adam_step(
+            master,
+            torch.zeros(n),
+            torch.zeros(n),
+            torch.zeros(n),
+            step=1,
+            lr=0.0,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            adamw_mode=True,
+            param_out=out,
+        )
+        nan = p.isnan()
+        assert torch.equal(master[~nan], p[~nan]) and master[nan].isnan().all()
+        expected = p.to(dtype)
+        assert out[nan].isnan().all()
+        assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+# --------------------------------------------------------------------------------------------------
+# gradient accumulation
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("src_dtype", [torch.float32, *LOW])
+def test_grad_accumulate_matches_reference(backend: str, size: int, src_dtype: torch.dtype) -> None:
+    dst0 = torch.randn(size)
+    src = torch.randn(size).to(src_dtype)
+    for overwrite in (False, True):
+        dst = torch.empty(size + 1)[1:].copy_(dst0)  # misaligned, for the streaming stores
+        sumsq, nonfinite = kernels.grad_accumulate(dst, src, scale=0.75, overwrite=overwrite)
+        expected = src.float() * 0.75 if overwrite else dst0 + src.float() * 0.75
+        assert torch.equal(dst, expected)  # one rounding each: exact cast, multiply, add
+        # squares of floats are exact in double: only the order of the double sum differs
+        assert sumsq == pytest.approx(float((expected.double() ** 2).sum()), rel=1e-10, abs=0.0)
+        assert nonfinite is False
+
+
+@pytest.mark.parametrize("src_dtype", [torch.float32, *LOW])
+def test_grad_accumulate_converts_every_low_precision_value_exactly(backend: str, src_dtype) -> None:
+    if src_dtype == torch.float32:
+        src = torch.randint(-(2**31), 2**31 - 1, (1 << 16,), dtype=torch.int64).to(torch.int32).view(torch.float32)
+    else:
+        src = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(src_dtype)
+    dst = torch.empty(src.numel())
+    kernels.grad_accumulate(dst, src, overwrite=True)
+    expected = src.float()
+    nan = expected.isnan()
+    assert dst[nan].isnan().all()
+    assert torch.equal(dst[~nan].view(torch.int32), expected[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("src_dtype", [torch.float32, *LOW])
+def test_grad_accumulate_flags_nonfinite(backend: str, bad: float, src_dtype: torch.dtype) -> None:
+    for position in (0, 16, 1030):  # first vector, a middle one, the tail
+        src = torch.ones(1031, dtype=src_dtype)
+        src[position] = bad
+        for overwrite in (False, True):
+            sumsq, nonfinite = kernels.grad_accumulate(torch.zeros(1031), src, overwrite=overwrite)
+            assert nonfinite is True and not math.isfinite(sumsq)
+
+
+def test_grad_accumulate_flags_overflow_from_scale_and_existing_inf(backend: str) -> None:
+    _, nonfinite = kernels.grad_accumulate(torch.zeros(100), torch.full((100,), 1e30), scale=1e10)
+    assert nonfinite
+    _, nonfinite = kernels.grad_accumulate(torch.full((100,), 3e38), torch.full((100,), 3e38))  # sum overflows
+    assert nonfinite
+    dst = torch.ones(100)
+    dst[50] = float("inf")
+    assert kernels.grad_accumulate(dst, torch.ones(100))[1]  # add mode keeps an inf already there
+    assert not kernels.grad_accumulate(dst, torch.ones(100), overwrite=True)[1]  # overwrite replaces it
+    big = torch.full((100,), 3e38)  # finite, but its square overflows fp32: the double sum does not
+    assert kernels.grad_accumulate(torch.zeros(100), big) == (pytest.approx(100 * 3e38**2), False)
+
+
+# --------------------------------------------------------------------------------------------------
+# threads
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+def test_threads_bitwise_identical(native: str, out_dtype) -> None:
+    n = 2**20 + 3
+    runs = []
+    for threads in (1, 2):
+        p, m, v = torch.randn(n, generator=torch.Generator().manual_seed(5)), torch.zeros(n), torch.zeros(n)
+        out = None if out_dtype is None else torch.empty(n, dtype=out_dtype)
+        sizes = [1000, 3, 2**19, 77_777]
+        ps, ms = ([torch.randn(s, generator=torch.Generator().manual_seed(s)) for s in sizes] for _ in range(2))
+        vs = [torch.rand(s, generator=torch.Generator().manual_seed(s)) for s in sizes]
+        for step, g in enumerate(grads_like(n, 3, seed=6), start=1):
+            kernels.adam_step(
+                p,
+                g.to(torch.float16),
+                m,
+                v,
+                step=step,
+                adamw_mode=True,
+                param_out=out,
+                num_threads=threads,
+                **HP,
+            )
+            kernels.adam_step_multi(
+                ps, [g[:s] for s in sizes], ms, vs, [step] * 4, adamw_mode=False, num_threads=threads, **HP
+            )
+        dst = torch.randn(n, generator=torch.Generator().manual_seed(8))
+        sums = [kernels.grad_accumulate(dst, g, scale=0.3, num_threads=threads) for g in grads_like(n, 3, seed=9)]
+        runs.append([p, m, v, dst, *ps, *ms, *vs] + ([] if out is None else [out]) + [torch.tensor(sums)])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), f"result {i} differs between 1 and 2 threads"
+
+
+def test_thread_count_defaults_to_usable_cores() -> None:
+    import os
+
+    expected = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    previous = kernels.get_num_threads()
+    try:
+        assert previous == expected  # not OMP_NUM_THREADS, which torchrun sets to 1
+        kernels.set_num_threads(3)
+        assert kernels.get_num_threads() == 3
+        with pytest.raises(ValueError, match="must be >= 1"):
+            kernels.set_num_threads(0)
+    finally:
+        kernels.set_num_threads(previous)
+
+
+# --------------------------------------------------------------------------------------------------
+# backends and the fallback
+
+
+def test_backend_selection() -> None:
+    assert BACKENDS[-1] == "torch"
+    assert kernels.backend() == BACKENDS[0]  # the best path is chosen at import
+    with pytest.raises(ValueError, match=r"backend 'sve' is not available on this machine; choose one of \["):
+        kernels.set_backend("sve")
+
+
+def load_kernels_copy(monkeypatch: pytest.MonkeyPatch, native_missing: bool, env: str | None = None):
+    """Import a fresh copy of kernels.py (the real module is left alone); returns it and its warnings."""
+    if native_missing:
+        monkeypatch.setitem(sys.modules, "lightning_zero_offload._native", None)  # import now fails
+    if env is None:
+        monkeypatch.delenv("LZO_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("LZO_BACKEND", env)
+    spec = importlib.util.spec_from_file_location("lzo_kernels_copy", kernels.__file__)
+    module = importlib.util.module_from_spec(spec)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spec.loader.exec_module(module)
+    return module, caught
+
+
+def test_missing_native_library_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    fallback, caught = load_kernels_copy(monkeypatch, native_missing=True)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "native CPU kernels are not built" in message
+    assert "install a C compiler" in message and "pip install --force-reinstall --no-deps -e ." in message
+    assert fallback.backend() == "torch" and fallback.available_backends() == ["torch"]
+    with pytest.raises(ValueError, match="choose one of \\['torch'\\]"):
+        fallback.set_backend("avx2")
+    # everything still works, with the same results as the real module's torch path
+    n, steps = 1000, 5
+    p0, grads = torch.randn(n, generator=torch.Generator().manual_seed(4)), grads_like(n, steps, seed=4)
+    p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    for step, g in enumerate(grads, start=1):
+        fallback.adam_step(p, g.to(torch.bfloat16), m, v, step=step, adamw_mode=True, param_out=out, **HP)
+    expected = torch_steps(p0, [g.to(torch.bfloat16).float() for g in grads], HP, True, False)
+    assert_adam_close((p, m, v), expected, steps, HP, grad_bound(p0, grads, HP))
+    assert torch.equal(out, p.to(torch.bfloat16))
+    dst = torch.zeros(n)
+    sumsq, nonfinite = fallback.grad_accumulate(dst, grads[0], scale=2.0)
+    assert torch.equal(dst, grads[0] * 2.0) and not nonfinite
+    assert sumsq == pytest.approx(float((dst.double() ** 2).sum()), rel=1e-12)
+
+
+@pytest.mark.skipif(not NATIVE, reason="no native build")
+def test_env_var_forces_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    previous = kernels.backend()
+    try:
+        forced, caught = load_kernels_copy(monkeypatch, native_missing=False, env="scalar")
+        assert forced.backend() == "scalar" and not caught
+        forced, _ = load_kernels_copy(monkeypatch, native_missing=False, env="torch")
+        assert forced.backend() == "torch"
+        with pytest.raises(ValueError, match=r"LZO_BACKEND='avx9000': backend 'avx9000' is not available"):
+            load_kernels_copy(monkeypatch, native_missing=False, env="avx9000")
+    finally:
+        kernels.set_backend(previous)  # the copies selected an instruction set in the shared C library
+
+
+# --------------------------------------------------------------------------------------------------
+# argument checks
+
+
+def adam_args(n: int = 8, **overrides):
+    args = {
+        "param": torch.zeros(n),
+        "grad": torch.zeros(n),
+        "exp_avg": torch.zeros(n),
+        "exp_avg_sq": torch.zeros(n),
+    }
+    kwargs = {"step": 1, "adamw_mode": True, **HP}
+    for key, value in overrides.items():
+        (args if key in args else kwargs)[key] = value
+    return args, kwargs
+
+
+@pytest.mark.parametrize(
+    "overrides,error,match",
+    [
+        (
+            {"param": torch.zeros(8, device="meta")},
+            ValueError,
+            "param is a torch.strided tensor on meta; .*CPU",
+        ),
+        ({"grad": torch.zeros(16)[::2]}, ValueError, "grad is not contiguous"),
+        ({"exp_avg": torch.zeros(9)}, ValueError, "exp_avg has 9 elements but param has 8"),
+        (
+            {"param": torch.zeros(8, dtype=torch.float64)},
+            TypeError,
+            "param has dtype torch.float64; expected torch.float32",
+        ),
+        (
+            {"grad": torch.zeros(8, dtype=torch.int32)},
+            TypeError,
+            "grad has dtype torch.int32; expected torch.float32 or",
+        ),
+        ({"exp_avg_sq": torch.zeros(8).to_sparse()}, ValueError, "exp_avg_sq is a torch.sparse_coo tensor"),
+        (
+            {"param_out": torch.zeros(8)},
+            TypeError,
+            "param_out has dtype torch.float32; expected torch.bfloat16 or",
+        ),
+        ({"param": [0.0] * 8}, TypeError, "param must be a torch.Tensor, got list"),
+        ({"step": 0}, ValueError, r"step must be >= 1 \(the first update is step 1\)"),
+        ({"step": 1.0}, TypeError, "step must be an int"),
+        ({"lr": -1.0}, ValueError, "lr must be >= 0"),
+        ({"lr": float("nan")}, ValueError, "lr must be finite"),
+        ({"beta1": 1.0}, ValueError, r"beta1 must be in \[0, 1\)"),
+        ({"beta2": -0.1}, ValueError, r"beta2 must be in \[0, 1\)"),
+        ({"eps": 0.0}, ValueError, "eps must be > 0"),
+        ({"weight_decay": -0.1}, ValueError, "weight_decay must be >= 0"),
+        ({"grad_scale": float("inf")}, ValueError, "grad_scale must be finite"),
+        ({"lr": "0.1"}, TypeError, "lr must be a real number, got str"),
+        ({"num_threads": 0}, ValueError, "num_threads must be >= 1"),
+    ],
+)
+def test_adam_step_rejects_bad_arguments(overrides, error, match) -> None:
+    args, kwargs = adam_args(**overrides)
+    before = args["param"].clone() if isinstance(args["param"], torch.Tensor) else None
+    with pytest.raises(error, match=match):
+        kernels.adam_step(*args.values(), **kwargs)
+    if before is not None and before.device.type == "cpu":
+        assert torch.equal(args["param"], before)  # nothing was touched
+
+
+def test_multi_rejects_bad_arguments() -> None:
+    p = [torch.zeros(4), torch.zeros(5)]
+    hp = {"adamw_mode": True, **HP}
+    with pytest.raises(ValueError, match="grads has 1 tensors but params has 2"):
+        kernels.adam_step_multi(p, [torch.zeros(4)], p, p, [1, 1], **hp)
+    with pytest.raises(ValueError, match="steps has 1 entries but params has 2"):
+        kernels.adam_step_multi(p, p, p, p, [1], **hp)
+    with pytest.raises(ValueError, match=r"steps\[1\] must be >= 1"):
+        kernels.adam_step_multi(p, p, p, p, [1, 0], **hp)
+    with pytest.raises(ValueError, match=r"exp_avgs\[1\] has 4 elements but params\[1\] has 5"):
+        kernels.adam_step_multi(p, p, [torch.zeros(4), torch.zeros(4)], p, [1, 1], **hp)
+    mixed = [torch.zeros(4, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.float16)]
+    with pytest.raises(TypeError, match="all grads of one call must share a dtype"):
+        kernels.adam_step_multi(
+            p, mixed, [torch.zeros(4), torch.zeros(5)], [torch.zeros(4), torch.zeros(5)], [1, 1], **hp
+        )
+    kernels.adam_step_multi([], [], [], [], [], **hp)  # nothing to do is fine
+
+
+def test_grad_accumulate_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="src has 3 elements but dst has 4"):
+        kernels.grad_accumulate(torch.zeros(4), torch.zeros(3))
+    with pytest.raises(TypeError, match="dst has dtype torch.bfloat16; expected torch.float32"):
+        kernels.grad_accumulate(torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4))
+    with pytest.raises(ValueError, match="dst is not contiguous"):
+        kernels.grad_accumulate(torch.zeros(4, 2).t(), torch.zeros(8))
+    with pytest.raises(ValueError, match="src is a torch.strided tensor on meta"):
+        kernels.grad_accumulate(torch.zeros(4), torch.zeros(4, device="meta"))
+    with pytest.raises(ValueError, match="scale must be finite"):
+        kernels.grad_accumulate(torch.zeros(4), torch.zeros(4), scale=float("nan"))
