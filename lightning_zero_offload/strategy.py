@@ -13,6 +13,7 @@ dataloader keeps its own sampler), so a one-GPU run matches ``strategy="auto"`` 
 
 from __future__ import annotations
 
+import atexit
 import shutil
 from datetime import timedelta
 from typing import Any, Literal
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
+    _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -223,7 +225,11 @@ class ZeroOffloadStrategy(ParallelStrategy):
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        if not dist.is_initialized():
+            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+            # Lightning does this for NCCL only; a gloo group left to interpreter teardown can abort the
+            # process at exit ("terminate called without an active exception") once a peer has gone.
+            atexit.register(_destroy_dist_connection)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:

@@ -67,6 +67,7 @@ def main() -> None:
         result["threads"] = trainer.strategy.engine.num_threads
     if trainer.is_global_zero:
         torch.save(result, args.out)
+    trainer.strategy.barrier()  # every rank is done with the group before any of them exits
 
 
 if __name__ == "__main__":
