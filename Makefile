@@ -22,7 +22,7 @@ $(INSTALLED): pyproject.toml setup.py constraints.txt $(wildcard native/*.c nati
 
 demo: $(INSTALLED)
 	$(BIN)/zero-offload fit --config configs/cpu_demo.yaml
-	$(BIN)/python scripts/plot_logs.py runs/cpu_demo --out docs/figures
+	$(BIN)/python scripts/plot_logs.py $$(ls -d runs/cpu_demo/version_* | sort -t_ -k2 -n | tail -1) --out docs/figures
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

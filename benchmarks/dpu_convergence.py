@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(
-    name: str, config: Path, dpu: bool, warmup: int, max_steps: int | None, runs: Path
+    name: str, config: Path, dpu: bool, warmup: int, max_steps: int | None, runs: Path, cli_args: list[str]
 ) -> list[tuple[int, float]]:
     overlay = {
         "trainer": {
@@ -41,7 +41,17 @@ def train(
         overlay["trainer"]["max_steps"] = max_steps
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         json.dump(overlay, f)  # JSON is YAML
-    cmd = [sys.executable, "-m", "lightning_zero_offload", "fit", "--config", str(config), "--config", f.name]
+    cmd = [
+        sys.executable,
+        "-m",
+        "lightning_zero_offload",
+        "fit",
+        "--config",
+        str(config),
+        "--config",
+        f.name,
+        *cli_args,
+    ]
     subprocess.run(cmd, check=True, cwd=ROOT)
     metrics = sorted((runs / name).glob("version_*/metrics.csv"))[-1]
     with open(metrics) as f:
@@ -56,17 +66,22 @@ def main() -> None:
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "dpu_convergence")
     parser.add_argument("--figure", type=Path, default=ROOT / "docs" / "figures" / "dpu_convergence.png")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "dpu_convergence.json")
+    parser.add_argument("cli_args", nargs="*", help="extra CLI overrides for both runs, after --")
     args = parser.parse_args()
 
     curves = {
-        "synchronous": train("sync", args.config, False, args.warmup, args.max_steps, args.runs),
-        f"DPU (warm-up {args.warmup})": train("dpu", args.config, True, args.warmup, args.max_steps, args.runs),
+        "synchronous": train("sync", args.config, False, args.warmup, args.max_steps, args.runs, args.cli_args),
+        f"DPU (warm-up {args.warmup})": train(
+            "dpu", args.config, True, args.warmup, args.max_steps, args.runs, args.cli_args
+        ),
     }
     (sync_step, sync_loss), (dpu_step, dpu_loss) = (c[-1] for c in curves.values())
     assert sync_step == dpu_step, "both runs must end at the same step"
     result = {
         "config": str(args.config.relative_to(ROOT)) if args.config.is_relative_to(ROOT) else str(args.config),
         "steps": sync_step,
+        "warmup": args.warmup,
+        "overrides": args.cli_args,
         "final_val_loss": {"synchronous": sync_loss, "dpu": dpu_loss},
         "relative_difference": (dpu_loss - sync_loss) / sync_loss,
         "curves": curves,
@@ -89,7 +104,7 @@ def main() -> None:
         ax.plot([s for s, _ in curve], [v for _, v in curve], marker="o", label=label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title("Delayed Parameter Update vs synchronous (demo GPT, bf16)")
+    ax.set_title(f"DPU vs synchronous (demo GPT, bf16) {' '.join(args.cli_args)}".strip(), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     args.figure.parent.mkdir(parents=True, exist_ok=True)

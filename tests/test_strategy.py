@@ -1,5 +1,6 @@
 """ZeroOffloadStrategy through the unchanged Trainer loop, against plain Lightning runs."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -284,3 +285,34 @@ def test_optimizer_step_outside_fit_and_mismatched_optimizer_state_fail_clearly(
     state["param_groups"] = state["param_groups"][:1]
     with pytest.raises(ValueError, match="different number of param groups"):
         trainer.strategy.engine.load_optimizer_state_dict(state)
+
+
+def test_dpu_through_the_trainer_matches_the_delayed_reference():
+    """Two param groups, a step LR scheduler and clipping, against a hand-written one-step-delayed loop."""
+    warmup, steps = 4, 20
+    reference = Classifier()
+    device_copy = copy.deepcopy(reference)
+    config = reference.configure_optimizers()
+    opt, sched = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    pending = None
+    for t, (x, y) in enumerate(loader(), start=1):
+        if t > steps:
+            break
+        torch.nn.functional.cross_entropy(device_copy(x), y).backward()
+        for p_master, p_dev in zip(reference.parameters(), device_copy.parameters()):
+            p_master.grad, p_dev.grad = p_dev.grad, None
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        if t <= warmup:
+            opt.step()
+            device_copy.load_state_dict(reference.state_dict())
+        else:
+            if pending is not None:
+                device_copy.load_state_dict(pending)
+            opt.step()
+            pending = copy.deepcopy(reference.state_dict())
+        opt.zero_grad()
+        sched.step()
+
+    strategy = ZeroOffloadStrategy(delayed_param_update=True, dpu_warmup_steps=warmup)
+    ours, _ = fit(strategy, max_steps=steps, gradient_clip_val=1.0)
+    assert_params_close(reference, ours, rtol=1e-5, atol=1e-6)
