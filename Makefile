@@ -22,7 +22,7 @@ $(INSTALLED): pyproject.toml setup.py constraints.txt $(wildcard native/*.c nati
 
 demo: $(INSTALLED)
 	$(BIN)/zero-offload fit --config configs/cpu_demo.yaml
-	$(BIN)/python scripts/plot_logs.py $$(ls -d runs/cpu_demo/version_* | sort -t_ -k2 -n | tail -1) --out docs/figures
+	run=$$(ls -d runs/cpu_demo/version_* | sort -t_ -k2 -n | tail -1) && $(BIN)/python scripts/plot_logs.py $$run --out $$run
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .
