@@ -1,6 +1,42 @@
 import os
 import sys
 
+import pytest
+import torch
+
 # Test helpers (tests/helpers.py) are plain modules next to the tests; with --import-mode=importlib the
 # tests directory is not on sys.path by itself.
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Reference torch ops on one thread: on a busy shared machine, OpenMP barriers waiting for a
+    descheduled thread made them 10x slower. (The kernels take their thread count per call.)"""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def torch_seed() -> None:
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest):
+    """Every kernel backend in turn (parametrized in pytest_generate_tests), restored afterwards."""
+    from lightning_zero_offload import kernels
+
+    previous = kernels.backend()
+    kernels.set_backend(request.param)
+    yield request.param
+    kernels.set_backend(previous)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "backend" in metafunc.fixturenames:
+        from lightning_zero_offload import kernels
+
+        metafunc.parametrize("backend", kernels.available_backends(), indirect=True)

@@ -24,35 +24,15 @@ import torch
 
 from lightning_zero_offload import kernels
 
+# fixtures in tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "torch_seed")
+
 BACKENDS = kernels.available_backends()
 NATIVE = [b for b in BACKENDS if b != "torch"]
 SIMD = [b for b in NATIVE if b != "scalar"]
 SIZES = [0, 1, 7, 15, 16, 17, 31, 63, 64, 65, 1023, 2**20 + 3]
 LOW = [torch.bfloat16, torch.float16]
 HP = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Reference torch ops on one thread: on a busy shared machine, OpenMP barriers waiting for a
-    descheduled thread made them 10x slower. (The kernels take their thread count per call.)"""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(autouse=True)
-def seed() -> None:
-    torch.manual_seed(0)
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest):
-    previous = kernels.backend()
-    kernels.set_backend(request.param)
-    yield request.param
-    kernels.set_backend(previous)
 
 
 @pytest.fixture(params=NATIVE)

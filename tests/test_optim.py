@@ -16,31 +16,11 @@ import torch
 from lightning_zero_offload import kernels
 from lightning_zero_offload.optim import CPUAdam
 
+# fixtures in tests/conftest.py
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "torch_seed")
+
 BACKENDS = kernels.available_backends()
 GMAX = 6.0  # |grad| bound: standard normal gradients, seeded; a few million samples per test
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Reference torch ops on one thread: on a busy shared machine, OpenMP barriers waiting for a
-    descheduled thread made them 10x slower. (The kernels take their thread count per call.)"""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(autouse=True)
-def seed() -> None:
-    torch.manual_seed(0)
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest):
-    previous = kernels.backend()
-    kernels.set_backend(request.param)
-    yield request.param
-    kernels.set_backend(previous)
 
 
 GROUPS = [  # several groups with their own hyperparameters; sizes cover vector tails

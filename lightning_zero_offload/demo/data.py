@@ -59,7 +59,24 @@ def is_val_file(rel_path: str, val_fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
 
 
-class RandomWindowDataset(Dataset):
+class _Windows(Dataset):
+    """Windows of ``block_size + 1`` bytes of ``data`` starting at ``offsets``; item ``i`` is ``(x, y)``
+    with ``y`` the window shifted by one byte. Subclasses choose the offsets."""
+
+    data: torch.Tensor
+    block_size: int
+    offsets: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.offsets.numel()
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = int(self.offsets[index])
+        chunk = self.data[start : start + self.block_size + 1].long()
+        return chunk[:-1], chunk[1:]
+
+
+class RandomWindowDataset(_Windows):
     """``num_samples`` windows of ``block_size + 1`` bytes at random offsets, fixed by ``seed``.
 
     Item ``i`` is ``(x, y)`` with ``y`` the window shifted by one byte. The offsets are drawn once, so the
@@ -76,16 +93,8 @@ class RandomWindowDataset(Dataset):
         generator = torch.Generator().manual_seed(seed)
         self.offsets = torch.randint(0, data.numel() - block_size, (num_samples,), generator=generator)
 
-    def __len__(self) -> int:
-        return self.offsets.numel()
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = int(self.offsets[index])
-        chunk = self.data[start : start + self.block_size + 1].long()
-        return chunk[:-1], chunk[1:]
-
-
-class ChunkDataset(Dataset):
+class ChunkDataset(_Windows):
     """Non-overlapping windows of ``block_size + 1`` bytes, evenly spread over ``data``.
 
     With more chunks available than ``max_samples``, an evenly spaced subset is taken so that the whole
@@ -103,14 +112,6 @@ class ChunkDataset(Dataset):
         self.data = data
         self.block_size = block_size
         self.offsets = chunk_ids * block_size
-
-    def __len__(self) -> int:
-        return self.offsets.numel()
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = int(self.offsets[index])
-        chunk = self.data[start : start + self.block_size + 1].long()
-        return chunk[:-1], chunk[1:]
 
 
 class StdlibCorpusDataModule(LightningDataModule):
