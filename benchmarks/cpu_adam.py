@@ -10,6 +10,7 @@ Rows, at 1 and 2 threads, for N params as one tensor and as 200 tensors of mixed
                   fused AdamW, params -> bf16
   torch offload2  the same with the factor folded into fused AdamW's grad_scale (one pass fewer)
   ours offload    kernels.adam_step_multi: bf16 grad in, fp32 master + bf16 param_out, one pass
+  ours predict    the same with extrapolate=1.0 (DPU weight prediction); should cost nothing
 
 The implementations are interleaved within every repetition (the machine is shared and noisy) and
 each row reports the median; ratios are taken between rows of the same run.
@@ -167,26 +168,31 @@ def build_cases(sizes: list[int], threads: int) -> dict[str, Callable[[], None]]
     cases["torch offload"] = torch_offload(fold_factor=False)
     cases["torch offload2"] = torch_offload(fold_factor=True)
 
-    o_master, o_m, o_v = make(sizes), make(sizes, fill="zeros"), make(sizes, fill="zeros")
-    o_out = make(sizes, torch.bfloat16, fill="zeros")
-    o_step = {"step": 0}
+    def ours_offload(extrapolate: float) -> Callable[[], None]:
+        master, m, v = make(sizes), make(sizes, fill="zeros"), make(sizes, fill="zeros")
+        out = make(sizes, torch.bfloat16, fill="zeros")
+        step = {"step": 0}
 
-    def ours_offload() -> None:
-        o_step["step"] += 1
-        kernels.adam_step_multi(
-            o_master,
-            grads_bf16,
-            o_m,
-            o_v,
-            [o_step["step"]] * len(sizes),
-            adamw_mode=True,
-            grad_scale=FACTOR,
-            params_out=o_out,
-            num_threads=threads,
-            **HP,
-        )
+        def run() -> None:
+            step["step"] += 1
+            kernels.adam_step_multi(
+                master,
+                grads_bf16,
+                m,
+                v,
+                [step["step"]] * len(sizes),
+                adamw_mode=True,
+                grad_scale=FACTOR,
+                params_out=out,
+                extrapolate=extrapolate,
+                num_threads=threads,
+                **HP,
+            )
 
-    cases["ours offload"] = ours_offload
+        return run
+
+    cases["ours offload"] = ours_offload(0.0)
+    cases["ours predict"] = ours_offload(1.0)
     return cases
 
 
@@ -263,6 +269,7 @@ def main() -> None:
                         "ours fp32 / roofline": medians["roofline"] / medians["ours fp32"],
                         "ours offload / torch offload": medians["torch offload"] / medians["ours offload"],
                         "ours offload / torch offload2": medians["torch offload2"] / medians["ours offload"],
+                        "ours predict time / ours offload time": medians["ours predict"] / medians["ours offload"],
                     },
                 }
                 rows.append(result)

@@ -6,6 +6,7 @@ Runs ``configs/cpu_demo.yaml`` (or ``--config``) once synchronously and once wit
 
     python benchmarks/dpu_convergence.py                      # ~2 x 3 minutes on 2 CPU cores
     python benchmarks/dpu_convergence.py --max-steps 100      # a shorter run
+    python benchmarks/dpu_convergence.py --weight-prediction  # DPU with dpu_weight_prediction=True
 """
 
 from __future__ import annotations
@@ -23,14 +24,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(
-    name: str, config: Path, dpu: bool, warmup: int, max_steps: int | None, runs: Path, cli_args: list[str]
+    name: str,
+    config: Path,
+    dpu: bool,
+    warmup: int,
+    prediction: bool,
+    max_steps: int | None,
+    runs: Path,
+    cli_args: list[str],
 ) -> list[tuple[int, float]]:
+    strategy_args = {"delayed_param_update": dpu, "dpu_warmup_steps": warmup, "dpu_weight_prediction": prediction}
     overlay = {
         "trainer": {
-            "strategy": {
-                "class_path": "lightning_zero_offload.ZeroOffloadStrategy",
-                "init_args": {"delayed_param_update": dpu, "dpu_warmup_steps": warmup},
-            },
+            "strategy": {"class_path": "lightning_zero_offload.ZeroOffloadStrategy", "init_args": strategy_args},
             "logger": {
                 "class_path": "lightning.pytorch.loggers.CSVLogger",
                 "init_args": {"save_dir": str(runs), "name": name},
@@ -63,16 +69,18 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "cpu_demo.yaml")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=40, help="dpu_warmup_steps")
+    parser.add_argument("--weight-prediction", action="store_true", help="dpu_weight_prediction=True")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "dpu_convergence")
     parser.add_argument("--figure", type=Path, default=ROOT / "docs" / "figures" / "dpu_convergence.png")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "dpu_convergence.json")
     parser.add_argument("cli_args", nargs="*", help="extra CLI overrides for both runs, after --")
     args = parser.parse_args()
 
+    label = f"DPU (warm-up {args.warmup}{', weight prediction' if args.weight_prediction else ''})"
     curves = {
-        "synchronous": train("sync", args.config, False, args.warmup, args.max_steps, args.runs, args.cli_args),
-        f"DPU (warm-up {args.warmup})": train(
-            "dpu", args.config, True, args.warmup, args.max_steps, args.runs, args.cli_args
+        "synchronous": train("sync", args.config, False, args.warmup, False, args.max_steps, args.runs, args.cli_args),
+        label: train(
+            "dpu", args.config, True, args.warmup, args.weight_prediction, args.max_steps, args.runs, args.cli_args
         ),
     }
     (sync_step, sync_loss), (dpu_step, dpu_loss) = (c[-1] for c in curves.values())
@@ -81,6 +89,7 @@ def main() -> None:
         "config": str(args.config.relative_to(ROOT)) if args.config.is_relative_to(ROOT) else str(args.config),
         "steps": sync_step,
         "warmup": args.warmup,
+        "weight_prediction": args.weight_prediction,
         "overrides": args.cli_args,
         "final_val_loss": {"synchronous": sync_loss, "dpu": dpu_loss},
         "relative_difference": (dpu_loss - sync_loss) / sync_loss,

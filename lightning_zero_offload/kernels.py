@@ -68,6 +68,7 @@ class _AdamHparams(NamedTuple):
     eps: float
     weight_decay: float
     grad_scale: float
+    extrapolate: float
     adamw_mode: bool
     maximize: bool
 
@@ -180,6 +181,7 @@ def _check_hparams(
     adamw_mode: object,
     maximize: object,
     grad_scale: object,
+    extrapolate: object,
 ) -> _AdamHparams:
     hp = _AdamHparams(
         lr=_real("lr", lr),
@@ -188,6 +190,7 @@ def _check_hparams(
         eps=_real("eps", eps),
         weight_decay=_real("weight_decay", weight_decay),
         grad_scale=_real("grad_scale", grad_scale),
+        extrapolate=_real("extrapolate", extrapolate),
         adamw_mode=bool(adamw_mode),
         maximize=bool(maximize),
     )
@@ -201,6 +204,13 @@ def _check_hparams(
     if hp.weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {hp.weight_decay}")
     return hp
+
+
+def _check_extrapolate(hp: _AdamHparams, has_out: bool) -> None:
+    if hp.extrapolate != 0.0 and not has_out:
+        raise ValueError(
+            "extrapolate only changes the low-precision copy; pass param_out/params_out, or extrapolate=0.0"
+        )
 
 
 def _adam_table(
@@ -317,6 +327,7 @@ def adam_step(
     maximize: bool = False,
     grad_scale: float = 1.0,
     param_out: Tensor | None = None,
+    extrapolate: float = 0.0,
     num_threads: int | None = None,
 ) -> None:
     """One Adam (``adamw_mode=False``, L2) or AdamW (decoupled decay) update, in place.
@@ -325,9 +336,12 @@ def adam_step(
     by ``grad_scale`` (the engine's unscale x clip factor). ``param``, ``exp_avg`` and ``exp_avg_sq``
     are contiguous fp32 CPU tensors; ``grad`` is fp32, bf16 or fp16. If ``param_out`` (bf16 or fp16)
     is given, it receives the updated param rounded to nearest even in the same pass: the
-    low-precision copy that goes back to the accelerator.
+    low-precision copy that goes back to the accelerator. With ``extrapolate`` it receives
+    ``p_new + extrapolate * (p_new - p_old)`` instead (the master ``param`` is unaffected): Delayed
+    Parameter Update's weight prediction, at no extra memory traffic.
     """
-    hp = _check_hparams(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize, grad_scale)
+    hp = _check_hparams(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize, grad_scale, extrapolate)
+    _check_extrapolate(hp, param_out is not None)
     step = _check_step("step", step)
     nt = _num_threads if num_threads is None else _check_threads("num_threads", num_threads)
     outs = None if param_out is None else [param_out]
@@ -351,6 +365,7 @@ def adam_step_multi(
     maximize: bool = False,
     grad_scale: float = 1.0,
     params_out: Sequence[Tensor] | None = None,
+    extrapolate: float = 0.0,
     num_threads: int | None = None,
 ) -> None:
     """:func:`adam_step` over many tensors in ONE native call (pointer arrays, threads split the total).
@@ -361,7 +376,8 @@ def adam_step_multi(
     the count before this update), which the call increments in place: then counting steps costs
     no Python work per tensor. All grads must share a dtype, as must all ``params_out``.
     """
-    hp = _check_hparams(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize, grad_scale)
+    hp = _check_hparams(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize, grad_scale, extrapolate)
+    _check_extrapolate(hp, params_out is not None)
     if len(steps) != len(params):
         raise ValueError(f"steps has {len(steps)} entries but params has {len(params)}; pass one per param")
     counters = bool(steps) and isinstance(steps[0], Tensor)
@@ -474,6 +490,7 @@ def _torch_adam(
         step_tensors = [torch.tensor(float(s)) for s in steps]
     if grads[0].dtype != torch.float32 or hp.grad_scale != 1.0:
         grads = [g.to(torch.float32, copy=True).mul_(hp.grad_scale) for g in grads]
+    before = [p.clone() for p in params] if hp.extrapolate and params_out is not None else None
     fused = torch._fused_adamw_ if hp.adamw_mode else torch._fused_adam_
     fused(
         list(params),
@@ -490,8 +507,8 @@ def _torch_adam(
         amsgrad=False,
         maximize=hp.maximize,
     )
-    for param, out in zip(params, params_out or ()):
-        out.copy_(param)
+    for i, (param, out) in enumerate(zip(params, params_out or ())):
+        out.copy_(param if before is None else torch.add(param, param - before[i], alpha=hp.extrapolate))
 
 
 def _torch_grad_accumulate(dst: Tensor, src: Tensor, scale: float, overwrite: bool) -> float:

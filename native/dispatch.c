@@ -94,6 +94,7 @@ static lzo_adam_consts adam_consts(const lzo_adam_hparams *hp, double step)
     c.bc2_sqrt = (float)pow(bc2, 0.5);
     c.neg_step_size = (float)(-(hp->lr / bc1));
     c.eps = (float)hp->eps;
+    c.extrapolate = (float)hp->extrapolate;
     return c;
 }
 

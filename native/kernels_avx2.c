@@ -64,7 +64,7 @@ INLINE void adam_vec(const lzo_adam_consts *c, float *p, const void *g, float *m
                      void *out, int64_t i, int gdt, int odt, int stream)
 {
     __m256 gi = _mm256_mul_ps(load_as_f32(g, i, gdt), _mm256_set1_ps(c->grad_scale));
-    __m256 pi = _mm256_loadu_ps(p + i);
+    __m256 p0 = _mm256_loadu_ps(p + i), pi = p0;
     if (c->l2 != 0.0f)
         gi = _mm256_fmadd_ps(pi, _mm256_set1_ps(c->l2), gi);
     pi = _mm256_mul_ps(pi, _mm256_set1_ps(c->decay));
@@ -79,6 +79,8 @@ INLINE void adam_vec(const lzo_adam_consts *c, float *p, const void *g, float *m
     _mm256_storeu_ps(p + i, pi);
     _mm256_storeu_ps(m + i, mi);
     _mm256_storeu_ps(v + i, vi);
+    if (c->extrapolate != 0.0f)
+        pi = _mm256_fmadd_ps(_mm256_set1_ps(c->extrapolate), _mm256_sub_ps(pi, p0), pi);
     store_low_precision(out, i, pi, odt, stream);
 }
 

@@ -65,7 +65,7 @@ INLINE void adam_vec(const lzo_adam_consts *c, float *p, const void *g, float *m
                      void *out, int64_t i, int gdt, int odt, int stream)
 {
     __m512 gi = _mm512_mul_ps(load_as_f32(g, i, gdt), _mm512_set1_ps(c->grad_scale));
-    __m512 pi = _mm512_loadu_ps(p + i);
+    __m512 p0 = _mm512_loadu_ps(p + i), pi = p0;
     if (c->l2 != 0.0f)
         gi = _mm512_fmadd_ps(pi, _mm512_set1_ps(c->l2), gi);
     pi = _mm512_mul_ps(pi, _mm512_set1_ps(c->decay));
@@ -80,6 +80,8 @@ INLINE void adam_vec(const lzo_adam_consts *c, float *p, const void *g, float *m
     _mm512_storeu_ps(p + i, pi);
     _mm512_storeu_ps(m + i, mi);
     _mm512_storeu_ps(v + i, vi);
+    if (c->extrapolate != 0.0f)
+        pi = _mm512_fmadd_ps(_mm512_set1_ps(c->extrapolate), _mm512_sub_ps(pi, p0), pi);
     store_low_precision(out, i, pi, odt, stream);
 }
 

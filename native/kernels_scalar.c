@@ -101,7 +101,7 @@ adam_loop(const lzo_adam_consts *c, float *restrict p, const void *restrict g, f
           float *restrict v, void *restrict out, int64_t n, int gdt, int odt)
 {
     for (int64_t i = 0; i < n; ++i) {
-        float gi = load_elem(g, i, gdt) * c->grad_scale, pi = p[i];
+        float gi = load_elem(g, i, gdt) * c->grad_scale, p0 = p[i], pi = p0;
         if (c->l2 != 0.0f)
             gi = FMA(pi, c->l2, gi);
         pi = pi * c->decay;
@@ -113,7 +113,7 @@ adam_loop(const lzo_adam_consts *c, float *restrict p, const void *restrict g, f
         p[i] = pi;
         m[i] = mi;
         v[i] = vi;
-        store_elem(out, i, pi, odt);
+        store_elem(out, i, c->extrapolate != 0.0f ? FMA(c->extrapolate, pi - p0, pi) : pi, odt);
     }
 }
 

@@ -16,8 +16,10 @@ enum { LZO_NONE = -1, LZO_FLOAT32 = 0, LZO_BFLOAT16 = 1, LZO_FLOAT16 = 2 };
 /* Instruction-set paths. One shared object holds all of them; Python selects one at import. */
 enum { LZO_ISA_SCALAR = 0, LZO_ISA_AVX2 = 1, LZO_ISA_AVX512 = 2 };
 
+/* extrapolate: param_out receives p_new + extrapolate * (p_new - p_old), the weights predicted one
+ * update ahead (Delayed Parameter Update's weight prediction); 0 gives p_new itself. */
 typedef struct {
-    double lr, beta1, beta2, eps, weight_decay, grad_scale;
+    double lr, beta1, beta2, eps, weight_decay, grad_scale, extrapolate;
     int adamw_mode, maximize;
 } lzo_adam_hparams;
 
@@ -35,7 +37,8 @@ typedef struct {
 } lzo_adam_tensor;
 
 /* One Adam/AdamW step over `count` tensors, all with grads of grad_dtype. If out_dtype is not
- * LZO_NONE, every param_out receives the updated param rounded to nearest even, in the same pass.
+ * LZO_NONE, every param_out receives the updated param (extrapolated if hp->extrapolate is not 0)
+ * rounded to nearest even, in the same pass.
  * Returns 0, or i + 1 if tensor i's step number is below 1 (then nothing was changed). */
 int64_t lzo_adam_step(const lzo_adam_hparams *hp, const lzo_adam_tensor *tensors, size_t count,
                       int grad_dtype, int out_dtype, int num_threads);
@@ -59,6 +62,7 @@ typedef struct {
     float lerp_w;       /* m = lerp(m, g, 1 - beta1), torch's two-sided formula */
     int lerp_from_end;  /* 1 - beta1 >= 0.5: m = g + (1 - beta1 - 1) * (g - m) */
     float beta2, one_minus_beta2, bc2_sqrt, neg_step_size, eps;
+    float extrapolate;  /* param_out = p_new + extrapolate * (p_new - p_old) (0: off) */
 } lzo_adam_consts;
 
 /* Kernels of one instruction set over a contiguous range. */

@@ -290,6 +290,32 @@ def test_fused_low_precision_step(backend: str, grad_dtype: torch.dtype, out_dty
         assert torch.equal(out, p.to(out_dtype))
 
 
+@pytest.mark.parametrize("out_dtype", LOW)
+@pytest.mark.parametrize("extrapolate", [1.0, 0.5])
+def test_extrapolated_copy_out(backend: str, out_dtype: torch.dtype, extrapolate: float) -> None:
+    """param_out = p_new + extrapolate * (p_new - p_old), rounded once; the master is not affected."""
+    n = 2**16 + 5
+    gen = torch.Generator().manual_seed(5)
+    p_old, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    p, m, v = p_old.clone(), torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
+    p_plain, m_plain, v_plain = p.clone(), m.clone(), v.clone()
+    out = torch.empty(n + 1, dtype=out_dtype)[1:]  # odd offset: the streaming-store path
+    hp = {**HP, "lr": 0.1}  # steps well above a bf16 ulp, so the prediction shows in the copy
+    kernels.adam_step(p, g, m, v, step=3, adamw_mode=True, param_out=out, extrapolate=extrapolate, **hp)
+    kernels.adam_step(p_plain, g, m_plain, v_plain, step=3, adamw_mode=True, **hp)
+    assert torch.equal(p, p_plain) and torch.equal(m, m_plain) and torch.equal(v, v_plain)
+    # FMA vs multiply-then-add may differ in the last fp32 bit, i.e. rarely by one unit after rounding.
+    expected = (p.double() + extrapolate * (p.double() - p_old.double())).to(out_dtype)
+    torch.testing.assert_close(out, expected, rtol=2 * torch.finfo(out_dtype).eps, atol=0)
+    assert (out != p.to(out_dtype)).float().mean() > 0.5  # the prediction did move the copy
+
+
+def test_extrapolate_without_param_out_is_an_error() -> None:
+    p, g, m, v = torch.zeros(8), torch.ones(8), torch.zeros(8), torch.zeros(8)
+    with pytest.raises(ValueError, match="param_out"):
+        kernels.adam_step(p, g, m, v, step=1, adamw_mode=True, extrapolate=1.0, **HP)
+
+
 def test_zero_lr_copies_out_with_exact_rounding(backend: str) -> None:
     """With lr=0 the param is unchanged, so param_out checks fp32 -> bf16/fp16 rounding itself."""
     gen = torch.Generator().manual_seed(0)

@@ -227,9 +227,10 @@ def test_unsupported_optimizer_setups_fail_clearly(model, error, message):
         fit(model=model(), max_steps=1)
 
 
-def test_delayed_param_update_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("prediction", [False, True], ids=["stale", "predicted"])
+def test_delayed_param_update_resumes_bitwise(tmp_path, prediction):
     def dpu():
-        return ZeroOffloadStrategy(delayed_param_update=True, dpu_warmup_steps=5)
+        return ZeroOffloadStrategy(delayed_param_update=True, dpu_warmup_steps=5, dpu_weight_prediction=prediction)
 
     common = {"precision": "bf16-mixed", "gradient_clip_val": 1.0, "max_steps": -1}
     full, _ = fit(dpu(), max_epochs=2, **common)
@@ -241,6 +242,7 @@ def test_delayed_param_update_resumes_bitwise(tmp_path):
     trainer.save_checkpoint(tmp_path / "dpu.ckpt")  # an update is pending here: its stale weights are saved
     state = torch.load(tmp_path / "dpu.ckpt", weights_only=True)["ZeroOffloadPrecision"]
     assert state["step_calls"] == 20 and "dpu_pending" in state
+    assert ("next_params" in state["dpu_pending"]) == prediction
     resumed = Classifier()
     L.Trainer(strategy=dpu(), max_epochs=2, gradient_clip_val=1.0, **{**QUIET, "precision": "bf16-mixed"}).fit(
         resumed, loader(), ckpt_path=tmp_path / "dpu.ckpt", weights_only=True

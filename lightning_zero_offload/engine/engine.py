@@ -152,6 +152,15 @@ class OffloadEngine:
         # step t reads the other) and the low-precision result waiting to be swapped in.
         self._grad_buffers = [self.grad]
         self._next_params: torch.Tensor | None = None
+        if options.dpu_weight_prediction and not low_precision:
+            raise ValueError(
+                "dpu_weight_prediction writes the predicted weights into the low-precision copy the device "
+                f"uses, and these parameters are {param_dtype}: use precision='bf16-mixed' or '16-mixed', "
+                "or set dpu_weight_prediction=False"
+            )
+        # With weight prediction the device gets W_t + (W_t - W_{t-1}): the update still running guessed
+        # as a repeat of the last one (free: the kernel has both values in registers).
+        self._extrapolate = 1.0 if options.dpu_weight_prediction else 0.0
         if options.delayed_param_update:
             self._grad_buffers.append(host_zeros(shard, torch.float32, False))
             if low_precision:
@@ -304,7 +313,9 @@ class OffloadEngine:
                 self.steps[index] += 1
         return plan
 
-    def _update_bucket(self, bucket: Bucket, runs: list[_Run], grad: torch.Tensor, out: torch.Tensor | None) -> None:
+    def _update_bucket(
+        self, bucket: Bucket, runs: list[_Run], grad: torch.Tensor, out: torch.Tensor | None, extrapolate: float = 0.0
+    ) -> None:
         """The CPU update of this rank's chunk of one bucket; writes the low-precision copy into ``out``."""
         base = bucket.shard_start
         for run in runs:
@@ -330,6 +341,7 @@ class OffloadEngine:
                 maximize=hp.maximize,
                 grad_scale=run.multiplier,
                 param_out=target,
+                extrapolate=extrapolate,
                 num_threads=self.num_threads,
             )
 
@@ -361,7 +373,7 @@ class OffloadEngine:
         t = time.perf_counter()
         for bucket, runs in zip(self.layout.buckets, plan):
             out = None if self._next_params is None else self._next_params[bucket.shard_range]
-            self._update_bucket(bucket, runs, grad, out)
+            self._update_bucket(bucket, runs, grad, out, self._extrapolate)
         self._last_update_s = time.perf_counter() - t
 
     def wait_update(self) -> float:
@@ -387,6 +399,10 @@ class OffloadEngine:
 
     def sync(self) -> None:
         """Make the device parameters fully up to date (before evaluation, or at the end of training)."""
+        if self._extrapolate:
+            self.wait_update()
+            if self._publish_due:  # the true weights, not the prediction waiting in _next_params
+                self.refresh_device_params()
         self._finish_pending_update()
         self._wait_publish()
 
@@ -448,23 +464,31 @@ class OffloadEngine:
         self._publish_due = False
 
     def pending_state(self) -> dict[str, Any] | None:
-        """What a checkpoint needs to resume a delayed run bitwise: the stale device params in use.
+        """What a checkpoint needs to resume a delayed run bitwise: the stale device params in use
+        (and, with weight prediction, the predicted params waiting to be swapped in).
 
         None when nothing is pending. Waits for a running update first, so the CPU state is complete.
         """
         self.wait_update()
         if not self._publish_due:
             return None
-        params = self._stale_at_close if self._closed else [p.detach().cpu().clone() for p in self.params]
-        return {"device_params": params}
+        if self._closed:
+            return self._pending_at_close
+        state = {"device_params": [p.detach().cpu().clone() for p in self.params]}
+        if self._extrapolate:  # the predicted weights to swap in next (the master alone cannot rebuild them)
+            state["next_params"] = self._full_tensors(self._next_params)
+        return state
 
     def load_pending_state(self, state: dict[str, Any]) -> None:
-        """Restore the stale device params; the saved update (the master) is swapped in at the next step."""
+        """Restore the stale device params; the saved update is swapped in at the next step."""
         with torch.no_grad():
             for p, saved in zip(self.params, state["device_params"]):
                 p.copy_(saved)
         if self._next_params is not None:
-            self._next_params.copy_(self.master)
+            if "next_params" in state:
+                self._load_shard(self._next_params, state["next_params"])
+            else:
+                self._next_params.copy_(self.master)
         self._publish_due = True
 
     # -- state in and out ----------------------------------------------------------------------
@@ -601,7 +625,7 @@ class OffloadEngine:
         self.grads.close()
         # A delayed update not yet swapped in: keep the weights in use, so a checkpoint saved after
         # training can still resume bitwise.
-        self._stale_at_close = [p.detach().cpu().clone() for p in self.params] if self._publish_due else None
+        self._pending_at_close = self.pending_state()
         for p, weight, dtype in zip(self.params, self.master_params(), self._original_dtypes):
             p.data = weight.to(dtype)
         self.flat_params = self.flat_params.new_empty(0)

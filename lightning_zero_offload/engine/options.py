@@ -30,6 +30,7 @@ class OffloadOptions:
     loss_scaler: LossScalerConfig = field(default_factory=LossScalerConfig)
     delayed_param_update: bool = False
     dpu_warmup_steps: int = 40
+    dpu_weight_prediction: bool = False
     checkpoint_format: CheckpointFormat = "full"
 
     def validate(self) -> None:
@@ -39,6 +40,10 @@ class OffloadOptions:
             raise ValueError(f"cpu_threads must be >= 1 or None (all cores of this rank), got {self.cpu_threads}")
         if self.dpu_warmup_steps < 0:
             raise ValueError(f"dpu_warmup_steps must be >= 0, got {self.dpu_warmup_steps}")
+        if self.dpu_weight_prediction and not self.delayed_param_update:
+            raise ValueError(
+                "dpu_weight_prediction=True only changes the delayed update; set delayed_param_update=True too"
+            )
         if self.checkpoint_format not in ("full", "sharded"):
             raise ValueError(f"checkpoint_format must be 'full' or 'sharded', got {self.checkpoint_format!r}")
         self.loss_scaler.validate()

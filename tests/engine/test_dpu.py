@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 from engine_helpers import CPU, batches, loss_fn, make_net, options
 
@@ -64,3 +65,40 @@ def test_dpu_bf16_uses_a_second_gradient_buffer_and_publishes_rne_copies():
     engine.sync()
     for p, master in zip(net.parameters(), engine.master_params()):
         assert torch.equal(p.detach(), master.to(torch.bfloat16))
+
+
+def test_weight_prediction_publishes_the_last_update_applied_twice_and_evaluates_on_true_weights():
+    warmup = 2
+    net = make_net()
+    engine = OffloadEngine(
+        torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1),
+        CPU,
+        torch.bfloat16,
+        options(delayed_param_update=True, dpu_warmup_steps=warmup, dpu_weight_prediction=True),
+    )
+    masters = []  # W_t after each step t
+    for t, batch in enumerate(batches(8), start=1):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_fn(net, batch).backward()
+        engine.step()
+        masters.append(engine.master_params())  # waits for the update; does not swap it in
+        if t >= warmup + 2:  # step t swapped in update t-1, predicted from W_{t-2} one update ahead
+            before, after = masters[t - 3], masters[t - 2]
+            for p, w0, w1 in zip(net.parameters(), before, after):
+                assert torch.equal(p.detach(), (w1 + (w1 - w0)).to(torch.bfloat16))
+    assert any(not torch.equal(a, b) for a, b in zip(masters[-2], masters[-3]))  # the prediction moved them
+    engine.sync()  # evaluation: the true latest weights, not a prediction
+    for p, master in zip(net.parameters(), engine.master_params()):
+        assert torch.equal(p.detach(), master.to(torch.bfloat16))
+
+
+def test_weight_prediction_needs_dpu_and_a_low_precision_copy():
+    with pytest.raises(ValueError, match="delayed_param_update=True"):
+        options(dpu_weight_prediction=True).validate()
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        OffloadEngine(
+            torch.optim.AdamW(make_net().parameters()),
+            CPU,
+            torch.float32,
+            options(delayed_param_update=True, dpu_weight_prediction=True),
+        )

@@ -37,13 +37,15 @@ def main() -> None:
     parser.add_argument("--max-epochs", type=int, default=None)
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--format", default="full")
+    parser.add_argument("--dpu", action="store_true", help="DPU with weight prediction after 3 steps")
     parser.add_argument("--resume", default=None)
     parser.add_argument("--save", default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     if args.strategy == "zero_offload":
-        strategy = ZeroOffloadStrategy(checkpoint_format=args.format, bucket_size_mb=0.002)
+        dpu = {"delayed_param_update": True, "dpu_warmup_steps": 3, "dpu_weight_prediction": True} if args.dpu else {}
+        strategy = ZeroOffloadStrategy(checkpoint_format=args.format, bucket_size_mb=0.002, **dpu)
     else:
         strategy = args.strategy
     model = ShardedData(width=31)  # odd sizes: buckets need padding at world sizes 2 and 3
