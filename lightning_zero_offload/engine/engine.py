@@ -161,6 +161,7 @@ class OffloadEngine:
         # With weight prediction the device gets W_t + (W_t - W_{t-1}): the update still running guessed
         # as a repeat of the last one (free: the kernel has both values in registers).
         self._extrapolate = 1.0 if options.dpu_weight_prediction else 0.0
+        self._next_from_checkpoint = False  # _next_params holds a loaded prediction (kept if saved again)
         if options.delayed_param_update:
             self._grad_buffers.append(host_zeros(shard, torch.float32, False))
             if low_precision:
@@ -237,6 +238,10 @@ class OffloadEngine:
 
         if overflow:
             self._skip(stats)
+            if delayed and self._extrapolate:
+                # The device holds a prediction of this very update, which is not happening: go back to
+                # the true weights (as plain DPU has them), so later steps and checkpoints agree.
+                self.refresh_device_params()
         else:
             plan = self._plan(has_grad, self._clip_and_unscale(stats.grad_norm, scale))
             if self.scaler is not None:
@@ -245,6 +250,7 @@ class OffloadEngine:
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
             if delayed:
                 grad = self.grad
+                self._next_from_checkpoint = False
                 self._pending = self._updater.submit(self._update_all, plan, grad)
                 self.grad = self._grad_buffers[1] if grad is self._grad_buffers[0] else self._grad_buffers[0]
                 self.grads.cpu_grad = self.grad
@@ -475,7 +481,8 @@ class OffloadEngine:
         if self._closed:
             return self._pending_at_close
         state = {"device_params": [p.detach().cpu().clone() for p in self.params]}
-        if self._extrapolate:  # the predicted weights to swap in next (the master alone cannot rebuild them)
+        if self._extrapolate or self._next_from_checkpoint:
+            # the predicted weights to swap in next (the master alone cannot rebuild them)
             state["next_params"] = self._full_tensors(self._next_params)
         return state
 
@@ -485,7 +492,8 @@ class OffloadEngine:
             for p, saved in zip(self.params, state["device_params"]):
                 p.copy_(saved)
         if self._next_params is not None:
-            if "next_params" in state:
+            self._next_from_checkpoint = "next_params" in state
+            if self._next_from_checkpoint:
                 self._load_shard(self._next_params, state["next_params"])
             else:
                 self._next_params.copy_(self.master)

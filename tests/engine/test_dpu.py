@@ -86,7 +86,8 @@ def test_weight_prediction_publishes_the_last_update_applied_twice_and_evaluates
             before, after = masters[t - 3], masters[t - 2]
             for p, w0, w1 in zip(net.parameters(), before, after):
                 assert torch.equal(p.detach(), (w1 + (w1 - w0)).to(torch.bfloat16))
-    assert any(not torch.equal(a, b) for a, b in zip(masters[-2], masters[-3]))  # the prediction moved them
+    # the device really holds a prediction, not the master (the test would pass trivially otherwise)
+    assert any(not torch.equal(p.detach(), m.to(torch.bfloat16)) for p, m in zip(net.parameters(), masters[-2]))
     engine.sync()  # evaluation: the true latest weights, not a prediction
     for p, master in zip(net.parameters(), engine.master_params()):
         assert torch.equal(p.detach(), master.to(torch.bfloat16))
@@ -102,3 +103,46 @@ def test_weight_prediction_needs_dpu_and_a_low_precision_copy():
             torch.float32,
             options(delayed_param_update=True, dpu_weight_prediction=True),
         )
+
+
+def predicting_engine(net, warmup: int = 2, prediction: bool = True) -> OffloadEngine:
+    return OffloadEngine(
+        torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1),
+        CPU,
+        torch.bfloat16,
+        options(delayed_param_update=True, dpu_warmup_steps=warmup, dpu_weight_prediction=prediction),
+    )
+
+
+def test_a_skipped_step_takes_the_prediction_back():
+    net = make_net()
+    engine = predicting_engine(net)
+    for t, batch in enumerate(batches(6), start=1):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(net, batch)
+        if t == 5:  # inf gradients: step 5 is skipped, so the prediction of update 5 must not stay
+            with pytest.warns(RuntimeWarning, match="skipped"):
+                (loss * float("inf")).backward()
+                engine.step()
+            assert engine.pending_state() is None
+            for p, master in zip(net.parameters(), engine.master_params()):
+                assert torch.equal(p.detach(), master.to(torch.bfloat16))
+        else:
+            loss.backward()
+            engine.step()
+    assert engine.skipped_steps == 1
+
+
+def test_a_loaded_prediction_is_saved_again_by_a_run_without_prediction():
+    net = make_net()
+    source = predicting_engine(net)
+    for batch in batches(4):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss_fn(net, batch).backward()
+        source.step()
+    state = source.pending_state()
+    assert state is not None and "next_params" in state
+    target = predicting_engine(make_net(), prediction=False)
+    target.load_pending_state(state)
+    again = target.pending_state()
+    assert all(torch.equal(a, b) for a, b in zip(again["next_params"], state["next_params"]))
