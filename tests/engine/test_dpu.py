@@ -67,15 +67,19 @@ def test_dpu_bf16_uses_a_second_gradient_buffer_and_publishes_rne_copies():
         assert torch.equal(p.detach(), master.to(torch.bfloat16))
 
 
-def test_weight_prediction_publishes_the_last_update_applied_twice_and_evaluates_on_true_weights():
-    warmup = 2
-    net = make_net()
-    engine = OffloadEngine(
+def predicting_engine(net, warmup: int = 2, prediction: bool = True) -> OffloadEngine:
+    return OffloadEngine(
         torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1),
         CPU,
         torch.bfloat16,
-        options(delayed_param_update=True, dpu_warmup_steps=warmup, dpu_weight_prediction=True),
+        options(delayed_param_update=True, dpu_warmup_steps=warmup, dpu_weight_prediction=prediction),
     )
+
+
+def test_weight_prediction_publishes_the_last_update_applied_twice_and_evaluates_on_true_weights():
+    warmup = 2
+    net = make_net()
+    engine = predicting_engine(net, warmup)
     masters = []  # W_t after each step t
     for t, batch in enumerate(batches(8), start=1):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -103,15 +107,6 @@ def test_weight_prediction_needs_dpu_and_a_low_precision_copy():
             torch.float32,
             options(delayed_param_update=True, dpu_weight_prediction=True),
         )
-
-
-def predicting_engine(net, warmup: int = 2, prediction: bool = True) -> OffloadEngine:
-    return OffloadEngine(
-        torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1),
-        CPU,
-        torch.bfloat16,
-        options(delayed_param_update=True, dpu_warmup_steps=warmup, dpu_weight_prediction=prediction),
-    )
 
 
 def test_a_skipped_step_takes_the_prediction_back():
