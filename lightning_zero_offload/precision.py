@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -120,6 +121,13 @@ class ZeroOffloadPrecision(Precision):
 
     def attach(self, engine: OffloadEngine) -> None:
         self.engine = engine
+        if self.param_dtype == torch.float32:
+            # Lightning's default when precision= is not given; the point of offloading is a 2-byte device copy.
+            rank_zero_warn(
+                "zero_offload is training in '32-true' (Lightning's default precision): the device holds fp32 "
+                "weights and gradients (4 B/param). Pass precision='bf16-mixed' (or '16-mixed' on GPUs without "
+                "bf16) to the Trainer to keep a 2 B/param copy on the device with fp32 master weights on the CPU."
+            )
         if self._pending_state is not None:
             self.load_state_dict(self._pending_state)
             self._pending_state = None
