@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_zero_offload.engine import OffloadEngine
 
+ENGINE_STATE_KEY = "zero_offload_engine"
 _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}
 _ALIASES = {"bf16": "bf16-mixed", "16": "16-mixed", "32": "32-true"}
 _ALTERNATIVES = {
@@ -47,6 +48,7 @@ class ZeroOffloadPrecision(Precision):
         self.device_type = "cpu"  # set by the strategy once the device is known
         self.engine: OffloadEngine | None = None
         self._pending_state: dict[str, Any] | None = None
+        self._clip: dict[str, float] = {}  # set by clip_gradients between backward and the step
 
     def forward_context(self) -> AbstractContextManager:
         if self.param_dtype == torch.float32:
@@ -69,12 +71,13 @@ class ZeroOffloadPrecision(Precision):
         closure_result = closure()
         # Like AMP: training_step returned None in automatic optimization means "skip this step".
         skip = closure_result is None and getattr(model, "automatic_optimization", True)
-        self._after_closure(model, optimizer)
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clip_gradients
+        # Manual optimization records the clip before calling optimizer.step(); automatic in _after_closure.
+        clip, self._clip = self._clip, {}
         if skip:
             self.engine.finish_backward()
-            self.engine.clip_norm = self.engine.clip_value = None
         else:
-            self.engine.step()
+            self.engine.step(**clip)
         return closure_result
 
     @override
@@ -84,40 +87,48 @@ class ZeroOffloadPrecision(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Record the clip; the engine applies it on the CPU buffers, fused into the step."""
+        """Record the clip for the coming step; the engine applies it on the CPU buffers, fused into the step."""
         if clip_val <= 0:
             return
         if self.engine is None or self.engine.closed:
             raise RuntimeError("Gradient clipping under zero_offload is only possible during fit")
-        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            self.engine.clip_value = float(clip_val)
-        else:
-            self.engine.clip_norm = float(clip_val)
+        name = "clip_value" if gradient_clip_algorithm == GradClipAlgorithmType.VALUE else "clip_norm"
+        self._clip[name] = float(clip_val)
+
+    # The engine's state (step count, loss scaler, pending schedule state) is a top-level checkpoint entry,
+    # ENGINE_STATE_KEY, rather than this plugin's class-name entry, so a Fabric run reads the same state.
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """Loss scale, step count (for the DPU warm-up) and, with a delayed update pending, the stale
-        device parameters in use, so that a resumed run continues bitwise."""
-        if self.engine is None:
-            return {}
-        state: dict[str, Any] = {"step_calls": self.engine.step_calls}
-        if self.engine.scaler is not None:
-            state["loss_scaler"] = self.engine.scaler.state_dict()
-        pending = self.engine.pending_state()
-        if pending is not None:
-            state["dpu_pending"] = pending
-        return state
+        return {}
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.engine is not None:
+            checkpoint[ENGINE_STATE_KEY] = self.engine.state_dict()
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if ENGINE_STATE_KEY in checkpoint:
+            self._load_engine_state(checkpoint[ENGINE_STATE_KEY])
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """A checkpoint written by 0.1.0: the engine state under this plugin's class-name key."""
+        if state_dict:
+            self._load_engine_state(
+                {
+                    "step_calls": state_dict.get("step_calls", 0),
+                    "loss_scaler": state_dict.get("loss_scaler"),
+                    "pending": state_dict.get("dpu_pending"),
+                }
+            )
+
+    def _load_engine_state(self, state: dict[str, Any]) -> None:
         if self.engine is None or self.engine.closed:
-            self._pending_state = state_dict
-            return
-        self.engine.step_calls = int(state_dict.get("step_calls", 0))
-        if "loss_scaler" in state_dict and self.engine.scaler is not None:
-            self.engine.scaler.load_state_dict(state_dict["loss_scaler"])
-        if "dpu_pending" in state_dict:
-            self.engine.load_pending_state(state_dict["dpu_pending"])
+            self._pending_state = state
+        else:
+            self.engine.load_state_dict(state)
 
     def attach(self, engine: OffloadEngine) -> None:
         self.engine = engine
@@ -129,5 +140,5 @@ class ZeroOffloadPrecision(Precision):
                 "bf16) to the Trainer to keep a 2 B/param copy on the device with fp32 master weights on the CPU."
             )
         if self._pending_state is not None:
-            self.load_state_dict(self._pending_state)
+            engine.load_state_dict(self._pending_state)
             self._pending_state = None

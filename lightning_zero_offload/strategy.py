@@ -71,9 +71,20 @@ class ZeroOffloadStrategy(ParallelStrategy):
             optimizer state.
         overlap: move and accumulate gradient buckets on a worker thread (and a side stream on CUDA) while
             backward continues, and publish bucket k while the CPU updates bucket k+1. ``False`` serialises
-            everything; only useful to measure what overlap buys.
-        cpu_threads: threads for the CPU Adam kernels. Default: the cores this process may use divided by
-            the ranks on this node. ``OMP_NUM_THREADS`` (which torchrun sets to 1) is not consulted.
+            everything. Default (None): on for an accelerator, off on a CPU device, where the worker would
+            compete with backward for the same cores.
+        cpu_threads: threads for the CPU Adam kernels. Default (None): on an accelerator the cores this
+            process may use divided by the ranks on this node (``OMP_NUM_THREADS``, which torchrun sets to
+            1, is not consulted); on a CPU device ``torch.get_num_threads()``. Capped at the usable cores.
+        cpu_step: when the CPU optimizer step runs (docs/dpu.md). ``"sync"``: after backward, on the
+            critical path. ``"speculative"``: each gradient bucket's step runs during backward, is validated
+            after it (clipping, overflow) and corrected if needed; results equal ``"sync"``. ``"delayed"``:
+            overlaps the next forward/backward, which sees one-step-stale weights (changes convergence).
+            ``"auto"`` (default): ``"speculative"`` on an accelerator, ``"sync"`` on a CPU device.
+        speculation_rollback: how ``cpu_step="speculative"`` corrects a speculated bucket when clipping
+            triggers: ``"undo"`` inverts the Adam step algebraically (no extra memory; equal to sync within
+            fp32 rounding), ``"snapshot"`` copies the bucket's state before speculating (bitwise equal to
+            sync; 12 bytes of host memory per parameter).
         loss_scale_init: fp16 only: initial dynamic loss scale.
         loss_scale_growth_interval: fp16 only: overflow-free steps before the scale grows.
         loss_scale_growth_factor: fp16 only: factor by which the scale grows.
@@ -81,12 +92,12 @@ class ZeroOffloadStrategy(ParallelStrategy):
             overflowing steps (each overflowing step is skipped).
         loss_scale_hysteresis: fp16 only: overflows tolerated before the scale is lowered.
         loss_scale_min: fp16 only: the scale never goes below this.
-        delayed_param_update: overlap the CPU update of step t with forward/backward of step t+1
-            (parameters one step stale) after ``dpu_warmup_steps`` synchronous steps.
-        dpu_warmup_steps: synchronous steps before the delayed update starts.
-        dpu_weight_prediction: with DPU, run forward/backward on ``W_{t-1} + (W_{t-1} - W_{t-2})`` (the
-            update still running predicted as a repeat of the last one) instead of ``W_{t-1}``. Costs no
-            memory or bandwidth; removed 37-63% of DPU's convergence loss on the demo (docs/dpu.md).
+        delayed_param_update: deprecated alias of ``cpu_step="delayed"``.
+        dpu_warmup_steps: with ``cpu_step="delayed"``, synchronous steps before the delayed update starts.
+        dpu_weight_prediction: with ``cpu_step="delayed"``, run forward/backward on
+            ``W_{t-1} + (W_{t-1} - W_{t-2})`` (the update still running predicted as a repeat of the last one)
+            instead of ``W_{t-1}``. Costs no memory or bandwidth; removed 37-63% of DPU's convergence loss on
+            the demo (docs/dpu.md).
             Needs a low-precision device copy ("bf16-mixed" or "16-mixed").
         checkpoint_format: ``"full"``: one file with the full fp32 weights and optimizer state (rank 0 writes).
             ``"sharded"``: a directory, each rank writes its own shard; resumable at any world size.
@@ -108,8 +119,10 @@ class ZeroOffloadStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         bucket_size_mb: float = 25.0,
         pin_memory: bool = True,
-        overlap: bool = True,
+        overlap: bool | None = None,
         cpu_threads: int | None = None,
+        cpu_step: Literal["auto", "sync", "speculative", "delayed"] = "auto",
+        speculation_rollback: Literal["undo", "snapshot"] = "undo",
         loss_scale_init: float = 2.0**16,
         loss_scale_growth_interval: int = 1000,
         loss_scale_growth_factor: float = 2.0,
@@ -138,12 +151,13 @@ class ZeroOffloadStrategy(ParallelStrategy):
                 hysteresis=loss_scale_hysteresis,
                 min_scale=loss_scale_min,
             ),
+            cpu_step=cpu_step,
+            speculation_rollback=speculation_rollback,
             delayed_param_update=delayed_param_update,
             dpu_warmup_steps=dpu_warmup_steps,
             dpu_weight_prediction=dpu_weight_prediction,
             checkpoint_format=checkpoint_format,
         )
-        self.options.validate()
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

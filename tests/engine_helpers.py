@@ -38,4 +38,5 @@ def two_groups(net: nn.Module, cls=torch.optim.AdamW, **kwargs):
 def options(**kwargs) -> OffloadOptions:
     kwargs.setdefault("bucket_size_mb", 2000 / 2**20)  # ~500 fp32 elements: several buckets
     kwargs.setdefault("cpu_threads", 2)
+    kwargs.setdefault("overlap", True)  # the accelerator's path (the CPU device's default is off)
     return OffloadOptions(**kwargs)

@@ -14,6 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 import lightning_zero_offload  # noqa: F401  (registers "zero_offload")
 from lightning_zero_offload import ZeroOffloadPrecision, ZeroOffloadStrategy
+from lightning_zero_offload.precision import ENGINE_STATE_KEY
 
 
 def fit(strategy="zero_offload", precision="32-true", model=None, data=None, **trainer_kwargs):
@@ -72,7 +73,8 @@ def test_fp16_with_loss_scaling_trains_and_saves_scaler_state(tmp_path):
     assert sum(model.losses[-8:]) < sum(model.losses[:8])
     trainer.save_checkpoint(tmp_path / "fp16.ckpt")
     ckpt = torch.load(tmp_path / "fp16.ckpt", weights_only=True)
-    assert ckpt["ZeroOffloadPrecision"]["loss_scaler"]["scale"] == 2.0**12
+    assert ckpt[ENGINE_STATE_KEY]["loss_scaler"]["scale"] == 2.0**12
+    assert "ZeroOffloadPrecision" not in ckpt  # 0.1.0 kept it there; it loads still (test_precision.py)
 
 
 def test_resume_is_bitwise_identical_and_checkpoint_is_portable(tmp_path):
@@ -230,7 +232,7 @@ def test_unsupported_optimizer_setups_fail_clearly(model, error, message):
 @pytest.mark.parametrize("prediction", [False, True], ids=["stale", "predicted"])
 def test_delayed_param_update_resumes_bitwise(tmp_path, prediction):
     def dpu():
-        return ZeroOffloadStrategy(delayed_param_update=True, dpu_warmup_steps=5, dpu_weight_prediction=prediction)
+        return ZeroOffloadStrategy(cpu_step="delayed", dpu_warmup_steps=5, dpu_weight_prediction=prediction)
 
     common = {"precision": "bf16-mixed", "gradient_clip_val": 1.0, "max_steps": -1}
     full, _ = fit(dpu(), max_epochs=2, **common)
@@ -240,9 +242,9 @@ def test_delayed_param_update_resumes_bitwise(tmp_path, prediction):
 
     _, trainer = fit(dpu(), max_epochs=1, **common)
     trainer.save_checkpoint(tmp_path / "dpu.ckpt")  # an update is pending here: its stale weights are saved
-    state = torch.load(tmp_path / "dpu.ckpt", weights_only=True)["ZeroOffloadPrecision"]
-    assert state["step_calls"] == 20 and "dpu_pending" in state
-    assert ("next_params" in state["dpu_pending"]) == prediction
+    state = torch.load(tmp_path / "dpu.ckpt", weights_only=True)[ENGINE_STATE_KEY]
+    assert state["step_calls"] == 20 and "pending" in state
+    assert ("next_params" in state["pending"]) == prediction
     resumed = Classifier()
     L.Trainer(strategy=dpu(), max_epochs=2, gradient_clip_val=1.0, **{**QUIET, "precision": "bf16-mixed"}).fit(
         resumed, loader(), ckpt_path=tmp_path / "dpu.ckpt", weights_only=True
@@ -315,6 +317,6 @@ def test_dpu_through_the_trainer_matches_the_delayed_reference():
         opt.zero_grad()
         sched.step()
 
-    strategy = ZeroOffloadStrategy(delayed_param_update=True, dpu_warmup_steps=warmup)
+    strategy = ZeroOffloadStrategy(cpu_step="delayed", dpu_warmup_steps=warmup)
     ours, _ = fit(strategy, max_steps=steps, gradient_clip_val=1.0)
     assert_params_close(reference, ours, rtol=1e-5, atol=1e-6)

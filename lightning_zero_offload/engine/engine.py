@@ -31,7 +31,7 @@ from lightning_zero_offload.engine.collectives import all_gather, all_reduce_sum
 from lightning_zero_offload.engine.grads import GradientStreamer
 from lightning_zero_offload.engine.layout import Bucket, Layout, build_layout
 from lightning_zero_offload.engine.memory import BufferPool, can_pin, host_zeros, record_event, wait_event
-from lightning_zero_offload.engine.options import OffloadOptions, default_cpu_threads
+from lightning_zero_offload.engine.options import OffloadOptions, resolve_auto
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -96,7 +96,6 @@ class OffloadEngine:
         process_group: dist.ProcessGroup | None = None,
         local_world_size: int = 1,
     ) -> None:
-        options.validate()
         check_optimizer(optimizer)
         if param_dtype not in (*LOW_PRECISION, torch.float32):
             raise ValueError(f"param_dtype must be bfloat16, float16 or float32, got {param_dtype}")
@@ -108,7 +107,12 @@ class OffloadEngine:
         distributed = process_group is not None or (dist.is_available() and dist.is_initialized())
         world = dist.get_world_size(process_group) if distributed else 1
         rank = dist.get_rank(process_group) if distributed else 0
-        self.num_threads = options.cpu_threads or default_cpu_threads(local_world_size)
+        resolved = resolve_auto(options, device, local_world_size)
+        if resolved.cpu_step == "speculative":
+            raise NotImplementedError("cpu_step='speculative' is being implemented; use 'sync' or 'delayed'")
+        self.cpu_step = resolved.cpu_step
+        self.overlap = resolved.overlap
+        self.num_threads = resolved.cpu_threads
         self.scaler = DynamicLossScaler(options.loss_scaler) if param_dtype == torch.float16 else None
 
         # Trainable params in optimizer order; torch_index maps the optimizer's state-dict numbering.
@@ -162,7 +166,7 @@ class OffloadEngine:
         # as a repeat of the last one (free: the kernel has both values in registers).
         self._extrapolate = 1.0 if options.dpu_weight_prediction else 0.0
         self._next_from_checkpoint = False  # _next_params holds a loaded prediction (kept if saved again)
-        if options.delayed_param_update:
+        if self.cpu_step == "delayed":
             self._grad_buffers.append(host_zeros(shard, torch.float32, False))
             if low_precision:
                 self._next_params = host_zeros(shard, param_dtype, pin)
@@ -182,10 +186,8 @@ class OffloadEngine:
             pin,
             self.num_threads,
             process_group,
-            options.overlap,
+            self.overlap,
         )
-        self.clip_norm: float | None = None
-        self.clip_value: float | None = None
         self.last = StepStats(loss_scale=self.loss_scale)
         self.skipped_steps = 0
         self._closed = False
@@ -212,15 +214,20 @@ class OffloadEngine:
     @property
     def delayed(self) -> bool:
         """Whether steps now run one step behind (Delayed Parameter Update, after the warm-up)."""
-        return self.options.delayed_param_update and self.step_calls >= self.options.dpu_warmup_steps
+        return self.cpu_step == "delayed" and self.step_calls >= self.options.dpu_warmup_steps
 
-    def step(self) -> StepStats:
+    def step(self, clip_norm: float | None = None, clip_value: float | None = None) -> StepStats:
         """Apply the accumulated gradients: clip, unscale, CPU Adam, copy back. Skips on overflow.
 
         Synchronous mode: bucket k is published (copied to the device, all-gathered) while the CPU
         updates bucket k+1. Delayed mode (DPU): the update of this step runs in the background and is
         published at the next call, so it overlaps the next forward/backward.
+
+        ``clip_norm`` clips the global gradient norm (``torch.nn.utils.clip_grad_norm_``'s rule) and
+        ``clip_value`` each gradient element (``clip_grad_value_``), both on the CPU, fused into the step.
         """
+        _check_clip("clip_norm", clip_norm)
+        _check_clip("clip_value", clip_value)
         start = time.perf_counter()
         self.grads.finish_backward()
         stats = StepStats(loss_scale=self.loss_scale, backward_s=self._backward_s)
@@ -243,7 +250,7 @@ class OffloadEngine:
                 # the true weights (as plain DPU has them), so later steps and checkpoints agree.
                 self.refresh_device_params()
         else:
-            plan = self._plan(has_grad, self._clip_and_unscale(stats.grad_norm, scale))
+            plan = self._plan(has_grad, self._clip_and_unscale(stats.grad_norm, scale, clip_norm, clip_value))
             if self.scaler is not None:
                 self.scaler.update(overflow=False)
             # LR schedulers warn unless optimizer.step() ran; the engine's step stands in for it.
@@ -257,7 +264,6 @@ class OffloadEngine:
             else:
                 stats.cpu_step_s, stats.copy_back_s = self._update_and_publish(plan)
         self.grads.new_window()
-        self.clip_norm = self.clip_value = None
         if delayed and self._pending is not None:
             stats.cpu_step_s = self._last_update_s
         stats.total_s = time.perf_counter() - start
@@ -289,15 +295,17 @@ class OffloadEngine:
         overflow = overflow or not math.isfinite(sumsq)
         return sumsq, overflow, has_grad
 
-    def _clip_and_unscale(self, grad_norm: float, scale: float) -> float:
+    def _clip_and_unscale(
+        self, grad_norm: float, scale: float, clip_norm: float | None, clip_value: float | None
+    ) -> float:
         """The factor the kernel applies to the stored (loss-scaled) gradients."""
-        if self.clip_value is not None:
-            limit = self.clip_value * scale
+        if clip_value is not None:
+            limit = clip_value * scale
             self.grads.for_each_grad_range(lambda g: g.clamp_(-limit, limit))
         clip_coef = 1.0
-        if self.clip_norm is not None:
+        if clip_norm is not None:
             # torch.nn.utils.clip_grad_norm_'s rule, so results match a plain run.
-            clip_coef = min(1.0, self.clip_norm / (grad_norm + 1e-6))
+            clip_coef = min(1.0, clip_norm / (grad_norm + 1e-6))
         return clip_coef / scale
 
     def _plan(self, has_grad: list[bool], multiplier: float) -> list[list[_Run]]:
@@ -363,7 +371,7 @@ class OffloadEngine:
 
         pairs = list(zip(self.layout.buckets, plan))
         # The worker blocks on the two-buffer pool, so it runs at most one bucket ahead of publishing.
-        futures = [self._updater.submit(update, b, runs) for b, runs in pairs] if self.options.overlap else None
+        futures = [self._updater.submit(update, b, runs) for b, runs in pairs] if self.overlap else None
         update_s = publish_s = 0.0
         for index, (bucket, runs) in enumerate(pairs):
             # overlap=False is the measured baseline: update, then publish, one bucket at a time.
@@ -500,6 +508,29 @@ class OffloadEngine:
         self._publish_due = True
 
     # -- state in and out ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs besides weights and moments to resume bitwise: the step count, the
+        loss scaler and the schedule's pending state (plain tensors and numbers: ``weights_only`` loads)."""
+        state: dict[str, Any] = {"step_calls": self.step_calls, "cpu_step": self.cpu_step}
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        pending = self.pending_state()
+        if pending is not None:
+            state["pending"] = pending
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (after the weights and the optimizer state have been loaded).
+
+        A pending delayed update is restored whatever this run's schedule: the device then computes on
+        the stale weights for one step, as the saved run would have.
+        """
+        self.step_calls = int(state.get("step_calls", 0))
+        if state.get("loss_scaler") is not None and self.scaler is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
+        if state.get("pending") is not None:
+            self.load_pending_state(state["pending"])
 
     def _load_shard(self, shard: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         """Copy this rank's part of full per-parameter tensors into a flat shard buffer."""
@@ -638,3 +669,8 @@ class OffloadEngine:
             p.data = weight.to(dtype)
         self.flat_params = self.flat_params.new_empty(0)
         self._closed = True
+
+
+def _check_clip(name: str, value: float | None) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")

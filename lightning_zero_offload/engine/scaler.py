@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_zero_offload.engine.checks import check_int, check_real
+
 
 @dataclass
 class LossScalerConfig:
@@ -19,19 +21,19 @@ class LossScalerConfig:
     hysteresis: int = 2
     min_scale: float = 1.0
 
-    def validate(self) -> None:
-        if not self.init_scale > 0:
-            raise ValueError(f"loss_scale_init must be > 0, got {self.init_scale}")
-        if not self.growth_factor > 1:
-            raise ValueError(f"loss_scale_growth_factor must be > 1, got {self.growth_factor}")
-        if not 0 < self.backoff_factor < 1:
-            raise ValueError(f"loss_scale_backoff_factor must be in (0, 1), got {self.backoff_factor}")
-        if self.growth_interval < 1:
-            raise ValueError(f"loss_scale_growth_interval must be >= 1, got {self.growth_interval}")
-        if self.hysteresis < 1:
-            raise ValueError(f"loss_scale_hysteresis must be >= 1, got {self.hysteresis}")
-        if not 0 < self.min_scale <= self.init_scale:
-            raise ValueError(f"loss_scale_min must be in (0, loss_scale_init={self.init_scale}], got {self.min_scale}")
+    def __post_init__(self) -> None:
+        # Named as the strategy's options, which is where a user sets them.
+        check_real("loss_scale_init", self.init_scale, "> 0", self.init_scale > 0)
+        check_real("loss_scale_growth_factor", self.growth_factor, "> 1", self.growth_factor > 1)
+        check_real("loss_scale_backoff_factor", self.backoff_factor, "in (0, 1)", 0 < self.backoff_factor < 1)
+        check_int("loss_scale_growth_interval", self.growth_interval, 1)
+        check_int("loss_scale_hysteresis", self.hysteresis, 1)
+        check_real(
+            "loss_scale_min",
+            self.min_scale,
+            f"in (0, loss_scale_init={self.init_scale}]",
+            0 < self.min_scale <= self.init_scale,
+        )
 
 
 class DynamicLossScaler:
@@ -42,7 +44,6 @@ class DynamicLossScaler:
     """
 
     def __init__(self, config: LossScalerConfig) -> None:
-        config.validate()
         self.config = config
         self.scale = config.init_scale
         self._good_steps = 0

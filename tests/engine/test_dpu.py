@@ -16,7 +16,7 @@ def test_dpu_trajectory_equals_the_delayed_reference_including_warmup():
     ref_opt = torch.optim.AdamW(master_ref.parameters(), lr=1e-2, weight_decay=0.01)
     net = make_net()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
-    engine = OffloadEngine(opt, CPU, torch.float32, options(delayed_param_update=True, dpu_warmup_steps=warmup))
+    engine = OffloadEngine(opt, CPU, torch.float32, options(cpu_step="delayed", dpu_warmup_steps=warmup))
 
     pending = None
     for t, batch in enumerate(batches(steps), start=1):
@@ -54,7 +54,7 @@ def test_dpu_bf16_uses_a_second_gradient_buffer_and_publishes_rne_copies():
         torch.optim.AdamW(net.parameters(), lr=1e-2),
         CPU,
         torch.bfloat16,
-        options(delayed_param_update=True, dpu_warmup_steps=0),
+        options(cpu_step="delayed", dpu_warmup_steps=0),
     )
     assert len(engine._grad_buffers) == 2 and engine.grad is engine._grad_buffers[0]
     for batch in batches(3):
@@ -72,7 +72,7 @@ def predicting_engine(net, warmup: int = 2, prediction: bool = True) -> OffloadE
         torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.1),
         CPU,
         torch.bfloat16,
-        options(delayed_param_update=True, dpu_warmup_steps=warmup, dpu_weight_prediction=prediction),
+        options(cpu_step="delayed", dpu_warmup_steps=warmup, dpu_weight_prediction=prediction),
     )
 
 
@@ -98,14 +98,14 @@ def test_weight_prediction_publishes_the_last_update_applied_twice_and_evaluates
 
 
 def test_weight_prediction_needs_dpu_and_a_low_precision_copy():
-    with pytest.raises(ValueError, match="delayed_param_update=True"):
-        options(dpu_weight_prediction=True).validate()
+    with pytest.raises(ValueError, match="cpu_step='delayed'"):
+        options(dpu_weight_prediction=True)
     with pytest.raises(ValueError, match="bf16-mixed"):
         OffloadEngine(
             torch.optim.AdamW(make_net().parameters()),
             CPU,
             torch.float32,
-            options(delayed_param_update=True, dpu_weight_prediction=True),
+            options(cpu_step="delayed", dpu_weight_prediction=True),
         )
 
 

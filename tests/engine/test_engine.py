@@ -41,8 +41,7 @@ def test_fp32_matches_torch_optimizer(cls, kwargs, clip):
         ref_opt.step()
         ref_opt.zero_grad()
         loss_fn(net, batch).backward()
-        engine.clip_norm = clip
-        engine.step()
+        engine.step(clip_norm=clip)
     assert_close_to(ref_net, engine, RTOL, ATOL)
     for p, master in zip(net.parameters(), engine.master_params()):
         assert p.dtype == torch.float32 and torch.equal(p.detach(), master)
@@ -84,8 +83,7 @@ def test_clip_by_value_matches_torch():
         ref_opt.step()
         ref_opt.zero_grad()
         loss_fn(net, batch).backward()
-        engine.clip_value = 0.01
-        engine.step()
+        engine.step(clip_value=0.01)
     assert_close_to(ref_net, engine, RTOL, ATOL)
 
 
