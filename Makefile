@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 # machine pip takes the same release from PyPI with CUDA.
 INSTALLED := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-oldest lint bench clean
 
 setup: $(INSTALLED)
 
@@ -31,9 +31,19 @@ lint: $(INSTALLED)
 test: lint
 	$(BIN)/python -m pytest -q
 
+# The oldest Lightning that pyproject admits, in a venv of its own, against the Trainer-level tests.
+OLDEST_VENV ?= .venv-oldest
+OLDEST_LIGHTNING := 2.5.0
+test-oldest:
+	test -x $(OLDEST_VENV)/bin/python || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(OLDEST_VENV)/bin/python -m pip install --quiet torch==2.13.0 lightning==$(OLDEST_LIGHTNING) \
+		pytorch-lightning==$(OLDEST_LIGHTNING) -e . 'pytest>=7'
+	$(OLDEST_VENV)/bin/python -m pytest -q tests/test_strategy.py tests/test_precision.py tests/test_cli.py
+
 bench: $(INSTALLED)
 	$(BIN)/python benchmarks/cpu_adam.py
 	$(BIN)/python benchmarks/train_step.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info lightning_zero_offload/_native*.so runs
+	rm -rf $(VENV) $(OLDEST_VENV) build *.egg-info lightning_zero_offload/_native*.so runs
