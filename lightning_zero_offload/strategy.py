@@ -55,7 +55,13 @@ from lightning_zero_offload.engine.checkpoint import (
     sharded_layout,
     staging_dir,
 )
-from lightning_zero_offload.engine.collectives import broadcast_tensors_
+from lightning_zero_offload.engine.model_checks import (
+    check_param_dtypes,
+    check_same_on_all_ranks,
+    check_unique_params,
+    describe_model,
+)
+from lightning_zero_offload.engine.collectives import abandon_process_group, broadcast_tensors_
 from lightning_zero_offload.precision import ZeroOffloadPrecision
 
 
@@ -103,8 +109,14 @@ class ZeroOffloadStrategy(ParallelStrategy):
             ``"sharded"``: a directory, each rank writes its own shard; resumable at any world size.
         metrics: add the :class:`~lightning_zero_offload.callbacks.OffloadMetrics` callback (per-step time
             breakdown, gradient norm and loss scale as ``offload/*`` metrics, and a summary at the end of fit).
+        max_consecutive_skipped_steps: raise :class:`~lightning_zero_offload.engine.failures.NonFiniteLossError`
+            after this many optimizer steps in a row were skipped for inf/nan gradients (``None``: never). fp16
+            also raises when a step overflows at ``loss_scale_min``. The default leaves room for fp16's loss
+            scale to calibrate down from ``loss_scale_init`` (two skipped steps per halving).
         process_group_backend: torch.distributed backend (default: nccl on CUDA, gloo on CPU).
-        timeout: timeout of collective operations.
+        timeout: how long any collective (the engine's, checkpointing's and Lightning's own) may wait for the
+            other ranks before it raises: a ``timedelta`` or seconds. Default: torch's 30 minutes. A rank that
+            fails does not wait for it: its peers are released as soon as it fails (docs/reliability.md).
         start_method: how Lightning starts the processes (as in ``DDPStrategy``).
     """
 
@@ -134,8 +146,9 @@ class ZeroOffloadStrategy(ParallelStrategy):
         dpu_weight_prediction: bool = False,
         checkpoint_format: Literal["full", "sharded"] = "full",
         metrics: bool = True,
+        max_consecutive_skipped_steps: int | None = 20,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         self.options = OffloadOptions(
@@ -157,6 +170,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
             dpu_warmup_steps=dpu_warmup_steps,
             dpu_weight_prediction=dpu_weight_prediction,
             checkpoint_format=checkpoint_format,
+            max_consecutive_skipped_steps=max_consecutive_skipped_steps,
         )
         super().__init__(
             accelerator=accelerator,
@@ -167,7 +181,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
         )
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = collective_timeout(timeout)
         self._start_method = start_method
         self.metrics = metrics
         self.engine: OffloadEngine | None = None
@@ -296,15 +310,15 @@ class ZeroOffloadStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync:
                 raise ValueError("zero_offload does not support sync_batchnorm=True")
-            distributed = self.is_distributed
-            if distributed:
-                broadcast_tensors_(list(module.state_dict().values()), None, self.root_device)
             self.setup_optimizers(trainer)
             if len(self.optimizers) != 1:
                 raise ValueError(
                     f"zero_offload takes exactly one optimizer, configure_optimizers returned {len(self.optimizers)}. "
                     "Put the parameters in param groups of one optimizer instead."
                 )
+            self._check_model(module)
+            if self.is_distributed:
+                broadcast_tensors_(list(module.state_dict().values()), None, self.root_device)
             self.engine = OffloadEngine(
                 self.optimizers[0],
                 self.root_device,
@@ -321,6 +335,33 @@ class ZeroOffloadStrategy(ParallelStrategy):
                 trainer.callbacks.append(OffloadMetrics())
         self.model_to_device()
         self.setup_precision_plugin()
+
+    def _check_model(self, module: LightningModule) -> None:
+        """Refuse what the engine would train wrongly, and models or options that differ between ranks
+        (before the first collective that depends on them)."""
+        optimizer = self.optimizers[0]
+        names: dict[int, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+        check_unique_params(optimizer, names)
+        trainable = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        check_param_dtypes(trainable, names, self.precision_plugin.param_dtype)
+        if self.is_distributed:
+            description = describe_model(module, optimizer, self.options, self.precision_plugin.precision)
+            check_same_on_all_ranks(description, self.root_device)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """This rank failed: release the engine and the process group without a collective.
+
+        The other ranks may be blocked in a collective or already gone, so gathering anything now would
+        hang. Tearing the process group down makes their pending collectives fail at once, so every rank
+        exits within seconds instead of at the collective timeout.
+        """
+        if self.engine is not None:
+            self.engine.close(after_failure=True)
+        if self.is_distributed:
+            abandon_process_group()
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
@@ -464,6 +505,17 @@ def _release_process_group() -> None:
     """
     _destroy_dist_connection()
     gc.collect()
+
+
+def collective_timeout(timeout: timedelta | float | None) -> timedelta | None:
+    """The ``timeout`` option as a timedelta (numbers are seconds, for config files), validated."""
+    if timeout is not None and not isinstance(timeout, timedelta):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout must be a datetime.timedelta or seconds, got {timeout!r}")
+        timeout = timedelta(seconds=timeout)
+    if timeout is not None and not timeout.total_seconds() > 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return timeout
 
 
 def _state_dict_keys(module: LightningModule, params: list[torch.nn.Parameter]) -> list[list[str]]:

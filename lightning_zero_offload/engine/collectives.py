@@ -54,3 +54,20 @@ def broadcast_tensors_(tensors: list[torch.Tensor], group: dist.ProcessGroup | N
         dist.broadcast(moved, src=source, group=group)
         if moved is not tensor:
             tensor.detach().copy_(moved)
+
+
+def abandon_process_group() -> None:
+    """Tear the default process group down after a failure, without a collective and without waiting.
+
+    Peers blocked in a collective with this rank then fail at once instead of at the timeout: with gloo
+    their pending operation raises "Connection closed by peer" as soon as this rank's connections
+    close. NCCL communicators are aborted (destroying them would wait for work that never completes).
+    Any later collective on this rank raises instead of hanging.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if dist.get_backend() == "nccl" and abort is not None:
+        abort()
+    else:
+        dist.destroy_process_group()

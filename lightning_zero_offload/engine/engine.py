@@ -28,6 +28,7 @@ import torch.distributed as dist
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.adam import AdamHyperparams, check_optimizer, read_hyperparams
 from lightning_zero_offload.engine.collectives import all_gather, all_reduce_sum, gather_host
+from lightning_zero_offload.engine.failures import NonFinitePolicy, close_after_failure, refuse_after_failure
 from lightning_zero_offload.engine.grads import GradientStreamer
 from lightning_zero_offload.engine.layout import Bucket, Layout, build_layout
 from lightning_zero_offload.engine.memory import BufferPool, can_pin, host_zeros, record_event, wait_event
@@ -190,6 +191,8 @@ class OffloadEngine:
         )
         self.last = StepStats(loss_scale=self.loss_scale)
         self.skipped_steps = 0
+        self.nonfinite = NonFinitePolicy(options.max_consecutive_skipped_steps, self.scaler)
+        self.failed = False  # closed after an exception, without gathering (see close_after_failure)
         self._closed = False
 
     # -- training ------------------------------------------------------------------------------
@@ -268,6 +271,7 @@ class OffloadEngine:
             stats.cpu_step_s = self._last_update_s
         stats.total_s = time.perf_counter() - start
         self.last = stats
+        self.nonfinite.after_step(stats.skipped, scale)
         return stats
 
     def _skip(self, stats: StepStats) -> None:
@@ -541,6 +545,7 @@ class OffloadEngine:
 
     def _full_tensors(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """Assemble full per-parameter fp32 tensors from every rank's shard (a collective if sharded)."""
+        refuse_after_failure(self, "full weights and optimizer state")
         full: list[torch.Tensor | None] = [None] * len(self.params)
         for bucket in self.layout.buckets:
             chunk = shard[bucket.shard_range]
@@ -593,6 +598,7 @@ class OffloadEngine:
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's flat fp32 master and moments, as stored in a sharded checkpoint."""
+        refuse_after_failure(self, "sharded checkpoint")
         self.wait_update()
         self._wait_publish()
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
@@ -650,14 +656,18 @@ class OffloadEngine:
     def closed(self) -> bool:
         return self._closed
 
-    def close(self) -> None:
+    def close(self, after_failure: bool = False) -> None:
         """Detach from the module and hand the parameters back as CPU tensors holding the master weights.
 
         Each parameter gets its original dtype back, so a module that came in fp32 leaves with the exact
         fp32 trained weights, not their low-precision device copy. The CPU optimizer state is kept, so
         the optimizer state can still be saved after training (as with a plain torch optimizer).
+        ``after_failure``: issue no collective (the other ranks may be gone); see ``close_after_failure``.
         """
         if self._closed:
+            return
+        if after_failure:
+            close_after_failure(self)
             return
         self.wait_update()
         self._updater.shutdown(wait=True)

@@ -51,6 +51,7 @@ class OffloadOptions:
     dpu_weight_prediction: bool = False
     speculation_rollback: SpeculationRollback = "undo"
     checkpoint_format: CheckpointFormat = "full"
+    max_consecutive_skipped_steps: int | None = 20
 
     def __post_init__(self) -> None:
         check_real("bucket_size_mb", self.bucket_size_mb, "> 0 (megabytes)", self.bucket_size_mb > 0)
@@ -65,6 +66,7 @@ class OffloadOptions:
         check_bool("dpu_weight_prediction", self.dpu_weight_prediction)
         check_choice("speculation_rollback", self.speculation_rollback, SPECULATION_ROLLBACKS)
         check_choice("checkpoint_format", self.checkpoint_format, ("full", "sharded"))
+        check_int("max_consecutive_skipped_steps", self.max_consecutive_skipped_steps, 1, optional=True)
         if self.delayed_param_update:
             if self.cpu_step not in ("auto", "delayed"):
                 raise ValueError(

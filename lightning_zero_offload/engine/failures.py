@@ -1,0 +1,117 @@
+"""What the engine does when training goes wrong: persistent non-finite steps, and closing after a failure.
+
+Both are about never hanging and never ending "successfully" when something is broken:
+
+- :class:`NonFinitePolicy` turns a run of skipped (inf/nan) steps into an error instead of a run that
+  quietly stops learning. Every rank sees the same skip decisions (the overflow flag is all-reduced),
+  so every rank raises at the same step.
+- :func:`close_after_failure` releases the engine without a single collective: after an exception the
+  other ranks may be anywhere (inside a collective of their own, or dead), so a gather would hang.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.engine.engine import OffloadEngine
+    from lightning_zero_offload.engine.scaler import DynamicLossScaler
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training cannot continue: the gradients stay non-finite, so every step is being skipped."""
+
+
+class NonFinitePolicy:
+    """Counts consecutive skipped steps and raises once training has clearly stopped making progress.
+
+    - ``max_consecutive`` skipped steps in a row raise (``None``: never). With bf16/fp32 a skip means
+      the loss or gradients themselves are inf/nan; with fp16 the first skips are the loss scale
+      calibrating downwards (from 2**16 about two per halving), which the default leaves room for.
+    - fp16 also raises when a step overflows with the loss scale already at its minimum (and the
+      hysteresis used up): the scale cannot go lower, so every later step would overflow too
+      (DeepSpeed raises here as well).
+    """
+
+    def __init__(self, max_consecutive: int | None, scaler: DynamicLossScaler | None) -> None:
+        self.max_consecutive = max_consecutive
+        self.scaler = scaler
+        self.consecutive = 0
+        self._overflows_at_min = 0
+
+    def after_step(self, skipped: bool, scale_before: float) -> None:
+        """Record one optimizer step; ``scale_before`` is the loss scale the step's loss was multiplied by."""
+        if not skipped:
+            self.consecutive = self._overflows_at_min = 0
+            return
+        self.consecutive += 1
+        scaler = self.scaler
+        if scaler is not None and scale_before <= scaler.config.min_scale:
+            self._overflows_at_min += 1
+            if self._overflows_at_min >= scaler.config.hysteresis:
+                minimum = scaler.config.min_scale
+                raise NonFiniteLossError(
+                    f"fp16 gradients overflow even at the minimum loss scale (loss_scale_min={minimum}): "
+                    f"{self.consecutive} consecutive optimizer steps were skipped and the scale cannot go lower. "
+                    "The loss or the gradients are inf/nan (or exceed fp16's range) before scaling: check the data "
+                    "and the loss for inf/nan, lower the learning rate, or use precision='bf16-mixed'."
+                )
+        if self.max_consecutive is not None and self.consecutive >= self.max_consecutive:
+            scale = f" (loss scale now {scaler.scale:g})" if scaler is not None else ""
+            raise NonFiniteLossError(
+                f"{self.consecutive} consecutive optimizer steps were skipped because the gradients were inf/nan"
+                f"{scale}, so the parameters stopped changing. Check the loss and the inputs for inf/nan, lower the "
+                "learning rate or clip gradients; if fp16 needs more steps to find a loss scale, lower "
+                "loss_scale_init. To allow longer runs of skipped steps set max_consecutive_skipped_steps "
+                "(None never raises)."
+            )
+
+
+def close_after_failure(engine: OffloadEngine) -> None:
+    """Detach from the module after an exception, issuing no collective and never blocking on a peer.
+
+    What the module's parameters hold afterwards (each in its original dtype, on the device):
+
+    - one process: the fp32 master weights (as after a normal close; they are complete on this rank);
+    - several ranks: this rank's device copy of the parameters (the low-precision values the last
+      forward used, upcast), because the full master weights are spread over the ranks and gathering
+      them needs peers that may be gone. The engine keeps only this rank's shard of the optimizer
+      state; asking it for the full state raises instead of hanging.
+
+    A failure inside the optimizer step itself can leave some buckets updated and others not; resume
+    from the last checkpoint rather than saving these weights as a training checkpoint.
+    """
+    # Stop the worker threads first: they are not daemons, so one left waiting for a buffer that the
+    # failed main thread will never return would keep the process from exiting (and its peers waiting).
+    engine._updater.shutdown(wait=False, cancel_futures=True)
+    if engine._publish_pool is not None:
+        for buffer in engine._publish_pool.buffers:  # unblock an update waiting for a free buffer
+            engine._publish_pool.release(buffer)
+    engine._updater.shutdown(wait=True)
+    engine.grads.close()
+    try:
+        engine.wait_update()  # a delayed update runs kernels only: it finishes on its own
+    except Exception:  # noqa: BLE001 - the first failure is the one being reported
+        engine._pending = None
+    engine._publish_due = False
+    engine._pending_at_close = None
+    single = engine.layout.world_size == 1
+    with torch.no_grad():
+        if single:
+            masters = engine._full_tensors(engine.master)  # one rank: no collective involved
+        for index, (p, dtype) in enumerate(zip(engine.params, engine._original_dtypes)):
+            p.data = masters[index].to(dtype) if single else p.detach().to(dtype, copy=True)
+    engine.flat_params = engine.flat_params.new_empty(0)
+    engine.failed = True
+    engine._closed = True
+
+
+def refuse_after_failure(engine: OffloadEngine, what: str) -> None:
+    """Raise instead of gathering from peers that a failure may have taken down."""
+    if getattr(engine, "failed", False) and engine.layout.world_size > 1:
+        raise RuntimeError(
+            f"Cannot assemble the {what}: training failed and the engine was closed without gathering it "
+            "from the other ranks (they may be gone). Resume from the last checkpoint instead."
+        )

@@ -1,0 +1,248 @@
+"""Failures never hang the job and nothing silently trains wrong (docs/reliability.md lists the guarantees).
+
+Multi-process cases start each rank of tests/scenarios/failures.py as its own process (as torchrun
+does) under a hard timeout, so a regression fails here instead of hanging CI.
+"""
+
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from engine_helpers import options
+from helpers import QUIET, Classifier, loader
+from torch import nn
+
+import lightning_zero_offload  # noqa: F401  (registers "zero_offload")
+from lightning_zero_offload import ZeroOffloadPrecision, ZeroOffloadStrategy
+from lightning_zero_offload.engine import OffloadEngine
+from lightning_zero_offload.engine.failures import NonFiniteLossError
+from lightning_zero_offload.strategy import collective_timeout
+
+SCENARIO = Path(__file__).parent / "scenarios" / "failures.py"
+HARD_TIMEOUT_S = 240  # the machine may be loaded: starting two ranks can take a minute
+RELEASE_S = 10  # how long the healthy rank may take to leave fit after the failure (DDP: ~4 s here)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(*args: str, world: int = 2) -> list[dict]:
+    """Start every rank, wait for all of them (killing all at the hard timeout), return each rank's result."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE", "NODE_"))}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), NODE_RANK="0")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCENARIO), *args],
+            env={**env, "LOCAL_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own process group: a timeout kills everything it started
+        )
+        for rank in range(world)
+    ]
+    deadline = time.monotonic() + HARD_TIMEOUT_S
+    results = []
+    try:
+        for proc in procs:
+            output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            results.append({"rc": proc.returncode, "out": output})
+    except subprocess.TimeoutExpired:
+        outputs = []
+        for proc in procs:
+            os.killpg(proc.pid, signal.SIGKILL)
+            outputs.append(proc.communicate()[0][-3000:])
+        pytest.fail(f"ranks still running after {HARD_TIMEOUT_S}s (a hang):\n" + "\n-----\n".join(outputs))
+    return results
+
+
+def stamp(output: str, event: str) -> float:
+    match = re.search(rf"{event} at (\d+\.\d+)", output)
+    assert match, f"no '{event}' in:\n{output[-3000:]}"
+    return float(match.group(1))
+
+
+def assert_all_failed(results: list[dict]) -> str:
+    for rank, result in enumerate(results):
+        assert result["rc"] != 0, f"rank {rank} exited 0:\n{result['out'][-3000:]}"
+    return "\n".join(r["out"] for r in results)
+
+
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_a_rank_that_raises_stops_every_rank_within_seconds(failing_rank):
+    results = run_ranks("--failure", "raise", "--rank", str(failing_rank))
+    output = assert_all_failed(results)
+    assert f"deliberate failure in training_step on rank {failing_rank}" in output
+    failed = stamp(results[failing_rank]["out"], f"rank {failing_rank} fails")
+    healthy = 1 - failing_rank
+    assert stamp(results[healthy]["out"], f"rank {healthy} left fit") - failed < RELEASE_S
+
+
+def test_an_io_error_writing_one_shard_stops_every_rank(tmp_path):
+    results = run_ranks("--failure", "shard-io", "--save", str(tmp_path / "step2.ckpt"))
+    assert_all_failed(results)
+    assert "File too large" in results[1]["out"]  # EFBIG: rank 1's own error, printed by rank 1
+    assert not (tmp_path / "step2.ckpt").exists()  # nothing half-written was published
+
+
+@pytest.mark.parametrize(
+    ("failure", "difference"),
+    [
+        ("extra-layer", "rank 1 has 'net.5.weight: shape (4, 4), torch.float32', which rank 0 lacks"),
+        ("width", "rank 0 has 'net.0.weight: shape (32, 16), torch.float32', rank 1 has 'net.0.weight: shape (40, 16)"),
+    ],
+)
+def test_models_that_differ_between_ranks_are_refused_at_setup(failure, difference):
+    results = run_ranks("--failure", failure)
+    assert_all_failed(results)
+    for result in results:  # every rank names the same difference
+        assert "The model differs between ranks (rank 1 vs rank 0)" in result["out"], result["out"][-3000:]
+        assert difference in result["out"]
+
+
+# -- in one process ------------------------------------------------------------------------------
+
+
+def fit(strategy, model, precision="32-true", max_steps=12, **kwargs):
+    trainer = L.Trainer(strategy=strategy, precision=precision, max_steps=max_steps, **QUIET, **kwargs)
+    trainer.fit(model, loader())
+    return trainer
+
+
+class _NanFromStep2(Classifier):
+    """The loss is NaN from step 2 on (every ``period``-th step only, if given)."""
+
+    def __init__(self, period: int = 1) -> None:
+        super().__init__(scheduler=False)
+        self.period = period
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step >= 2 and self.global_step % self.period == 0:
+            loss = loss * math.nan
+        return loss
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_persistent_nan_loss_raises_naming_the_count(precision):
+    strategy = ZeroOffloadStrategy(max_consecutive_skipped_steps=5)
+    with pytest.raises(NonFiniteLossError, match="5 consecutive optimizer steps were skipped .*inf/nan"):
+        fit(strategy, _NanFromStep2(), precision, max_steps=30)
+    assert strategy.engine.skipped_steps == 5
+    assert strategy.engine.closed  # the exception path closed it
+
+
+def test_occasional_nan_steps_and_disabled_policy_keep_training():
+    strategy = ZeroOffloadStrategy(max_consecutive_skipped_steps=2)
+    trainer = fit(strategy, _NanFromStep2(period=2), max_steps=12)  # never two in a row
+    assert trainer.global_step == 12 and strategy.engine.skipped_steps == 5
+    strategy = ZeroOffloadStrategy(max_consecutive_skipped_steps=None)
+    with pytest.warns(RuntimeWarning, match="Non-finite gradients"):
+        fit(strategy, _NanFromStep2(), max_steps=30)
+    assert strategy.engine.skipped_steps == 28
+
+
+def test_fp16_raises_when_the_loss_scale_is_at_its_minimum_and_still_overflows():
+    strategy = ZeroOffloadStrategy(
+        loss_scale_init=4.0, loss_scale_min=1.0, loss_scale_hysteresis=1, max_consecutive_skipped_steps=None
+    )
+    with pytest.raises(NonFiniteLossError, match=r"minimum loss scale \(loss_scale_min=1.0\): 3 consecutive"):
+        fit(strategy, _NanFromStep2(), precision=None, plugins=[ZeroOffloadPrecision("16-mixed")], max_steps=30)
+    assert strategy.engine.scaler.scale == 1.0  # 4 -> 2 -> 1, then an overflow at 1 raised
+
+
+class _DuplicateParam(Classifier):
+    def configure_optimizers(self):
+        return torch.optim.AdamW([self.net[0].weight, *self.parameters()], lr=1e-2)
+
+
+def test_a_parameter_listed_twice_is_refused_instead_of_frozen():
+    with pytest.warns(UserWarning, match="duplicate parameters"):  # torch trains it (twice per step), warning
+        fit("auto", _DuplicateParam(), max_steps=2)
+    with pytest.raises(ValueError, match="'net.0.weight' is listed twice in param group 0 of the optimizer"):
+        fit("zero_offload", _DuplicateParam(), max_steps=2)
+
+
+class _Float64Head(Classifier):
+    def __init__(self) -> None:
+        super().__init__(scheduler=False)
+        self.head = nn.Linear(4, 4).double()
+
+    def forward(self, x):
+        return self.head(self.net(x).double()).float()
+
+
+def test_a_float64_submodule_under_32_true_is_refused_at_setup_naming_the_fix():
+    fit("auto", _Float64Head(), max_steps=2)  # fine without offload: the head keeps its own dtype
+    with pytest.raises(ValueError, match=r"'head.weight' is torch.float64 \(and 1 more\).*model.float\(\)"):
+        fit("zero_offload", _Float64Head(), max_steps=2)
+    frozen = _Float64Head()
+    frozen.head.requires_grad_(False)  # frozen parameters keep their dtype
+    fit("zero_offload", frozen, max_steps=2)
+    assert frozen.head.weight.dtype == torch.float64
+
+
+class _RaisesAtStep3(Classifier):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 3:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_after_a_failure_one_process_hands_back_the_master_weights():
+    model = _RaisesAtStep3(scheduler=False)
+    strategy = ZeroOffloadStrategy()
+    with pytest.raises(RuntimeError, match="boom"):
+        fit(strategy, model, precision="bf16-mixed")
+    engine = strategy.engine
+    assert engine.closed and engine.failed
+    masters = engine._full_tensors(engine.master)
+    for p, master in zip(engine.params, masters):
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), master)  # fp32, not the bf16 device copy
+
+
+def test_closing_after_a_failure_never_waits_for_a_blocked_worker():
+    """A failed publish leaves the update worker waiting for a buffer: close must not wait for it."""
+    net = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    engine = OffloadEngine(torch.optim.AdamW(net.parameters()), torch.device("cpu"), torch.bfloat16, options())
+    held = [engine._publish_pool.acquire(), engine._publish_pool.acquire()]  # the failed main thread's
+    blocked = engine._updater.submit(engine._publish_pool.acquire)
+    queued = engine._updater.submit(time.sleep, 60)
+    closer = threading.Thread(target=engine.close, kwargs={"after_failure": True}, daemon=True)
+    closer.start()
+    closer.join(timeout=20)
+    assert not closer.is_alive(), "close(after_failure=True) hangs"
+    assert blocked.done() and queued.cancelled() and len(held) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"max_consecutive_skipped_steps": 0}, ValueError, "max_consecutive_skipped_steps"),
+        ({"max_consecutive_skipped_steps": 2.5}, ValueError, "max_consecutive_skipped_steps"),
+        ({"timeout": 0}, ValueError, "timeout must be positive"),
+        ({"timeout": "30"}, TypeError, "timeout must be a datetime.timedelta or seconds"),
+    ],
+)
+def test_invalid_reliability_options_name_the_option(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        ZeroOffloadStrategy(**kwargs)
+
+
+def test_timeout_in_seconds_becomes_the_process_group_timeout():
+    assert collective_timeout(90) == timedelta(seconds=90)
+    assert ZeroOffloadStrategy(timeout=timedelta(minutes=2))._timeout == timedelta(minutes=2)
