@@ -55,13 +55,14 @@ from lightning_zero_offload.engine.checkpoint import (
     sharded_layout,
     staging_dir,
 )
+from lightning_zero_offload.engine.checks import check_real
+from lightning_zero_offload.engine.collectives import abandon_process_group, broadcast_tensors_
 from lightning_zero_offload.engine.model_checks import (
     check_param_dtypes,
     check_same_on_all_ranks,
     check_unique_params,
     describe_model,
 )
-from lightning_zero_offload.engine.collectives import abandon_process_group, broadcast_tensors_
 from lightning_zero_offload.precision import ZeroOffloadPrecision
 
 
@@ -509,13 +510,13 @@ def _release_process_group() -> None:
 
 def collective_timeout(timeout: timedelta | float | None) -> timedelta | None:
     """The ``timeout`` option as a timedelta (numbers are seconds, for config files), validated."""
-    if timeout is not None and not isinstance(timeout, timedelta):
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise TypeError(f"timeout must be a datetime.timedelta or seconds, got {timeout!r}")
-        timeout = timedelta(seconds=timeout)
-    if timeout is not None and not timeout.total_seconds() > 0:
-        raise ValueError(f"timeout must be positive, got {timeout}")
-    return timeout
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    check_real(
+        "timeout", seconds, "> 0 (seconds, or a datetime.timedelta)", isinstance(seconds, float | int) and seconds > 0
+    )
+    return timedelta(seconds=seconds)
 
 
 def _state_dict_keys(module: LightningModule, params: list[torch.nn.Parameter]) -> list[list[str]]:

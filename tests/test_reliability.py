@@ -233,9 +233,10 @@ def test_closing_after_a_failure_never_waits_for_a_blocked_worker():
     ("kwargs", "error", "message"),
     [
         ({"max_consecutive_skipped_steps": 0}, ValueError, "max_consecutive_skipped_steps"),
-        ({"max_consecutive_skipped_steps": 2.5}, ValueError, "max_consecutive_skipped_steps"),
-        ({"timeout": 0}, ValueError, "timeout must be positive"),
-        ({"timeout": "30"}, TypeError, "timeout must be a datetime.timedelta or seconds"),
+        ({"max_consecutive_skipped_steps": 2.5}, TypeError, "max_consecutive_skipped_steps"),
+        ({"timeout": 0}, ValueError, "timeout must be a finite number > 0"),
+        ({"timeout": timedelta(0)}, ValueError, "timeout must be a finite number > 0"),
+        ({"timeout": "30"}, TypeError, "timeout must be a number > 0"),
     ],
 )
 def test_invalid_reliability_options_name_the_option(kwargs, error, message):

@@ -25,8 +25,10 @@ from lightning_zero_offload.engine.collectives import all_gather, comm_device
 # Options that change which collectives run, or their sizes and dtypes: they must agree across ranks.
 COLLECTIVE_OPTIONS = (
     "bucket_size_mb",
-    "delayed_param_update",
+    "cpu_step",
     "dpu_warmup_steps",
+    "dpu_weight_prediction",
+    "speculation_rollback",
     "checkpoint_format",
     "max_consecutive_skipped_steps",
 )
