@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import gc
 import shutil
+import warnings
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -359,10 +360,17 @@ class ZeroOffloadStrategy(ParallelStrategy):
         hang. Tearing the process group down makes their pending collectives fail at once, so every rank
         exits within seconds instead of at the collective timeout.
         """
+        # Never raise from here: Lightning would report this error instead of the rank's real one.
+        releases = [self._close_engine_after_failure] + ([abandon_process_group] if self.is_distributed else [])
+        for release in releases:
+            try:
+                release()
+            except Exception as error:  # noqa: BLE001
+                warnings.warn(f"zero_offload: cleaning up after the failure also failed: {error!r}", stacklevel=2)
+
+    def _close_engine_after_failure(self) -> None:
         if self.engine is not None:
             self.engine.close(after_failure=True)
-        if self.is_distributed:
-            abandon_process_group()
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:

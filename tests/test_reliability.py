@@ -99,6 +99,15 @@ def test_an_io_error_writing_one_shard_stops_every_rank(tmp_path):
     assert not (tmp_path / "step2.ckpt").exists()  # nothing half-written was published
 
 
+@pytest.mark.slow  # waits out the stalled rank's 40 s
+def test_a_stalled_rank_makes_the_others_give_up_after_the_timeout_option():
+    results = run_ranks("--failure", "stall", "--timeout", "15", "--stall", "40")
+    assert_all_failed(results)
+    gave_up = stamp(results[0]["out"], "rank 0 left fit") - stamp(results[1]["out"], "rank 1 stalls")
+    assert 15 <= gave_up < 15 + RELEASE_S
+    assert "Timed out" in results[0]["out"]
+
+
 @pytest.mark.parametrize(
     ("failure", "difference"),
     [
@@ -117,9 +126,9 @@ def test_models_that_differ_between_ranks_are_refused_at_setup(failure, differen
 # -- in one process ------------------------------------------------------------------------------
 
 
-def fit(strategy, model, precision="32-true", max_steps=12, **kwargs):
+def fit(strategy, model, precision="32-true", max_steps=12, ckpt_path=None, **kwargs):
     trainer = L.Trainer(strategy=strategy, precision=precision, max_steps=max_steps, **QUIET, **kwargs)
-    trainer.fit(model, loader())
+    trainer.fit(model, loader(), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -247,3 +256,27 @@ def test_invalid_reliability_options_name_the_option(kwargs, error, message):
 def test_timeout_in_seconds_becomes_the_process_group_timeout():
     assert collective_timeout(90) == timedelta(seconds=90)
     assert ZeroOffloadStrategy(timeout=timedelta(minutes=2))._timeout == timedelta(minutes=2)
+
+
+class _Payload:
+    """Unpickling this runs ``Path.touch(marker)``: what a planted checkpoint could do with full pickle."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_resuming_from_a_checkpoint_holding_a_pickle_payload_never_runs_it(tmp_path, fmt):
+    marker = tmp_path / "payload-ran"
+    path = tmp_path / "planted.ckpt"
+    if fmt == "sharded":  # a sharded checkpoint is a directory whose meta.pt holds the Lightning state
+        path.mkdir()
+        torch.save({"state_dict": {}, "payload": _Payload(marker)}, path / "meta.pt")
+    else:
+        torch.save({"state_dict": {}, "payload": _Payload(marker)}, path)
+    with pytest.raises(Exception):  # noqa: B017, PT011 - whichever error names the file; the point is below
+        fit(ZeroOffloadStrategy(checkpoint_format=fmt), Classifier(), max_steps=1, ckpt_path=path)
+    assert not marker.exists()

@@ -66,8 +66,11 @@ def abandon_process_group() -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # experimental in torch
     if dist.get_backend() == "nccl" and abort is not None:
-        abort()
-    else:
-        dist.destroy_process_group()
+        try:
+            abort()
+            return
+        except Exception:  # noqa: BLE001 - destroying the group is the fallback
+            pass
+    dist.destroy_process_group()

@@ -8,6 +8,8 @@ Failures:
   file size limit is set below the shard size, so the write fails with a real ``OSError``).
 - ``extra-layer``: rank ``--rank``'s model has one more layer.
 - ``width``: rank ``--rank``'s model has wider hidden layers.
+- ``stall``: rank ``--rank`` stops answering for ``--stall`` seconds at step 2 (alive, not failing):
+  the others' collectives must give up after the strategy's ``--timeout``.
 """
 
 import argparse
@@ -41,6 +43,9 @@ class Failing(Classifier):
         if self.failure == "raise" and self.failing and self.global_step == 2:
             print(f"rank {self.global_rank} fails at {time.time():.2f}", flush=True)
             raise RuntimeError(f"{FAILURE_TEXT} on rank {self.global_rank}")
+        if self.failure == "stall" and self.failing and self.global_step == 2:
+            print(f"rank {self.global_rank} stalls at {time.time():.2f}", flush=True)
+            time.sleep(self.stall_s)
         return super().training_step(batch, batch_idx)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
@@ -53,20 +58,23 @@ class Failing(Classifier):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--failure", choices=["raise", "shard-io", "extra-layer", "width"], required=True)
+    parser.add_argument("--failure", choices=["raise", "shard-io", "extra-layer", "width", "stall"], required=True)
     parser.add_argument("--rank", type=int, default=1, help="the rank that fails")
     parser.add_argument("--strategy", default="zero_offload")
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--save", default=None, help="checkpoint path for shard-io")
+    parser.add_argument("--timeout", type=float, default=None, help="the strategy's collective timeout (s)")
+    parser.add_argument("--stall", type=float, default=40.0, help="how long the stalling rank sleeps (s)")
     args = parser.parse_args()
 
     if args.strategy == "zero_offload":
-        strategy = ZeroOffloadStrategy(checkpoint_format="sharded", bucket_size_mb=0.002)
+        timeout = {} if args.timeout is None else {"timeout": args.timeout}
+        strategy = ZeroOffloadStrategy(checkpoint_format="sharded", bucket_size_mb=0.002, **timeout)
     else:
         strategy = args.strategy
     rank = int(os.environ.get("LOCAL_RANK", 0))
     model = Failing(args.failure, failing=rank == args.rank, scheduler=False)
-    model.save_path = args.save
+    model.save_path, model.stall_s = args.save, args.stall
     trainer = L.Trainer(strategy=strategy, precision=args.precision, max_steps=6, **{**QUIET, "devices": 2})
     try:
         trainer.fit(model, loader(n=64))
