@@ -4,6 +4,7 @@ Multi-process cases start each rank of tests/scenarios/failures.py as its own pr
 does) under a hard timeout, so a regression fails here instead of hanging CI.
 """
 
+import contextlib
 import math
 import os
 import re
@@ -11,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -32,6 +34,7 @@ from lightning_zero_offload.strategy import collective_timeout
 SCENARIO = Path(__file__).parent / "scenarios" / "failures.py"
 HARD_TIMEOUT_S = 240  # the machine may be loaded: starting two ranks can take a minute
 RELEASE_S = 10  # how long the healthy rank may take to leave fit after the failure (DDP: ~4 s here)
+EXIT_S = 60  # how long every process may take to be gone (interpreter teardown is slow on a loaded machine)
 
 
 def free_port() -> int:
@@ -41,33 +44,42 @@ def free_port() -> int:
 
 
 def run_ranks(*args: str, world: int = 2) -> list[dict]:
-    """Start every rank, wait for all of them (killing all at the hard timeout), return each rank's result."""
+    """Start every rank, wait for all of them (killing all at the hard timeout), return each rank's exit
+    code, output and exit time (``time.time()``, comparable with the scenario's printed stamps)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE", "NODE_"))}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), NODE_RANK="0")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCENARIO), *args],
-            env={**env, "LOCAL_RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # its own process group: a timeout kills everything it started
-        )
-        for rank in range(world)
-    ]
-    deadline = time.monotonic() + HARD_TIMEOUT_S
-    results = []
-    try:
-        for proc in procs:
-            output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append({"rc": proc.returncode, "out": output})
-    except subprocess.TimeoutExpired:
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(world)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(SCENARIO), *args],
+                env={**env, "LOCAL_RANK": str(rank)},
+                stdout=logs[rank],
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,  # its own process group: a timeout kills everything it started
+            )
+            for rank in range(world)
+        ]
+        exited: list[float | None] = [None] * world
+        deadline = time.monotonic() + HARD_TIMEOUT_S
+        while None in exited and time.monotonic() < deadline:
+            for rank, proc in enumerate(procs):
+                if exited[rank] is None and proc.poll() is not None:
+                    exited[rank] = time.time()
+            time.sleep(0.1)
         outputs = []
-        for proc in procs:
-            os.killpg(proc.pid, signal.SIGKILL)
-            outputs.append(proc.communicate()[0][-3000:])
-        pytest.fail(f"ranks still running after {HARD_TIMEOUT_S}s (a hang):\n" + "\n-----\n".join(outputs))
-    return results
+        for proc, log in zip(procs, logs):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.seek(0)
+            outputs.append(log.read())
+    if None in exited:
+        pytest.fail(
+            f"ranks still running after {HARD_TIMEOUT_S}s (a hang):\n" + "\n-----\n".join(o[-3000:] for o in outputs)
+        )
+    return [{"rc": proc.returncode, "out": out, "exited": t} for proc, out, t in zip(procs, outputs, exited)]
 
 
 def stamp(output: str, event: str) -> float:
@@ -90,6 +102,7 @@ def test_a_rank_that_raises_stops_every_rank_within_seconds(failing_rank):
     failed = stamp(results[failing_rank]["out"], f"rank {failing_rank} fails")
     healthy = 1 - failing_rank
     assert stamp(results[healthy]["out"], f"rank {healthy} left fit") - failed < RELEASE_S
+    assert max(r["exited"] for r in results) - failed < EXIT_S
 
 
 def test_an_io_error_writing_one_shard_stops_every_rank(tmp_path):
