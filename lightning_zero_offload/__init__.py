@@ -8,6 +8,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero_offload.callbacks import OffloadMetrics
 from lightning_zero_offload.engine.checkpoint import convert_checkpoint_to_fp32_state_dict
+from lightning_zero_offload.engine.failures import NonFiniteLossError
+from lightning_zero_offload.engine.model_checks import ModelMismatchError
 from lightning_zero_offload.optim import CPUAdam
 from lightning_zero_offload.precision import ZeroOffloadPrecision
 from lightning_zero_offload.strategy import ZeroOffloadStrategy
@@ -16,6 +18,8 @@ ZeroOffloadStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "CPUAdam",
+    "ModelMismatchError",
+    "NonFiniteLossError",
     "OffloadMetrics",
     "ZeroOffloadPrecision",
     "ZeroOffloadStrategy",

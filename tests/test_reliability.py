@@ -26,9 +26,8 @@ from helpers import QUIET, Classifier, loader
 from torch import nn
 
 import lightning_zero_offload  # noqa: F401  (registers "zero_offload")
-from lightning_zero_offload import ZeroOffloadPrecision, ZeroOffloadStrategy
+from lightning_zero_offload import NonFiniteLossError, ZeroOffloadPrecision, ZeroOffloadStrategy
 from lightning_zero_offload.engine import OffloadEngine
-from lightning_zero_offload.engine.failures import NonFiniteLossError
 from lightning_zero_offload.strategy import collective_timeout
 
 SCENARIO = Path(__file__).parent / "scenarios" / "failures.py"
