@@ -360,8 +360,10 @@ class ZeroOffloadStrategy(ParallelStrategy):
         hang. Tearing the process group down makes their pending collectives fail at once, so every rank
         exits within seconds instead of at the collective timeout.
         """
-        # Never raise from here: Lightning would report this error instead of the rank's real one.
-        releases = [self._close_engine_after_failure] + ([abandon_process_group] if self.is_distributed else [])
+        # The group goes first: aborting NCCL also ends device work still waiting for a peer, which the
+        # engine's workers may be waiting for. Never raise from here: Lightning would report this error
+        # instead of the rank's real one.
+        releases = ([abandon_process_group] if self.is_distributed else []) + [self._close_engine_after_failure]
         for release in releases:
             try:
                 release()
