@@ -53,7 +53,10 @@ class Failing(Classifier):
             if self.failing:
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
                 resource.setrlimit(resource.RLIMIT_FSIZE, (512, resource.RLIM_INFINITY))
-            self.trainer.save_checkpoint(self.save_path)
+            try:
+                self.trainer.save_checkpoint(self.save_path)
+            finally:  # the limit also applies to this rank's log file: lift it for the traceback
+                resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
 def main() -> None:
