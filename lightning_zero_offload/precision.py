@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_zero_offload.engine import OffloadEngine
+from lightning_zero_offload.mixed_precision import forward_context
 
 ENGINE_STATE_KEY = "zero_offload_engine"
 _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}
@@ -31,7 +32,8 @@ class ZeroOffloadPrecision(Precision):
     """Precision for ``zero_offload``: what the device holds and how the step is taken.
 
     - ``"bf16-mixed"`` / ``"16-mixed"``: bf16/fp16 parameters and gradients on the device, forward under
-      autocast, fp32 master weights and Adam on the CPU (DeepSpeed's meaning of mixed precision).
+      autocast, fp32 master weights and Adam on the CPU (DeepSpeed's meaning of mixed precision). Buffers
+      stay fp32 and norms see fp32 weights, as under AMP (:mod:`lightning_zero_offload.mixed_precision`).
     - ``"32-true"``: fp32 everywhere; the step still runs on the CPU, so device memory holds no optimizer state.
 
     fp16 uses dynamic loss scaling; the overflow check and unscaling are fused into the CPU kernels.
@@ -51,9 +53,7 @@ class ZeroOffloadPrecision(Precision):
         self._clip: dict[str, float] = {}  # set by clip_gradients between backward and the step
 
     def forward_context(self) -> AbstractContextManager:
-        if self.param_dtype == torch.float32:
-            return nullcontext()
-        return torch.autocast(self.device_type, dtype=self.param_dtype)
+        return forward_context(self.device_type, self.param_dtype)
 
     @override
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:

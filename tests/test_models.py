@@ -1,0 +1,173 @@
+"""Models nobody here wrote train under zero_offload's mixed precision and track ``strategy="auto"`` (AMP).
+
+Each model trains a few steps through the Trainer (with a sanity validation first) in both strategies
+from the same initial weights and batches. Under AMP the weights are fp32; under zero_offload they are
+bf16/fp16 on the device, so the loss curves differ by weight rounding only: they must agree within 2%
+step by step, and the loss on the same batches must drop from the first epoch to the second.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import lightning as L
+import pytest
+import torch
+from helpers import QUIET
+from lightning.pytorch.demos.transformer import Transformer
+from lightning.pytorch.plugins import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_zero_offload  # noqa: F401  (registers "zero_offload")
+from lightning_zero_offload import ZeroOffloadPrecision
+
+VOCAB = 64
+
+
+class Wrapped(L.LightningModule):
+    """Any module and loss: ``loss_fn(module, batch) -> loss``."""
+
+    def __init__(self, build, loss_fn, lr: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = build()
+        self.loss_fn = loss_fn
+        self.lr = lr
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss_fn(self.net, batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss_fn(self.net, batch))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def tokens(n: int = 48, length: int = 17) -> DataLoader:
+    """Learnable token sequences: each token is the previous one plus a small step, mod VOCAB."""
+    g = torch.Generator().manual_seed(0)
+    start = torch.randint(0, VOCAB, (n, 1), generator=g)
+    steps = torch.randint(1, 3, (n, length), generator=g).cumsum(1)
+    seq = (start + steps) % VOCAB
+    return DataLoader(TensorDataset(seq[:, :-1], seq[:, 1:]), batch_size=8)
+
+
+def images(n: int = 48) -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 3, 8, 8, generator=g) + 0.5  # non-zero mean: the running stats have work to do
+    y = (x[:, 0].mean((1, 2)) > 0.5).long() + 2 * (x[:, 1].mean((1, 2)) > 0.5).long()
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def demo_transformer() -> nn.Module:
+    return Transformer(vocab_size=VOCAB, ninp=32, nhead=2, nhid=64, nlayers=1, dropout=0.0)
+
+
+def demo_transformer_loss(net, batch):
+    x, y = batch
+    return nn.functional.nll_loss(net(x, y).float(), y.reshape(-1))
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),  # BatchNorm makes a bias useless: its gradient is noise
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.GroupNorm(2, 8),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+
+
+def cnn_loss(net, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(net(x).float(), y)
+
+
+def gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    return GPT2LMHeadModel(config)
+
+
+def llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    return LlamaForCausalLM(config)
+
+
+def hf_loss(net, batch):
+    x, y = batch
+    logits = net(input_ids=x).logits
+    return nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+
+
+MODELS = {
+    "demo_transformer": (demo_transformer, demo_transformer_loss, 3e-3, tokens),
+    "cnn": (cnn, cnn_loss, 3e-2, images),
+    "gpt2": (gpt2, hf_loss, 3e-3, tokens),
+    "llama": (llama, hf_loss, 3e-3, tokens),
+}
+
+
+@functools.cache  # the BatchNorm test reads the CNN runs of the bf16 test
+def train(name: str, strategy: str, precision: str, steps: int = 12) -> Wrapped:
+    build, loss_fn, lr, data = MODELS[name]
+    model = Wrapped(build, loss_fn, lr)
+    if precision == "16-mixed":  # on the CPU, precision="16-mixed" is turned into bf16 by Lightning
+        plugin = ZeroOffloadPrecision("16-mixed") if strategy == "zero_offload" else MixedPrecision("16-mixed", "cpu")
+        kwargs = {"plugins": [plugin]}
+    else:
+        kwargs = {"precision": precision}
+    trainer = L.Trainer(strategy=strategy, max_steps=steps, limit_val_batches=1, **kwargs, **QUIET)
+    trainer.fit(model, data(), data())
+    return model
+
+
+def assert_tracks(ours: Wrapped, ref: Wrapped, rel: float) -> None:
+    assert len(ours.losses) == len(ref.losses)
+    assert ours.losses == pytest.approx(ref.losses, rel=rel)
+    epoch = len(ours.losses) // 2  # 48 samples, batches of 8: the second epoch sees the same 6 batches again
+    assert sum(ours.losses[epoch:]) < 0.95 * sum(ours.losses[:epoch])  # and it learns
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_model_trains_in_bf16_mixed_like_amp(name):
+    ref = train(name, "auto", "bf16-mixed")
+    ours = train(name, "zero_offload", "bf16-mixed")
+    assert_tracks(ours, ref, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["cnn", "gpt2"])
+def test_model_trains_in_16_mixed_like_amp(name):
+    ref = train(name, "auto", "16-mixed")
+    ours = train(name, "zero_offload", "16-mixed")
+    assert_tracks(ours, ref, rel=0.02)
+
+
+def test_batchnorm_running_stats_stay_fp32_and_match_amp():
+    ref = train("cnn", "auto", "bf16-mixed")
+    ours = train("cnn", "zero_offload", "bf16-mixed")
+    for key in ("running_mean", "running_var"):
+        saved, expected = getattr(ours.net[1], key), getattr(ref.net[1], key)
+        assert saved.dtype == torch.float32
+        # the statistics of activations computed from bf16-rounded weights: close, not bitwise
+        torch.testing.assert_close(saved, expected, rtol=2e-2, atol=1e-2)
+    assert ours.net[1].num_batches_tracked == ref.net[1].num_batches_tracked == 12
