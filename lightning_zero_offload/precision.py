@@ -28,6 +28,17 @@ _ALTERNATIVES = {
 }
 
 
+def resolve_precision(precision: str) -> tuple[str, torch.dtype]:
+    """The canonical precision name and the dtype of the device parameters; unsupported names are refused
+    with the supported alternative (shared by the Trainer and the Fabric plugins)."""
+    precision = _ALIASES.get(str(precision), str(precision))
+    if precision not in _DTYPES:
+        alternative = _ALTERNATIVES.get(precision)
+        hint = f"use precision={alternative}" if alternative else f"choose one of {sorted(_DTYPES)}"
+        raise ValueError(f"zero_offload does not support precision={precision!r}: {hint}.")
+    return precision, _DTYPES[precision]
+
+
 class ZeroOffloadPrecision(Precision):
     """Precision for ``zero_offload``: what the device holds and how the step is taken.
 
@@ -40,13 +51,7 @@ class ZeroOffloadPrecision(Precision):
     """
 
     def __init__(self, precision: str = "bf16-mixed") -> None:
-        precision = _ALIASES.get(str(precision), str(precision))
-        if precision not in _DTYPES:
-            alternative = _ALTERNATIVES.get(precision)
-            hint = f"use precision={alternative}" if alternative else f"choose one of {sorted(_DTYPES)}"
-            raise ValueError(f"zero_offload does not support precision={precision!r}: {hint}.")
-        self.precision = precision  # type: ignore[assignment]
-        self.param_dtype = _DTYPES[precision]
+        self.precision, self.param_dtype = resolve_precision(precision)  # type: ignore[assignment]
         self.device_type = "cpu"  # set by the strategy once the device is known
         self.engine: OffloadEngine | None = None
         self._pending_state: dict[str, Any] | None = None

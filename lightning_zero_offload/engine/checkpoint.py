@@ -28,6 +28,9 @@ import torch
 from lightning_zero_offload.engine.engine import OffloadEngine
 
 FORMAT_KEY = "zero_offload"
+# Fabric checkpoints name their entries freely: this entry says which one holds the model's state dict
+# (and, sharded, the optimizer's), e.g. {"model": "model", "optimizer": "optimizer"}.
+FABRIC_KEY = "zero_offload_fabric"
 META_FILE = "meta.pt"
 PathLike = str | os.PathLike
 
@@ -159,7 +162,8 @@ def convert_checkpoint_to_fp32_state_dict(checkpoint_path: PathLike, output_path
     if is_sharded_checkpoint(checkpoint_path):
         state_dict = load_sharded(checkpoint_path, with_optimizer=False)["state_dict"]
     else:
-        state_dict = torch.load(checkpoint_path, weights_only=True, map_location="cpu")["state_dict"]
+        checkpoint = torch.load(checkpoint_path, weights_only=True, map_location="cpu")
+        state_dict = checkpoint[checkpoint.get(FABRIC_KEY, {}).get("model", "state_dict")]
     if output_path is not None:
         atomic_save(state_dict, output_path)
     return state_dict
