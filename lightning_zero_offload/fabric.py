@@ -53,11 +53,9 @@ from lightning_zero_offload.engine.checkpoint import (
 )
 from lightning_zero_offload.engine.collectives import broadcast_tensors_
 from lightning_zero_offload.mixed_precision import forward_context
-from lightning_zero_offload.precision import resolve_precision
+from lightning_zero_offload.precision import ENGINE_STATE_KEY, resolve_precision
 from lightning_zero_offload.strategy import ZeroOffloadStrategy as _TrainerStrategy
 from lightning_zero_offload.strategy import _release_process_group, _state_dict_keys
-
-ENGINE_STATE_KEY = "zero_offload"  # inside the optimizer state: step count, loss scaler, pending DPU update
 
 
 class ZeroOffloadFabricPrecision(Precision):
@@ -240,10 +238,9 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if kwargs.get("closure") is not None:
             raise ValueError("zero_offload's optimizer.step() takes no closure: call fabric.backward before step()")
-        engine = self._engine()
-        engine.clip_norm, engine.clip_value = self._clip_norm, self._clip_value
+        clip_norm, clip_value = self._clip_norm, self._clip_value
         self._clip_norm = self._clip_value = None
-        return engine.step()
+        return self._engine().step(clip_norm=clip_norm, clip_value=clip_value)
 
     def zero_grad(self) -> None:
         """Drop the gradients accumulated on the CPU since the last step (``optimizer.zero_grad()``)."""
@@ -328,7 +325,9 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
             state = {"state": {}, "param_groups": engine.param_groups_state()}
         else:
             state = engine.optimizer_state_dict()
-        state[ENGINE_STATE_KEY] = _engine_state(engine)
+        # Fabric checkpoints have no place of their own for it: the engine's state (step count, loss scaler,
+        # pending schedule state) travels with the optimizer's, under the Trainer checkpoint's key.
+        state[ENGINE_STATE_KEY] = engine.state_dict()
         return state
 
     @override
@@ -476,33 +475,12 @@ class _OffloadedOptimizer:
         engine = self._strategy._engine()
         engine.load_optimizer_state_dict(state_dict)
         if ENGINE_STATE_KEY in state_dict:
-            _load_engine_state(engine, state_dict[ENGINE_STATE_KEY])
+            engine.load_state_dict(state_dict[ENGINE_STATE_KEY])
 
     def __getattr__(self, item: str) -> Any:
         if item == "_optimizer":  # not set yet (copy/unpickle): do not recurse
             raise AttributeError(item)
         return getattr(self._optimizer, item)
-
-
-# -- the engine's resumable state beyond weights and moments --------------------------------------
-
-
-def _engine_state(engine: OffloadEngine) -> dict[str, Any]:
-    state: dict[str, Any] = {"step_calls": engine.step_calls}
-    if engine.scaler is not None:
-        state["loss_scaler"] = engine.scaler.state_dict()
-    pending = engine.pending_state()
-    if pending is not None:
-        state["dpu_pending"] = pending
-    return state
-
-
-def _load_engine_state(engine: OffloadEngine, state: dict[str, Any]) -> None:
-    engine.step_calls = int(state.get("step_calls", 0))
-    if "loss_scaler" in state and engine.scaler is not None:
-        engine.scaler.load_state_dict(state["loss_scaler"])
-    if "dpu_pending" in state:
-        engine.load_pending_state(state["dpu_pending"])
 
 
 ZeroOffloadStrategy = ZeroOffloadFabricStrategy  # `from lightning_zero_offload.fabric import ZeroOffloadStrategy`

@@ -60,7 +60,7 @@ def test_string_and_instance_select_the_strategy_and_translate_the_precision():
     f = L.Fabric(accelerator="cpu", devices=1, strategy=ZeroOffloadFabricStrategy(bucket_size_mb=1))
     assert f.strategy.options.bucket_size_mb == 1
     assert f.strategy.precision.param_dtype == torch.float32
-    with pytest.raises(ValueError, match="bucket_size_mb must be > 0"):
+    with pytest.raises(ValueError, match="bucket_size_mb must be"):
         ZeroOffloadFabricStrategy(bucket_size_mb=0)
     with pytest.raises(ValueError, match="precision='bf16-mixed'"):
         L.Fabric(accelerator="cpu", devices=1, strategy="zero_offload", precision="bf16-true")
@@ -112,7 +112,7 @@ def test_fp16_loss_scale_resumes(tmp_path):
     fp16 = [ZeroOffloadFabricPrecision("16-mixed")]  # on the CPU Fabric turns precision="16-mixed" into bf16
     full = train(fabric(plugins=fp16), steps=8, save=str(tmp_path / "fp16.ckpt"), save_at=4)
     saved = torch.load(tmp_path / "fp16.ckpt", weights_only=True)
-    assert saved["optimizer"]["zero_offload"]["loss_scaler"]["scale"] > 1
+    assert saved["optimizer"]["zero_offload_engine"]["loss_scaler"]["scale"] > 1
     resumed = train(fabric(plugins=fp16), steps=8, resume=str(tmp_path / "fp16.ckpt"))
     assert resumed["losses"] == full["losses"][4:]
 
