@@ -180,7 +180,7 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
     def module_to_device(self, module: Module) -> None:
         """Before setup, only what the engine will not own moves: the trainable fp32 weights would
         otherwise pass through device memory at 4 bytes per parameter."""
-        if self.engine is not None or self._module is None and not _trainable(module):
+        if self.engine is not None or not any(p.requires_grad for p in module.parameters()):
             module.to(self.root_device)
             return
         with torch.no_grad():
@@ -431,10 +431,6 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
         if self.engine is not None:
             self.engine.close()  # the module gets the trained fp32 master weights back
         super().teardown()
-
-
-def _trainable(module: Module) -> bool:
-    return any(p.requires_grad for p in module.parameters())
 
 
 def _wants_optimizer(state: Any) -> bool:
