@@ -99,8 +99,8 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
 
     Args:
         offload_options: the offload options of :class:`~lightning_zero_offload.ZeroOffloadStrategy`
-            (``bucket_size_mb``, ``pin_memory``, ``overlap``, ``cpu_threads``, ``loss_scale_*``,
-            ``delayed_param_update``, ``dpu_*``, ``checkpoint_format``), with the same defaults and checks.
+            (``bucket_size_mb``, ``pin_memory``, ``overlap``, ``cpu_threads``, ``cpu_step``, ``loss_scale_*``,
+            ``dpu_*``, ``checkpoint_format``, ...), with the same defaults and checks.
         process_group_backend, timeout, start_method: as in Fabric's ``DDPStrategy``.
     """
 
@@ -120,6 +120,8 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
     ) -> None:
         if "metrics" in offload_options:
             raise TypeError("metrics= is a Trainer option (a callback); Fabric has no callbacks to add it to")
+        if "precision_plugin" in offload_options:
+            raise TypeError("pass precision=ZeroOffloadFabricPrecision(...) (Fabric's name), not precision_plugin=")
         # The Trainer strategy owns the option names, defaults and validation; build them the same way.
         self.options = _TrainerStrategy(**offload_options).options
         super().__init__(
