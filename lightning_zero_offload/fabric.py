@@ -52,6 +52,12 @@ from lightning_zero_offload.engine.checkpoint import (
     staging_dir,
 )
 from lightning_zero_offload.engine.collectives import broadcast_tensors_
+from lightning_zero_offload.engine.model_checks import (
+    check_param_dtypes,
+    check_same_on_all_ranks,
+    check_unique_params,
+    describe_model,
+)
 from lightning_zero_offload.mixed_precision import forward_context
 from lightning_zero_offload.precision import ENGINE_STATE_KEY, resolve_precision
 from lightning_zero_offload.strategy import ZeroOffloadStrategy as _TrainerStrategy
@@ -211,6 +217,7 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
         if self.engine is not None:
             raise RuntimeError("zero_offload sets up one model and optimizer per Fabric; create a new Fabric")
         self.precision.device_type = self.root_device.type
+        self._check_model(module, optimizers[0])
         if self._distributed:
             broadcast_tensors_(list(module.state_dict().values()), None, self.root_device)
         self.engine = OffloadEngine(
@@ -226,6 +233,19 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
         self._param_keys = _state_dict_keys(module, self.engine.params)
         module.to(self.root_device)  # what the engine does not own (frozen parameters, buffers)
         return module, [_OffloadedOptimizer(optimizers[0], self)], scheduler
+
+    def _check_model(self, module: Module, optimizer: Optimizer) -> None:
+        """The Trainer strategy's checks: what the engine would train wrongly, and setups that differ between
+        ranks (before the first collective that depends on them)."""
+        names: dict[int, str] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+        check_unique_params(optimizer, names)
+        trainable = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        check_param_dtypes(trainable, names, self.precision.param_dtype)
+        if self._distributed:
+            description = describe_model(module, optimizer, self.options, self.precision.precision)
+            check_same_on_all_ranks(description, self.root_device)
 
     # -- training --------------------------------------------------------------------------------
 
