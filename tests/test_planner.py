@@ -1,7 +1,5 @@
 import json
 import math
-import subprocess
-import sys
 from functools import partial
 
 import lightning as L
@@ -14,7 +12,7 @@ from lightning_zero_offload.demo.model import GPT
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions
 from lightning_zero_offload.planner import Machine, check_host_memory, measure_machine, plan, presets, probes
 from lightning_zero_offload.planner.cli import main
-from lightning_zero_offload.planner.model import ModelShape, host_memory
+from lightning_zero_offload.planner.model import LayoutSummary, ModelShape, host_memory
 from lightning_zero_offload.planner.preflight import SKIP_CHECK_ENV
 from lightning_zero_offload.planner.validate import compare
 
@@ -61,7 +59,12 @@ def test_host_memory_is_what_the_engine_allocates(delayed, dtype):
     engine = OffloadEngine(torch.optim.AdamW(model.parameters()), torch.device("cpu"), dtype, options)
     try:
         predicted = host_memory(
-            engine.layout, dtype, "delayed" if delayed else "sync", 1, "cpu", sum(p.numel() for p in model.parameters())
+            LayoutSummary.of(engine.layout),
+            dtype,
+            "delayed" if delayed else "sync",
+            1,
+            "cpu",
+            sum(p.numel() for p in model.parameters()),
         )
         # the device's gradient buckets appear with the first backward; everything else exists now
         expected = sum(predicted.per_rank.values()) - predicted.per_rank["device_grad_buckets"]
@@ -85,12 +88,12 @@ def test_state_is_16_bytes_per_param_spread_over_the_ranks():
 
 def test_a_module_on_the_meta_device_is_counted_without_memory():
     with torch.device("meta"):
-        model = GPT(n_layer=48, n_embd=2048, block_size=1024)  # 2.4B params: would need ~10 GB in fp32
+        model = GPT(n_layer=24, n_embd=2048, block_size=1024)  # 1.2B params: would need ~5 GB in fp32
     model.head.weight.requires_grad_(False)
     shape = ModelShape.of(model)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert shape.params == trainable
-    assert shape.linear_shapes[(2048, 8192)] == 48 and shape.linear_shapes[(8192, 2048)] == 48
+    assert shape.linear_shapes[(2048, 8192)] == 24 and shape.linear_shapes[(8192, 2048)] == 24
     assert plan(model, batch_size=2, seq_len=1024, machine=GPU_BOX).params == trainable
 
 
@@ -223,13 +226,3 @@ def test_cli_with_presets(capsys):
 def test_cli_errors():
     with pytest.raises(SystemExit, match="go together"):
         main(["--params", "10", "--host", "Grace (GH200, LPDDR5X)"])
-
-
-def test_cli_as_a_module():
-    done = subprocess.run(
-        [sys.executable, "-m", "lightning_zero_offload.planner", "--params", "1e8", "--host"]
-        + ["workstation (1 socket, 2ch DDR5)", "--device", "RTX 4090 (PCIe 4)"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "host RAM per rank" in done.stdout

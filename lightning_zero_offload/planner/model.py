@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from torch import nn
 
-from lightning_zero_offload.engine.layout import build_layout
+from lightning_zero_offload.engine.layout import Layout, build_layout
 from lightning_zero_offload.engine.options import OffloadOptions
 from lightning_zero_offload.planner import probes
 
@@ -105,14 +105,15 @@ def measure_machine(
 class ModelShape:
     """What the plan needs to know about a model: trainable parameter shapes and matmul FLOPs per token."""
 
-    shapes: list[torch.Size]
+    shapes: list[torch.Size] | None  # None: only the count is known
     matmul_params: int  # weights used in a matmul per token, counted per use (a tied head counts again)
     linear_shapes: dict[tuple[int, int], int]  # (in, out) of the matmuls -> how many
     hidden: int  # the most common matmul input width (the attention term's width)
+    count: int = 0
 
     @property
     def params(self) -> int:
-        return sum(s.numel() for s in self.shapes)
+        return self.count if self.shapes is None else sum(s.numel() for s in self.shapes)
 
     @classmethod
     def of(cls, model: nn.Module | int) -> ModelShape:
@@ -120,10 +121,7 @@ class ModelShape:
             if model < 1:
                 raise ValueError(f"the parameter count must be >= 1, got {model}")
             hidden = max(64, min(8192, 64 * round(math.sqrt(model / 12 / 32) / 64)))  # a 32-layer-ish guess
-            # as many tensors as a real model has, so buckets fill the way they do there
-            chunk = max(2**16, -(-model // 8192))
-            shapes = [torch.Size([chunk])] * (model // chunk) + ([torch.Size([model % chunk])] if model % chunk else [])
-            return cls(shapes, model, {(hidden, 4 * hidden): 1}, hidden)
+            return cls(None, model, {(hidden, 4 * hidden): 1}, hidden, count=model)
         seen: set[int] = set()
         shapes = []
         for p in model.parameters():  # unique: a tied weight has one optimizer state
@@ -272,9 +270,38 @@ def default_threads(machine: Machine, ranks_per_node: int) -> int:
     return max(1, machine.cpu_cores // ranks_per_node)
 
 
-def _layout(shape: ModelShape, bucket_size_mb: float, dtype: torch.dtype, world: int):
+@dataclass(frozen=True)
+class LayoutSummary:
+    """The sizes of the engine's layout that memory and time depend on (engine/layout.py)."""
+
+    world_size: int
+    shard_numel: int  # this rank's flat CPU buffers
+    flat_numel: int  # the flat device buffer, padded
+    buckets: int
+    max_bucket: int  # padded elements of the largest bucket
+    max_shard: int  # this rank's chunk of it
+
+    @classmethod
+    def of(cls, layout: Layout) -> LayoutSummary:
+        return cls(
+            layout.world_size,
+            layout.shard_numel,
+            layout.flat_numel,
+            len(layout.buckets),
+            max(b.padded_numel for b in layout.buckets),
+            max(b.shard_numel for b in layout.buckets),
+        )
+
+
+def _layout(shape: ModelShape, bucket_size_mb: float, dtype: torch.dtype, world: int) -> LayoutSummary:
     bucket_numel = OffloadOptions(bucket_size_mb=bucket_size_mb).bucket_numel(dtype.itemsize)
-    return build_layout(shape.shapes, bucket_numel, world, 0)
+    if shape.shapes is None:  # a bare parameter count: buckets of exactly the bucket size
+        full, rest = divmod(shape.params, bucket_numel)
+        padded, padded_rest = (-(-n // world) * world for n in (bucket_numel, rest))
+        flat = full * padded + padded_rest
+        largest = padded if full else padded_rest
+        return LayoutSummary(world, flat // world, flat, full + (rest > 0), largest, largest // world)
+    return LayoutSummary.of(build_layout(shape.shapes, bucket_numel, world, 0))
 
 
 def recommend(
@@ -337,11 +364,12 @@ def _notes(result: Plan, checkpoint_format: str) -> list[str]:
     return notes
 
 
-def host_memory(layout, dtype: torch.dtype, schedule: str, ranks_per_node: int, device_type: str, params: int):
+def host_memory(
+    layout: LayoutSummary, dtype: torch.dtype, schedule: str, ranks_per_node: int, device_type: str, params: int
+):
     """The engine's host allocations for one rank, buffer by buffer (see OffloadEngine.__init__)."""
     shard, element = layout.shard_numel, dtype.itemsize
-    max_shard = max(b.shard_numel for b in layout.buckets)
-    max_bucket = max(b.padded_numel for b in layout.buckets)
+    max_shard, max_bucket = layout.max_shard, layout.max_bucket
     low = dtype != torch.float32
     pin = device_type == "cuda"
     buffers = {
@@ -372,11 +400,10 @@ def host_memory(layout, dtype: torch.dtype, schedule: str, ranks_per_node: int, 
     )
 
 
-def device_memory(layout, dtype: torch.dtype) -> dict[str, int]:
+def device_memory(layout: LayoutSummary, dtype: torch.dtype) -> dict[str, int]:
     """Device bytes of the model states (activations are the model's own and not included)."""
     element = dtype.itemsize
-    max_bucket = max(b.padded_numel for b in layout.buckets)
-    max_shard = max(b.shard_numel for b in layout.buckets)
+    max_bucket, max_shard = layout.max_bucket, layout.max_shard
     states = {"params": layout.flat_numel * element, "grad_buckets": 2 * max_bucket * element}
     if layout.world_size > 1:
         states["collective_chunks"] = 2 * max_shard * element  # reduce-scatter out, all-gather in
@@ -384,11 +411,18 @@ def device_memory(layout, dtype: torch.dtype) -> dict[str, int]:
 
 
 def step_time(
-    layout, dtype, schedule: str, m: Machine, threads: int, ranks_per_node: int, flops: float, micro: int
+    layout: LayoutSummary,
+    dtype: torch.dtype,
+    schedule: str,
+    m: Machine,
+    threads: int,
+    ranks_per_node: int,
+    flops: float,
+    micro: int,
 ) -> StepTime:
     """One optimizer step's time under ``schedule`` (see docs/planning.md for the model)."""
     shard, element, world = layout.shard_numel, dtype.itemsize, layout.world_size
-    buckets = len(layout.buckets)
+    buckets = layout.buckets
     bandwidth = m.rank_bandwidth(threads, ranks_per_node)
     forward_backward = flops / (m.device_tflops * 1e12)
     backward = forward_backward * 2 / 3

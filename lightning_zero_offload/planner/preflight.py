@@ -12,10 +12,9 @@ import os
 import torch
 from torch import nn
 
-from lightning_zero_offload.engine.layout import build_layout
 from lightning_zero_offload.engine.options import OffloadOptions
 from lightning_zero_offload.planner import probes
-from lightning_zero_offload.planner.model import STATE_BYTES_PER_PARAM, ModelShape, _gb, host_memory
+from lightning_zero_offload.planner.model import STATE_BYTES_PER_PARAM, ModelShape, _gb, _layout, host_memory
 
 SKIP_CHECK_ENV = "LZO_SKIP_MEMORY_CHECK"
 
@@ -35,7 +34,7 @@ def check_host_memory(
     if os.environ.get(SKIP_CHECK_ENV, "") not in ("", "0"):
         return
     shape = ModelShape.of(model)
-    layout = build_layout(shape.shapes, options.bucket_numel(param_dtype.itemsize), world_size, 0)
+    layout = _layout(shape, options.bucket_size_mb, param_dtype, world_size)
     schedule = getattr(options, "cpu_step", "sync")
     if options.delayed_param_update:
         schedule = "delayed"
