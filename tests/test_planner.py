@@ -55,7 +55,7 @@ def host_tensor_bytes(root: object) -> int:
 def test_host_memory_is_what_the_engine_allocates(delayed, dtype):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.ReLU(), torch.nn.Linear(200, 70))
-    options = OffloadOptions(bucket_size_mb=0.1, cpu_threads=1, delayed_param_update=delayed)
+    options = OffloadOptions(bucket_size_mb=0.1, cpu_threads=1, cpu_step="delayed" if delayed else "sync")
     engine = OffloadEngine(torch.optim.AdamW(model.parameters()), torch.device("cpu"), dtype, options)
     try:
         predicted = host_memory(

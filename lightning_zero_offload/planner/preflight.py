@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 from torch import nn
 
-from lightning_zero_offload.engine.options import OffloadOptions
+from lightning_zero_offload.engine.options import OffloadOptions, resolve_auto
 from lightning_zero_offload.planner import probes
 from lightning_zero_offload.planner.model import STATE_BYTES_PER_PARAM, ModelShape, _gb, _layout, host_memory
 
@@ -35,9 +36,9 @@ def check_host_memory(
         return
     shape = ModelShape.of(model)
     layout = _layout(shape, options.bucket_size_mb, param_dtype, world_size)
-    schedule = getattr(options, "cpu_step", "sync")
-    if options.delayed_param_update:
-        schedule = "delayed"
+    with warnings.catch_warnings():  # the engine warns about its settings itself, once
+        warnings.simplefilter("ignore")
+        schedule = resolve_auto(options, device, local_world_size).cpu_step
     need = host_memory(layout, param_dtype, schedule, local_world_size, device.type, shape.params)
     available = probes.host_memory_available()
     if need.per_node <= available:
