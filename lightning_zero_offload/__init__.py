@@ -14,6 +14,7 @@ from lightning_zero_offload.engine.failures import NonFiniteLossError
 from lightning_zero_offload.engine.model_checks import ModelMismatchError
 from lightning_zero_offload.fabric import ZeroOffloadFabricPrecision, ZeroOffloadFabricStrategy
 from lightning_zero_offload.optim import CPUAdam
+from lightning_zero_offload.planner import plan
 from lightning_zero_offload.precision import ZeroOffloadPrecision
 from lightning_zero_offload.strategy import ZeroOffloadStrategy
 
@@ -30,4 +31,5 @@ __all__ = [
     "ZeroOffloadPrecision",
     "ZeroOffloadStrategy",
     "convert_checkpoint_to_fp32_state_dict",
+    "plan",
 ]

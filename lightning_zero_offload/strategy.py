@@ -64,6 +64,7 @@ from lightning_zero_offload.engine.model_checks import (
     check_unique_params,
     describe_model,
 )
+from lightning_zero_offload.planner import check_host_memory
 from lightning_zero_offload.precision import ZeroOffloadPrecision
 
 
@@ -319,6 +320,14 @@ class ZeroOffloadStrategy(ParallelStrategy):
                     "Put the parameters in param groups of one optimizer instead."
                 )
             self._check_model(module)
+            check_host_memory(
+                module,
+                self.options,
+                self.precision_plugin.param_dtype,
+                self.world_size,
+                self.num_processes,
+                self.root_device,
+            )
             if self.is_distributed:
                 broadcast_tensors_(list(module.state_dict().values()), None, self.root_device)
             self.engine = OffloadEngine(

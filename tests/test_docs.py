@@ -3,7 +3,8 @@
 - ``python`` blocks run in a fresh interpreter (in a scratch directory);
 - ``yaml`` blocks are validated by the CLI's ``--print_config`` (types and class paths checked);
 - ``bash`` lines: ``make`` targets must exist, ``zero-offload``/``torchrun``/``srun`` training commands
-  are validated with ``--print_config``, scripts and the converter must answer ``--help``.
+  are validated with ``--print_config``, scripts and the converter must answer ``--help``,
+  ``zero-offload-plan`` lines run.
 Blocks without a language (diagrams, directory trees) are prose.
 """
 
@@ -62,6 +63,8 @@ def bash_command(tokens: list[str], cwd: Path) -> None:
             run([*CLI, *tokens[1:]], cwd=cwd)  # short enough to train for real: the command must work, not parse
         else:
             run([*CLI, *tokens[1:], "--print_config"], cwd=ROOT)
+    elif command == "zero-offload-plan":  # runs for real (presets, or about a second of probes)
+        run([sys.executable, "-m", "lightning_zero_offload.planner", *tokens[1:]], cwd=ROOT)
     elif command == "zero-offload-convert":
         run([str(Path(sys.executable).with_name(command)), "--help"], cwd=cwd)
     elif command == "python":

@@ -1,0 +1,11 @@
+"""The planner: will a model fit, how fast will it train, and what should be set (docs/planning.md).
+
+``plan(model_or_param_count, batch_size=, seq_len=, devices=, num_nodes=, machine=)`` returns a
+:class:`Plan`; ``print(plan(...))`` shows it. ``measure_machine()`` measures this machine's rates;
+:mod:`~lightning_zero_offload.planner.presets` has typical hosts and accelerators.
+"""
+
+from lightning_zero_offload.planner.model import Machine, Plan, StepTime, measure_machine, plan, with_rates
+from lightning_zero_offload.planner.preflight import check_host_memory
+
+__all__ = ["Machine", "Plan", "StepTime", "check_host_memory", "measure_machine", "plan", "with_rates"]

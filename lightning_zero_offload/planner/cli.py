@@ -1,0 +1,93 @@
+"""``zero-offload-plan`` / ``python -m lightning_zero_offload.planner``: the planner on the command line.
+
+Examples::
+
+    zero-offload-plan --params 1.3e9 --batch-size 8 --seq-len 2048          # measure this machine
+    zero-offload-plan --model lightning_zero_offload.demo.GPT --model-args '{"n_layer": 6}' --seq-len 256
+    zero-offload-plan --params 7e9 --devices 8 --host "server (2 sockets, 8ch DDR4-3200 each)" \\
+        --device "H100 SXM (PCIe 5)"
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from dataclasses import fields
+
+import torch
+
+from lightning_zero_offload.planner import presets
+from lightning_zero_offload.planner.model import DTYPES, Machine, measure_machine, plan, with_rates
+
+
+def build_model(path: str, kwargs: dict) -> torch.nn.Module:
+    """Instantiate ``package.module.Class`` (or ``package.module:Class``) on the meta device: no memory."""
+    module_name, _, name = path.replace(":", ".").rpartition(".")
+    if not module_name:
+        raise SystemExit(f"--model must be a dotted path like package.module.Class, got {path!r}")
+    cls = getattr(importlib.import_module(module_name), name)
+    with torch.device("meta"):
+        return cls(**kwargs)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="zero-offload-plan",
+        description="Predict host RAM, device memory and step time of zero_offload training, and what to set.",
+        epilog="Rates not given are measured on this machine (about a second), or taken from --host/--device.",
+    )
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=float, help="trainable parameters (e.g. 1.3e9)")
+    what.add_argument("--model", help="dotted path of an nn.Module class, built on the meta device")
+    p.add_argument("--model-args", type=json.loads, default={}, help="JSON keyword arguments for --model")
+    p.add_argument("--batch-size", type=int, default=1, help="micro-batch per rank")
+    p.add_argument("--seq-len", type=int, default=1, help="tokens per sample")
+    p.add_argument("--n-layer", type=int, help="transformer layers (adds attention FLOPs)")
+    p.add_argument("--devices", type=int, default=1, help="ranks per node")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--precision", default="bf16-mixed", choices=sorted(DTYPES))
+    p.add_argument("--bucket-size-mb", type=float, default=25.0)
+    p.add_argument("--cpu-threads", type=int, help="per rank (default: cores / ranks per node)")
+    p.add_argument("--accumulate-grad-batches", type=int, default=1)
+    p.add_argument("--checkpoint-format", default="full", choices=["full", "sharded"])
+    p.add_argument("--host", choices=sorted(presets.HOSTS), help="a typical host instead of measuring this one")
+    p.add_argument("--device", choices=sorted(presets.DEVICES), help="a typical accelerator (needs --host)")
+    p.add_argument("--measure-device", help="device to measure on (default: cuda if available, else cpu)")
+    rates = p.add_argument_group("rates (override measured or preset values)")
+    for f in fields(Machine):
+        if f.name != "name":
+            rates.add_argument("--" + f.name.replace("_", "-"), type=str if f.name == "device_type" else float)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    if (args.host is None) != (args.device is None):
+        raise SystemExit("--host and --device go together (or give neither, to measure this machine)")
+    model = int(args.params) if args.params is not None else build_model(args.model, args.model_args)
+    overrides = {
+        f.name: int(v) if f.name == "cpu_cores" else v
+        for f in fields(Machine)
+        if f.name != "name" and (v := getattr(args, f.name)) is not None
+    }
+    if args.host is not None:
+        machine = presets.machine(args.host, args.device)
+    else:
+        machine = measure_machine(args.measure_device, threads=args.cpu_threads)
+    result = plan(
+        model,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        devices=args.devices,
+        num_nodes=args.nodes,
+        precision=args.precision,
+        bucket_size_mb=args.bucket_size_mb,
+        cpu_threads=args.cpu_threads,
+        accumulate_grad_batches=args.accumulate_grad_batches,
+        n_layer=args.n_layer,
+        machine=with_rates(machine, **overrides) if overrides else machine,
+        checkpoint_format=args.checkpoint_format,
+    )
+    print(json.dumps(result.to_dict(), indent=1) if args.json else result)

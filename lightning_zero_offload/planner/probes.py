@@ -1,0 +1,135 @@
+"""Short measurements of the quantities the planner's model needs, taken on the machine it runs on.
+
+Each probe repeats a small piece of the real work (the engine's own kernels, copies and a matmul) a few
+times and keeps the median, so one descheduled repetition on a shared machine does not decide the result.
+The whole set takes about a second on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from lightning_zero_offload import kernels
+
+ADAM_BYTES_PER_PARAM = 28  # the fused offload step: read p, g, m, v and write p, m, v (fp32 each)
+
+
+def median_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None] = lambda: None) -> float:
+    """Median wall time of ``fn`` over ``repeats`` calls, after one warm-up call."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def cpu_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def host_memory_available() -> int:
+    """Bytes of host memory available to new allocations (MemAvailable), without psutil."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    return pages * size
+
+
+def host_bandwidth(threads: int, numel: int = 2**23, repeats: int = 5) -> float:
+    """Bytes/s of an Adam-shaped memory pattern (read 4 fp32 arrays, write 3) with ``threads`` threads."""
+    p, g, m, v = (torch.zeros(numel) for _ in range(4))
+    seconds = median_seconds(lambda: kernels.bandwidth_probe(p, g, m, v, num_threads=threads), repeats)
+    return ADAM_BYTES_PER_PARAM * numel / seconds
+
+
+def adam_rate(threads: int, numel: int = 2**23, repeats: int = 5) -> float:
+    """Params/s of the engine's CPU step: fp32 master and moments, bf16 gradient in, bf16 copy out."""
+    p, m, v = (torch.zeros(numel) for _ in range(3))
+    g, out = torch.zeros(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.bfloat16)
+
+    def step() -> None:
+        kernels.adam_step(
+            p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True,
+            param_out=out, num_threads=threads,
+        )  # fmt: skip
+
+    return numel / median_seconds(step, repeats)
+
+
+def call_overhead(threads: int, repeats: int = 20) -> float:
+    """Seconds one tiny kernel call costs from Python (argument checks, thread wake-up): per-bucket cost."""
+    p, m, v = (torch.zeros(64) for _ in range(3))
+    g = torch.zeros(64, dtype=torch.bfloat16)
+    return median_seconds(
+        lambda: kernels.adam_step(
+            p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True,
+            num_threads=threads,
+        ),
+        repeats,
+    )  # fmt: skip
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cpu":
+        return lambda: None
+    return lambda: torch.accelerator.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, to_device: bool, nbytes: int = 2**26, repeats: int = 5) -> float:
+    """Bytes/s of a bf16 copy between a (pinned, where possible) host buffer and ``device``."""
+    numel = nbytes // 2
+    host = torch.empty(numel, dtype=torch.bfloat16, pin_memory=device.type == "cuda")
+    on_device = torch.empty(numel, dtype=torch.bfloat16, device=device)
+    source, target = (host, on_device) if to_device else (on_device, host)
+    seconds = median_seconds(lambda: target.copy_(source, non_blocking=True), repeats, _sync(device))
+    return numel * 2 / seconds
+
+
+def matmul_rate(
+    device: torch.device, dtype: torch.dtype, tokens: int, in_features: int, out_features: int, repeats: int = 3
+) -> float:
+    """FLOP/s of forward+backward of one linear layer of this shape (6 x tokens x in x out FLOPs).
+
+    Shaped like the model's own layers, so it sees the same efficiency as training does at that size.
+    """
+    x = torch.randn(tokens, in_features, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(out_features, in_features, device=device, dtype=dtype, requires_grad=True)
+
+    def fwd_bwd() -> None:
+        y = x @ w.t()
+        x.grad = w.grad = None
+        y.backward(torch.ones_like(y))
+
+    return 6 * tokens * in_features * out_features / median_seconds(fwd_bwd, repeats, _sync(device))
+
+
+def linear_layers_rate(
+    device: torch.device, dtype: torch.dtype, tokens: int, shapes: dict[tuple[int, int], int], max_flops: float = 0.0
+) -> float:
+    """FLOP/s of forward+backward over a model's linear layers: each ``(in, out)`` shape timed once, weighted
+    by its count. Rows are capped so that one probe stays short (``max_flops``; default 2 GFLOP on a
+    CPU, 2 TFLOP on an accelerator): the rate at that many rows stands in for the full batch.
+    """
+    cap = max_flops or (2e9 if device.type == "cpu" else 2e12)
+    flops = seconds = 0.0
+    for (in_features, out_features), count in shapes.items():
+        rows = max(64, min(tokens, int(cap / (6 * in_features * out_features))))
+        rate = matmul_rate(device, dtype, rows, in_features, out_features)
+        layer_flops = count * 6 * tokens * in_features * out_features
+        flops += layer_flops
+        seconds += layer_flops / rate
+    return flops / seconds
