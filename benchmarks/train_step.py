@@ -135,9 +135,11 @@ def token_data(spec: dict[str, Any], batches: int) -> TensorDataset:
 
 
 class LM(L.LightningModule):
-    def __init__(self, spec: dict[str, Any], optimizer: str) -> None:
+    def __init__(self, spec: dict[str, Any], optimizer: str, device: torch.device | None = None) -> None:
         super().__init__()
-        self.net = build_net(spec)
+        # built on the GPU when there is one: initialising 1B+ parameters on the CPU takes longer than training
+        with torch.device(device) if device is not None and device.type == "cuda" else contextlib.nullcontext():
+            self.net = build_net(spec)
         self.optimizer_kind = optimizer
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -333,7 +335,7 @@ def run_trainer(variant: str, spec: dict[str, Any], device: torch.device, warmup
     per_rank = dict(spec, batch=spec["batch"] // (2 if kind == "ddp" else 1))
     recorder = Recorder(warmup, device)
     data = DataLoader(token_data(spec, warmup + steps + 1), batch_size=per_rank["batch"])
-    module = LM(spec, optimizer)
+    module = LM(spec, optimizer, device)
     trainer = L.Trainer(
         accelerator=device.type,
         devices=devices,
@@ -357,7 +359,8 @@ def run_torchao(spec: dict[str, Any], device: torch.device, warmup: int, steps: 
     """torchao's CPUOffloadOptimizer in a plain loop: fp32 params on the device, bf16 autocast."""
     from torchao.optim import CPUOffloadOptimizer
 
-    net = build_net(spec).to(device)
+    with torch.device(device):
+        net = build_net(spec)
     optimizer = CPUOffloadOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-4, fused=True)
     recorder = Recorder(warmup, device)
     for (batch,) in DataLoader(token_data(spec, warmup + steps + 1), batch_size=spec["batch"]):

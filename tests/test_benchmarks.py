@@ -1,0 +1,75 @@
+"""The benchmark scripts' own logic: the GPU check refuses a machine without a GPU (so a lent GPU's minutes
+are not the first run of it), its engine-level sub-checks run at toy size on the CPU, and train_step's
+variant names map onto the strategy that is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-GPU refusal")
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@no_gpu
+def test_gpu_check_sh_says_there_is_no_gpu_and_exits_non_zero(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert "NO GPU" in done.stderr and "nothing was checked" in done.stderr
+    assert not (tmp_path / "out").exists()  # refused before installing or building anything
+
+
+@no_gpu
+def test_gpu_check_py_refuses_cuda_without_a_gpu(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--results", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "NO GPU" in done.stderr
+
+
+def test_determinism_check_runs_and_passes_on_the_cpu(tmp_path):
+    gpu_check = load("gpu_check")
+    result = gpu_check.check_determinism(torch.device("cpu"), True, tmp_path)
+    assert result["ok"], result
+    assert len(result["configs"]) == 8
+
+
+def test_determinism_check_notices_a_different_result(tmp_path):
+    gpu_check = load("gpu_check")
+    a = gpu_check.train(torch.device("cpu"), True, steps=2)
+    b = gpu_check.train(torch.device("cpu"), True, steps=3)
+    assert gpu_check.same(a, a) and not gpu_check.same(a, b)
+
+
+def test_fp16_overflow_check_on_the_cpu(tmp_path):
+    result = load("gpu_check").check_fp16_overflow(torch.device("cpu"), True, tmp_path)
+    assert result["ok"], result
+    assert result["skipped_steps"] == 1
+
+
+def test_train_step_variant_names():
+    train_step = load("train_step")
+    assert train_step.parse_variant("zero_offload") == ("zero_offload", None, {})
+    assert train_step.parse_variant("zero_offload:delayed@overlap=False,cpu_threads=1") == (
+        "zero_offload",
+        "delayed",
+        {"overlap": False, "cpu_threads": 1},
+    )
+    assert train_step.available("plain", torch.device("cpu")) is None
+    assert "CUDA" in train_step.available("deepspeed", torch.device("cpu"))
+    assert train_step.available("zero_offload:nonsense", torch.device("cpu")) is not None
+    assert train_step.available("zero_offload:sync", torch.device("cpu")) is None
