@@ -20,8 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,34 +81,27 @@ def record_reads(model: nn.Module) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def delayed_copies(cycles: int):
-    """Hold every side-stream transfer and every copy-back ``cycles`` GPU cycles before it starts.
+    """Hold every asynchronous host<->device copy ``cycles`` GPU cycles on its stream before it starts.
 
-    A copy whose source or destination is reused too early then reads or lands at the wrong time, so
-    results change; correct code gives bitwise the same results. No-op on the CPU.
+    Covers the gradient transfers (side stream) and the copy-backs wherever the engine issues them. A copy
+    whose source or destination is reused too early then reads or lands at the wrong time, so results
+    change; correct code gives bitwise the same results. No-op on the CPU.
     """
-    from lightning_zero_offload.engine import engine as engine_module
-    from lightning_zero_offload.engine import grads
-
     if not torch.cuda.is_available():
         yield
         return
-    original_on_stream, original_publish = grads.on_stream, engine_module.OffloadEngine._publish
+    original = torch.Tensor.copy_
 
-    @contextlib.contextmanager
-    def slow_stream(stream: Any):
-        with original_on_stream(stream):
+    def slow_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        if non_blocking and self.device != src.device:
             torch.cuda._sleep(cycles)
-            yield
+        return original(self, src, non_blocking)
 
-    def slow_publish(self: Any, *args: Any, **kwargs: Any) -> Any:
-        torch.cuda._sleep(cycles)
-        return original_publish(self, *args, **kwargs)
-
-    grads.on_stream, engine_module.OffloadEngine._publish = slow_stream, slow_publish
+    torch.Tensor.copy_ = slow_copy  # type: ignore[method-assign]
     try:
         yield
     finally:
-        grads.on_stream, engine_module.OffloadEngine._publish = original_on_stream, original_publish
+        torch.Tensor.copy_ = original  # type: ignore[method-assign]
 
 
 def train(device: torch.device, tiny: bool, steps: int = 5, sleep: int = 0, **options: Any) -> dict[str, Any]:
@@ -179,17 +173,15 @@ def check_sanitizer(device: torch.device, tiny: bool, results: Path) -> dict[str
     """Run under TORCH_CUDA_SANITIZER=1 (set by the driver) with delayed side-stream copies: same results."""
     reference = train(device, tiny, bucket_size_mb=0.05)
     delayed = train(device, tiny, bucket_size_mb=0.05, sleep=SLEEP_CYCLES)
-    dpu = train(device, tiny, bucket_size_mb=0.05, delayed_param_update=True, dpu_warmup_steps=1)
-    dpu_delayed = train(
-        device, tiny, bucket_size_mb=0.05, delayed_param_update=True, dpu_warmup_steps=1, sleep=SLEEP_CYCLES
-    )
+    dpu = train(device, tiny, bucket_size_mb=0.05, cpu_step="delayed", dpu_warmup_steps=1)
+    dpu_delayed = train(device, tiny, bucket_size_mb=0.05, cpu_step="delayed", dpu_warmup_steps=1, sleep=SLEEP_CYCLES)
     sanitizer = os.environ.get("TORCH_CUDA_SANITIZER") == "1"
     return {"ok": same(reference, delayed) and same(dpu, dpu_delayed), "sanitizer_on": sanitizer}
 
 
 def check_dpu_reads(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
     """DPU: forward must read exactly the weights it reads without delays, while copy-backs are held back."""
-    kwargs = {"delayed_param_update": True, "dpu_warmup_steps": 2, "steps": 8}
+    kwargs = {"cpu_step": "delayed", "dpu_warmup_steps": 2, "steps": 8}
     plain = train(device, tiny, **kwargs)
     delayed = train(device, tiny, sleep=4 * SLEEP_CYCLES, **kwargs)
     changed = [i for i in range(len(plain["reads"])) if not torch.equal(plain["reads"][i], delayed["reads"][i])]
@@ -219,7 +211,10 @@ def check_fp16_overflow(device: torch.device, tiny: bool, results: Path) -> dict
         "loss_scale": engine.loss_scale,
     }
     engine.close()
-    return {"ok": result["skipped"] and result["weights_untouched_by_skipped_step"] and result["next_step_trains"], **result}
+    return {
+        "ok": result["skipped"] and result["weights_untouched_by_skipped_step"] and result["next_step_trains"],
+        **result,
+    }
 
 
 def _rank(rank: int, store: str, device_name: str, tiny: bool, out: str) -> None:
@@ -416,15 +411,19 @@ def _probe(method: str, layers: int, device_name: str, tiny: bool) -> None:
     """One training step of a 4096-wide Llama with ``layers`` layers (its own process: OOM kills only it)."""
     import lightning as L
     from torch.utils.data import DataLoader
+    from train_step import LM, token_data
 
     from lightning_zero_offload import ZeroOffloadStrategy
-    from train_step import LM, token_data
 
     width = 64 if tiny else 4096
     spec = {
         "model": "llama",
-        "config": {"vocab_size": 32000, "hidden_size": width, "intermediate_size": 11008 if not tiny else 128,
-                   "num_hidden_layers": layers},
+        "config": {
+            "vocab_size": 32000,
+            "hidden_size": width,
+            "intermediate_size": 11008 if not tiny else 128,
+            "num_hidden_layers": layers,
+        },
         "batch": 1,
         "seq": 128,
     }
@@ -434,9 +433,17 @@ def _probe(method: str, layers: int, device_name: str, tiny: bool) -> None:
     strategy = {"plain": "auto", "deepspeed": "deepspeed_stage_2_offload"}.get(method) or ZeroOffloadStrategy(
         metrics=False
     )
-    trainer = L.Trainer(accelerator=device.type, devices=1, strategy=strategy, precision="bf16-mixed", max_steps=1,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator=device.type,
+        devices=1,
+        strategy=strategy,
+        precision="bf16-mixed",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(module, DataLoader(token_data(spec, 1), batch_size=1))
     params = sum(p.numel() for p in module.parameters())
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
@@ -465,8 +472,9 @@ def check_max_size(device: torch.device, tiny: bool, results: Path, budget_s: fl
                 break
             code = f"import gpu_check; gpu_check._probe({method!r}, {layers}, {str(device)!r}, {tiny})"
             try:
-                done = subprocess.run([sys.executable, "-c", code], cwd=ROOT / "benchmarks", capture_output=True,
-                                      text=True, timeout=left)
+                done = subprocess.run(
+                    [sys.executable, "-c", code], cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=left
+                )
             except subprocess.TimeoutExpired:
                 stop = f"budget (at {layers} layers)"
                 break
@@ -479,7 +487,11 @@ def check_max_size(device: torch.device, tiny: bool, results: Path, budget_s: fl
         found[method] = {"largest_ok": best, "stopped": stop}
     plain = (found["plain"]["largest_ok"] or {}).get("params")
     zero = (found["zero_offload"]["largest_ok"] or {}).get("params")
-    return {"ok": zero is not None, "methods": found, "zero_offload_over_plain": zero / plain if zero and plain else None}
+    return {
+        "ok": zero is not None,
+        "methods": found,
+        "zero_offload_over_plain": zero / plain if zero and plain else None,
+    }
 
 
 # -- driver -----------------------------------------------------------------------------------------------
@@ -548,8 +560,9 @@ def main() -> int:
             log.flush()
             command = [sys.executable, __file__, "--run", name, "--device", str(device), "--results", str(results)]
             try:
-                done = subprocess.run(command, env={**os.environ, **extra_env}, capture_output=True, text=True,
-                                      timeout=timeout)
+                done = subprocess.run(
+                    command, env={**os.environ, **extra_env}, capture_output=True, text=True, timeout=timeout
+                )
                 output, rc = done.stdout + done.stderr, done.returncode
             except subprocess.TimeoutExpired as err:
                 output, rc = f"{err.stdout or ''}{err.stderr or ''}", "timeout"
@@ -558,9 +571,11 @@ def main() -> int:
             result = json.loads(lines[-1][7:]) if lines else {"ok": False, "error": f"no result (rc={rc})"}
             result["seconds"] = round(time.monotonic() - start, 1)
             summary["checks"][name] = result
-            print(f"{'PASS' if result['ok'] else 'FAIL'} {name} ({result['seconds']} s): "
-                  f"{json.dumps({k: v for k, v in result.items() if k not in ('ok', 'seconds')}, default=str)[:300]}",
-                  flush=True)
+            print(
+                f"{'PASS' if result['ok'] else 'FAIL'} {name} ({result['seconds']} s): "
+                f"{json.dumps({k: v for k, v in result.items() if k not in ('ok', 'seconds')}, default=str)[:300]}",
+                flush=True,
+            )
     summary["passed"] = all(c["ok"] for c in summary["checks"].values())
     (results / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     print(f"gpu_check: {'all passed' if summary['passed'] else 'FAILURES'}; results in {results}")

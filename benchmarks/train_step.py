@@ -298,13 +298,25 @@ def zero_offload_kwargs(schedule: str | None, options: dict[str, Any]) -> dict[s
     return kwargs
 
 
+def engine_probe(kwargs: dict[str, Any], device: torch.device) -> None:
+    """Build (and close) an engine with these settings on a one-layer model: raises if the schedule cannot run."""
+    from dataclasses import fields
+
+    from lightning_zero_offload.engine import OffloadEngine, OffloadOptions
+
+    names = {f.name for f in fields(OffloadOptions)}
+    layer = torch.nn.Linear(4, 4).to(device)
+    options = OffloadOptions(**{k: v for k, v in kwargs.items() if k in names})
+    OffloadEngine(torch.optim.AdamW(layer.parameters()), device, torch.bfloat16, options).close()
+
+
 def available(variant: str, device: torch.device) -> str | None:
     """None if the variant can run here, else why not."""
     kind, schedule, options = parse_variant(variant)
     if kind == "zero_offload":
         try:
-            zero_offload_kwargs(schedule, options)
-        except (LookupError, ValueError, TypeError) as err:
+            engine_probe(zero_offload_kwargs(schedule, options), device)
+        except (LookupError, ValueError, TypeError, NotImplementedError) as err:
             return str(err)
         return None
     if kind in ("plain", "ddp"):

@@ -27,8 +27,9 @@ def load(name: str):
 @no_gpu
 def test_gpu_check_sh_says_there_is_no_gpu_and_exits_non_zero(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
-    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2
     assert "NO GPU" in done.stderr and "nothing was checked" in done.stderr
     assert not (tmp_path / "out").exists()  # refused before installing or building anything
@@ -36,8 +37,12 @@ def test_gpu_check_sh_says_there_is_no_gpu_and_exits_non_zero(tmp_path):
 
 @no_gpu
 def test_gpu_check_py_refuses_cuda_without_a_gpu(tmp_path):
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--results", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--results", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "NO GPU" in done.stderr
 
 
