@@ -250,12 +250,18 @@ class TimingCallback(L.Callback):
                 self.r.extra["memory_report"] = engine.memory_report()
 
 
+def engine_device_bytes(report: dict[str, int]) -> int:
+    """The engine's device bytes: its own total where it reports one, else parameters + peak gradient buckets."""
+    if "device_total_bytes" in report:
+        return report["device_total_bytes"]
+    return report["device_param_bytes"] + report["device_grad_buffers_peak"] * report["device_grad_buffer_bytes"]
+
+
 def model_state_bytes(trainer: L.Trainer, module: L.LightningModule, grad_bytes: int) -> int | None:
     """Device bytes of parameters + gradients + optimizer state, from the tensors (or the engine's report)."""
     engine = getattr(trainer.strategy, "engine", None)
     if engine is not None:
-        report = engine.memory_report()
-        return report["device_param_bytes"] + report["device_grad_buffers_peak"] * report["device_grad_buffer_bytes"]
+        return engine_device_bytes(engine.memory_report())
     if "deepspeed" in type(trainer.strategy).__name__.lower():
         return None  # its partitions are not plain tensors: only max_memory_allocated counts there
     device = trainer.strategy.root_device
