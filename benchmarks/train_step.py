@@ -174,6 +174,7 @@ class Recorder:
         self.warmup = warmup
         self.device = device
         self.starts: list[float] = []
+        self.cpu_starts: list[float] = []  # process CPU time: what a step costs even when the machine is shared
         self.marks: list[dict[str, float]] = []
         self.engine_stats: list[dict[str, float]] = []
         self.grad_bytes = 0
@@ -188,6 +189,7 @@ class Recorder:
         if len(self.starts) == self.warmup and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
         self.marks.append({})
 
     def mark(self, name: str) -> None:
@@ -208,6 +210,7 @@ class Recorder:
             "steps": len(step_s),
             "step_ms": 1e3 * statistics.median(step_s),
             "tokens_per_s": global_batch * seq / statistics.median(step_s),
+            "cpu_ms": 1e3 * statistics.median(self.cpu_starts[i + 1] - self.cpu_starts[i] for i in steps),
             "forward_ms": 1e3 * statistics.median(self.marks[i]["fwd"] - self.starts[i] for i in steps),
             "backward_ms": 1e3 * phase("fwd", "bwd"),
             "optimizer_ms": 1e3 * phase("bwd", "end"),
@@ -463,14 +466,18 @@ def mib(n: int | None) -> str:
 def print_table(rows: dict[str, dict[str, Any]]) -> None:
     names = list(rows)
     print(f"\n{'variant':<34} {'step ms':>8} {'tok/s':>9} {'fwd':>6} {'bwd':>7} {'opt':>7} {'states MiB':>10}", end="")
-    print(f" {'peak MiB':>8} {'RSS MiB':>8}  ratios (step time / other's)")
+    print(f" {'peak MiB':>8} {'RSS MiB':>8} {'CPU ms':>8}  ratios (step time / other's)")
     for name in names:
         r = rows[name]
-        ratios = ", ".join(f"{rows[name]['step_ms'] / rows[o]['step_ms']:.2f}x {o}" for o in names if o != name)
+        ratios = ", ".join(
+            f"{r['step_ms'] / rows[o]['step_ms']:.2f}x (CPU time {r['cpu_ms'] / rows[o]['cpu_ms']:.2f}x) {o}"
+            for o in names
+            if o != name
+        )
         print(
             f"{name:<34} {r['step_ms']:8.1f} {r['tokens_per_s']:9.0f} {r['forward_ms']:6.1f} {r['backward_ms']:7.1f}"
             f" {r['optimizer_ms']:7.1f} {mib(r.get('device_model_states_bytes')):>10}"
-            f" {mib(r.get('peak_device_bytes')):>8} {mib(r['host_rss_bytes']):>8}  {ratios}"
+            f" {mib(r.get('peak_device_bytes')):>8} {mib(r['host_rss_bytes']):>8} {r['cpu_ms']:8.1f}  {ratios}"
         )
         if "engine_ms" in r:
             e = r["engine_ms"]
@@ -558,6 +565,7 @@ def main() -> None:
     rows = {v: merge(s) for v, s in samples.items()}
     for v, r in rows.items():
         r["step_time_ratio_to"] = {o: r["step_ms"] / rows[o]["step_ms"] for o in rows if o != v}
+        r["cpu_time_ratio_to"] = {o: r["cpu_ms"] / rows[o]["cpu_ms"] for o in rows if o != v}
     print_table(rows)
 
     name = "quick" if args.quick else args.preset
