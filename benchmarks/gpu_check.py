@@ -343,10 +343,11 @@ def check_backward_vs_plain(device: torch.device, tiny: bool, results: Path) -> 
 
 
 def check_fit_resume(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
-    """Lightning fit (4 steps), save, resume to 6 steps == 6 steps straight; memory_report vs max_memory_allocated."""
+    """Lightning fit 3 epochs == fit 2 (checkpoint) + resume to 3, bitwise; memory_report vs max_memory_allocated."""
     import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
-    from train_step import engine_device_bytes
+    from train_step import LM, PRESETS, engine_device_bytes, token_data
 
     from lightning_zero_offload import ZeroOffloadStrategy
 
@@ -356,38 +357,30 @@ def check_fit_resume(device: torch.device, tiny: bool, results: Path) -> dict[st
             if device.type == "cuda":
                 self.report["max_memory_allocated"] = torch.cuda.max_memory_allocated()
 
-    def fit(steps: int, ckpt: str | None = None, save: str | None = None) -> tuple[torch.Tensor, dict[str, int]]:
-        from train_step import LM, PRESETS, token_data
+    spec = PRESETS["quick" if tiny else "gpt-19m"]
 
-        spec = PRESETS["quick" if tiny else "gpt-19m"]
-        module = LM(spec, "adamw", device)
-        report = Report()
+    def fit(epochs: int, tmp: str, ckpt: str | None = None) -> tuple[torch.Tensor, dict[str, int]]:
+        module, report = LM(spec, "adamw", device), Report()
         trainer = L.Trainer(
             accelerator=device.type,
             devices=1,
             strategy=ZeroOffloadStrategy(metrics=False),
             precision="bf16-mixed",
-            max_steps=steps,
+            max_epochs=epochs,
             logger=False,
-            enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            callbacks=[report],
+            callbacks=[report, ModelCheckpoint(dirpath=tmp, filename="{epoch}", save_top_k=-1)],
         )
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        # two batches per epoch: the checkpoint after 4 steps is at an epoch boundary, where resuming with a
-        # plain DataLoader continues with exactly the batches the straight run sees
         trainer.fit(module, DataLoader(token_data(spec, 2), batch_size=spec["batch"]), ckpt_path=ckpt)
-        if save:
-            trainer.save_checkpoint(save)
-        weights = torch.cat([p.detach().float().flatten().cpu() for p in module.parameters()])
-        return weights, report.report
+        return torch.cat([p.detach().float().flatten().cpu() for p in module.parameters()]), report.report
 
     with tempfile.TemporaryDirectory() as tmp:
-        straight, report = fit(6)
-        fit(4, save=f"{tmp}/4.ckpt")
-        resumed, _ = fit(6, ckpt=f"{tmp}/4.ckpt")
+        straight, report = fit(3, f"{tmp}/a")
+        fit(2, f"{tmp}/b")
+        resumed, _ = fit(3, f"{tmp}/c", ckpt=f"{tmp}/b/epoch=1.ckpt")
     states = engine_device_bytes(report)
     peak = report.get("max_memory_allocated")
     return {
