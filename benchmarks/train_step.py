@@ -475,7 +475,7 @@ def print_table(rows: dict[str, dict[str, Any]]) -> None:
             if o != name
         )
         print(
-            f"{name:<34} {r['step_ms']:8.1f} {r['tokens_per_s']:9.0f} {r['forward_ms']:6.1f} {r['backward_ms']:7.1f}"
+            f"{name:<34} {r['step_ms']:8.1f} {r['tokens_per_s']:9.1f} {r['forward_ms']:6.1f} {r['backward_ms']:7.1f}"
             f" {r['optimizer_ms']:7.1f} {mib(r.get('device_model_states_bytes')):>10}"
             f" {mib(r.get('peak_device_bytes')):>8} {mib(r['host_rss_bytes']):>8} {r['cpu_ms']:8.1f}  {ratios}"
         )
