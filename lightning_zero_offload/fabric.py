@@ -17,7 +17,6 @@ exports either to a plain fp32 ``state_dict``.
 from __future__ import annotations
 
 import atexit
-import shutil
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -38,18 +37,16 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_zero_offload.checkpoint_io import all_gather_objects
 from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.engine.checkpoint import (
     FABRIC_KEY,
     FORMAT_KEY,
-    META_FILE,
     atomic_save,
     is_sharded_checkpoint,
     load_sharded,
-    publish_dir,
-    shard_file,
+    save_sharded,
     sharded_layout,
-    staging_dir,
 )
 from lightning_zero_offload.engine.collectives import broadcast_tensors_
 from lightning_zero_offload.engine.model_checks import (
@@ -383,20 +380,10 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
         checkpoint["state_dict"] = checkpoint.pop(keys["model"])
         if keys["optimizer"] is not None:
             checkpoint["optimizer_states"] = [checkpoint.pop(keys["optimizer"])]
-        staging = staging_dir(path)
-        if self.is_global_zero:
-            if staging.exists():
-                shutil.rmtree(staging)
-            staging.mkdir(parents=True)
-        self.barrier("zero_offload_save_start")
-        atomic_save(self.engine.shard_state_dict(), staging / shard_file(self.global_rank))
         if self.is_global_zero:
             checkpoint[FORMAT_KEY] = sharded_layout(self.engine, self._param_keys)
-            atomic_save(checkpoint, staging / META_FILE)
-        self.barrier("zero_offload_save_written")
-        if self.is_global_zero:
-            publish_dir(staging, path)
-        self.barrier("zero_offload_save_done")
+        meta = checkpoint if self.is_global_zero else None
+        save_sharded(path, self.engine.shard_state_dict(), meta, self.global_rank, self.broadcast, all_gather_objects)
 
     @override
     def load_checkpoint(

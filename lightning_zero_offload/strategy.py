@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import shutil
 import warnings
 from datetime import timedelta
 from typing import Any, Literal
@@ -35,27 +34,24 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.environments import ClusterEnvironment
-from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lightning_zero_offload.callbacks import OffloadMetrics
-from lightning_zero_offload.engine import LossScalerConfig, OffloadEngine, OffloadOptions
-from lightning_zero_offload.engine.checkpoint import (
-    FORMAT_KEY,
-    META_FILE,
-    atomic_save,
-    is_sharded_checkpoint,
-    load_sharded,
-    publish_dir,
-    shard_file,
-    sharded_layout,
-    staging_dir,
+from lightning_zero_offload.checkpoint_io import (
+    MultiProcessingLauncher,
+    SubprocessScriptLauncher,
+    all_gather_objects,
+    load_checkpoint_with,
+    save_full_checkpoint,
+    warn_if_custom_io_sharded,
 )
+from lightning_zero_offload.engine import LossScalerConfig, OffloadEngine, OffloadOptions
+from lightning_zero_offload.engine.checkpoint import FORMAT_KEY, save_sharded, sharded_layout
 from lightning_zero_offload.engine.checks import check_real
 from lightning_zero_offload.engine.collectives import abandon_process_group, broadcast_tensors_
 from lightning_zero_offload.engine.model_checks import (
@@ -248,9 +244,9 @@ class ZeroOffloadStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = MultiProcessingLauncher(self, start_method=self._start_method)
 
     @override
     def setup_environment(self) -> None:
@@ -450,40 +446,36 @@ class ZeroOffloadStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Full: rank 0 writes one file. Sharded: every rank writes its shard into a directory.
+        """Full: rank 0 writes one file. Sharded: every rank writes its shard into a new version directory.
 
-        Either way the new checkpoint is complete on disk before it replaces an existing one.
+        Either way the new checkpoint is complete before it replaces an existing one (docs/checkpoints.md).
         """
         if self._sharded:
             self._save_sharded(checkpoint, filepath)
         elif self.is_global_zero:
-            if storage_options is None and type(self.checkpoint_io) is TorchCheckpointIO:
-                atomic_save(checkpoint, filepath)
-            else:  # a custom CheckpointIO (e.g. remote storage) decides how to write
-                self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            save_full_checkpoint(self.checkpoint_io, checkpoint, filepath, storage_options)
 
     def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         assert self.engine is not None
-        staging = staging_dir(filepath)
-        if self.is_global_zero:
-            if staging.exists():
-                shutil.rmtree(staging)
-            staging.mkdir(parents=True)
-        self.barrier("zero_offload_save_start")
-        atomic_save(self.engine.shard_state_dict(), staging / shard_file(self.global_rank))
+        warn_if_custom_io_sharded(self.checkpoint_io)
         if self.is_global_zero:
             checkpoint[FORMAT_KEY] = sharded_layout(self.engine, self._param_keys)
-            atomic_save(checkpoint, staging / META_FILE)
-        self.barrier("zero_offload_save_written")
-        if self.is_global_zero:
-            publish_dir(staging, filepath)
-        self.barrier("zero_offload_save_done")
+        save_sharded(
+            filepath,
+            self.engine.shard_state_dict(),
+            checkpoint if self.is_global_zero else None,
+            self.global_rank,
+            broadcast=self.broadcast,
+            gather=all_gather_objects,
+            barrier=self.barrier,
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        if is_sharded_checkpoint(checkpoint_path):
-            return load_sharded(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        """Either format, on any filesystem; ``weights_only`` as passed to ``fit`` (Lightning 2.4+ alike)."""
+        if weights_only is None:
+            weights_only = getattr(self, "_weights_only", None)
+        return load_checkpoint_with(self.checkpoint_io, checkpoint_path, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:

@@ -1,13 +1,114 @@
-"""Crash safety of checkpoint writes, and the sharded format read back at another world size."""
+"""Checkpoint files: crash safety at every step of a save, safe temporaries, corruption named on load,
+the sharded format read back at another world size, and the export tool's safety checks."""
+
+import os
+import shutil
+import zlib
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from helpers import QUIET, Classifier, loader
 
-import lightning_zero_offload.strategy as strategy_module
 from lightning_zero_offload import ZeroOffloadStrategy, convert_checkpoint_to_fp32_state_dict
 from lightning_zero_offload.engine import checkpoint as ckpt
+from lightning_zero_offload.engine import checkpoint_files, checkpoint_sharded
+from lightning_zero_offload.engine.checkpoint import FORMAT_KEY, META_FILE, CheckpointError
+
+
+def full_checkpoint(value: float) -> dict:
+    return {"state_dict": {"w": torch.full((5,), value)}, "optimizer_states": [{"state": {}, "param_groups": []}]}
+
+
+def save_sharded_one_rank(path, value: float, world: int = 1) -> None:
+    """A world-size-``world`` sharded checkpoint of one parameter ``w`` (5 values) in one bucket, saved from
+    this process as every rank in turn would (only rank 0's collectives matter with trivial ones)."""
+    chunk = -(-5 // world)
+    flat = torch.cat([torch.full((5,), value), torch.zeros(chunk * world - 5)])
+    meta = full_checkpoint(value)
+    meta.pop("state_dict")
+    meta[FORMAT_KEY] = {
+        "format": "sharded",
+        "version": 2,
+        "world_size": world,
+        "buckets": [{"shard_start": 0, "shard_numel": chunk}],
+        "params": [{"keys": ["w"], "shape": [5], "bucket": 0, "offset": 0, "step": 1, "torch_index": 0}],
+    }
+    assert world == 1, "one process plays rank 0 only"
+    shard = {name: flat.clone() for name in checkpoint_sharded.SHARD_KEYS}
+    ckpt.save_sharded(path, shard, meta, 0, broadcast=lambda x: x, gather=lambda x: [x], barrier=lambda: None)
+
+
+def save(fmt: str, path, value: float) -> None:
+    if fmt == "full":
+        ckpt.atomic_save(full_checkpoint(value), path)
+    else:
+        save_sharded_one_rank(path, value)
+
+
+def load_w(path) -> torch.Tensor:
+    return convert_checkpoint_to_fp32_state_dict(path)["w"]
+
+
+# Every call that changes the filesystem during a save; a crash is injected before or after each of them.
+MUTATIONS = ("replace", "rename", "unlink", "rmdir", "mkdir", "open")
+
+
+def crash_at(step: int, after: bool, fmt: str, path) -> bool:
+    """Save in a forked child that dies (os._exit: no cleanup, like kill -9) at mutation ``step``.
+
+    Returns whether the child reached that step (``False``: the save finished with fewer mutations).
+    """
+    pid = os.fork()
+    if pid == 0:  # the child
+        counter = [0]
+
+        def wrap(name):
+            real = getattr(os, name)
+
+            def mutation(*args, **kwargs):
+                if name == "open" and not (args[1] if len(args) > 1 else kwargs["flags"]) & os.O_CREAT:
+                    return real(*args, **kwargs)  # reading is not a step
+                counter[0] += 1
+                if counter[0] == step and not after:
+                    os._exit(9)
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    if counter[0] == step:
+                        os._exit(9)
+
+            return mutation
+
+        for name in MUTATIONS:
+            setattr(os, name, wrap(name))
+        save(fmt, path, 2.0)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 9
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_kill_at_any_step_of_a_save_leaves_a_checkpoint_and_the_next_save_cleans_up(tmp_path, fmt):
+    path = tmp_path / "last.ckpt"
+    crashes = 0
+    for step in range(1, 100):
+        for after in (False, True):
+            save(fmt, path, 1.0)
+            if not crash_at(step, after, fmt, path):
+                assert step > 1, "the injection never fired"
+                assert crashes >= {"full": 4, "sharded": 12}[fmt], f"only {crashes} crash points in a {fmt} save"
+                return
+            crashes += 1
+            w = load_w(path)  # complete: the previous checkpoint or, once it is published, the new one
+            assert torch.equal(w, torch.ones(5)) or torch.equal(w, torch.full((5,), 2.0)), (step, after, w)
+            save(fmt, path, 3.0)  # the next save works and removes what the crash left
+            assert torch.equal(load_w(path), torch.full((5,), 3.0))
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"], (step, after)
+            if fmt == "sharded":
+                assert [p.name for p in path.iterdir()] == [checkpoint_sharded.current_version(path).name]
+    pytest.fail("the save never completed")
 
 
 def test_atomic_save_never_leaves_a_half_written_file(tmp_path, monkeypatch):
@@ -16,9 +117,9 @@ def test_atomic_save_never_leaves_a_half_written_file(tmp_path, monkeypatch):
 
     def crash(obj, f):
         f.write(b"partial bytes")
-        raise KeyboardInterrupt  # killed mid-write
+        raise KeyboardInterrupt  # interrupted mid-write
 
-    monkeypatch.setattr(ckpt.torch, "save", crash)
+    monkeypatch.setattr(checkpoint_files.torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
         ckpt.atomic_save({"w": torch.zeros(3)}, path)
     monkeypatch.undo()
@@ -27,28 +128,148 @@ def test_atomic_save_never_leaves_a_half_written_file(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
-def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch, fmt):
-    trainer = L.Trainer(strategy=ZeroOffloadStrategy(checkpoint_format=fmt), max_steps=3, **QUIET)
-    model = Classifier()
-    trainer.fit(model, loader())
+def test_temporary_files_never_follow_a_planted_symlink(tmp_path, fmt):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("keep me")
+    path = tmp_path / "run" / "last.ckpt"
+    save(fmt, path, 1.0)
+    # every name a save could be predicted to use: the old ".name.tmp-PID" scheme, the next version
+    # directory and the files inside it
+    links = [path.parent / f".last.ckpt.tmp-{os.getpid()}", path.parent / ".last.ckpt.incomplete"]
+    if fmt == "sharded":
+        links += [path / "v000002", path / "v000003" / "x"]
+        (path / "v000003").symlink_to(victim, target_is_directory=True)
+    for link in links[:3]:
+        link.symlink_to(victim / "precious")
+    save(fmt, path, 2.0)
+    assert (victim / "precious").read_text() == "keep me" and sorted(os.listdir(victim)) == ["precious"]
+    assert torch.equal(load_w(path), torch.full((5,), 2.0))
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # the planted links are gone
+    if fmt == "sharded":
+        assert [p.name for p in path.iterdir()] == ["v000004"]
+
+
+# -- corruption is detected and named -------------------------------------------------------------
+
+
+def test_a_truncated_or_foreign_full_checkpoint_is_named(tmp_path):
     path = tmp_path / "last.ckpt"
-    trainer.save_checkpoint(path)
-    before = convert_checkpoint_to_fp32_state_dict(path)
+    ckpt.atomic_save(full_checkpoint(1.0), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=rf"{path} is truncated or corrupt"):
+        ckpt.load_checkpoint_file(path)
+    path.write_bytes(os.urandom(4096))
+    with pytest.raises(CheckpointError, match=rf"{path} is not a PyTorch checkpoint") as error:
+        ckpt.load_checkpoint_file(path)
+    assert "weights_only" not in str(error.value)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        ckpt.load_checkpoint_file(tmp_path / "missing.ckpt")
 
-    calls = []
 
-    def crash_on_second_file(obj, target):
-        calls.append(target)
-        if len(calls) == 1 and fmt == "sharded":
-            return ckpt.atomic_save(obj, target)  # the shard gets written, the metadata does not
-        raise OSError("disk full")
+def in_version(root, name: str) -> Path:
+    return Path(checkpoint_sharded.current_version(root).path) / name
 
-    monkeypatch.setattr(strategy_module, "atomic_save", crash_on_second_file)
-    with pytest.raises(OSError, match="disk full"):
-        trainer.save_checkpoint(path)
-    monkeypatch.undo()
-    after = convert_checkpoint_to_fp32_state_dict(path)
-    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+def test_a_truncated_shard_or_metadata_is_named(tmp_path):
+    root = tmp_path / "s.ckpt"
+    save_sharded_one_rank(root, 1.0)
+    shard = in_version(root, ckpt.shard_file(0))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=rf"{shard} has \d+ bytes, the metadata says \d+: truncated"):
+        ckpt.load_sharded(root)
+
+    save_sharded_one_rank(root, 1.0)
+    meta = in_version(root, META_FILE)
+    meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=rf"metadata {meta} is truncated or corrupt"):
+        ckpt.load_sharded(root)
+
+
+def rewrite_meta(root, edit) -> None:
+    meta_file = in_version(root, META_FILE)
+    meta = torch.load(meta_file, weights_only=True)
+    edit(meta[FORMAT_KEY])
+    torch.save(meta, meta_file)
+
+
+def test_edited_metadata_is_named_not_an_index_error(tmp_path):
+    root = tmp_path / "s.ckpt"
+    save_sharded_one_rank(root, 1.0)
+    rewrite_meta(root, lambda info: info["params"][0].update(offset=3))
+    with pytest.raises(CheckpointError, match=r"meta.pt was modified after it was saved"):
+        ckpt.load_sharded(root)
+
+    def edit_and_recompute(info):  # a consistent-looking edit still cannot index out of the shards
+        info["params"][0].update(bucket=4)
+        info["layout_crc32"] = checkpoint_sharded.layout_checksum(info)
+
+    save_sharded_one_rank(root, 1.0)
+    rewrite_meta(root, edit_and_recompute)
+    with pytest.raises(CheckpointError, match=r"meta.pt does not match its shards \(IndexError"):
+        ckpt.load_sharded(root)
+
+
+def test_a_shard_missing_exp_avg_or_edited_is_named_not_a_key_error(tmp_path):
+    root = tmp_path / "s.ckpt"
+    save_sharded_one_rank(root, 1.0)
+    shard = in_version(root, ckpt.shard_file(0))
+    state = torch.load(shard, weights_only=True)
+    state.pop("exp_avg")
+    record = checkpoint_files.save_file(state, checkpoint_files.Location(str(shard)))
+
+    def accept_the_new_shard(info):
+        info["shards"][0] = {"size": record.size, "crc32": record.crc32}
+        info["layout_crc32"] = checkpoint_sharded.layout_checksum(info)
+
+    rewrite_meta(root, accept_the_new_shard)
+    with pytest.raises(CheckpointError, match=rf"{shard} has no valid 'exp_avg' tensor"):
+        ckpt.load_sharded(root)
+    assert torch.equal(ckpt.load_sharded(root, with_optimizer=False)["state_dict"]["w"], torch.ones(5))
+
+    save_sharded_one_rank(root, 1.0)
+    shard = in_version(root, ckpt.shard_file(0))
+    data = bytearray(shard.read_bytes())
+    position = data.rindex(torch.ones(1).numpy().tobytes())  # a float 1.0 of the master weights
+    data[position : position + 4] = torch.full((1,), 1.5).numpy().tobytes()
+    shard.write_bytes(data)
+    with pytest.raises(CheckpointError, match=rf"{shard} does not match its checksum in the metadata"):
+        ckpt.load_sharded(root)
+
+
+def test_a_shard_from_another_save_of_the_same_model_is_refused(tmp_path):
+    ours, theirs = tmp_path / "ours.ckpt", tmp_path / "theirs.ckpt"
+    save_sharded_one_rank(ours, 1.0)
+    save_sharded_one_rank(theirs, 2.0)
+    shutil.copyfile(in_version(theirs, ckpt.shard_file(0)), in_version(ours, ckpt.shard_file(0)))
+    with pytest.raises(
+        CheckpointError, match=rf"{in_version(ours, ckpt.shard_file(0))} belongs to another save than its metadata"
+    ):
+        ckpt.load_sharded(ours)
+
+
+def test_checksum_is_of_the_bytes_as_written(tmp_path):
+    path = tmp_path / "x.pt"
+    record = checkpoint_files.save_file({"w": torch.randn(1000)}, checkpoint_files.Location(str(path)))
+    assert record.size == path.stat().st_size and record.crc32 == zlib.crc32(path.read_bytes())
+
+
+def test_a_version_1_sharded_directory_still_loads(tmp_path):
+    """Checkpoints written before versioned directories: meta.pt and shards directly in the directory."""
+    root = tmp_path / "s.ckpt"
+    save_sharded_one_rank(root, 1.0)
+    version = checkpoint_sharded.current_version(root).path
+    for name in os.listdir(version):
+        os.replace(os.path.join(version, name), root / name)
+    os.rmdir(version)
+    rewrite_meta(root, lambda info: [info.pop(k) for k in ("shards", "save_id", "layout_crc32")])
+    assert torch.equal(ckpt.load_sharded(root)["state_dict"]["w"], torch.ones(5))
+    save_sharded_one_rank(root, 2.0)  # the next save replaces the old layout
+    assert [p.name for p in root.iterdir()] == ["v000001"] and torch.equal(load_w(root), torch.full((5,), 2.0))
+
+
+# -- Lightning round trip ------------------------------------------------------------------------
 
 
 def test_sharded_shard_math_matches_full_tensors(tmp_path):
@@ -64,3 +285,57 @@ def test_sharded_shard_math_matches_full_tensors(tmp_path):
         assert torch.equal(loaded["state_dict"][name], p.detach())
     state = loaded["optimizer_states"][0]["state"]
     assert float(state[0]["step"]) == 2 and state[0]["exp_avg"].shape == next(model.parameters()).shape
+
+
+# -- zero-offload-convert ---------------------------------------------------------------------------
+
+
+def convert(capsys, *argv) -> tuple[int, str]:
+    try:
+        ckpt.main([str(a) for a in argv])
+        code = 0
+    except SystemExit as done:
+        code = done.code
+    captured = capsys.readouterr()
+    return code, captured.err
+
+
+def test_convert_refuses_to_overwrite_its_input_or_a_training_checkpoint(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    ckpt.atomic_save(full_checkpoint(1.0), path)
+    before = path.read_bytes()
+    (tmp_path / "alias.ckpt").symlink_to(path)
+    monkeypatch.chdir(tmp_path)
+    for output in (path, tmp_path / "alias.ckpt", "last.ckpt", tmp_path / "sub" / ".." / "last.ckpt"):
+        code, err = convert(capsys, path, output)
+        assert code != 0 and "refusing to write" in err and "the checkpoint itself" in err, output
+    other = tmp_path / "other.ckpt"
+    ckpt.atomic_save(full_checkpoint(2.0), other)
+    code, err = convert(capsys, path, other)
+    assert code != 0 and "is a training checkpoint" in err
+    assert path.read_bytes() == before and torch.equal(
+        torch.load(other, weights_only=True)["state_dict"]["w"], 2 * torch.ones(5)
+    )
+    assert convert(capsys, path, other, "--overwrite")[0] == 0
+    assert torch.equal(torch.load(other, weights_only=True)["w"], torch.ones(5))
+    sharded = tmp_path / "s.ckpt"
+    save_sharded_one_rank(sharded, 1.0)
+    assert "is a directory" in convert(capsys, path, sharded)[1]
+
+
+def test_convert_gives_one_line_errors_for_bad_inputs(tmp_path, capsys):
+    junk = tmp_path / "notes.txt"
+    junk.write_text("not a checkpoint")
+    not_lightning = tmp_path / "tensor.pt"
+    torch.save(torch.ones(2), not_lightning)
+    cases = {
+        tmp_path / "missing.ckpt": "does not exist",
+        junk: "is not a PyTorch checkpoint",
+        tmp_path: "is a directory, not a checkpoint file",
+        not_lightning: "not a checkpoint dict",
+    }
+    for source, message in cases.items():
+        code, err = convert(capsys, source, tmp_path / "out.pt")
+        assert code == 1 and message in err and str(source) in err, (source, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "out.pt").exists()

@@ -1,0 +1,233 @@
+"""The sharded checkpoint format: versioned, published by its metadata, every shard checked on load.
+
+```
+epoch=3-step=400.ckpt/          never removed or renamed while a checkpoint lives there
+  v000007/                      one directory per save, a fresh name each time
+    shard_00000.pt              rank r: its flat fp32 master, exp_avg and exp_avg_sq (1/world of each)
+    shard_00001.pt
+    meta.pt                     rank 0, written last: the Lightning checkpoint minus the sharded tensors,
+                                plus the layout, the save id and each shard's size and CRC-32
+```
+
+The checkpoint is the newest version directory that has a ``meta.pt``. A save creates a new version,
+writes the shards, then ``meta.pt`` (atomically: a rename on the local disk, one object remotely), and
+only then deletes the older versions, so a crash at any point leaves a complete checkpoint under the
+same path, and the next save deletes what the crash left. Each shard records the save id, and
+``meta.pt`` its size and checksum, so a shard from another save, an edited or a truncated one is named
+on load instead of being mixed in.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from lightning_zero_offload.engine.checkpoint_files import (
+    CheckpointError,
+    FileRecord,
+    Location,
+    PathLike,
+    file_record,
+    file_size,
+    load_file,
+    remove_stale_temporaries,
+    save_file,
+)
+
+FORMAT_KEY = "zero_offload"
+META_FILE = "meta.pt"
+SHARD_KEYS = ("master", "exp_avg", "exp_avg_sq")
+_VERSION = re.compile(r"^v(\d{6,})$")
+
+
+def shard_file(rank: int) -> str:
+    return f"shard_{rank:05d}.pt"
+
+
+def layout_checksum(info: dict[str, Any]) -> int:
+    """CRC-32 of the layout as saved: an edited ``meta.pt`` no longer matches it."""
+    fields = {k: v for k, v in info.items() if k != "layout_crc32"}
+    return zlib.crc32(repr(fields).encode())
+
+
+def _versions(path: Location) -> list[tuple[int, str]]:
+    found = [(int(m.group(1)), name) for name in path.children() if (m := _VERSION.match(name))]
+    return sorted(found, reverse=True)
+
+
+def current_version(path: PathLike | Location) -> Location | None:
+    """The directory holding the checkpoint at ``path``: its newest complete version (or a version-1 layout)."""
+    path = path if isinstance(path, Location) else Location.of(path)
+    for _, name in _versions(path):
+        if (path / name / META_FILE).is_file():
+            return path / name
+    if (path / META_FILE).is_file():
+        return path  # written before versioned directories: meta.pt and shards directly inside
+    return None
+
+
+def is_sharded_checkpoint(path: PathLike) -> bool:
+    location = Location.of(path)
+    return location.is_dir() and current_version(location) is not None
+
+
+def save_sharded(
+    path: PathLike,
+    shard: dict[str, torch.Tensor],
+    meta: dict[str, Any] | None,
+    rank: int,
+    broadcast: Callable[[Any], Any],
+    gather: Callable[[Any], list[Any]],
+    barrier: Callable[[], None],
+) -> None:
+    """Write this rank's ``shard`` (and on rank 0 ``meta``, whose ``FORMAT_KEY`` layout gets completed here).
+
+    ``broadcast`` sends rank 0's object to all ranks, ``gather`` collects one object per rank on rank 0
+    (in rank order), ``barrier`` waits for all ranks: the caller's collectives, trivial with one rank.
+    """
+    root = Location.of(path)
+    new = None
+    if rank == 0:
+        if root.exists() and not root.is_dir():
+            raise CheckpointError(
+                f"{root} is a single-file checkpoint; a sharded one cannot replace it in place. "
+                "Delete it or save under another name"
+            )
+        root.make_dirs()
+        remove_stale_temporaries(root)
+        number = _versions(root)[0][0] + 1 if _versions(root) else 1
+        while not (root / f"v{number:06d}").make_dir_exclusive():
+            number += 1
+        new = (f"v{number:06d}", uuid.uuid4().hex)
+    version_name, save_id = broadcast(new)
+    version = root / version_name
+    record = save_file({**shard, "save_id": save_id, "rank": rank}, version / shard_file(rank), exclusive=True)
+    records = gather(record)
+    if rank == 0:
+        assert meta is not None
+        info = meta[FORMAT_KEY]
+        info.update(save_id=save_id, shards=[{"size": r.size, "crc32": r.crc32} for r in records])
+        info["layout_crc32"] = layout_checksum(info)
+        save_file(meta, version / META_FILE)  # the checkpoint exists from here on
+        version.fsync_dir()
+        for name in root.children():
+            if name != version_name:
+                _remove_version(root / name)
+    barrier()
+
+
+def _remove_version(version: Location) -> None:
+    """The marker goes first, so a half-deleted version is never taken for a complete one."""
+    if version.is_dir() and not version.is_link():
+        (version / META_FILE).remove()
+    version.remove()
+
+
+def load_sharded(path: PathLike, with_optimizer: bool = True, weights_only: bool = True) -> dict[str, Any]:
+    """Read a sharded checkpoint directory as an ordinary full Lightning checkpoint dict.
+
+    ``state_dict`` gets the fp32 master weights and ``optimizer_states`` a torch AdamW state dict, so
+    the rest of the loading path is the same as for the full format, whatever the world size now.
+    ``weights_only`` applies to ``meta.pt`` (which holds the user's hyperparameters); shards hold tensors only.
+    """
+    root = Location.of(path)
+    version = current_version(root)
+    if version is None:
+        raise CheckpointError(f"{root} holds no complete sharded checkpoint (no {META_FILE})")
+    meta_file = version / META_FILE
+    checkpoint = load_file(meta_file, "metadata", weights_only=weights_only)
+    info = checkpoint.get(FORMAT_KEY) if isinstance(checkpoint, dict) else None
+    if not isinstance(info, dict) or info.get("format") != "sharded":
+        raise CheckpointError(f"metadata {meta_file} does not describe a zero_offload sharded checkpoint")
+    if "layout_crc32" in info and layout_checksum(info) != info["layout_crc32"]:
+        raise CheckpointError(f"metadata {meta_file} was modified after it was saved (its layout checksum differs)")
+    try:
+        shards = _load_shards(version, info, with_optimizer)
+        full = _assemble_all(shards, info, SHARD_KEYS if with_optimizer else SHARD_KEYS[:1])
+    except CheckpointError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as error:
+        raise CheckpointError(
+            f"metadata {meta_file} does not match its shards ({type(error).__name__}: {error})"
+        ) from None
+
+    state_dict = checkpoint.setdefault("state_dict", {})
+    for param, weight in zip(info["params"], full["master"]):
+        for key in param["keys"]:
+            state_dict[key] = weight
+    if with_optimizer:
+        saved = checkpoint["optimizer_states"][0]
+        state = {}
+        for param, m, v in zip(info["params"], full["exp_avg"], full["exp_avg_sq"]):
+            if param["step"] > 0:
+                step = torch.tensor(float(param["step"]), dtype=torch.float32)
+                state[param["torch_index"]] = {"step": step, "exp_avg": m, "exp_avg_sq": v}
+        checkpoint["optimizer_states"] = [{"state": state, "param_groups": saved["param_groups"]}]
+    return checkpoint
+
+
+def _load_shards(version: Location, info: dict[str, Any], with_optimizer: bool) -> list[dict[str, torch.Tensor]]:
+    world = info["world_size"]
+    records = info.get("shards")  # absent in version-1 checkpoints, which have no checksums
+    if records is not None and len(records) != world:
+        raise CheckpointError(f"metadata {version / META_FILE} lists {len(records)} shards for world size {world}")
+    needed = max((b["shard_start"] + b["shard_numel"] for b in info["buckets"]), default=0)
+    shards = []
+    for rank in range(world):
+        source = version / shard_file(rank)
+        what = f"shard {rank} of {world} of the sharded checkpoint"
+        if not source.is_file():
+            raise CheckpointError(f"{what} {source} is missing")
+        expected = FileRecord(**records[rank]) if records is not None else None
+        if expected is not None and (size := file_size(source)) != expected.size:
+            raise CheckpointError(
+                f"{what} {source} has {size} bytes, the metadata says {expected.size}: truncated or replaced"
+            )
+        shard = load_file(source, what, mmap=source.fs is None)
+        if expected is not None:
+            if not isinstance(shard, dict) or shard.get("save_id") != info["save_id"]:
+                raise CheckpointError(f"{what} {source} belongs to another save than its metadata (mixed checkpoints)")
+            if file_record(source).crc32 != expected.crc32:
+                raise CheckpointError(f"{what} {source} does not match its checksum in the metadata: corrupt or edited")
+        for key in SHARD_KEYS if with_optimizer else SHARD_KEYS[:1]:
+            tensor = shard.get(key)
+            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or tensor.numel() < needed:
+                raise CheckpointError(f"{what} {source} has no valid {key!r} tensor")
+        shards.append(shard)
+    return shards
+
+
+def _assemble_all(
+    shards: list[dict[str, torch.Tensor]], info: dict[str, Any], names: tuple[str, ...]
+) -> dict[str, list[torch.Tensor]]:
+    full: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    buckets, world = info["buckets"], info["world_size"]
+    for param in info["params"]:
+        bucket = buckets[param["bucket"]]
+        shape = torch.Size(param["shape"])
+        if param["offset"] < 0 or param["offset"] + shape.numel() > bucket["shard_numel"] * world:
+            raise CheckpointError(f"parameter {param['keys']} lies outside its bucket in the metadata")
+        for name in names:
+            full[name].append(_assemble(shards, name, bucket, param["offset"], shape))
+    return full
+
+
+def _assemble(
+    shards: list[dict[str, torch.Tensor]], name: str, bucket: dict[str, int], offset: int, shape: torch.Size
+) -> torch.Tensor:
+    """Cut one parameter out of a bucket whose chunk ``r`` lives in shard ``r``."""
+    chunk, start = bucket["shard_numel"], bucket["shard_start"]
+    out = torch.empty(shape.numel(), dtype=torch.float32)
+    position = 0
+    while position < shape.numel():
+        global_index = offset + position  # index inside the padded bucket
+        rank, inside = divmod(global_index, chunk)
+        take = min(chunk - inside, shape.numel() - position)
+        out[position : position + take] = shards[rank][name][start + inside : start + inside + take]
+        position += take
+    return out.view(shape)
