@@ -88,8 +88,10 @@ def test_full_checkpoint_from_one_rank_resumes_at_two(runs):
 def test_sharded_layout_and_fp32_export_equal_the_full_format(runs):
     tmp = runs["tmp"]
     sharded = tmp / "s2.ckpt"
-    assert sorted(p.name for p in sharded.iterdir()) == ["meta.pt", "shard_00000.pt", "shard_00001.pt"]
-    for f in sharded.iterdir():
+    assert [p.name for p in sharded.iterdir()] == ["v000001"]
+    version = sharded / "v000001"
+    assert sorted(p.name for p in version.iterdir()) == ["meta.pt", "shard_00000.pt", "shard_00001.pt"]
+    for f in version.iterdir():
         torch.load(f, weights_only=True)
     full_state = torch.load(tmp / "f2.ckpt", weights_only=True)["state_dict"]
     exported = convert_checkpoint_to_fp32_state_dict(sharded, tmp / "export.pt")
@@ -111,7 +113,7 @@ def test_dpu_with_weight_prediction_resumes_bitwise_across_ranks(tmp_path, fmt):
     full = launch(tmp_path, "full", max_epochs=3, **dpu)
     launch(tmp_path, "first", max_epochs=1, save=tmp_path / "dpu.ckpt", **dpu)  # 4 steps: update 4 pending
     ckpt = tmp_path / "dpu.ckpt"
-    saved = torch.load(ckpt / "meta.pt" if fmt == "sharded" else ckpt, weights_only=True)
+    saved = torch.load(ckpt / "v000001" / "meta.pt" if fmt == "sharded" else ckpt, weights_only=True)
     assert "next_params" in saved["ZeroOffloadPrecision"]["dpu_pending"]
     resumed = launch(tmp_path, "resumed", max_epochs=3, resume=ckpt, **dpu)
     assert resumed["losses"] == full["losses"][4:]
