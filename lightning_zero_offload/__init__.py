@@ -9,7 +9,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_zero_offload.callbacks import OffloadMetrics
-from lightning_zero_offload.engine.checkpoint import convert_checkpoint_to_fp32_state_dict
+from lightning_zero_offload.engine.checkpoint import CheckpointError, convert_checkpoint_to_fp32_state_dict
 from lightning_zero_offload.engine.failures import NonFiniteLossError
 from lightning_zero_offload.engine.model_checks import ModelMismatchError
 from lightning_zero_offload.fabric import ZeroOffloadFabricPrecision, ZeroOffloadFabricStrategy
@@ -22,6 +22,7 @@ ZeroOffloadStrategy.register_strategies(StrategyRegistry)
 ZeroOffloadFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
+    "CheckpointError",
     "CPUAdam",
     "ModelMismatchError",
     "NonFiniteLossError",

@@ -118,10 +118,12 @@ def _refuse_output(checkpoint_path: str, output_path: str, overwrite: bool) -> s
     try:
         existing = torch.load(output_path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
-        return None  # not a checkpoint we could destroy
+        existing = None
     if isinstance(existing, dict) and ("optimizer_states" in existing or "loops" in existing):
-        return f"{output_path} is a training checkpoint (it has optimizer or loop state)"
-    return None
+        return f"{output_path} is a training checkpoint (it has optimizer or loop state); --overwrite replaces it"
+    if isinstance(existing, dict) and all(isinstance(v, torch.Tensor) for v in existing.values()):
+        return None  # an earlier export
+    return f"{output_path} exists and is not an fp32 state dict (a training checkpoint?); --overwrite replaces it"
 
 
 def main(argv: list[str] | None = None) -> None:

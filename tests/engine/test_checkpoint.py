@@ -321,6 +321,10 @@ def test_convert_refuses_to_overwrite_its_input_or_a_training_checkpoint(tmp_pat
     sharded = tmp_path / "s.ckpt"
     save_sharded_one_rank(sharded, 1.0)
     assert "is a directory" in convert(capsys, path, sharded)[1]
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert "is not an fp32 state dict" in convert(capsys, path, notes)[1] and notes.read_text() == "mine"
+    assert convert(capsys, path, other)[0] == 0  # an earlier export is replaced without asking
 
 
 def test_convert_gives_one_line_errors_for_bad_inputs(tmp_path, capsys):
