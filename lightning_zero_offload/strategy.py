@@ -467,7 +467,6 @@ class ZeroOffloadStrategy(ParallelStrategy):
             self.global_rank,
             broadcast=self.broadcast,
             gather=all_gather_objects,
-            barrier=self.barrier,
         )
 
     @override

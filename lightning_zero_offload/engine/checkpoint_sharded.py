@@ -83,42 +83,72 @@ def save_sharded(
     rank: int,
     broadcast: Callable[[Any], Any],
     gather: Callable[[Any], list[Any]],
-    barrier: Callable[[], None],
 ) -> None:
     """Write this rank's ``shard`` (and on rank 0 ``meta``, whose ``FORMAT_KEY`` layout gets completed here).
 
-    ``broadcast`` sends rank 0's object to all ranks, ``gather`` collects one object per rank on rank 0
-    (in rank order), ``barrier`` waits for all ranks: the caller's collectives, trivial with one rank.
+    ``broadcast`` sends rank 0's object to all ranks and ``gather`` gives every rank the list of all
+    ranks' objects: the caller's collectives, trivial with one rank. A failure on any rank (a full disk,
+    say) is passed through them, so every rank raises it instead of waiting for the failed one.
     """
     root = Location.of(path)
-    new = None
-    if rank == 0:
-        if root.exists() and not root.is_dir():
-            raise CheckpointError(
-                f"{root} is a single-file checkpoint; a sharded one cannot replace it in place. "
-                "Delete it or save under another name"
-            )
-        root.make_dirs()
-        remove_stale_temporaries(root)
-        number = _versions(root)[0][0] + 1 if _versions(root) else 1
-        while not (root / f"v{number:06d}").make_dir_exclusive():
-            number += 1
-        new = (f"v{number:06d}", uuid.uuid4().hex)
-    version_name, save_id = broadcast(new)
+    version_name, save_id = _raise_any([broadcast(_attempt(_new_version, root) if rank == 0 else None)])[0]
     version = root / version_name
-    record = save_file({**shard, "save_id": save_id, "rank": rank}, version / shard_file(rank), exclusive=True)
-    records = gather(record)
+    records = _raise_any(
+        gather(_attempt(save_file, {**shard, "save_id": save_id, "rank": rank}, version / shard_file(rank), True))
+    )
+    published = None
     if rank == 0:
         assert meta is not None
         info = meta[FORMAT_KEY]
         info.update(save_id=save_id, shards=[{"size": r.size, "crc32": r.crc32} for r in records])
         info["layout_crc32"] = layout_checksum(info)
-        save_file(meta, version / META_FILE)  # the checkpoint exists from here on
-        version.fsync_dir()
-        for name in root.children():
-            if name != version_name:
-                _remove_version(root / name)
-    barrier()
+        published = _attempt(_publish, meta, root, version_name)
+    _raise_any([broadcast(published)])
+
+
+def _new_version(root: Location) -> tuple[str, str]:
+    """Create the next version directory (never reusing a name that exists); its name and a new save id."""
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(
+            f"{root} is a single-file checkpoint; a sharded one cannot replace it in place. "
+            "Delete it or save under another name"
+        )
+    root.make_dirs()
+    remove_stale_temporaries(root)
+    versions = _versions(root)
+    number = versions[0][0] + 1 if versions else 1
+    while not (root / f"v{number:06d}").make_dir_exclusive():
+        number += 1
+    return f"v{number:06d}", uuid.uuid4().hex
+
+
+def _publish(meta: dict[str, Any], root: Location, version_name: str) -> None:
+    version = root / version_name
+    save_file(meta, version / META_FILE)  # the new checkpoint is the current one from here on
+    version.fsync_dir()
+    for name in root.children():
+        if name != version_name:
+            _remove_version(root / name)
+
+
+def _attempt(fn: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception as error:  # handed to every rank, which all raise it
+        return _Failure(f"{type(error).__name__}: {error}")
+
+
+class _Failure(str):
+    """A failed step's message, sent through the collectives in place of its result."""
+
+
+def _raise_any(results: list[Any]) -> list[Any]:
+    """The results of a step, one per rank (or rank 0's alone); raise if any rank failed."""
+    failed = [(rank, r) for rank, r in enumerate(results) if isinstance(r, _Failure)]
+    if failed:
+        who = ", ".join(f"rank {rank}" for rank, _ in failed)
+        raise CheckpointError(f"saving the sharded checkpoint failed on {who}: {failed[0][1]}")
+    return results
 
 
 def _remove_version(version: Location) -> None:

@@ -37,7 +37,19 @@ def save_sharded_one_rank(path, value: float, world: int = 1) -> None:
     }
     assert world == 1, "one process plays rank 0 only"
     shard = {name: flat.clone() for name in checkpoint_sharded.SHARD_KEYS}
-    ckpt.save_sharded(path, shard, meta, 0, broadcast=lambda x: x, gather=lambda x: [x], barrier=lambda: None)
+    ckpt.save_sharded(path, shard, meta, 0, broadcast=lambda x: x, gather=lambda x: [x])
+
+
+def test_a_rank_that_fails_to_write_its_shard_fails_the_save_on_every_rank(tmp_path):
+    """Every rank sees every rank's outcome (no rank waits for a failed one), and nothing is published."""
+    root = tmp_path / "s.ckpt"
+    save_sharded_one_rank(root, 1.0)
+    shard = {name: torch.zeros(5) for name in checkpoint_sharded.SHARD_KEYS}
+    meta = torch.load(in_version(root, META_FILE), weights_only=True)
+    rank1_failed = checkpoint_sharded._Failure("OSError: [Errno 28] No space left on device")
+    with pytest.raises(CheckpointError, match=r"failed on rank 1: OSError: \[Errno 28\] No space left"):
+        ckpt.save_sharded(root, shard, meta, 0, broadcast=lambda x: x, gather=lambda x: [x, rank1_failed])
+    assert torch.equal(load_w(root), torch.ones(5))
 
 
 def save(fmt: str, path, value: float) -> None:
