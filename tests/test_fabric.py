@@ -102,7 +102,7 @@ def test_save_load_resumes_bitwise_and_exports_fp32(tmp_path, fmt):
     assert exported.keys() == full["params"].keys()
     assert all(v.dtype == torch.float32 for v in exported.values())
     if fmt == "sharded":
-        assert sorted(p.name for p in ckpt.iterdir()) == ["meta.pt", "shard_00000.pt"]
+        assert sorted(p.name for p in (ckpt / "v000001").iterdir()) == ["meta.pt", "shard_00000.pt"]
     else:  # one plain file: plain Fabric with torch AdamW resumes from it
         ref = train(fabric("auto"), steps=10, resume=str(ckpt))
         assert ref["losses"][0] == pytest.approx(resumed["losses"][0], rel=1e-2)
@@ -159,6 +159,6 @@ def test_two_ranks_match_ddp_and_sharded_checkpoint_resumes_at_one(tmp_path):
     ckpt = tmp_path / "two.ckpt"
     ours = launch(tmp_path, "zero", devices=2, format="sharded", save=ckpt, save_at=6)
     assert_weights_close(ours, ddp, rtol=1e-5, atol=1e-6)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["meta.pt", "shard_00000.pt", "shard_00001.pt"]
+    assert sorted(p.name for p in (ckpt / "v000001").iterdir()) == ["meta.pt", "shard_00000.pt", "shard_00001.pt"]
     resumed = train(fabric(checkpoint_format="sharded"), steps=12, resume=str(ckpt))
     assert_weights_close(resumed, ours, rtol=1e-5, atol=1e-6)  # one rank: fp32 reduction order only
