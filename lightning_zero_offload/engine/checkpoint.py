@@ -83,11 +83,11 @@ def sharded_layout(engine: OffloadEngine, keys: list[list[str]]) -> dict[str, An
 
 def convert_checkpoint_to_fp32_state_dict(checkpoint_path: PathLike, output_path: PathLike | None = None) -> dict:
     """Write (and return) a plain fp32 ``state_dict`` for ``model.load_state_dict`` from either format."""
-    if is_sharded_checkpoint(checkpoint_path):
-        checkpoint = load_sharded(checkpoint_path, with_optimizer=False)
+    if is_sharded_checkpoint(checkpoint_path):  # meta.pt uses the Trainer's keys, also when Fabric saved it
+        checkpoint, model_key = load_sharded(checkpoint_path, with_optimizer=False), "state_dict"
     else:
         checkpoint = load_checkpoint_file(checkpoint_path)
-    model_key = checkpoint.get(FABRIC_KEY, {}).get("model", "state_dict")
+        model_key = checkpoint.get(FABRIC_KEY, {}).get("model", "state_dict")
     if not isinstance(checkpoint.get(model_key), dict):
         raise CheckpointError(f"{checkpoint_path} is not a Lightning checkpoint (it has no {model_key!r})")
     state_dict = checkpoint[model_key]
