@@ -297,7 +297,12 @@ def main() -> None:
 
     verdict = targets(points)
     out = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "torch": torch.__version__,
+            "load_average_1_5_15min_at_end": os.getloadavg(),  # how shared the machine was
+        },
         "command": "python benchmarks/sim_device.py" + (" --quick" if quick else ""),
         "kernel_backend": kernels.backend(),
         "cpu_threads": args.cpu_threads,
