@@ -30,6 +30,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -175,8 +176,11 @@ def run(config: Config, model_args: dict[str, Any], device_s: tuple[float, float
     model = SimulatedModel(**model_args)
     model.set_device_time(*device_s)
     clock = _StepClock()
+    options = schedule_options(config.schedule)
+    if config.schedule == "speculative":
+        options["speculation_rollback"] = args.speculation_rollback
     strategy = ZeroOffloadStrategy(
-        bucket_size_mb=args.bucket_mb, cpu_threads=args.cpu_threads, metrics=False, **schedule_options(config.schedule)
+        bucket_size_mb=args.bucket_mb, cpu_threads=args.cpu_threads, metrics=False, **options
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -236,6 +240,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured steps at the start of each fit")
     parser.add_argument("--bucket-mb", type=float, default=8.0)
     parser.add_argument("--cpu-threads", type=int, default=None, help="CPU Adam threads (default: usable cores)")
+    parser.add_argument("--speculation-rollback", choices=["undo", "snapshot"], default="undo")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sim_device.json"))
     parser.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "sim_device.png"))
     args = parser.parse_args()
@@ -303,12 +308,13 @@ def main() -> None:
             "torch": torch.__version__,
             "load_average_1_5_15min_at_end": os.getloadavg(),  # how shared the machine was
         },
-        "command": "python benchmarks/sim_device.py" + (" --quick" if quick else ""),
+        "command": " ".join(["python", *sys.argv]),
         "kernel_backend": kernels.backend(),
         "cpu_threads": args.cpu_threads,
         "params": params,
         "blocks": args.blocks,
         "bucket_size_mb": args.bucket_mb,
+        "speculation_rollback": args.speculation_rollback,
         "grad_norm": GRAD_NORM,
         "clip": {"quiet": CLIP_QUIET, "every_step": CLIP_EVERY_STEP},
         "rounds": rounds,
