@@ -20,8 +20,9 @@ import math
 import numbers
 import os
 import warnings
-from collections.abc import Sequence
-from typing import NamedTuple, NoReturn
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor
@@ -35,6 +36,7 @@ else:
     _import_error = None
 
 __all__ = [
+    "AdamHyperparams",
     "adam_step",
     "adam_step_multi",
     "available_backends",
@@ -57,20 +59,6 @@ if lib is not None:
     _ISAS = {"avx512": lib.LZO_ISA_AVX512, "avx2": lib.LZO_ISA_AVX2, "scalar": lib.LZO_ISA_SCALAR}
 else:
     _DTYPE_CODES, _ISAS = {}, {}
-
-
-class _AdamHparams(NamedTuple):
-    """Field order is that of the C struct lzo_adam_hparams (the tuple initialises it)."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    grad_scale: float
-    extrapolate: float
-    adamw_mode: bool
-    maximize: bool
 
 
 def _default_num_threads() -> int:
@@ -142,6 +130,65 @@ def _real(name: str, value: object) -> float:
     return value
 
 
+@dataclass(frozen=True, slots=True)
+class AdamHyperparams:
+    """The hyperparameters of one Adam/AdamW param group, validated once, here.
+
+    The one record of them in the package: the kernels take it (``hparams=``) or build it from their
+    separate keywords, CPUAdam and the offload engine read it from ``param_groups`` with
+    :meth:`from_param_group`, and it is the C struct ``lzo_adam_hparams`` field for field. Numbers
+    are stored as Python floats; ``adamw_mode`` selects decoupled decay (AdamW) over the L2 term
+    (Adam).
+    """
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    adamw_mode: bool
+    maximize: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "beta1", "beta2", "eps", "weight_decay"):
+            object.__setattr__(self, name, _real(name, getattr(self, name)))
+        object.__setattr__(self, "adamw_mode", bool(self.adamw_mode))
+        object.__setattr__(self, "maximize", bool(self.maximize))
+        if self.lr < 0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0 (it keeps the update finite where exp_avg_sq is 0), got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+
+    @classmethod
+    def from_param_group(cls, group: Mapping[str, Any], adamw_mode: bool) -> AdamHyperparams:
+        """The record of a torch Adam/AdamW/CPUAdam param group (``lr``, ``betas``, ``eps``, ...).
+
+        ``adamw_mode`` comes from the caller, who knows which optimizer owns the group. ``float()``
+        first, so a tensor learning rate (which torch allows) is read as its value.
+        """
+        beta1, beta2 = group["betas"]
+        return cls(
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            adamw_mode=adamw_mode,
+            maximize=group.get("maximize", False),
+        )
+
+    def _c_struct(self) -> Any:
+        return ffi.new(
+            "lzo_adam_hparams *",
+            (self.lr, self.beta1, self.beta2, self.eps, self.weight_decay, self.adamw_mode, self.maximize),
+        )
+
+
 def _check_step(name: str, step: object) -> int:
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         raise TypeError(f"{name} must be an int (the 1-based count of this update), got {step!r}")
@@ -172,45 +219,31 @@ def _check_tensor(
         raise ValueError(f"{name} has {t.numel()} elements but {numel_of} has {numel}; sizes must match")
 
 
-def _check_hparams(
-    lr: object,
-    beta1: object,
-    beta2: object,
-    eps: object,
-    weight_decay: object,
-    adamw_mode: object,
-    maximize: object,
-    grad_scale: object,
-    extrapolate: object,
-) -> _AdamHparams:
-    hp = _AdamHparams(
-        lr=_real("lr", lr),
-        beta1=_real("beta1", beta1),
-        beta2=_real("beta2", beta2),
-        eps=_real("eps", eps),
-        weight_decay=_real("weight_decay", weight_decay),
-        grad_scale=_real("grad_scale", grad_scale),
-        extrapolate=_real("extrapolate", extrapolate),
-        adamw_mode=bool(adamw_mode),
-        maximize=bool(maximize),
-    )
-    if hp.lr < 0:
-        raise ValueError(f"lr must be >= 0, got {hp.lr}")
-    for name in ("beta1", "beta2"):
-        if not 0.0 <= getattr(hp, name) < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {getattr(hp, name)}")
-    if hp.eps <= 0:
-        raise ValueError(f"eps must be > 0 (it keeps the update finite where exp_avg_sq is 0), got {hp.eps}")
-    if hp.weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0, got {hp.weight_decay}")
-    return hp
-
-
-def _check_extrapolate(hp: _AdamHparams, has_out: bool) -> None:
-    if hp.extrapolate != 0.0 and not has_out:
+def _check_extrapolate(extrapolate: float, has_out: bool) -> None:
+    if extrapolate != 0.0 and not has_out:
         raise ValueError(
             "extrapolate only changes the low-precision copy; pass param_out/params_out, or extrapolate=0.0"
         )
+
+
+def _resolve_hparams(hparams: AdamHyperparams | None, **keywords: Any) -> AdamHyperparams:
+    """The record of a kernel call: ``hparams`` as given, or one built from the separate keywords."""
+    if hparams is None:
+        missing = [name for name, value in keywords.items() if value is None and name != "maximize"]
+        if missing:
+            raise TypeError(
+                f"missing hyperparameters {', '.join(missing)}: pass them as keywords, "
+                "or pass hparams=AdamHyperparams(...)"
+            )
+        if keywords["maximize"] is None:
+            del keywords["maximize"]
+        return AdamHyperparams(**keywords)
+    if not isinstance(hparams, AdamHyperparams):
+        raise TypeError(f"hparams must be an AdamHyperparams, got {type(hparams).__name__}")
+    given = [name for name, value in keywords.items() if value is not None]
+    if given:
+        raise TypeError(f"pass hparams or the separate hyperparameters, not both (also got {', '.join(given)})")
+    return hparams
 
 
 def _adam_table(
@@ -318,13 +351,14 @@ def adam_step(
     exp_avg_sq: Tensor,
     *,
     step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool,
-    maximize: bool = False,
+    hparams: AdamHyperparams | None = None,
+    lr: float | None = None,
+    beta1: float | None = None,
+    beta2: float | None = None,
+    eps: float | None = None,
+    weight_decay: float | None = None,
+    adamw_mode: bool | None = None,
+    maximize: bool | None = None,
     grad_scale: float = 1.0,
     param_out: Tensor | None = None,
     extrapolate: float = 0.0,
@@ -332,21 +366,34 @@ def adam_step(
 ) -> None:
     """One Adam (``adamw_mode=False``, L2) or AdamW (decoupled decay) update, in place.
 
-    Follows torch's single-tensor Adam/AdamW order of operations, with the gradient first multiplied
-    by ``grad_scale`` (the engine's unscale x clip factor). ``param``, ``exp_avg`` and ``exp_avg_sq``
+    The hyperparameters are either ``hparams`` (an :class:`AdamHyperparams`, already validated) or
+    the separate keywords ``lr, beta1, beta2, eps, weight_decay, adamw_mode`` and optionally
+    ``maximize`` (default False), not both. Follows torch's single-tensor Adam/AdamW order of
+    operations, with the gradient first multiplied by ``grad_scale`` (the engine's unscale x clip
+    factor). ``param``, ``exp_avg`` and ``exp_avg_sq``
     are contiguous fp32 CPU tensors; ``grad`` is fp32, bf16 or fp16. If ``param_out`` (bf16 or fp16)
     is given, it receives the updated param rounded to nearest even in the same pass: the
     low-precision copy that goes back to the accelerator. With ``extrapolate`` it receives
     ``p_new + extrapolate * (p_new - p_old)`` instead (the master ``param`` is unaffected): Delayed
     Parameter Update's weight prediction, at no extra memory traffic.
     """
-    hp = _check_hparams(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize, grad_scale, extrapolate)
-    _check_extrapolate(hp, param_out is not None)
+    hp = _resolve_hparams(
+        hparams,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        adamw_mode=adamw_mode,
+        maximize=maximize,
+    )
+    grad_scale, extrapolate = _real("grad_scale", grad_scale), _real("extrapolate", extrapolate)
+    _check_extrapolate(extrapolate, param_out is not None)
     step = _check_step("step", step)
     nt = _num_threads if num_threads is None else _check_threads("num_threads", num_threads)
     outs = None if param_out is None else [param_out]
     table = _adam_table([param], [grad], [exp_avg], [exp_avg_sq], outs, [step], plural=False)
-    _adam_impl(table, [param], [grad], [exp_avg], [exp_avg_sq], outs, [step], hp, nt)
+    _adam_impl(table, [param], [grad], [exp_avg], [exp_avg_sq], outs, [step], hp, grad_scale, extrapolate, nt)
 
 
 def adam_step_multi(
@@ -356,13 +403,14 @@ def adam_step_multi(
     exp_avg_sqs: Sequence[Tensor],
     steps: Sequence[int] | Sequence[Tensor],
     *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    adamw_mode: bool,
-    maximize: bool = False,
+    hparams: AdamHyperparams | None = None,
+    lr: float | None = None,
+    beta1: float | None = None,
+    beta2: float | None = None,
+    eps: float | None = None,
+    weight_decay: float | None = None,
+    adamw_mode: bool | None = None,
+    maximize: bool | None = None,
     grad_scale: float = 1.0,
     params_out: Sequence[Tensor] | None = None,
     extrapolate: float = 0.0,
@@ -376,8 +424,18 @@ def adam_step_multi(
     the count before this update), which the call increments in place: then counting steps costs
     no Python work per tensor. All grads must share a dtype, as must all ``params_out``.
     """
-    hp = _check_hparams(lr, beta1, beta2, eps, weight_decay, adamw_mode, maximize, grad_scale, extrapolate)
-    _check_extrapolate(hp, params_out is not None)
+    hp = _resolve_hparams(
+        hparams,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        adamw_mode=adamw_mode,
+        maximize=maximize,
+    )
+    grad_scale, extrapolate = _real("grad_scale", grad_scale), _real("extrapolate", extrapolate)
+    _check_extrapolate(extrapolate, params_out is not None)
     if len(steps) != len(params):
         raise ValueError(f"steps has {len(steps)} entries but params has {len(params)}; pass one per param")
     counters = bool(steps) and isinstance(steps[0], Tensor)
@@ -386,7 +444,7 @@ def adam_step_multi(
     nt = _num_threads if num_threads is None else _check_threads("num_threads", num_threads)
     table = _adam_table(params, grads, exp_avgs, exp_avg_sqs, params_out, steps, plural=True)
     if table:
-        _adam_impl(table, params, grads, exp_avgs, exp_avg_sqs, params_out, steps, hp, nt)
+        _adam_impl(table, params, grads, exp_avgs, exp_avg_sqs, params_out, steps, hp, grad_scale, extrapolate, nt)
 
 
 def grad_accumulate(
@@ -448,14 +506,18 @@ def _adam_impl(
     exp_avg_sqs: Sequence[Tensor],
     params_out: Sequence[Tensor] | None,
     steps: Sequence[int] | Sequence[Tensor],
-    hp: _AdamHparams,
+    hp: AdamHyperparams,
+    grad_scale: float,
+    extrapolate: float,
     num_threads: int,
 ) -> None:
     if _backend == "torch":
-        _torch_adam(params, grads, exp_avgs, exp_avg_sqs, params_out, steps, hp)
+        _torch_adam(params, grads, exp_avgs, exp_avg_sqs, params_out, steps, hp, grad_scale, extrapolate)
         return
     bad = lib.lzo_adam_step(
-        ffi.new("lzo_adam_hparams *", hp),
+        hp._c_struct(),
+        grad_scale,
+        extrapolate,
         ffi.new("lzo_adam_tensor[]", table),
         len(table),
         _DTYPE_CODES[grads[0].dtype],
@@ -477,7 +539,9 @@ def _torch_adam(
     exp_avg_sqs: Sequence[Tensor],
     params_out: Sequence[Tensor] | None,
     steps: Sequence[int] | Sequence[Tensor],
-    hp: _AdamHparams,
+    hp: AdamHyperparams,
+    grad_scale: float,
+    extrapolate: float,
 ) -> None:
     """Fallback: cast/scale the grads (temporaries), torch's fused CPU Adam, then the copy-out."""
     if isinstance(steps[0], Tensor):  # torch-format counters: incremented in place, as torch does
@@ -488,9 +552,9 @@ def _torch_adam(
         step_tensors = list(steps)
     else:
         step_tensors = [torch.tensor(float(s)) for s in steps]
-    if grads[0].dtype != torch.float32 or hp.grad_scale != 1.0:
-        grads = [g.to(torch.float32, copy=True).mul_(hp.grad_scale) for g in grads]
-    before = [p.clone() for p in params] if hp.extrapolate and params_out is not None else None
+    if grads[0].dtype != torch.float32 or grad_scale != 1.0:
+        grads = [g.to(torch.float32, copy=True).mul_(grad_scale) for g in grads]
+    before = [p.clone() for p in params] if extrapolate and params_out is not None else None
     fused = torch._fused_adamw_ if hp.adamw_mode else torch._fused_adam_
     fused(
         list(params),
@@ -508,7 +572,7 @@ def _torch_adam(
         maximize=hp.maximize,
     )
     for i, (param, out) in enumerate(zip(params, params_out or ())):
-        out.copy_(param if before is None else torch.add(param, param - before[i], alpha=hp.extrapolate))
+        out.copy_(param if before is None else torch.add(param, param - before[i], alpha=extrapolate))
 
 
 def _torch_grad_accumulate(dst: Tensor, src: Tensor, scale: float, overwrite: bool) -> float:

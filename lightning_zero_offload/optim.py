@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero_offload import kernels
+from lightning_zero_offload.kernels import AdamHyperparams
 
 __all__ = ["CPUAdam"]
 
@@ -48,14 +49,6 @@ class CPUAdam(Optimizer):
     ) -> None:
         if amsgrad:
             raise ValueError("CPUAdam does not implement AMSGrad; use torch.optim.AdamW(amsgrad=True) instead")
-        if not lr >= 0.0:
-            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0)")
-        if not eps > 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps} (must be > 0)")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"Invalid betas: {betas} (each must be in [0, 1))")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0)")
         defaults = {
             "lr": lr,
             "betas": betas,
@@ -64,6 +57,7 @@ class CPUAdam(Optimizer):
             "adamw_mode": adamw_mode,
             "maximize": maximize,
         }
+        AdamHyperparams.from_param_group(defaults, adamw_mode)  # bad values fail here, not at the first step
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -94,21 +88,9 @@ class CPUAdam(Optimizer):
             params, grads, exp_avgs, exp_avg_sqs, steps = self._gather(index, group)
             if not params:
                 continue
-            beta1, beta2 = group["betas"]
-            kernels.adam_step_multi(  # also increments the step counters
-                params,
-                grads,
-                exp_avgs,
-                exp_avg_sqs,
-                steps,
-                lr=float(group["lr"]),
-                beta1=float(beta1),
-                beta2=float(beta2),
-                eps=float(group["eps"]),
-                weight_decay=float(group["weight_decay"]),
-                adamw_mode=bool(group["adamw_mode"]),
-                maximize=bool(group["maximize"]),
-            )
+            hparams = AdamHyperparams.from_param_group(group, bool(group["adamw_mode"]))
+            # also increments the step counters
+            kernels.adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, steps, hparams=hparams)
             # The kernel writes through raw pointers: tell autograd the params changed, as an
             # in-place torch op would, so stale saved tensors are detected instead of reused.
             torch.autograd.graph.increment_version(params)

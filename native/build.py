@@ -7,6 +7,8 @@ compiler, installation still succeeds and ``lightning_zero_offload.kernels`` fal
 
 One shared object holds every instruction-set variant (per-function target attributes, runtime
 dispatch), so there is no ``-march=native`` and the built wheel runs on any CPU of its architecture.
+The AVX2 and AVX-512 variants are one body, kernels_simd.h, compiled once per instruction set by
+kernels_avx2.c and kernels_avx512.c, which only supply its vector shim.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from cffi import FFI
 
 NATIVE = Path(__file__).resolve().parent
 SOURCES = ["dispatch.c", "kernels_scalar.c", "kernels_avx2.c", "kernels_avx512.c"]
+HEADERS = ["lzo.h", "kernels_simd.h"]  # included by the sources: a change rebuilds them
 # -fno-math-errno lets sqrtf vectorise; no -ffast-math, which would break inf/nan handling.
 # -ffp-contract=off keeps every multiply-add as written: fused only where the code says fma.
 CFLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
@@ -62,6 +65,7 @@ ffibuilder.set_source(
     # setuptools wants source paths relative to the project root (the cwd of setup.py)
     sources=[os.path.relpath(NATIVE / name) for name in SOURCES],
     include_dirs=[os.path.relpath(NATIVE)],
+    depends=[os.path.relpath(NATIVE / name) for name in HEADERS],
     extra_compile_args=CFLAGS + _openmp,
     extra_link_args=_openmp,
     libraries=["m"],

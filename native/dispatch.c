@@ -77,13 +77,14 @@ int lzo_has_openmp(void)
 static int element_size(int dtype) { return dtype == LZO_FLOAT32 ? 4 : 2; }
 
 /* Scalars are computed in double and rounded to float once, in torch's order of operations. */
-static lzo_adam_consts adam_consts(const lzo_adam_hparams *hp, double step)
+static lzo_adam_consts adam_consts(const lzo_adam_hparams *hp, double grad_scale, double extrapolate,
+                                   double step)
 {
     lzo_adam_consts c;
     double bc1 = 1.0 - pow(hp->beta1, step);
     double bc2 = 1.0 - pow(hp->beta2, step);
     float w = (float)(1.0 - hp->beta1);
-    c.grad_scale = (float)(hp->maximize ? -hp->grad_scale : hp->grad_scale);
+    c.grad_scale = (float)(hp->maximize ? -grad_scale : grad_scale);
     c.l2 = hp->adamw_mode ? 0.0f : (float)hp->weight_decay;
     c.decay = hp->adamw_mode && hp->weight_decay != 0.0 ? (float)(1.0 - hp->lr * hp->weight_decay)
                                                         : 1.0f;
@@ -94,7 +95,7 @@ static lzo_adam_consts adam_consts(const lzo_adam_hparams *hp, double step)
     c.bc2_sqrt = (float)pow(bc2, 0.5);
     c.neg_step_size = (float)(-(hp->lr / bc1));
     c.eps = (float)hp->eps;
-    c.extrapolate = (float)hp->extrapolate;
+    c.extrapolate = (float)extrapolate;
     return c;
 }
 
@@ -107,8 +108,9 @@ static double next_step(const lzo_adam_tensor *t)
     return (double)(*(const float *)(intptr_t)t->step_counter + 1.0f);
 }
 
-int64_t lzo_adam_step(const lzo_adam_hparams *hp, const lzo_adam_tensor *tensors, size_t count,
-                      int grad_dtype, int out_dtype, int num_threads)
+int64_t lzo_adam_step(const lzo_adam_hparams *hp, double grad_scale, double extrapolate,
+                      const lzo_adam_tensor *tensors, size_t count, int grad_dtype, int out_dtype,
+                      int num_threads)
 {
     const lzo_kernel_table *k = active;
     int64_t total = 0;
@@ -139,7 +141,7 @@ int64_t lzo_adam_step(const lzo_adam_hparams *hp, const lzo_adam_tensor *tensors
                 if (a >= b)
                     continue;
                 if (consts_of != j) {
-                    c = adam_consts(hp, next_step(t));
+                    c = adam_consts(hp, grad_scale, extrapolate, next_step(t));
                     consts_of = j;
                 }
                 void *out = out_dtype == LZO_NONE ? NULL : (uint16_t *)(intptr_t)t->param_out + a;

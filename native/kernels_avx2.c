@@ -1,245 +1,77 @@
-/* AVX2 + FMA + F16C kernels: 8 floats per vector, fp16 through vcvtps2ph/vcvtph2ps, bf16 by
- * integer round-to-nearest-even. Same structure and arithmetic as kernels_avx512.c. */
+/* AVX2 + FMA + F16C: 8 floats per vector, fp16 through vcvtps2ph/vcvtph2ps. This file is only the
+ * vector shim; the kernels are kernels_simd.h. The target attribute keeps the object safe to load
+ * on any x86 CPU: dispatch.c calls it only when the CPU reports avx2, fma and f16c. */
 #if defined(__x86_64__) || defined(__i386__)
 #define LZO_INTERNAL
 #include "lzo.h"
 
 #include <immintrin.h>
-#include <string.h>
 
 #define TARGET __attribute__((target("avx2,fma,f16c")))
 #define INLINE TARGET __attribute__((always_inline)) static inline
 #define W 8
-#define PREFETCH 512                  /* elements ahead */
-#define OUT_ALIGN 16                  /* bytes, for stream stores */
-#define STREAM_MIN ((int64_t)1 << 16) /* elements */
+#define KERNEL_TABLE lzo_kernels_avx2
 
-INLINE __m256 load_as_f32(const void *src, int64_t i, int dtype)
+typedef __m256 vfloat;
+typedef __m256i vint;
+typedef __m128i vhalf;
+typedef __m256d vdouble;
+
+INLINE vfloat vf_load(const float *p) { return _mm256_loadu_ps(p); }
+INLINE void vf_store(float *p, vfloat x) { _mm256_storeu_ps(p, x); }
+INLINE void vf_stream(float *p, vfloat x) { _mm256_stream_ps(p, x); }
+INLINE vfloat vf_set1(float x) { return _mm256_set1_ps(x); }
+INLINE vfloat vf_add(vfloat a, vfloat b) { return _mm256_add_ps(a, b); }
+INLINE vfloat vf_sub(vfloat a, vfloat b) { return _mm256_sub_ps(a, b); }
+INLINE vfloat vf_mul(vfloat a, vfloat b) { return _mm256_mul_ps(a, b); }
+INLINE vfloat vf_div(vfloat a, vfloat b) { return _mm256_div_ps(a, b); }
+INLINE vfloat vf_sqrt(vfloat a) { return _mm256_sqrt_ps(a); }
+INLINE vfloat vf_fmadd(vfloat a, vfloat b, vfloat c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE vfloat vf_load_f16(const uint16_t *h)
 {
-    const uint16_t *h = (const uint16_t *)src + i;
-    switch (dtype) {
-    case LZO_BFLOAT16:
-        return _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
-    case LZO_FLOAT16:
-        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
-    default:
-        return _mm256_loadu_ps((const float *)src + i);
-    }
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
 }
 
-/* Round to nearest even; NaN stays NaN (quieted). */
-INLINE __m128i f32_to_bf16(__m256 x)
+INLINE vint vi_load_u16(const uint16_t *h)
 {
-    __m256i u = _mm256_castps_si256(x);
-    __m256i hi = _mm256_srli_epi32(u, 16);
-    __m256i bias = _mm256_add_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(1)),
-                                    _mm256_set1_epi32(0x7fff));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
-    /* every lane is <= 0xffff, so unsigned saturation packs exactly */
-    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h));
+}
+INLINE vint vi_from_bits(vfloat x) { return _mm256_castps_si256(x); }
+INLINE vfloat vf_from_bits(vint x) { return _mm256_castsi256_ps(x); }
+INLINE vint vi_set1(int x) { return _mm256_set1_epi32(x); }
+INLINE vint vi_add(vint a, vint b) { return _mm256_add_epi32(a, b); }
+INLINE vint vi_and(vint a, vint b) { return _mm256_and_si256(a, b); }
+INLINE vint vi_or(vint a, vint b) { return _mm256_or_si256(a, b); }
+INLINE vint vi_shl16(vint a) { return _mm256_slli_epi32(a, 16); }
+INLINE vint vi_shr16(vint a) { return _mm256_srli_epi32(a, 16); }
+INLINE vint vi_nan_select(vfloat x, vint if_nan, vint otherwise)
+{
+    __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    return _mm256_blendv_epi8(otherwise, if_nan, _mm256_castps_si256(nan));
+}
+/* every lane is <= 0xffff, so unsigned saturation packs exactly */
+INLINE vhalf vi_narrow_u16(vint a)
+{
+    return _mm_packus_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
 }
 
-/* `stream`: non-temporal store (dst must be 16-byte aligned), skipping the read-for-ownership of a
- * line that is only written. */
-INLINE void store_low_precision(void *out, int64_t i, __m256 x, int dtype, int stream)
+INLINE void vh_store(uint16_t *p, vhalf h) { _mm_storeu_si128((__m128i *)p, h); }
+INLINE void vh_stream(uint16_t *p, vhalf h) { _mm_stream_si128((__m128i *)p, h); }
+INLINE vhalf vh_from_f32_f16(vfloat x)
 {
-    __m128i *dst = (__m128i *)((uint16_t *)out + i);
-    __m128i h;
-    if (dtype == LZO_BFLOAT16)
-        h = f32_to_bf16(x);
-    else if (dtype == LZO_FLOAT16)
-        h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    else
-        return;
-    if (stream)
-        _mm_stream_si128(dst, h);
-    else
-        _mm_storeu_si128(dst, h);
+    return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-INLINE void adam_vec(const lzo_adam_consts *c, float *p, const void *g, float *m, float *v,
-                     void *out, int64_t i, int gdt, int odt, int stream)
+INLINE vdouble vd_zero(void) { return _mm256_setzero_pd(); }
+INLINE vdouble vd_from_low(vfloat x) { return _mm256_cvtps_pd(_mm256_castps256_ps128(x)); }
+INLINE vdouble vd_from_high(vfloat x) { return _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)); }
+INLINE vdouble vd_add(vdouble a, vdouble b) { return _mm256_add_pd(a, b); }
+INLINE vdouble vd_fmadd(vdouble a, vdouble b, vdouble c) { return _mm256_fmadd_pd(a, b, c); }
+INLINE double vd_sum(vdouble a)
 {
-    __m256 gi = _mm256_mul_ps(load_as_f32(g, i, gdt), _mm256_set1_ps(c->grad_scale));
-    __m256 p0 = _mm256_loadu_ps(p + i), pi = p0;
-    if (c->l2 != 0.0f)
-        gi = _mm256_fmadd_ps(pi, _mm256_set1_ps(c->l2), gi);
-    pi = _mm256_mul_ps(pi, _mm256_set1_ps(c->decay));
-    __m256 mi = _mm256_loadu_ps(m + i);
-    __m256 d = _mm256_sub_ps(gi, mi);
-    mi = _mm256_fmadd_ps(_mm256_set1_ps(c->lerp_w), d, c->lerp_from_end ? gi : mi);
-    __m256 vi = _mm256_mul_ps(_mm256_loadu_ps(v + i), _mm256_set1_ps(c->beta2));
-    vi = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(c->one_minus_beta2), gi), gi, vi);
-    __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), _mm256_set1_ps(c->bc2_sqrt)),
-                                 _mm256_set1_ps(c->eps));
-    pi = _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(_mm256_set1_ps(c->neg_step_size), mi), denom));
-    _mm256_storeu_ps(p + i, pi);
-    _mm256_storeu_ps(m + i, mi);
-    _mm256_storeu_ps(v + i, vi);
-    if (c->extrapolate != 0.0f)
-        pi = _mm256_fmadd_ps(_mm256_set1_ps(c->extrapolate), _mm256_sub_ps(pi, p0), pi);
-    store_low_precision(out, i, pi, odt, stream);
-}
-
-/* Fewer than W elements, through zero-padded buffers: the same arithmetic as full vectors. */
-INLINE void adam_partial(const lzo_adam_consts *c, float *p, const void *g, float *m, float *v,
-                         void *out, int64_t n, int gdt, int odt)
-{
-    size_t r = (size_t)n, gsz = gdt == LZO_FLOAT32 ? 4 : 2;
-    float pb[W] = {0}, gb[W] = {0}, mb[W] = {0}, vb[W] = {0};
-    uint16_t ob[W];
-    memcpy(pb, p, r * 4);
-    memcpy(gb, g, r * gsz);
-    memcpy(mb, m, r * 4);
-    memcpy(vb, v, r * 4);
-    adam_vec(c, pb, gb, mb, vb, ob, 0, gdt, odt, 0);
-    memcpy(p, pb, r * 4);
-    memcpy(m, mb, r * 4);
-    memcpy(v, vb, r * 4);
-    if (odt != LZO_NONE)
-        memcpy(out, ob, r * 2);
-}
-
-/* Software prefetch PREFETCH elements ahead: the division and square root of each vector otherwise
- * keep too few cache misses in flight to saturate memory (measured: ~92% -> ~99% of the probe). */
-INLINE void prefetch(const float *p, const void *g, const float *m, const float *v, int64_t i, int gdt)
-{
-    _mm_prefetch((const char *)(p + i + PREFETCH), _MM_HINT_T0);
-    _mm_prefetch((const char *)g + (i + PREFETCH) * (gdt == LZO_FLOAT32 ? 4 : 2), _MM_HINT_T0);
-    _mm_prefetch((const char *)(m + i + PREFETCH), _MM_HINT_T0);
-    _mm_prefetch((const char *)(v + i + PREFETCH), _MM_HINT_T0);
-}
-
-INLINE void adam_loop(const lzo_adam_consts *c, float *p, const void *g, float *m, float *v,
-                      void *out, int64_t n, int gdt, int odt)
-{
-    int64_t i = 0, gsz = gdt == LZO_FLOAT32 ? 4 : 2;
-    /* Stream the low-precision copy of large ranges; a misaligned head goes through the padded path. */
-    int stream = odt != LZO_NONE && n >= STREAM_MIN && ((uintptr_t)out & 1) == 0;
-    if (stream) {
-        i = (int64_t)((OUT_ALIGN - ((uintptr_t)out & (OUT_ALIGN - 1))) & (OUT_ALIGN - 1)) / 2;
-        if (i)
-            adam_partial(c, p, g, m, v, out, i, gdt, odt);
-    }
-    for (; i + 2 * W <= n; i += 2 * W) { /* one cache line of each fp32 stream per iteration */
-        prefetch(p, g, m, v, i, gdt);
-        adam_vec(c, p, g, m, v, out, i, gdt, odt, stream);
-        adam_vec(c, p, g, m, v, out, i + W, gdt, odt, stream);
-    }
-    for (; i + W <= n; i += W)
-        adam_vec(c, p, g, m, v, out, i, gdt, odt, stream);
-    if (i < n)
-        adam_partial(c, p + i, (const char *)g + i * gsz, m + i, v + i,
-                     out ? (uint16_t *)out + i : NULL, n - i, gdt, odt);
-    if (stream)
-        _mm_sfence();
-}
-
-#define ADAM_CASE(G, O)                                                                           \
-    if (gdt == (G) && odt == (O)) {                                                               \
-        adam_loop(c, p, g, m, v, out, n, G, O);                                                   \
-        return;                                                                                   \
-    }
-
-TARGET static void adam(const lzo_adam_consts *c, float *p, const void *g, float *m, float *v,
-                        void *out, int64_t n, int gdt, int odt)
-{
-    ADAM_CASE(LZO_FLOAT32, LZO_NONE)
-    ADAM_CASE(LZO_BFLOAT16, LZO_NONE)
-    ADAM_CASE(LZO_FLOAT16, LZO_NONE)
-    ADAM_CASE(LZO_FLOAT32, LZO_BFLOAT16)
-    ADAM_CASE(LZO_BFLOAT16, LZO_BFLOAT16)
-    ADAM_CASE(LZO_FLOAT16, LZO_BFLOAT16)
-    ADAM_CASE(LZO_FLOAT32, LZO_FLOAT16)
-    ADAM_CASE(LZO_BFLOAT16, LZO_FLOAT16)
-    ADAM_CASE(LZO_FLOAT16, LZO_FLOAT16)
-}
-
-INLINE void accumulate_vec(float *dst, const void *src, int64_t i, int sdt, __m256 scale,
-                           int overwrite, int stream, __m256d *acc_lo, __m256d *acc_hi)
-{
-    __m256 x = _mm256_mul_ps(load_as_f32(src, i, sdt), scale);
-    if (!overwrite)
-        x = _mm256_add_ps(_mm256_loadu_ps(dst + i), x);
-    if (stream)
-        _mm256_stream_ps(dst + i, x);
-    else
-        _mm256_storeu_ps(dst + i, x);
-    __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
-    __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
-    *acc_lo = _mm256_fmadd_pd(lo, lo, *acc_lo);
-    *acc_hi = _mm256_fmadd_pd(hi, hi, *acc_hi);
-}
-
-/* Fewer than W elements, through zero-padded buffers (zeros add nothing to the sums). */
-INLINE void accumulate_partial(float *dst, const void *src, int64_t n, int sdt, __m256 scale,
-                               int overwrite, __m256d *acc_lo, __m256d *acc_hi)
-{
-    size_t r = (size_t)n, ssz = sdt == LZO_FLOAT32 ? 4 : 2;
-    float db[W] = {0}, sb[W] = {0};
-    memcpy(db, dst, r * 4);
-    memcpy(sb, src, r * ssz);
-    accumulate_vec(db, sb, 0, sdt, scale, overwrite, 0, acc_lo, acc_hi);
-    memcpy(dst, db, r * 4);
-}
-
-/* `stream` (overwrite only): dst is only written, so it is stored non-temporally after a head
- * that aligns it. */
-INLINE double accumulate_loop(float *dst, const void *src, int64_t n, int sdt, float scale,
-                              int overwrite, int stream)
-{
-    __m256 s = _mm256_set1_ps(scale);
-    __m256d acc_lo = _mm256_setzero_pd(), acc_hi = _mm256_setzero_pd();
-    int64_t i = 0, ssz = sdt == LZO_FLOAT32 ? 4 : 2;
-    stream = stream && overwrite && n >= W && ((uintptr_t)dst & 3) == 0;
-    if (stream) {
-        i = (int64_t)((32 - ((uintptr_t)dst & 31)) & 31) / 4;
-        if (i)
-            accumulate_partial(dst, src, i, sdt, s, overwrite, &acc_lo, &acc_hi);
-    }
-    for (; i + W <= n; i += W)
-        accumulate_vec(dst, src, i, sdt, s, overwrite, stream, &acc_lo, &acc_hi);
-    if (i < n)
-        accumulate_partial(dst + i, (const char *)src + i * ssz, n - i, sdt, s, overwrite, &acc_lo,
-                           &acc_hi);
-    if (stream)
-        _mm_sfence();
-    __m256d acc = _mm256_add_pd(acc_lo, acc_hi);
-    __m128d pair = _mm_add_pd(_mm256_castpd256_pd128(acc), _mm256_extractf128_pd(acc, 1));
+    __m128d pair = _mm_add_pd(_mm256_castpd256_pd128(a), _mm256_extractf128_pd(a, 1));
     return _mm_cvtsd_f64(_mm_add_sd(pair, _mm_unpackhi_pd(pair, pair)));
 }
 
-TARGET static double accumulate(float *dst, const void *src, int64_t n, int sdt, float scale,
-                                int overwrite, int stream)
-{
-    switch (sdt) {
-    case LZO_BFLOAT16:
-        return accumulate_loop(dst, src, n, LZO_BFLOAT16, scale, overwrite, stream);
-    case LZO_FLOAT16:
-        return accumulate_loop(dst, src, n, LZO_FLOAT16, scale, overwrite, stream);
-    default:
-        return accumulate_loop(dst, src, n, LZO_FLOAT32, scale, overwrite, stream);
-    }
-}
-
-TARGET static void probe(float *p, const float *g, float *m, float *v, int64_t n)
-{
-    int64_t i = 0;
-    for (; i + W <= n; i += W) {
-        __m256 gi = _mm256_loadu_ps(g + i);
-        _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_loadu_ps(p + i), gi));
-        _mm256_storeu_ps(m + i, _mm256_add_ps(_mm256_loadu_ps(m + i), gi));
-        _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_loadu_ps(v + i), gi));
-    }
-    for (; i < n; ++i) {
-        p[i] += g[i];
-        m[i] += g[i];
-        v[i] += g[i];
-    }
-}
-
-const lzo_kernel_table lzo_kernels_avx2 = {adam, accumulate, probe};
+#include "kernels_simd.h"
 #endif

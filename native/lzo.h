@@ -16,10 +16,9 @@ enum { LZO_NONE = -1, LZO_FLOAT32 = 0, LZO_BFLOAT16 = 1, LZO_FLOAT16 = 2 };
 /* Instruction-set paths. One shared object holds all of them; Python selects one at import. */
 enum { LZO_ISA_SCALAR = 0, LZO_ISA_AVX2 = 1, LZO_ISA_AVX512 = 2 };
 
-/* extrapolate: param_out receives p_new + extrapolate * (p_new - p_old), the weights predicted one
- * update ahead (Delayed Parameter Update's weight prediction); 0 gives p_new itself. */
+/* The hyperparameters of one Adam/AdamW param group: kernels.AdamHyperparams, field for field. */
 typedef struct {
-    double lr, beta1, beta2, eps, weight_decay, grad_scale, extrapolate;
+    double lr, beta1, beta2, eps, weight_decay;
     int adamw_mode, maximize;
 } lzo_adam_hparams;
 
@@ -36,12 +35,15 @@ typedef struct {
     int64_t numel, step, step_counter;
 } lzo_adam_tensor;
 
-/* One Adam/AdamW step over `count` tensors, all with grads of grad_dtype. If out_dtype is not
- * LZO_NONE, every param_out receives the updated param (extrapolated if hp->extrapolate is not 0)
- * rounded to nearest even, in the same pass.
+/* One Adam/AdamW step over `count` tensors, all with grads of grad_dtype, each multiplied by
+ * grad_scale first. If out_dtype is not LZO_NONE, every param_out receives the updated param
+ * rounded to nearest even, in the same pass; with extrapolate not 0 it receives
+ * p_new + extrapolate * (p_new - p_old) instead, the weights predicted one update ahead (Delayed
+ * Parameter Update's weight prediction).
  * Returns 0, or i + 1 if tensor i's step number is below 1 (then nothing was changed). */
-int64_t lzo_adam_step(const lzo_adam_hparams *hp, const lzo_adam_tensor *tensors, size_t count,
-                      int grad_dtype, int out_dtype, int num_threads);
+int64_t lzo_adam_step(const lzo_adam_hparams *hp, double grad_scale, double extrapolate,
+                      const lzo_adam_tensor *tensors, size_t count, int grad_dtype, int out_dtype,
+                      int num_threads);
 
 /* dst = src * scale (overwrite) or dst + src * scale. Returns the sum of squares of the new dst,
  * accumulated in double in fixed blocks (same result for any thread count). It is finite exactly

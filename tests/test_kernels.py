@@ -13,6 +13,7 @@ test_adam_matches_torch_and_float64.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -494,6 +495,7 @@ def load_kernels_copy(monkeypatch: pytest.MonkeyPatch, native_missing: bool, env
         monkeypatch.setenv("LZO_BACKEND", env)
     spec = importlib.util.spec_from_file_location("lzo_kernels_copy", kernels.__file__)
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # as an import would (dataclasses look it up)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         spec.loader.exec_module(module)
@@ -603,6 +605,49 @@ def test_adam_step_rejects_bad_arguments(overrides, error, match) -> None:
         kernels.adam_step(*args.values(), **kwargs)
     if before is not None and before.device.type == "cpu":
         assert torch.equal(args["param"], before)  # nothing was touched
+
+
+def test_hyperparams_record_is_the_keyword_call(backend: str) -> None:
+    """hparams=AdamHyperparams(...) runs exactly the update the separate keywords run."""
+    n = 1029
+    record = kernels.AdamHyperparams(adamw_mode=False, maximize=True, **HP)
+    p0, (g,) = torch.randn(n, generator=torch.Generator().manual_seed(4)), grads_like(n, 1, seed=5)
+    results = []
+    for how in ({"hparams": record}, {"adamw_mode": False, "maximize": True, **HP}):
+        p, m, v, out = p0.clone(), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
+        kernels.adam_step(p, g, m, v, step=2, grad_scale=0.3, param_out=out, extrapolate=0.5, **how)
+        kernels.adam_step_multi([p], [g], [m], [v], [3], grad_scale=0.7, **how)
+        results.append((p, m, v, out))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_hyperparams_record_validates_once_and_converts() -> None:
+    hp = kernels.AdamHyperparams(lr=1, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0, adamw_mode=1)
+    assert (type(hp.lr), type(hp.weight_decay), hp.adamw_mode, hp.maximize) == (float, float, True, False)
+    with pytest.raises(ValueError, match=r"beta1 must be in \[0, 1\)"):
+        kernels.AdamHyperparams(lr=1e-3, beta1=1.0, beta2=0.99, eps=1e-8, weight_decay=0.0, adamw_mode=True)
+    with pytest.raises(TypeError, match="eps must be a real number, got str"):
+        kernels.AdamHyperparams(lr=1e-3, beta1=0.9, beta2=0.99, eps="1e-8", weight_decay=0.0, adamw_mode=True)
+    group = {"lr": torch.tensor(0.01), "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1}  # no "maximize"
+    assert kernels.AdamHyperparams.from_param_group(group, adamw_mode=True) == kernels.AdamHyperparams(
+        lr=float(torch.tensor(0.01)), beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1, adamw_mode=True
+    )
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        kernels.AdamHyperparams.from_param_group({**group, "lr": -1.0}, adamw_mode=True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        hp.lr = 2.0
+
+
+def test_adam_step_takes_the_record_or_the_keywords_not_both() -> None:
+    args, _ = adam_args()
+    record = kernels.AdamHyperparams(adamw_mode=True, **HP)
+    with pytest.raises(TypeError, match="not both .also got lr, maximize"):
+        kernels.adam_step(*args.values(), step=1, hparams=record, lr=0.1, maximize=False)
+    with pytest.raises(TypeError, match="missing hyperparameters eps, adamw_mode: pass them as keywords"):
+        kernels.adam_step(*args.values(), step=1, lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0)
+    with pytest.raises(TypeError, match="hparams must be an AdamHyperparams, got dict"):
+        kernels.adam_step_multi([], [], [], [], [], hparams={"adamw_mode": True, **HP})
 
 
 def test_multi_rejects_bad_arguments() -> None:

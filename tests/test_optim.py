@@ -206,11 +206,12 @@ def test_rejects_what_it_cannot_do() -> None:
     w = torch.nn.Parameter(torch.randn(4))
     with pytest.raises(ValueError, match="CPUAdam does not implement AMSGrad"):
         CPUAdam([w], amsgrad=True)
-    for kwargs, match in [
-        ({"lr": -1.0}, "Invalid learning rate"),
-        ({"eps": 0.0}, "Invalid epsilon"),
-        ({"betas": (0.9, 1.0)}, "Invalid betas"),
-        ({"weight_decay": -1.0}, "Invalid weight_decay"),
+    for kwargs, match in [  # checked at construction by kernels.AdamHyperparams, not at the first step
+        ({"lr": -1.0}, "lr must be >= 0"),
+        ({"eps": 0.0}, "eps must be > 0"),
+        ({"betas": (0.9, 1.0)}, r"beta2 must be in \[0, 1\)"),
+        ({"weight_decay": -1.0}, "weight_decay must be >= 0"),
+        ({"lr": float("inf")}, "lr must be finite"),
     ]:
         with pytest.raises(ValueError, match=match):
             CPUAdam([w], **kwargs)
