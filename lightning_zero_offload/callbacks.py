@@ -15,6 +15,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_zero_offload.engine import OffloadEngine, StepStats
+from lightning_zero_offload.engine.grads import hidden_fraction
 
 _TIMINGS = ("backward", "transfer_wait", "cpu_step", "update_wait", "copy_back")
 # What plain mixed-precision Adam keeps on the device per parameter: fp32 weights (4), fp32 grads (4),
@@ -86,7 +87,7 @@ def format_summary(engine: OffloadEngine, totals: dict[str, float], steps: int) 
     n = max(1, report["params"])
     world = engine.layout.world_size
     device_param = report["device_param_bytes"] / n
-    buckets = report["device_grad_buffers_peak"] * report["device_grad_buffer_bytes"]
+    buckets = report["device_total_bytes"] - report["device_param_bytes"]  # gradient buckets, collective temporaries
     lines = [
         f"zero_offload: {report['params']:,} trainable parameters, {engine.param_dtype} on {engine.device}, "
         f"world size {world}, {engine.num_threads} CPU thread(s) per rank",
@@ -95,11 +96,12 @@ def format_summary(engine: OffloadEngine, totals: dict[str, float], steps: int) 
         f"({PLAIN_MIXED_ADAM_DEVICE_BYTES / device_param:.0f}x less)",
         f"  CPU, this rank: {report['host_state_bytes'] / 2**20:.1f} MiB optimizer state "
         f"({report['host_state_bytes'] * world / n:.1f} B/param over all ranks) + "
-        f"{report['host_staging_bytes'] / 2**20:.1f} MiB staging",
+        f"{report['host_staging_bytes'] / 2**20:.1f} MiB staging "
+        f"({report['host_pinned_bytes'] / 2**20:.1f} MiB of host memory pinned)",
     ]
     if steps:
         per = {k: 1e3 * v / steps for k, v in totals.items()}
-        hidden = 100 * (1 - totals["transfer_wait"] / totals["transfer"]) if totals["transfer"] > 0 else 0.0
+        hidden = 100 * hidden_fraction(totals["transfer"], totals["transfer_wait"])
         lines.append(
             f"  per optimizer step over {steps} steps: backward {per['backward']:.1f} ms, transfer wait "
             f"{per['transfer_wait']:.1f} ms ({hidden:.0f}% of transfers hidden), CPU step {per['cpu_step']:.1f} ms, "

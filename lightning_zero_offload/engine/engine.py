@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -31,7 +31,19 @@ from lightning_zero_offload.engine.collectives import all_gather, all_reduce_sum
 from lightning_zero_offload.engine.failures import NonFinitePolicy, close_after_failure, refuse_after_failure
 from lightning_zero_offload.engine.grads import GradientStreamer
 from lightning_zero_offload.engine.layout import Bucket, Layout, build_layout
-from lightning_zero_offload.engine.memory import BufferPool, can_pin, host_zeros, record_event, wait_event
+from lightning_zero_offload.engine.memory import (
+    COLLECTIVE,
+    BufferPool,
+    HostToDevice,
+    can_pin,
+    device_empty,
+    device_zeros,
+    host_zeros,
+    record_event,
+    records_allocations,
+    wait_event,
+    worker_pool,
+)
 from lightning_zero_offload.engine.options import OffloadOptions, resolve_auto
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 
@@ -88,6 +100,7 @@ class OffloadEngine:
         local_world_size: ranks on this node, for the default CPU thread count.
     """
 
+    @records_allocations  # every buffer made here lands in self.ledger, read by memory_report
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -135,7 +148,7 @@ class OffloadEngine:
         self.layout: Layout = build_layout([p.shape for p in self.params], options.bucket_numel(element), world, rank)
         pin = options.pin_memory and can_pin(device)
         shard = self.layout.shard_numel
-        self.master = host_zeros(shard, torch.float32, pin and param_dtype == torch.float32)
+        self.master = host_zeros(shard, torch.float32, False)
         self.exp_avg = host_zeros(shard, torch.float32, False)
         self.exp_avg_sq = host_zeros(shard, torch.float32, False)
         self.grad = host_zeros(shard, torch.float32, False)
@@ -143,7 +156,7 @@ class OffloadEngine:
         self._original_dtypes = [p.dtype for p in self.params]
         self._load_shard(self.master, [p.detach() for p in self.params])
 
-        self.flat_params = torch.zeros(self.layout.flat_numel, dtype=param_dtype, device=device)
+        self.flat_params = device_zeros(self.layout.flat_numel, param_dtype, device, "params")
         for slot, p in zip(self.layout.slots, self.params):
             view = self.flat_params[self.layout.slot_range(slot.index)]
             view.copy_(p.detach().reshape(-1))
@@ -152,6 +165,7 @@ class OffloadEngine:
         max_shard = max(b.shard_numel for b in self.layout.buckets)
         low_precision = param_dtype in LOW_PRECISION
         self._publish_pool = BufferPool(2, max_shard, param_dtype, pin) if low_precision else None
+        self._h2d = HostToDevice(device, max_shard, param_dtype, pin)  # pageable sources go through pinned staging
         self._pending_publish: list[torch.Event | None] = []
         # Delayed Parameter Update: a second gradient buffer (backward t+1 fills one while the update of
         # step t reads the other) and the low-precision result waiting to be swapped in.
@@ -170,8 +184,8 @@ class OffloadEngine:
         if self.cpu_step == "delayed":
             self._grad_buffers.append(host_zeros(shard, torch.float32, False))
             if low_precision:
-                self._next_params = host_zeros(shard, param_dtype, pin)
-        self._updater = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-step")
+                self._next_params = host_zeros(shard, param_dtype, False)
+        self._updater = worker_pool("zero-offload-step", device)
         self._pending: Future | None = None
         self._publish_due = False
         self._last_update_s = 0.0
@@ -455,11 +469,11 @@ class OffloadEngine:
         source = self.master[bucket.shard_range] if out is None else out[: bucket.shard_numel]
         target = self.flat_params[bucket.flat_start : bucket.flat_start + bucket.padded_numel]
         if self.layout.world_size > 1:
-            chunk = torch.empty(bucket.shard_numel, dtype=self.param_dtype, device=self.device)
-            chunk.copy_(source, non_blocking=True)
+            chunk = device_empty(bucket.shard_numel, self.param_dtype, self.device, COLLECTIVE, self.ledger)
+            self._h2d.copy(chunk, source)
             all_gather(target, chunk, self.process_group)
         else:
-            target.copy_(source, non_blocking=True)
+            self._h2d.copy(target, source)
         event = record_event(self.device)
         if out is not None and pooled:
             self._publish_pool.release(out, event)
@@ -639,18 +653,8 @@ class OffloadEngine:
     # -- accounting and teardown ---------------------------------------------------------------
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes held by the engine, from its own allocations."""
-        element = self.flat_params.element_size()
-        host_state = sum(t.numel() * t.element_size() for t in (self.master, self.exp_avg, self.exp_avg_sq, self.grad))
-        staging = self.grads.staging_nbytes + (self._publish_pool.nbytes if self._publish_pool else 0)
-        return {
-            "params": sum(p.numel() for p in self.params),
-            "host_state_bytes": host_state,
-            "host_staging_bytes": staging,
-            "device_param_bytes": self.flat_params.numel() * element,
-            "device_grad_buffer_bytes": self.grads.device_buffer_nbytes,
-            "device_grad_buffers_peak": self.grads.device_buffers_peak,
-        }
+        """Bytes held by the engine, as recorded where each buffer was allocated (see memory.MemoryLedger)."""
+        return self.ledger.report(sum(p.numel() for p in self.params))
 
     @property
     def closed(self) -> bool:

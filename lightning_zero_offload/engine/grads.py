@@ -7,30 +7,53 @@ rank's fp32 gradient buffer with the native accumulate kernel. That same pass re
 sum of squares and an inf/nan flag, so the global norm and the fp16 overflow check cost no extra
 pass over memory.
 
-Buckets are launched strictly in layout order, so every rank issues its collectives in the same
-order even if gradients arrive in a different order (DDP does the same).
+Launch order follows the order gradients actually arrive, not the order parameters were declared
+(a model declaring its head first, or looping over its layers backwards, would otherwise hold every
+bucket on the device until backward ends):
+
+- one rank: a bucket leaves as soon as it is complete. After the first backward a bucket is complete
+  once the parameters that got a gradient then have one, so an unused parameter does not hold it; a
+  gradient that turns up after its bucket left is sent in a second launch (accumulation adds).
+- several ranks: collectives must be issued in the same order everywhere, so the first backward
+  launches in layout order while recording the order buckets completed; rank 0's order is then
+  broadcast (once, as DDP does) and every later backward launches strictly in it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 
 from lightning_zero_offload import kernels
-from lightning_zero_offload.engine.collectives import reduce_scatter
+from lightning_zero_offload.engine.collectives import broadcast_tensors_, reduce_scatter
 from lightning_zero_offload.engine.layout import Bucket, Layout
 from lightning_zero_offload.engine.memory import (
+    COLLECTIVE,
     BufferPool,
+    DeviceBufferPool,
+    MemoryLedger,
+    current_ledger,
+    device_empty,
     on_stream,
     record_event,
     side_stream,
-    stream_wait_event,
     wait_event,
+    worker_pool,
 )
+
+# Device gradient buffers: one filling while up to two transfers are in flight.
+DEVICE_BUFFER_CAP = 3
+
+
+def hidden_fraction(transfer_s: float, exposed_s: float) -> float:
+    """Share of the transfer work that overlapped backward, in [0, 1] (0 when there was none)."""
+    if transfer_s <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - exposed_s / transfer_s))
 
 
 class GradientStreamer:
@@ -56,25 +79,37 @@ class GradientStreamer:
         self.num_threads = num_threads
         self.process_group = process_group
         self.overlap = overlap
+        self.ledger = current_ledger() or MemoryLedger()
         world = layout.world_size
-        self.scale = 1.0 / world  # reduce-scatter sums; the average is taken on the CPU, in fp32
+        # Reduce-scatter sums. fp16 is divided by the world size on the device first, so the sum has the
+        # same overflow headroom as one rank's gradient; other dtypes are averaged on the CPU, in fp32.
+        predivide = world > 1 and grad_dtype == torch.float16
+        self._device_factor = 1.0 / world if predivide else 1.0
+        self.scale = 1.0 if predivide else 1.0 / world
 
         max_bucket = max((b.padded_numel for b in layout.buckets), default=0)
         max_shard = max((b.shard_numel for b in layout.buckets), default=0)
         self._device_buffer_numel = max_bucket
-        # Free device buffers, each with the event after which its last transfer has read it.
-        self._free_device_buffers: list[tuple[torch.Tensor, torch.Event | None]] = []
+        self._device_buffers = DeviceBufferPool(max_bucket, grad_dtype, device, DEVICE_BUFFER_CAP, self.ledger)
         self._stream = side_stream(device)
         self.device_buffers_live = 0
         self.device_buffers_peak = 0
-        self._staging = BufferPool(2, max_shard, grad_dtype, pin_memory)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-grads")
+        self._staging = BufferPool(2, max_shard, grad_dtype, pin_memory, self.ledger)
+        self._worker = worker_pool("zero-offload-grads", device)
         self._futures: list[Future] = []
 
         n_buckets = len(layout.buckets)
         self._bucket_buffer: list[torch.Tensor | None] = [None] * n_buckets
-        self._arrived = [0] * n_buckets
+        # Parameters written into each bucket's current device buffer, and whether it left in this pass.
+        self._filled: list[list[int]] = [[] for _ in range(n_buckets)]
+        self._launched = [False] * n_buckets
+        # Gradients a bucket waits for before it leaves (one rank; after the first backward: those that came).
+        self._expected = [len(b.param_indices) for b in layout.buckets]
+        # Several ranks: the agreed launch order, the next position in it, and this pass's completion order.
+        self._order = list(range(n_buckets))
         self._next_launch = 0
+        self._completed: list[int] = []
+        self._learned = False
         self._seen = [False] * len(params)
         self._open = False  # a backward pass has produced gradients that finish_backward has not flushed
         # Across an accumulation window: which params got a gradient, whether a bucket was written yet.
@@ -83,8 +118,13 @@ class GradientStreamer:
         # Sum of squares and inf/nan flag of the fp32 buffer's current content, per bucket.
         self.bucket_sumsq = [0.0] * n_buckets
         self.bucket_nonfinite = [False] * n_buckets
-        self._wait_s = 0.0
-        self._busy_s = 0.0
+        # Timing: host accumulate intervals (start, end, could overlap backward) and device transfers
+        # (timing events around each launch on the side stream) of the current pass.
+        self._host_spans: list[tuple[float, float, bool]] = []
+        self._device_spans: list[tuple[torch.Event, torch.Event]] = []
+        self._device_origin: torch.Event | None = None
+        self._transfer_s = 0.0
+        self._hidden_s = 0.0
         self._hooks = [self._register(index, p) for index, p in enumerate(params)]
 
     # -- backward side -------------------------------------------------------------------------
@@ -114,17 +154,13 @@ class GradientStreamer:
         buffer[slot.bucket_offset : slot.bucket_offset + slot.numel].copy_(grad.reshape(-1))
         param.grad = None
         self.has_grad[index] = True
-        self._arrived[slot.bucket] += 1
-        self._launch_ready()
+        self._filled[slot.bucket].append(index)
+        self._launch_ready(slot.bucket)
 
     def _acquire_bucket_buffer(self, bucket_index: int) -> torch.Tensor:
         buffer = self._bucket_buffer[bucket_index]
         if buffer is None:
-            if self._free_device_buffers:
-                buffer, transferred = self._free_device_buffers.pop()
-                stream_wait_event(self.device, transferred)
-            else:
-                buffer = torch.empty(self._device_buffer_numel, dtype=self.grad_dtype, device=self.device)
+            buffer = self._device_buffers.acquire()
             bucket = self.layout.buckets[bucket_index]
             buffer[bucket.numel : bucket.padded_numel].zero_()
             self._bucket_buffer[bucket_index] = buffer
@@ -132,44 +168,57 @@ class GradientStreamer:
             self.device_buffers_peak = max(self.device_buffers_peak, self.device_buffers_live)
         return buffer
 
-    def _launch_ready(self) -> None:
-        buckets = self.layout.buckets
-        while self._next_launch < len(buckets):
-            bucket = buckets[self._next_launch]
-            if self._arrived[bucket.index] < len(bucket.param_indices):
+    def _launch_ready(self, bucket_index: int) -> None:
+        if self.layout.world_size == 1:
+            # A late gradient (its bucket already left) waits for the flush: sent once, with any others.
+            if not self._launched[bucket_index] and len(self._filled[bucket_index]) >= self._expected[bucket_index]:
+                self._launch(self.layout.buckets[bucket_index])
+            return
+        if len(self._filled[bucket_index]) == len(self.layout.buckets[bucket_index].param_indices):
+            self._completed.append(bucket_index)
+        while self._next_launch < len(self._order):
+            bucket = self.layout.buckets[self._order[self._next_launch]]
+            if len(self._filled[bucket.index]) < len(bucket.param_indices):
                 return
             self._launch(bucket)
             self._next_launch += 1
 
     def _launch(self, bucket: Bucket) -> None:
         buffer = self._acquire_bucket_buffer(bucket.index)
-        if self._arrived[bucket.index] < len(bucket.param_indices):
-            for index in bucket.param_indices:
-                if not self._seen[index]:
-                    slot = self.layout.slots[index]
-                    buffer[slot.bucket_offset : slot.bucket_offset + slot.numel].zero_()
+        filled = set(self._filled[bucket.index])
+        for index in bucket.param_indices:
+            if index not in filled:  # no gradient (yet) in this buffer: it counts as zero
+                slot = self.layout.slots[index]
+                buffer[slot.bucket_offset : slot.bucket_offset + slot.numel].zero_()
         staging = self._staging.acquire()
+        if self._device_origin is None:  # on the compute stream, before anything this pass times
+            self._device_origin = record_event(self.device, timing=True)
         with on_stream(self._stream):  # the transfer overlaps the rest of backward on the device
+            started = record_event(self.device, timing=True)
             source = buffer[: bucket.padded_numel]
             if self.layout.world_size > 1:
-                chunk = torch.empty(bucket.shard_numel, dtype=self.grad_dtype, device=self.device)
+                if self._device_factor != 1.0:
+                    source.mul_(self._device_factor)
+                chunk = device_empty(bucket.shard_numel, self.grad_dtype, self.device, COLLECTIVE, self.ledger)
                 reduce_scatter(chunk, source, self.process_group)
                 source = chunk
             staging[: bucket.shard_numel].copy_(source, non_blocking=True)
-            copied = record_event(self.device)
+            copied = record_event(self.device, timing=True)
+        if started is not None:
+            self._device_spans.append((started, copied))
         self._bucket_buffer[bucket.index] = None
-        self._free_device_buffers.append((buffer, copied))
+        self._device_buffers.release(buffer, copied, bucket.index)
+        self._filled[bucket.index] = []
+        self._launched[bucket.index] = True
         self.device_buffers_live -= 1
         if self.overlap:
-            self._futures.append(self._worker.submit(self._accumulate, bucket, staging, copied))
-        else:  # measured baseline: backward stops while each bucket is accumulated (all of it waited for)
-            start = time.perf_counter()
-            self._accumulate(bucket, staging, copied)
-            self._wait_s += time.perf_counter() - start
+            self._futures.append(self._worker.submit(self._accumulate, bucket, staging, copied, True))
+        else:  # measured baseline: backward stops while each bucket is accumulated
+            self._accumulate(bucket, staging, copied, False)
 
-    def _accumulate(self, bucket: Bucket, staging: torch.Tensor, copied: torch.Event | None) -> None:
-        start = time.perf_counter()
+    def _accumulate(self, bucket: Bucket, staging: torch.Tensor, copied: torch.Event | None, overlaps: bool) -> None:
         wait_event(copied)
+        start = time.perf_counter()  # after the wait: the device part is timed on the device
         overwrite = self._fresh[bucket.index]
         sumsq, nonfinite = kernels.grad_accumulate(
             self.cpu_grad[bucket.shard_range],
@@ -182,7 +231,7 @@ class GradientStreamer:
         self.bucket_sumsq[bucket.index] = sumsq
         self.bucket_nonfinite[bucket.index] = nonfinite
         self._staging.release(staging)
-        self._busy_s += time.perf_counter() - start
+        self._host_spans.append((start, time.perf_counter(), overlaps))
 
     def begin(self) -> None:
         """A backward pass starts: its flush will launch every bucket, even if this rank got no gradient."""
@@ -198,29 +247,71 @@ class GradientStreamer:
             self.wait()
             return
         self._open = False
+        backward_end = time.perf_counter()
+        backward_end_event = record_event(self.device, timing=True)
         buckets = self.layout.buckets
-        distributed = self.layout.world_size > 1
-        for bucket in buckets[self._next_launch :]:
-            # Every rank launches every bucket when distributed, so the collectives always match.
-            if distributed or self._arrived[bucket.index] > 0:
-                self._launch(bucket)
-        self._next_launch = len(buckets)
+        if self.layout.world_size == 1:
+            for bucket in buckets:
+                if self._filled[bucket.index]:
+                    self._launch(bucket)
+        else:  # every rank launches every bucket, in the agreed order, so the collectives always match
+            for position in range(self._next_launch, len(self._order)):
+                self._launch(buckets[self._order[position]])
         self.wait()
-        self._arrived = [0] * len(buckets)
+        self._account_pass(backward_end, backward_end_event)
+        if not self._learned:
+            self._learn_order()
+        self._launched = [False] * len(buckets)
+        self._completed = []
         self._next_launch = 0
         self._seen = [False] * len(self.params)
 
+    def _learn_order(self) -> None:
+        """After the first backward: launch by arrival from now on (see the module docstring)."""
+        self._learned = True
+        buckets = self.layout.buckets
+        if self.layout.world_size == 1:
+            self._expected = [sum(self._seen[i] for i in b.param_indices) for b in buckets]
+            return
+        # Buckets never completed during backward (unused parameters) go last, in layout order.
+        order = self._completed + [b.index for b in buckets if b.index not in set(self._completed)]
+        agreed = torch.tensor(order, dtype=torch.int64)
+        broadcast_tensors_([agreed], self.process_group, self.device)
+        self._order = agreed.tolist()
+
+    def _account_pass(self, backward_end: float, backward_end_event: torch.Event | None) -> None:
+        """Add this pass's transfer time, and the part of it that overlapped backward, to the totals."""
+        spans, self._host_spans = self._host_spans, []
+        for start, end, overlaps in spans:
+            self._transfer_s += end - start
+            if overlaps:
+                self._hidden_s += max(0.0, min(end, backward_end) - start)
+        device_spans, self._device_spans = self._device_spans, []
+        origin, self._device_origin = self._device_origin, None
+        if origin is None or backward_end_event is None:
+            return
+        wait_event(backward_end_event)
+        end_ms = origin.elapsed_time(backward_end_event)
+        for started, copied in device_spans:  # milliseconds after the origin, all on one device clock
+            a, b = origin.elapsed_time(started), origin.elapsed_time(copied)
+            self._transfer_s += (b - a) / 1e3
+            self._hidden_s += max(0.0, min(b, end_ms) - a) / 1e3
+
     def wait(self) -> None:
-        start = time.perf_counter()
         futures, self._futures = self._futures, []
         for future in futures:
             future.result()
-        self._wait_s += time.perf_counter() - start
 
     def take_timings(self) -> tuple[float, float]:
-        """(seconds the training thread waited for transfers, seconds the transfers took) since last call."""
-        timings = (self._wait_s, self._busy_s)
-        self._wait_s = self._busy_s = 0.0
+        """(transfer seconds not hidden behind backward, transfer seconds) since the last call.
+
+        Transfer time is the device side (reduce-scatter and copy, timed with events on the side
+        stream) plus the host side (the accumulate kernel). The part that ran before backward ended
+        is hidden; the rest is what the training thread waited for, so the first value never exceeds
+        the second.
+        """
+        timings = (self._transfer_s - self._hidden_s, self._transfer_s)
+        self._transfer_s = self._hidden_s = 0.0
         return timings
 
     # -- step side -----------------------------------------------------------------------------
@@ -245,9 +336,14 @@ class GradientStreamer:
     def device_buffer_nbytes(self) -> int:
         return self._device_buffer_numel * torch.empty(0, dtype=self.grad_dtype).element_size()
 
+    @property
+    def device_buffers_allocated(self) -> int:
+        """Device gradient buffers that exist (the peak: they are kept until close)."""
+        return self._device_buffers.allocated
+
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
         self._worker.shutdown(wait=True)
-        self._free_device_buffers.clear()
+        self._device_buffers.clear()

@@ -1,46 +1,303 @@
-"""Host buffers and transfer completion: the only place that knows about pinned memory and events.
+"""Buffers, streams, events and worker threads: the only place that knows about pinned memory and devices.
 
 Pinned memory is allocated by registering an ordinary allocation with the driver, not through torch's
 caching host allocator, which rounds every block up to a power of two (a 1.1 GB buffer would pin
-2 GB: DeepSpeed users' host-RAM blowups). Only buffers that take part in asynchronous copies are
-pinned; the Adam moments and the fp32 gradient buffer never cross the bus and stay pageable.
+2 GB: DeepSpeed users' host-RAM blowups). Only bucket-sized pools are pinned; model-sized host
+buffers (master weights, moments, gradients, DPU's next parameters) stay pageable and reach the
+device through a pinned bucket-sized staging buffer (:class:`HostToDevice`). A pin the OS refuses
+falls back to pageable memory with a warning.
+
+Every buffer made here is recorded in the :class:`MemoryLedger` that is current where it is made, so
+``memory_report`` is read off the allocations themselves and a new buffer cannot be left out of it.
 """
 
 from __future__ import annotations
 
+import functools
 import queue
+import threading
+import warnings
 import weakref
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
+from contextvars import ContextVar
+from typing import Any, TypeVar
 
 import torch
+
+# -- accounting --------------------------------------------------------------------------------
+
+HOST, HOST_PINNED, DEVICE = "host", "host_pinned", "device"
+COLLECTIVE = "collective temporaries"  # transient device buffers: counted with their largest size
+
+
+class MemoryLedger:
+    """Bytes the engine holds, by place (host, host_pinned, device) and purpose, recorded at allocation.
+
+    Long-lived buffers add up; transient ones (collective temporaries) count with their largest size,
+    since each is freed before the next of its kind is made.
+    """
+
+    def __init__(self) -> None:
+        self._bytes: dict[tuple[str, str], int] = {}
+        self._count: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, place: str, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self._bytes[place, kind] = self._bytes.get((place, kind), 0) + nbytes
+            self._count[place, kind] = self._count.get((place, kind), 0) + 1
+
+    def transient(self, place: str, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self._bytes[place, kind] = max(self._bytes.get((place, kind), 0), nbytes)
+            self._count[place, kind] = 1
+
+    def bytes(self, place: str | None = None, kind: str | None = None) -> int:
+        return sum(n for (p, k), n in self._bytes.items() if place in (None, p) and kind in (None, k))
+
+    def count(self, place: str | None = None, kind: str | None = None) -> int:
+        return sum(n for (p, k), n in self._count.items() if place in (None, p) and kind in (None, k))
+
+    def report(self, params: int) -> dict[str, int]:
+        """``OffloadEngine.memory_report``: totals per place plus the figures the summary prints."""
+        grad_buffers = self.count(DEVICE, "gradient buckets")
+        return {
+            "params": params,
+            "host_state_bytes": self.bytes(HOST, "state") + self.bytes(HOST_PINNED, "state"),
+            "host_staging_bytes": self.bytes(HOST, "staging") + self.bytes(HOST_PINNED, "staging"),
+            "host_pinned_bytes": self.bytes(HOST_PINNED),
+            "host_total_bytes": self.bytes(HOST) + self.bytes(HOST_PINNED),
+            "device_param_bytes": self.bytes(DEVICE, "params"),
+            "device_grad_buffer_bytes": self.bytes(DEVICE, "gradient buckets") // max(1, grad_buffers),
+            "device_grad_buffers_peak": grad_buffers,
+            "device_collective_bytes": self.bytes(DEVICE, COLLECTIVE),
+            "device_total_bytes": self.bytes(DEVICE),
+        }
+
+
+_current_ledger: ContextVar[MemoryLedger | None] = ContextVar("zero_offload_ledger", default=None)
+
+
+def current_ledger() -> MemoryLedger | None:
+    """The ledger of the engine being constructed (None outside a constructor)."""
+    return _current_ledger.get()
+
+
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def records_allocations(init: _Init) -> _Init:
+    """Decorate a constructor: it gets ``self.ledger``, and every buffer made while it runs is recorded there."""
+
+    @functools.wraps(init)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
+        self.ledger = MemoryLedger()
+        token = _current_ledger.set(self.ledger)
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            _current_ledger.reset(token)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _record(ledger: MemoryLedger | None, place: str, kind: str, tensor: torch.Tensor) -> None:
+    ledger = ledger or current_ledger()
+    if ledger is not None:
+        ledger.add(place, kind, tensor.numel() * tensor.element_size())
+
+
+# -- host buffers ------------------------------------------------------------------------------
 
 
 def can_pin(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
-def host_empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """An uninitialised CPU tensor, page-locked with its exact size when ``pin`` is true."""
+_pinned_storages: set[int] = set()  # data pointers of the storages registered here, to skip staging them
+
+
+def host_empty(
+    numel: int, dtype: torch.dtype, pin: bool, kind: str = "state", ledger: MemoryLedger | None = None
+) -> torch.Tensor:
+    """An uninitialised CPU tensor, page-locked with its exact size when ``pin`` is true (and the OS agrees)."""
     tensor = torch.empty(numel, dtype=dtype)
-    if pin and tensor.numel() > 0:
-        _register_pinned(tensor)
+    pinned = pin and tensor.numel() > 0 and _register_pinned(tensor)
+    _record(ledger, HOST_PINNED if pinned else HOST, kind, tensor)
     return tensor
 
 
-def host_zeros(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    return host_empty(numel, dtype, pin).zero_()
+def host_zeros(
+    numel: int, dtype: torch.dtype, pin: bool, kind: str = "state", ledger: MemoryLedger | None = None
+) -> torch.Tensor:
+    return host_empty(numel, dtype, pin, kind, ledger).zero_()
 
 
-def _register_pinned(tensor: torch.Tensor) -> None:
-    cudart = torch.cuda.cudart()
-    pointer, nbytes = tensor.data_ptr(), tensor.untyped_storage().nbytes()
-    status = cudart.cudaHostRegister(pointer, nbytes, 0)
-    if int(status) != 0:
-        raise RuntimeError(
-            f"cudaHostRegister of {nbytes / 2**20:.1f} MiB failed ({status}); "
-            "pass pin_memory=False to the strategy to use pageable memory"
+def is_pinned_here(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lies in a buffer pinned by :func:`host_empty` (no driver call)."""
+    return tensor.untyped_storage().data_ptr() in _pinned_storages
+
+
+def _register_pinned(tensor: torch.Tensor) -> bool:
+    """Page-lock ``tensor``'s memory; on failure warn and leave it pageable (slower copies, same results)."""
+    nbytes = tensor.untyped_storage().nbytes()
+    try:
+        cudart = torch.cuda.cudart()
+        pointer = tensor.data_ptr()
+        status = cudart.cudaHostRegister(pointer, nbytes, 0)
+        if int(status) != 0:
+            raise RuntimeError(f"cudaHostRegister returned {status}")
+    except Exception as error:  # no driver, locked-memory limit (ulimit -l), container limits...
+        warnings.warn(
+            f"Pinning {nbytes / 2**20:.1f} MiB of host memory failed ({error}); using pageable memory, so "
+            "host-device copies of this buffer are synchronous. Raise the locked-memory limit or pass "
+            "pin_memory=False to the strategy to silence this.",
+            RuntimeWarning,
+            stacklevel=3,
         )
-    weakref.finalize(tensor, cudart.cudaHostUnregister, pointer)
+        return False
+    _pinned_storages.add(pointer)
+    weakref.finalize(tensor.untyped_storage(), _unregister_pinned, cudart, pointer)
+    return True
+
+
+def _unregister_pinned(cudart: Any, pointer: int) -> None:
+    _pinned_storages.discard(pointer)
+    cudart.cudaHostUnregister(pointer)
+
+
+class BufferPool:
+    """A fixed set of equal host buffers, handed out one at a time and returned with a completion event.
+
+    ``acquire`` blocks until a buffer is free and its last transfer has finished, so a buffer is never
+    overwritten while a copy still reads it. Thread-safe: the gradient worker returns buffers.
+    """
+
+    def __init__(
+        self, count: int, numel: int, dtype: torch.dtype, pin: bool, ledger: MemoryLedger | None = None
+    ) -> None:
+        self._free: queue.SimpleQueue[tuple[torch.Tensor, torch.Event | None]] = queue.SimpleQueue()
+        self.buffers = [host_empty(numel, dtype, pin, "staging", ledger) for _ in range(count)]
+        for buffer in self.buffers:
+            self._free.put((buffer, None))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def acquire(self) -> torch.Tensor:
+        buffer, event = self._free.get()
+        wait_event(event)
+        return buffer
+
+    def release(self, buffer: torch.Tensor, event: torch.Event | None = None) -> None:
+        self._free.put((buffer, event))
+
+
+class HostToDevice:
+    """Host-to-device copies that never need a model-sized pinned buffer.
+
+    A source already pinned by :func:`host_empty` is copied directly; a pageable one (the fp32 master in
+    ``32-true``, DPU's next parameters) first goes into one of two pinned buffers of ``numel`` elements,
+    so the copy stays asynchronous while pinned memory stays bucket-sized. The buffers are made on first
+    use, so runs that never copy pageable memory pin nothing extra.
+    """
+
+    def __init__(self, device: torch.device, numel: int, dtype: torch.dtype, pin: bool) -> None:
+        self.device = device
+        self._shape = (numel, dtype, pin)
+        self._pool: BufferPool | None = None
+        self._ledger = current_ledger()
+        self.staged_copies = 0
+
+    def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """``target.copy_(source)``, queued on the current stream; ``source`` may change once this returns."""
+        numel, dtype, pin = self._shape
+        if self.device.type == "cpu" or not pin or is_pinned_here(source) or source.numel() > numel:
+            target.copy_(source, non_blocking=True)
+            return
+        if self._pool is None:
+            self._pool = BufferPool(2, numel, dtype, pin, self._ledger)
+        staging = self._pool.acquire()[: source.numel()]
+        staging.copy_(source)
+        target.copy_(staging, non_blocking=True)
+        self._pool.release(staging, record_event(self.device))
+        self.staged_copies += 1
+
+
+# -- device buffers ----------------------------------------------------------------------------
+
+
+def device_empty(
+    numel: int, dtype: torch.dtype, device: torch.device, kind: str, ledger: MemoryLedger | None = None
+) -> torch.Tensor:
+    """A device buffer, recorded in the ledger (``collective temporaries`` count as transient)."""
+    tensor = torch.empty(numel, dtype=dtype, device=device)
+    ledger = ledger or current_ledger()
+    if ledger is not None:
+        if kind == COLLECTIVE:
+            ledger.transient(DEVICE, kind, tensor.numel() * tensor.element_size())
+        else:
+            ledger.add(DEVICE, kind, tensor.numel() * tensor.element_size())
+    return tensor
+
+
+def device_zeros(
+    numel: int, dtype: torch.dtype, device: torch.device, kind: str, ledger: MemoryLedger | None = None
+) -> torch.Tensor:
+    return device_empty(numel, dtype, device, kind, ledger).zero_()
+
+
+class DeviceBufferPool:
+    """Equal device buffers, reused oldest-first once the transfer that last read them has completed.
+
+    Reusing the buffer freed last would make the compute stream wait for the transfer just launched,
+    serializing transfers with backward. So ``acquire`` takes the oldest free buffer whose event has
+    completed; if none has, it allocates another, up to ``cap`` buffers; at the cap it waits (on the
+    device, not the host) for the oldest transfer. ``waits`` records (transfer waited for, transfer
+    released last) per such wait, so tests can check it is never the latest.
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        cap: int,
+        ledger: MemoryLedger | None = None,
+    ) -> None:
+        self.numel, self.dtype, self.device, self.cap = numel, dtype, device, cap
+        self._ledger = ledger or current_ledger()
+        self._free: deque[tuple[torch.Tensor, torch.Event | None, Hashable]] = deque()
+        self._last_released: Hashable = None
+        self.allocated = 0
+        self.waits: list[tuple[Hashable, Hashable]] = []
+
+    def acquire(self) -> torch.Tensor:
+        for position, (buffer, event, _) in enumerate(self._free):
+            if event is None or event.query():
+                del self._free[position]
+                return buffer
+        if self._free and self.allocated >= self.cap:
+            buffer, event, tag = self._free.popleft()
+            stream_wait_event(event)
+            self.waits.append((tag, self._last_released))
+            return buffer
+        self.allocated += 1
+        return device_empty(self.numel, self.dtype, self.device, "gradient buckets", self._ledger)
+
+    def release(self, buffer: torch.Tensor, event: torch.Event | None, tag: Hashable) -> None:
+        self._free.append((buffer, event, tag))
+        self._last_released = tag
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
+# -- streams, events, threads ------------------------------------------------------------------
 
 
 def side_stream(device: torch.device) -> torch.Stream | None:
@@ -56,19 +313,31 @@ def on_stream(stream: torch.Stream | None) -> AbstractContextManager:
     return stream
 
 
-def stream_wait_event(device: torch.device, event: torch.Event | None) -> None:
-    """Queue a wait for ``event`` on the current stream (no host blocking)."""
-    if event is not None:
-        torch.accelerator.current_stream(device).wait_event(event)
+def new_event(device: torch.device, timing: bool = False) -> torch.Event | None:
+    """An event for ``device``; None where copies are synchronous (CPU).
 
-
-def record_event(device: torch.device) -> torch.Event | None:
-    """An event marking the work queued so far on ``device``; None where copies are synchronous."""
+    On CUDA a blocking-sync event, so a host thread waiting for it sleeps instead of spinning a core
+    that CPU Adam needs (``torch.Event`` accepts ``blocking`` but ignores it).
+    """
     if device.type == "cpu":
         return None
-    event = torch.Event(device=device)
-    event.record()
+    if device.type == "cuda":
+        return torch.cuda.Event(enable_timing=timing, blocking=True)
+    return torch.Event(device=device, enable_timing=timing)
+
+
+def record_event(device: torch.device, timing: bool = False) -> torch.Event | None:
+    """An event marking the work queued so far on the current stream; None where copies are synchronous."""
+    event = new_event(device, timing)
+    if event is not None:
+        event.record()
     return event
+
+
+def stream_wait_event(event: torch.Event | None) -> None:
+    """Queue a wait for ``event`` on the current stream (no host blocking)."""
+    if event is not None:
+        event.wait()
 
 
 def wait_event(event: torch.Event | None) -> None:
@@ -77,27 +346,22 @@ def wait_event(event: torch.Event | None) -> None:
         event.synchronize()
 
 
-class BufferPool:
-    """A fixed set of equal host buffers, handed out one at a time and returned with a completion event.
+def resolve_device(device: torch.device) -> torch.device:
+    """``device`` with its index filled in from the calling thread ("cuda" -> "cuda:<current>")."""
+    if device.type == "cpu" or device.index is not None:
+        return device
+    return torch.device(device.type, torch.accelerator.current_device_index())
 
-    ``acquire`` blocks until a buffer is free and its last transfer has finished, so a buffer is never
-    overwritten while a copy still reads it. Thread-safe: the gradient worker returns buffers.
-    """
 
-    def __init__(self, count: int, numel: int, dtype: torch.dtype, pin: bool) -> None:
-        self._free: queue.SimpleQueue[tuple[torch.Tensor, torch.Event | None]] = queue.SimpleQueue()
-        self.buffers = [host_empty(numel, dtype, pin) for _ in range(count)]
-        for buffer in self.buffers:
-            self._free.put((buffer, None))
+def set_thread_device(device: torch.device) -> None:
+    """Make ``device`` current in this thread. A new thread's current device is 0, so without this its
+    event waits and event destruction would create a context on GPU 0 (about 0.5 GiB per rank)."""
+    if device.type != "cpu" and device.index is not None:
+        torch.accelerator.set_device_index(device.index)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
 
-    def acquire(self) -> torch.Tensor:
-        buffer, event = self._free.get()
-        wait_event(event)
-        return buffer
-
-    def release(self, buffer: torch.Tensor, event: torch.Event | None = None) -> None:
-        self._free.put((buffer, event))
+def worker_pool(name: str, device: torch.device) -> ThreadPoolExecutor:
+    """A one-thread executor whose thread runs with ``device`` current."""
+    return ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix=name, initializer=set_thread_device, initargs=(resolve_device(device),)
+    )
