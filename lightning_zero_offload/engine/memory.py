@@ -216,15 +216,16 @@ class HostToDevice:
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
         """``target.copy_(source)``, queued on the current stream; ``source`` may change once this returns."""
         numel, dtype, pin = self._shape
-        if self.device.type == "cpu" or not pin or is_pinned_here(source) or source.numel() > numel:
+        if not pin or is_pinned_here(source) or source.numel() > numel:
             target.copy_(source, non_blocking=True)
             return
         if self._pool is None:
             self._pool = BufferPool(2, numel, dtype, pin, self._ledger)
-        staging = self._pool.acquire()[: source.numel()]
+        buffer = self._pool.acquire()
+        staging = buffer[: source.numel()]
         staging.copy_(source)
         target.copy_(staging, non_blocking=True)
-        self._pool.release(staging, record_event(self.device))
+        self._pool.release(buffer, record_event(self.device))
         self.staged_copies += 1
 
 
