@@ -1,9 +1,11 @@
 """Small models, data and option presets for driving the offload engine directly in tests."""
 
+import io
+
 import torch
 from torch import nn
 
-from lightning_zero_offload.engine import OffloadOptions
+from lightning_zero_offload.engine import OffloadEngine, OffloadOptions
 
 CPU = torch.device("cpu")
 
@@ -40,3 +42,89 @@ def options(**kwargs) -> OffloadOptions:
     kwargs.setdefault("cpu_threads", 2)
     kwargs.setdefault("overlap", True)  # the accelerator's path (the CPU device's default is off)
     return OffloadOptions(**kwargs)
+
+
+def run_ranks(fn, world: int, tmp_path, timeout: float = 120.0) -> list:
+    """Run ``fn(rank)`` (a top-level function) in ``world`` gloo processes; returns their results by rank."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [context.Process(target=_rank_main, args=(fn, rank, world, init, results)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        gathered = dict(results.get(timeout=timeout) for _ in range(world))
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    errors = [r for r in gathered.values() if isinstance(r, str)]
+    assert not errors, errors[0]
+    return [torch.load(io.BytesIO(gathered[rank]), weights_only=True) for rank in range(world)]
+
+
+def _rank_main(fn, rank: int, world: int, init: str, results) -> None:
+    import traceback
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        result = io.BytesIO()
+        torch.save(fn(rank), result)  # bytes, not tensors: shared tensors would die with this process
+        results.put((rank, result.getvalue()))
+    except Exception:
+        results.put((rank, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+class Layers(nn.Module):
+    """A stack of layers, a head registered first, and a small layer that forward never calls (it shares
+    the layout's first bucket with the last layer). ``backwards``: the layers run in the reverse of
+    their registration order, so gradients arrive in the reverse of the layout's order."""
+
+    def __init__(self, backwards: bool, n: int = 6, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backwards = backwards
+        self.head = nn.Linear(width, 4)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in reversed(self.layers) if self.backwards else self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def layers_training(rank: int, world: int, steps: int = 4) -> tuple[list[int], list[torch.Tensor]]:
+    """fp32 AdamW on ``Layers(backwards=False)``, this rank's share of each batch; (held-bucket peak per
+    step, final master weights)."""
+    net = Layers(backwards=False)
+    engine = OffloadEngine(torch.optim.AdamW(net.parameters(), lr=1e-2), CPU, torch.float32, options())
+    peaks = []
+    for x, y in batches(steps):
+        share = len(x) // world
+        engine.grads.device_buffers_peak = 0
+        loss_fn(net, (x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share])).backward()
+        engine.step()
+        peaks.append(engine.grads.device_buffers_peak)
+    return peaks, engine.master_params()
+
+
+def fp16_headroom() -> tuple[float, bool]:
+    """Each rank's fp16 gradient is 40000, their sum overflows fp16: (averaged gradient, overflow seen)."""
+    p = nn.Parameter(torch.zeros(64))
+    engine = OffloadEngine(torch.optim.AdamW([p]), CPU, torch.float16, options())
+    (p.float() * 40000).sum().backward()
+    engine.finish_backward()
+    return float(engine.grad.max()), any(engine.grads.bucket_nonfinite)
+
+
+def two_rank_checks(rank: int) -> tuple:
+    return fp16_headroom(), *layers_training(rank, 2)

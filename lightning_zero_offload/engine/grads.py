@@ -15,8 +15,11 @@ bucket on the device until backward ends):
   once the parameters that got a gradient then have one, so an unused parameter does not hold it; a
   gradient that turns up after its bucket left is sent in a second launch (accumulation adds).
 - several ranks: collectives must be issued in the same order everywhere, so the first backward
-  launches in layout order while recording the order buckets completed; rank 0's order is then
-  broadcast (once, as DDP does) and every later backward launches strictly in it.
+  launches in layout order while recording when each bucket got its last gradient; rank 0's order is then
+  broadcast (once, as DDP does) and every later backward launches strictly in it. A bucket waits
+  only for the parameters some rank got a gradient for on the first backward; if one turns up
+  later, the ranks agree at the flush (one small all-reduce, only for models with such parameters)
+  to send that bucket again.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero_offload import kernels
-from lightning_zero_offload.engine.collectives import broadcast_tensors_, reduce_scatter
+from lightning_zero_offload.engine.collectives import all_reduce_sum, broadcast_tensors_, reduce_scatter
 from lightning_zero_offload.engine.layout import Bucket, Layout
 from lightning_zero_offload.engine.memory import (
     COLLECTIVE,
@@ -105,10 +108,12 @@ class GradientStreamer:
         self._launched = [False] * n_buckets
         # Gradients a bucket waits for before it leaves (one rank; after the first backward: those that came).
         self._expected = [len(b.param_indices) for b in layout.buckets]
-        # Several ranks: the agreed launch order, the next position in it, and this pass's completion order.
+        # Several ranks: the agreed launch order, the next position in it, and (first backward) when each
+        # bucket's last gradient arrived.
         self._order = list(range(n_buckets))
         self._next_launch = 0
-        self._completed: list[int] = []
+        self._last_arrival = [-1] * n_buckets
+        self._arrivals = 0
         self._learned = False
         self._seen = [False] * len(params)
         self._open = False  # a backward pass has produced gradients that finish_backward has not flushed
@@ -155,6 +160,8 @@ class GradientStreamer:
         param.grad = None
         self.has_grad[index] = True
         self._filled[slot.bucket].append(index)
+        self._last_arrival[slot.bucket] = self._arrivals
+        self._arrivals += 1
         self._launch_ready(slot.bucket)
 
     def _acquire_bucket_buffer(self, bucket_index: int) -> torch.Tensor:
@@ -174,11 +181,9 @@ class GradientStreamer:
             if not self._launched[bucket_index] and len(self._filled[bucket_index]) >= self._expected[bucket_index]:
                 self._launch(self.layout.buckets[bucket_index])
             return
-        if len(self._filled[bucket_index]) == len(self.layout.buckets[bucket_index].param_indices):
-            self._completed.append(bucket_index)
         while self._next_launch < len(self._order):
             bucket = self.layout.buckets[self._order[self._next_launch]]
-            if len(self._filled[bucket.index]) < len(bucket.param_indices):
+            if len(self._filled[bucket.index]) < self._expected[bucket.index]:
                 return
             self._launch(bucket)
             self._next_launch += 1
@@ -257,12 +262,19 @@ class GradientStreamer:
         else:  # every rank launches every bucket, in the agreed order, so the collectives always match
             for position in range(self._next_launch, len(self._order)):
                 self._launch(buckets[self._order[position]])
+            if any(e < len(b.param_indices) for e, b in zip(self._expected, buckets)):
+                # Some bucket may have left before a gradient no rank had on the first backward: relaunch
+                # the buckets where any rank holds such a late gradient (one small all-reduce).
+                late = torch.tensor([float(bool(f)) for f in self._filled], dtype=torch.float64)
+                late = all_reduce_sum(late, self.process_group, self.device)
+                for bucket in buckets:
+                    if late[bucket.index] > 0:
+                        self._launch(bucket)
         self.wait()
         self._account_pass(backward_end, backward_end_event)
         if not self._learned:
             self._learn_order()
         self._launched = [False] * len(buckets)
-        self._completed = []
         self._next_launch = 0
         self._seen = [False] * len(self.params)
 
@@ -273,8 +285,11 @@ class GradientStreamer:
         if self.layout.world_size == 1:
             self._expected = [sum(self._seen[i] for i in b.param_indices) for b in buckets]
             return
-        # Buckets never completed during backward (unused parameters) go last, in layout order.
-        order = self._completed + [b.index for b in buckets if b.index not in set(self._completed)]
+        # A bucket waits only for the gradients some rank got, so it is ready when its last one arrived;
+        # buckets without any gradient go last.
+        seen = all_reduce_sum(torch.tensor(self._seen, dtype=torch.float64), self.process_group, self.device) > 0
+        self._expected = [int(seen[b.param_indices].sum()) for b in buckets]
+        order = sorted(range(len(buckets)), key=lambda b: (self._last_arrival[b] < 0, self._last_arrival[b]))
         agreed = torch.tensor(order, dtype=torch.int64)
         broadcast_tensors_([agreed], self.process_group, self.device)
         self._order = agreed.tolist()

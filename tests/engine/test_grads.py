@@ -8,7 +8,18 @@ import threading
 
 import pytest
 import torch
-from engine_helpers import CPU, batches, loss_fn, make_net, options, two_groups
+from engine_helpers import (
+    CPU,
+    Layers,
+    batches,
+    layers_training,
+    loss_fn,
+    make_net,
+    options,
+    run_ranks,
+    two_groups,
+    two_rank_checks,
+)
 from torch import nn
 
 from lightning_zero_offload.engine import OffloadEngine, grads, memory
@@ -87,25 +98,6 @@ def test_device_buffer_pool_prefers_the_oldest_completed_buffer():
     assert pool.acquire() is c
     assert pool.acquire() is a and pool.waits == [(0, 2)]  # at the cap: wait for the oldest
     assert pool.allocated == 3
-
-
-class Layers(nn.Module):
-    """A stack of layers, a head registered first, and a small layer that forward never calls (it shares
-    the layout's first bucket with the last layer). ``backwards``: the layers run in the reverse of
-    their registration order, so gradients arrive in the reverse of the layout's order."""
-
-    def __init__(self, backwards: bool, n: int = 6, width: int = 16) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.backwards = backwards
-        self.head = nn.Linear(width, 4)
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
-        self.unused = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in reversed(self.layers) if self.backwards else self.layers:
-            x = torch.tanh(layer(x))
-        return self.head(x)
 
 
 def peaks_per_step(net: nn.Module, engine: OffloadEngine, data) -> list[int]:
@@ -224,3 +216,16 @@ def test_device_timing_counts_only_the_part_after_backward_as_exposed(monkeypatc
     streamer._account_pass(backward_end=0.0, backward_end_event=end)
     exposed, total = streamer.take_timings()
     assert total == pytest.approx(3e-3) and exposed == pytest.approx(1e-3)
+
+
+def test_two_ranks_fp16_headroom_and_agreed_launch_order(tmp_path):
+    """Two gloo ranks: fp16 gradients that overflow when summed are averaged without overflow, and a
+    model with an unused parameter and its head declared first holds at most two buckets after the
+    first backward, with the same result as one rank."""
+    fp16, peaks, weights = zip(*run_ranks(two_rank_checks, 2, tmp_path))
+    assert fp16 == ((40000.0, False),) * 2
+    assert all(max(p[1:]) <= 2 for p in peaks), peaks
+    single = layers_training(rank=0, world=1)[1]
+    for a, b, ref in zip(weights[0], weights[1], single):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, ref, rtol=1e-5, atol=1e-6)
