@@ -44,14 +44,16 @@ def options(**kwargs) -> OffloadOptions:
     return OffloadOptions(**kwargs)
 
 
-def run_ranks(fn, world: int, tmp_path, timeout: float = 120.0) -> list:
-    """Run ``fn(rank)`` (a top-level function) in ``world`` gloo processes; returns their results by rank."""
+def run_ranks(fn, world: int, tmp_path, timeout: float = 120.0, backend: str = "gloo") -> list:
+    """Run ``fn(rank)`` (a top-level function) in ``world`` processes; returns their results by rank."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
     results = context.Queue()
     init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [context.Process(target=_rank_main, args=(fn, rank, world, init, results)) for rank in range(world)]
+    procs = [
+        context.Process(target=_rank_main, args=(fn, rank, world, init, backend, results)) for rank in range(world)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -66,13 +68,15 @@ def run_ranks(fn, world: int, tmp_path, timeout: float = 120.0) -> list:
     return [torch.load(io.BytesIO(gathered[rank]), weights_only=True) for rank in range(world)]
 
 
-def _rank_main(fn, rank: int, world: int, init: str, results) -> None:
+def _rank_main(fn, rank: int, world: int, init: str, backend: str, results) -> None:
     import traceback
 
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     try:
         result = io.BytesIO()
         torch.save(fn(rank), result)  # bytes, not tensors: shared tensors would die with this process
@@ -102,25 +106,28 @@ class Layers(nn.Module):
         return self.head(x)
 
 
-def layers_training(rank: int, world: int, steps: int = 4) -> tuple[list[int], list[torch.Tensor]]:
+def layers_training(
+    rank: int, world: int, steps: int = 4, device: torch.device = CPU
+) -> tuple[list[int], list[torch.Tensor]]:
     """fp32 AdamW on ``Layers(backwards=False)``, this rank's share of each batch; (held-bucket peak per
     step, final master weights)."""
     net = Layers(backwards=False)
-    engine = OffloadEngine(torch.optim.AdamW(net.parameters(), lr=1e-2), CPU, torch.float32, options())
+    engine = OffloadEngine(torch.optim.AdamW(net.parameters(), lr=1e-2), device, torch.float32, options())
     peaks = []
     for x, y in batches(steps):
         share = len(x) // world
         engine.grads.device_buffers_peak = 0
-        loss_fn(net, (x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share])).backward()
+        mine = slice(rank * share, (rank + 1) * share)
+        loss_fn(net, (x[mine].to(device), y[mine].to(device))).backward()
         engine.step()
         peaks.append(engine.grads.device_buffers_peak)
     return peaks, engine.master_params()
 
 
-def fp16_headroom() -> tuple[float, bool]:
+def fp16_headroom(device: torch.device = CPU) -> tuple[float, bool]:
     """Each rank's fp16 gradient is 40000, their sum overflows fp16: (averaged gradient, overflow seen)."""
     p = nn.Parameter(torch.zeros(64))
-    engine = OffloadEngine(torch.optim.AdamW([p]), CPU, torch.float16, options())
+    engine = OffloadEngine(torch.optim.AdamW([p]), device, torch.float16, options())
     (p.float() * 40000).sum().backward()
     engine.finish_backward()
     return float(engine.grad.max()), any(engine.grads.bucket_nonfinite)
@@ -128,3 +135,9 @@ def fp16_headroom() -> tuple[float, bool]:
 
 def two_rank_checks(rank: int) -> tuple:
     return fp16_headroom(), *layers_training(rank, 2)
+
+
+def two_gpu_checks(rank: int) -> tuple:
+    """``two_rank_checks`` over NCCL, one GPU per rank."""
+    device = torch.device("cuda", rank)
+    return fp16_headroom(device), *layers_training(rank, 2, device=device)

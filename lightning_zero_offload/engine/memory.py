@@ -284,7 +284,7 @@ class DeviceBufferPool:
                 return buffer
         if self._free and self.allocated >= self.cap:
             buffer, event, tag = self._free.popleft()
-            stream_wait_event(event)
+            stream_wait_event(event, self.device)
             self.waits.append((tag, self._last_released))
             return buffer
         self.allocated += 1
@@ -327,18 +327,27 @@ def new_event(device: torch.device, timing: bool = False) -> torch.Event | None:
     return torch.Event(device=device, enable_timing=timing)
 
 
+def current_stream(device: torch.device) -> Any:
+    """``device``'s current stream in this thread (even when another device is the current one); None on the CPU."""
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":  # torch.cuda.Event takes only torch.cuda streams
+        return torch.cuda.current_stream(device)
+    return torch.accelerator.current_stream(device)
+
+
 def record_event(device: torch.device, timing: bool = False) -> torch.Event | None:
-    """An event marking the work queued so far on the current stream; None where copies are synchronous."""
+    """An event marking the work queued so far on ``device``'s current stream; None where copies are synchronous."""
     event = new_event(device, timing)
     if event is not None:
-        event.record()
+        event.record(current_stream(device))
     return event
 
 
-def stream_wait_event(event: torch.Event | None) -> None:
-    """Queue a wait for ``event`` on the current stream (no host blocking)."""
+def stream_wait_event(event: torch.Event | None, device: torch.device) -> None:
+    """Queue a wait for ``event`` on ``device``'s current stream (no host blocking)."""
     if event is not None:
-        event.wait()
+        event.wait(current_stream(device))
 
 
 def wait_event(event: torch.Event | None) -> None:
