@@ -54,8 +54,8 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 class StepStats:
     """What the last optimizer step did and where its time went (seconds).
 
-    ``transfer_s`` is the time the gradient worker spent moving and accumulating buckets;
-    ``transfer_wait_s`` the part of it the training thread waited for after backward (not hidden).
+    ``transfer_s`` is the time spent moving buckets (on the device, timed with events) and accumulating
+    them (CPU); ``transfer_wait_s`` the part of it that ran after backward ended (not hidden).
     In delayed mode ``cpu_step_s`` is the background update and ``update_wait_s`` the part of it the
     training thread waited for.
     """
