@@ -1,9 +1,13 @@
 import lightning as L
 import pytest
+import torch
+from engine_helpers import CPU, make_net, options
 from helpers import QUIET, Classifier, loader
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_zero_offload import OffloadMetrics, ZeroOffloadPrecision, ZeroOffloadStrategy
+from lightning_zero_offload.callbacks import format_summary
+from lightning_zero_offload.engine import OffloadEngine
 
 
 def test_metrics_are_logged_per_optimizer_step_and_summary_printed(tmp_path, caplog):
@@ -43,3 +47,12 @@ def test_fp16_logs_the_loss_scale_and_metrics_can_be_turned_off():
     trainer.fit(Classifier(), loader())
     assert not any(isinstance(c, OffloadMetrics) for c in trainer.callbacks)
     assert not any(k.startswith("offload/") for k in trainer.logged_metrics)
+
+
+def test_summary_reports_the_hidden_share_of_transfers_as_a_percentage():
+    engine = OffloadEngine(torch.optim.AdamW(make_net().parameters()), CPU, torch.float32, options())
+    totals = dict.fromkeys(("backward", "transfer_wait", "cpu_step", "update_wait", "copy_back"), 0.0)
+    totals.update(transfer=1.0, transfer_wait=0.25)
+    assert "(75% of transfers hidden)" in format_summary(engine, totals, 1)
+    totals["transfer_wait"] = 2.8  # a wait longer than the work (thread wake-up on a busy machine): was -180%
+    assert "(0% of transfers hidden)" in format_summary(engine, totals, 1)
