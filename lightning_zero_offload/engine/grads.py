@@ -344,10 +344,6 @@ class GradientStreamer:
                 fn(self.cpu_grad[bucket.shard_range])
 
     @property
-    def staging_nbytes(self) -> int:
-        return self._staging.nbytes
-
-    @property
     def device_buffer_nbytes(self) -> int:
         return self._device_buffer_numel * torch.empty(0, dtype=self.grad_dtype).element_size()
 

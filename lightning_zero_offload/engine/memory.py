@@ -184,10 +184,6 @@ class BufferPool:
         for buffer in self.buffers:
             self._free.put((buffer, None))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
-
     def acquire(self) -> torch.Tensor:
         buffer, event = self._free.get()
         wait_event(event)

@@ -108,7 +108,9 @@ def reachable_storages(root) -> dict[int, int]:
 @pytest.mark.parametrize("dpu", [False, True])
 def test_memory_report_accounts_for_every_buffer_the_engine_holds(dpu):
     net = make_net()
-    engine = OffloadEngine(two_groups(net), CPU, torch.bfloat16, options(delayed_param_update=dpu, dpu_warmup_steps=1))
+    engine = OffloadEngine(
+        two_groups(net), CPU, torch.bfloat16, options(cpu_step="delayed" if dpu else "sync", dpu_warmup_steps=1)
+    )
     for batch in batches(3):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss_fn(net, batch).backward()
@@ -128,7 +130,9 @@ def test_32_true_and_dpu_pin_only_bucket_sized_buffers(driver, monkeypatch):
     results = []
     for dtype, dpu in ((torch.float32, False), (torch.bfloat16, True)):
         net = make_net()
-        engine = OffloadEngine(two_groups(net), CPU, dtype, options(delayed_param_update=dpu, dpu_warmup_steps=1))
+        engine = OffloadEngine(
+            two_groups(net), CPU, dtype, options(cpu_step="delayed" if dpu else "sync", dpu_warmup_steps=1)
+        )
         for batch in batches(3):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
                 loss_fn(net, batch).backward()
@@ -144,7 +148,9 @@ def test_32_true_and_dpu_pin_only_bucket_sized_buffers(driver, monkeypatch):
     monkeypatch.undo()
     for (dtype, dpu), pinned in zip(((torch.float32, False), (torch.bfloat16, True)), results):
         net = make_net()
-        engine = OffloadEngine(two_groups(net), CPU, dtype, options(delayed_param_update=dpu, dpu_warmup_steps=1))
+        engine = OffloadEngine(
+            two_groups(net), CPU, dtype, options(cpu_step="delayed" if dpu else "sync", dpu_warmup_steps=1)
+        )
         for batch in batches(3):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
                 loss_fn(net, batch).backward()
