@@ -73,6 +73,10 @@ class ZeroOffloadPrecision(Precision):
             raise TypeError(f"zero_offload's optimizer step takes no extra arguments, got {sorted(kwargs)}")
         if self.engine is None or self.engine.closed:
             raise RuntimeError("The offload engine is not set up: optimizer steps are only possible during fit")
+        # In automatic optimization the closure runs the backward that ends the accumulation window, so a
+        # step follows it: the speculative schedule may run the CPU step during that backward. (Manual
+        # optimization has run its backward already; its step then runs after it, as in sync.)
+        self.engine.expect_step()
         closure_result = closure()
         # Like AMP: training_step returned None in automatic optimization means "skip this step".
         skip = closure_result is None and getattr(model, "automatic_optimization", True)
@@ -80,6 +84,7 @@ class ZeroOffloadPrecision(Precision):
         # Manual optimization records the clip before calling optimizer.step(); automatic in _after_closure.
         clip, self._clip = self._clip, {}
         if skip:
+            self.engine.expect_step(False)
             self.engine.finish_backward()
         else:
             self.engine.step(**clip)

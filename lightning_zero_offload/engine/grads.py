@@ -85,6 +85,8 @@ class GradientStreamer:
         self.bucket_nonfinite = [False] * n_buckets
         self._wait_s = 0.0
         self._busy_s = 0.0
+        # Called on the worker once a bucket's gradient is in the CPU buffer (the speculative step's cue).
+        self.on_accumulated: Callable[[Bucket], None] | None = None
         self._hooks = [self._register(index, p) for index, p in enumerate(params)]
 
     # -- backward side -------------------------------------------------------------------------
@@ -183,6 +185,8 @@ class GradientStreamer:
         self.bucket_nonfinite[bucket.index] = nonfinite
         self._staging.release(staging)
         self._busy_s += time.perf_counter() - start
+        if self.on_accumulated is not None:
+            self.on_accumulated(bucket)
 
     def begin(self) -> None:
         """A backward pass starts: its flush will launch every bucket, even if this rank got no gradient."""
