@@ -126,13 +126,10 @@ class ZeroOffloadPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A checkpoint written by 0.1.0: the engine state under this plugin's class-name key."""
         if state_dict:
-            self._load_engine_state(
-                {
-                    "step_calls": state_dict.get("step_calls", 0),
-                    "loss_scaler": state_dict.get("loss_scaler"),
-                    "pending": state_dict.get("dpu_pending"),
-                }
-            )
+            state = {"step_calls": state_dict.get("step_calls", 0), "loss_scaler": state_dict.get("loss_scaler")}
+            if state_dict.get("dpu_pending") is not None:  # only DPU had pending state then
+                state["schedule"] = {"name": "delayed", "pending": state_dict["dpu_pending"]}
+            self._load_engine_state(state)
 
     def _load_engine_state(self, state: dict[str, Any]) -> None:
         if self.engine is None or self.engine.closed:

@@ -43,3 +43,20 @@ def test_fp16_logs_the_loss_scale_and_metrics_can_be_turned_off():
     trainer.fit(Classifier(), loader())
     assert not any(isinstance(c, OffloadMetrics) for c in trainer.callbacks)
     assert not any(k.startswith("offload/") for k in trainer.logged_metrics)
+
+
+def test_speculation_metrics_and_summary(caplog):
+    trainer = L.Trainer(
+        strategy=ZeroOffloadStrategy(cpu_step="speculative", overlap=True, bucket_size_mb=0.002),
+        precision="bf16-mixed",
+        max_steps=8,
+        gradient_clip_val=0.3,  # triggers on some steps: those are rolled back
+        log_every_n_steps=1,
+        **QUIET,
+    )
+    with caplog.at_level("INFO"):
+        trainer.fit(Classifier(), loader())
+    metrics = trainer.logged_metrics
+    assert 0 <= metrics["offload/speculated_fraction"] <= 1
+    assert metrics["offload/rollbacks"] == trainer.strategy.engine.schedule.rollbacks > 0
+    assert "CPU step schedule: speculative" in caplog.text and "rollback(s)" in caplog.text

@@ -18,9 +18,9 @@ from lightning_zero_offload.engine.scaler import LossScalerConfig
 
 CheckpointFormat = Literal["full", "sharded"]
 CpuStep = Literal["auto", "sync", "speculative", "delayed"]
-SpeculationRollback = Literal["undo", "snapshot"]
+SpeculationRollback = Literal["auto", "undo", "snapshot"]
 CPU_STEPS = ("auto", "sync", "speculative", "delayed")
-SPECULATION_ROLLBACKS = ("undo", "snapshot")
+SPECULATION_ROLLBACKS = ("auto", "undo", "snapshot")
 
 
 def usable_cores() -> int:
@@ -49,7 +49,7 @@ class OffloadOptions:
     delayed_param_update: bool = False  # deprecated alias of cpu_step="delayed"
     dpu_warmup_steps: int = 40
     dpu_weight_prediction: bool = False
-    speculation_rollback: SpeculationRollback = "undo"
+    speculation_rollback: SpeculationRollback = "auto"
     checkpoint_format: CheckpointFormat = "full"
     max_consecutive_skipped_steps: int | None = 20
 

@@ -7,6 +7,9 @@ accumulation window, ``begin_backward()`` / ``finish_backward()`` around every b
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,9 +33,13 @@ class Net(nn.Module):
         self.tied = nn.Linear(32, 32, bias=False)
         self.out = nn.Linear(32, 4)
         self.unused_on_odd = nn.Linear(32, 4)
+        self.poison = False  # inf gradient for the first layer only: later layers' buckets stay finite
 
     def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        h = torch.nn.functional.gelu(self.inp(x))
+        h = self.inp(x)
+        if self.poison and h.requires_grad:
+            h.register_hook(lambda g: g * float("inf"))
+        h = torch.nn.functional.gelu(h)
         h = torch.nn.functional.gelu(self.hidden(self.frozen(h)))
         h = self.tied(torch.tanh(self.tied(h)))  # one parameter used twice
         return self.out(h) + (self.unused_on_odd(h) if step % 2 == 0 else 0)
@@ -56,11 +63,12 @@ def train(
     clip_value: float | None = None,
     inf_at: int | None = None,
     announce_every_backward: bool = False,
+    rank: int = 0,
     **kwargs,
 ) -> tuple[OffloadEngine, Net, list[StepStats]]:
     net = Net()
     engine = OffloadEngine(net.optimizer(), CPU, dtype, options(cpu_step=cpu_step, dpu_warmup_steps=2, **kwargs))
-    data = batches(steps * accumulate, seed=3)
+    data = batches(steps * accumulate, seed=3 + rank)
     history = []
     for step in range(steps):
         for micro in range(accumulate):
@@ -68,10 +76,10 @@ def train(
             if micro == accumulate - 1 or announce_every_backward:
                 engine.expect_step()
             engine.begin_backward()
+            net.poison = step == inf_at and micro == accumulate - 1
             with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-                loss = nn.functional.cross_entropy(net(x, step).float(), y) / accumulate
-            if step == inf_at and micro == 0:
-                loss = loss * float("inf")
+                # with two ranks the odd-step layer gets a gradient on one of them only
+                loss = nn.functional.cross_entropy(net(x, step + rank).float(), y) / accumulate
             engine.scale_loss(loss).backward()
             engine.finish_backward()
         history.append(engine.step(clip_norm=clip_norm, clip_value=clip_value))
@@ -153,6 +161,7 @@ def test_fp16_overflow_is_skipped_and_rolled_back_exactly_as_sync():
     assert history[5].skipped and sync_history[5].skipped and spec.skipped_steps == sync.skipped_steps == 1
     assert spec.loss_scale == sync.loss_scale < 2.0**16  # backed off
     assert_bitwise(snapshot(spec, spec_net), snapshot(sync, sync_net))
+    assert history[5].rolled_back and spec.schedule.rollbacks == 1  # the finite buckets were speculated
     assert history[4].speculated_fraction > 0 and history[6].speculated_fraction > 0
 
 
@@ -202,3 +211,9 @@ def test_resume_from_engine_state_is_bitwise(cpu_step):
         for group in engine.optimizer.param_groups:
             group["lr"] *= 0.9
     assert_bitwise(snapshot(engine, net), snapshot(full, full_net))
+
+
+def test_speculative_equals_sync_at_two_ranks():
+    script = Path(__file__).parents[1] / "scenarios" / "schedules.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-3000:] + done.stderr[-3000:]

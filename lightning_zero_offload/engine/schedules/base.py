@@ -8,6 +8,7 @@ buckets), including its part of a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -36,6 +37,7 @@ class Schedule:
     """The synchronous default of every hook; subclasses override what their timing changes."""
 
     name: ClassVar[str]
+    rollbacks = 0  # speculated work taken back (only the speculative schedule has any)
 
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine
@@ -82,10 +84,8 @@ class Schedule:
 
     def abandon(self) -> None:
         """After a failure: finish or drop running work, keep nothing pending, issue no collective."""
-        try:
+        with contextlib.suppress(Exception):  # the first failure is the one being reported
             self.settle()
-        except Exception:  # noqa: BLE001 - the first failure is the one being reported
-            pass
 
 
 def apply_now(

@@ -15,7 +15,10 @@ goes to a host buffer, never to the device. After backward the engine validates:
 
 Rolling back is ``"undo"`` (the step inverted algebraically: no memory, equal to sync within fp32
 rounding) or ``"snapshot"`` (the bucket's state copied before the step: bitwise, 12 bytes of host
-memory per parameter and that much extra traffic on every speculated step); see docs/dpu.md.
+memory per parameter and that much extra traffic on every speculated step, on the worker). ``"auto"``
+takes the snapshot for fp16, where overflows are routine and the skipped step must leave the state
+exactly as sync does, and undo otherwise (a non-finite bf16/fp32 gradient is an error condition,
+and a clipped step within fp32 rounding of sync is what the undo gives); see docs/dpu.md.
 
 Only buckets whose parameters all got a gradient in this window and whose gradient is finite are
 speculated: their step count and hyperparameters are then known before the all-reduce that
@@ -57,6 +60,8 @@ class SpeculativeSchedule(Schedule):
         super().__init__(engine)
         shard = engine.layout.shard_numel
         self.mode = engine.options.speculation_rollback
+        if self.mode == "auto":  # fp16 overflows are routine and must be skipped bitwise as in sync
+            self.mode = "snapshot" if engine.param_dtype == torch.float16 else "undo"
         # Speculated low-precision results wait here until validated (fp32 params: the master is published).
         self.out = host_zeros(shard, engine.param_dtype, engine.pin) if engine.publish_pool is not None else None
         self.snapshot = [host_zeros(shard, torch.float32, False) for _ in range(3)] if self.mode == "snapshot" else []
