@@ -54,7 +54,7 @@ class OffloadOptions:
     max_consecutive_skipped_steps: int | None = 20
 
     def __post_init__(self) -> None:
-        check_real("bucket_size_mb", self.bucket_size_mb, "> 0 (megabytes)", self.bucket_size_mb > 0)
+        check_real("bucket_size_mb", self.bucket_size_mb, "> 0 (megabytes)", lambda v: v > 0)
         check_bool("pin_memory", self.pin_memory)
         check_bool("overlap", self.overlap, optional=True)
         check_int("cpu_threads", self.cpu_threads, 1, optional=True)
