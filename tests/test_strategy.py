@@ -243,8 +243,8 @@ def test_delayed_param_update_resumes_bitwise(tmp_path, prediction):
     _, trainer = fit(dpu(), max_epochs=1, **common)
     trainer.save_checkpoint(tmp_path / "dpu.ckpt")  # an update is pending here: its stale weights are saved
     state = torch.load(tmp_path / "dpu.ckpt", weights_only=True)[ENGINE_STATE_KEY]
-    assert state["step_calls"] == 20 and "pending" in state
-    assert ("next_params" in state["pending"]) == prediction
+    assert state["step_calls"] == 20 and "pending" in state["schedule"]
+    assert ("next_params" in state["schedule"]["pending"]) == prediction
     resumed = Classifier()
     L.Trainer(strategy=dpu(), max_epochs=2, gradient_clip_val=1.0, **{**QUIET, "precision": "bf16-mixed"}).fit(
         resumed, loader(), ckpt_path=tmp_path / "dpu.ckpt", weights_only=True
