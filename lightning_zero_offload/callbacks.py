@@ -29,7 +29,9 @@ class OffloadMetrics(L.Callback):
     Added automatically by ``ZeroOffloadStrategy`` (``metrics=True``); add it yourself to change its
     arguments. Metrics: ``backward_ms``, ``transfer_wait_ms`` (gradient transfer not hidden behind
     backward), ``hidden_transfer_pct``, ``cpu_step_ms``, ``update_wait_ms`` (DPU: background update not
-    hidden), ``copy_back_ms``, ``grad_norm``, ``loss_scale`` (fp16), ``skipped_steps``.
+    hidden), ``copy_back_ms``, ``grad_norm``, ``loss_scale`` (fp16), ``skipped_steps``,
+    ``speculated_fraction`` (``cpu_step="speculative"``: share of the parameters updated during backward
+    this step) and ``rollbacks`` (speculated steps taken back so far: clipping triggered, overflow).
 
     Args:
         prog_bar: also show the CPU step time, gradient norm and (fp16) loss scale in the progress bar.
@@ -66,6 +68,8 @@ class OffloadMetrics(L.Callback):
         metrics["offload/hidden_transfer_pct"] = 100.0 * stats.hidden_transfer_fraction
         metrics["offload/grad_norm"] = stats.grad_norm
         metrics["offload/skipped_steps"] = float(engine.skipped_steps)
+        metrics["offload/speculated_fraction"] = stats.speculated_fraction
+        metrics["offload/rollbacks"] = float(engine.schedule.rollbacks)
         if engine.scaler is not None:
             metrics["offload/loss_scale"] = stats.loss_scale
         on_bar = {"offload/cpu_step_ms", "offload/grad_norm", "offload/loss_scale"} if self.prog_bar else set()
@@ -74,6 +78,7 @@ class OffloadMetrics(L.Callback):
         for name in _TIMINGS:
             self._totals[name] += getattr(stats, f"{name}_s")
         self._totals["transfer"] += stats.transfer_s
+        self._totals["speculated_fraction"] += stats.speculated_fraction
         self._count += 1
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -107,5 +112,9 @@ def format_summary(engine: OffloadEngine, totals: dict[str, float], steps: int) 
             f"{per['transfer_wait']:.1f} ms ({hidden:.0f}% of transfers hidden), CPU step {per['cpu_step']:.1f} ms, "
             f"DPU wait {per['update_wait']:.1f} ms, copy-back {per['copy_back']:.1f} ms; "
             f"skipped steps {engine.skipped_steps}"
+        )
+        lines.append(
+            f"  CPU step schedule: {engine.schedule.name}; {100 * totals['speculated_fraction'] / steps:.0f}% of the "
+            f"parameters updated during backward on average, {engine.schedule.rollbacks} rollback(s)"
         )
     return "\n".join(lines)

@@ -73,6 +73,10 @@ class ZeroOffloadPrecision(Precision):
             raise TypeError(f"zero_offload's optimizer step takes no extra arguments, got {sorted(kwargs)}")
         if self.engine is None or self.engine.closed:
             raise RuntimeError("The offload engine is not set up: optimizer steps are only possible during fit")
+        # In automatic optimization the closure runs the backward that ends the accumulation window, so a
+        # step follows it: the speculative schedule may run the CPU step during that backward. (Manual
+        # optimization has run its backward already; its step then runs after it, as in sync.)
+        self.engine.expect_step()
         closure_result = closure()
         # Like AMP: training_step returned None in automatic optimization means "skip this step".
         skip = closure_result is None and getattr(model, "automatic_optimization", True)
@@ -80,6 +84,7 @@ class ZeroOffloadPrecision(Precision):
         # Manual optimization records the clip before calling optimizer.step(); automatic in _after_closure.
         clip, self._clip = self._clip, {}
         if skip:
+            self.engine.expect_step(False)
             self.engine.finish_backward()
         else:
             self.engine.step(**clip)
@@ -121,13 +126,10 @@ class ZeroOffloadPrecision(Precision):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """A checkpoint written by 0.1.0: the engine state under this plugin's class-name key."""
         if state_dict:
-            self._load_engine_state(
-                {
-                    "step_calls": state_dict.get("step_calls", 0),
-                    "loss_scaler": state_dict.get("loss_scaler"),
-                    "pending": state_dict.get("dpu_pending"),
-                }
-            )
+            state = {"step_calls": state_dict.get("step_calls", 0), "loss_scaler": state_dict.get("loss_scaler")}
+            if state_dict.get("dpu_pending") is not None:  # only DPU had pending state then
+                state["schedule"] = {"name": "delayed", "pending": state_dict["dpu_pending"]}
+            self._load_engine_state(state)
 
     def _load_engine_state(self, state: dict[str, Any]) -> None:
         if self.engine is None or self.engine.closed:

@@ -86,10 +86,11 @@ class ZeroOffloadStrategy(ParallelStrategy):
             after it (clipping, overflow) and corrected if needed; results equal ``"sync"``. ``"delayed"``:
             overlaps the next forward/backward, which sees one-step-stale weights (changes convergence).
             ``"auto"`` (default): ``"speculative"`` on an accelerator, ``"sync"`` on a CPU device.
-        speculation_rollback: how ``cpu_step="speculative"`` corrects a speculated bucket when clipping
-            triggers: ``"undo"`` inverts the Adam step algebraically (no extra memory; equal to sync within
-            fp32 rounding), ``"snapshot"`` copies the bucket's state before speculating (bitwise equal to
-            sync; 12 bytes of host memory per parameter).
+        speculation_rollback: how ``cpu_step="speculative"`` takes a speculated bucket back when clipping
+            triggers or a gradient overflows: ``"undo"`` inverts the Adam step algebraically (no extra memory;
+            equal to sync within fp32 rounding), ``"snapshot"`` copies the bucket's state before speculating
+            (bitwise equal to sync; 12 bytes of host memory per parameter). ``"auto"``: snapshot for fp16
+            (overflows are routine there), undo otherwise.
         loss_scale_init: fp16 only: initial dynamic loss scale.
         loss_scale_growth_interval: fp16 only: overflow-free steps before the scale grows.
         loss_scale_growth_factor: fp16 only: factor by which the scale grows.
@@ -133,7 +134,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
         overlap: bool | None = None,
         cpu_threads: int | None = None,
         cpu_step: Literal["auto", "sync", "speculative", "delayed"] = "auto",
-        speculation_rollback: Literal["undo", "snapshot"] = "undo",
+        speculation_rollback: Literal["auto", "undo", "snapshot"] = "auto",
         loss_scale_init: float = 2.0**16,
         loss_scale_growth_interval: int = 1000,
         loss_scale_growth_factor: float = 2.0,

@@ -51,8 +51,27 @@ def test_fp16_logs_the_loss_scale_and_metrics_can_be_turned_off():
 
 def test_summary_reports_the_hidden_share_of_transfers_as_a_percentage():
     engine = OffloadEngine(torch.optim.AdamW(make_net().parameters()), CPU, torch.float32, options())
-    totals = dict.fromkeys(("backward", "transfer_wait", "cpu_step", "update_wait", "copy_back"), 0.0)
+    totals = dict.fromkeys(
+        ("backward", "transfer_wait", "cpu_step", "update_wait", "copy_back", "speculated_fraction"), 0.0
+    )
     totals.update(transfer=1.0, transfer_wait=0.25)
     assert "(75% of transfers hidden)" in format_summary(engine, totals, 1)
     totals["transfer_wait"] = 2.8  # a wait longer than the work (thread wake-up on a busy machine): was -180%
     assert "(0% of transfers hidden)" in format_summary(engine, totals, 1)
+
+
+def test_speculation_metrics_and_summary(caplog):
+    trainer = L.Trainer(
+        strategy=ZeroOffloadStrategy(cpu_step="speculative", overlap=True, bucket_size_mb=0.002),
+        precision="bf16-mixed",
+        max_steps=8,
+        gradient_clip_val=0.3,  # triggers on some steps: those are rolled back
+        log_every_n_steps=1,
+        **QUIET,
+    )
+    with caplog.at_level("INFO"):
+        trainer.fit(Classifier(), loader())
+    metrics = trainer.logged_metrics
+    assert 0 <= metrics["offload/speculated_fraction"] <= 1
+    assert metrics["offload/rollbacks"] == trainer.strategy.engine.schedule.rollbacks > 0
+    assert "CPU step schedule: speculative" in caplog.text and "rollback(s)" in caplog.text

@@ -114,7 +114,7 @@ def test_dpu_with_weight_prediction_resumes_bitwise_across_ranks(tmp_path, fmt):
     launch(tmp_path, "first", max_epochs=1, save=tmp_path / "dpu.ckpt", **dpu)  # 4 steps: update 4 pending
     ckpt = tmp_path / "dpu.ckpt"
     saved = torch.load(ckpt / "v000001" / "meta.pt" if fmt == "sharded" else ckpt, weights_only=True)
-    assert "next_params" in saved["ZeroOffloadPrecision"]["dpu_pending"]
+    assert "next_params" in saved["zero_offload_engine"]["schedule"]["pending"]
     resumed = launch(tmp_path, "resumed", max_epochs=3, resume=ckpt, **dpu)
     assert resumed["losses"] == full["losses"][4:]
     assert max_abs_diff(resumed, full) == 0.0

@@ -1,10 +1,15 @@
+"""The precision plugin: the fp32 warning, the engine state under its own checkpoint key, 0.1.0 checkpoints."""
+
 import warnings
 
 import lightning as L
 import pytest
+import torch
 from helpers import QUIET, Classifier, loader
 
 import lightning_zero_offload  # noqa: F401  (registers the strategy)
+from lightning_zero_offload import ZeroOffloadPrecision, ZeroOffloadStrategy
+from lightning_zero_offload.precision import ENGINE_STATE_KEY
 
 
 def _fit_warnings(**trainer_kwargs) -> list[str]:
@@ -21,3 +26,39 @@ def test_fp32_default_precision_warns_and_names_what_to_pass(kwargs, warned):
     assert bool(messages) == warned
     if warned:
         assert len(messages) == 1 and "precision='bf16-mixed'" in messages[0]
+
+
+def as_written_by_0_1_0(checkpoint: dict) -> dict:
+    """0.1.0 kept the engine state in the precision plugin's entry: step_calls, loss_scaler, dpu_pending."""
+    engine = checkpoint.pop(ENGINE_STATE_KEY)
+    old = {"step_calls": engine["step_calls"], "loss_scaler": engine["loss_scaler"]}
+    if "pending" in engine["schedule"]:
+        old["dpu_pending"] = engine["schedule"]["pending"]
+    checkpoint["ZeroOffloadPrecision"] = old
+    return checkpoint
+
+
+def test_a_0_1_0_checkpoint_resumes_bitwise(tmp_path):
+    """fp16 (loss scaler state) with a delayed update pending (stale device weights) at the save."""
+
+    def run(max_epochs, ckpt_path=None):
+        model = Classifier()
+        trainer = L.Trainer(
+            strategy=ZeroOffloadStrategy(cpu_step="delayed", dpu_warmup_steps=5, loss_scale_init=2.0**10),
+            plugins=[ZeroOffloadPrecision("16-mixed")],
+            max_epochs=max_epochs,
+            **{**QUIET, "max_steps": -1},
+        )
+        trainer.fit(model, loader(n=64), ckpt_path=ckpt_path, weights_only=True)
+        return model, trainer
+
+    full, _ = run(2)
+    _, first = run(1)
+    first.save_checkpoint(tmp_path / "new.ckpt")
+    checkpoint = torch.load(tmp_path / "new.ckpt", weights_only=True)
+    assert "dpu_pending" in as_written_by_0_1_0(checkpoint)["ZeroOffloadPrecision"]
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    resumed, trainer = run(2, tmp_path / "old.ckpt")
+    assert trainer.strategy.engine.step_calls == 16
+    assert resumed.losses == full.losses[8:]
+    assert all(torch.equal(p, q) for p, q in zip(full.parameters(), resumed.parameters()))

@@ -28,6 +28,7 @@ from torch import nn
 import lightning_zero_offload  # noqa: F401  (registers "zero_offload")
 from lightning_zero_offload import NonFiniteLossError, ZeroOffloadPrecision, ZeroOffloadStrategy
 from lightning_zero_offload.engine import OffloadEngine
+from lightning_zero_offload.engine.state import full_tensors
 from lightning_zero_offload.strategy import collective_timeout
 
 SCENARIO = Path(__file__).parent / "scenarios" / "failures.py"
@@ -231,7 +232,7 @@ def test_after_a_failure_one_process_hands_back_the_master_weights():
         fit(strategy, model, precision="bf16-mixed")
     engine = strategy.engine
     assert engine.closed and engine.failed
-    masters = engine._full_tensors(engine.master)
+    masters = full_tensors(engine, engine.master)
     for p, master in zip(engine.params, masters):
         assert p.dtype == torch.float32 and torch.equal(p.detach(), master)  # fp32, not the bf16 device copy
 
@@ -240,9 +241,9 @@ def test_closing_after_a_failure_never_waits_for_a_blocked_worker():
     """A failed publish leaves the update worker waiting for a buffer: close must not wait for it."""
     net = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
     engine = OffloadEngine(torch.optim.AdamW(net.parameters()), torch.device("cpu"), torch.bfloat16, options())
-    held = [engine._publish_pool.acquire(), engine._publish_pool.acquire()]  # the failed main thread's
-    blocked = engine._updater.submit(engine._publish_pool.acquire)
-    queued = engine._updater.submit(time.sleep, 60)
+    held = [engine.publish_pool.acquire(), engine.publish_pool.acquire()]  # the failed main thread's
+    blocked = engine.updater.submit(engine.publish_pool.acquire)
+    queued = engine.updater.submit(time.sleep, 60)
     closer = threading.Thread(target=engine.close, kwargs={"after_failure": True}, daemon=True)
     closer.start()
     closer.join(timeout=20)

@@ -243,8 +243,8 @@ def test_delayed_param_update_resumes_bitwise(tmp_path, prediction):
     _, trainer = fit(dpu(), max_epochs=1, **common)
     trainer.save_checkpoint(tmp_path / "dpu.ckpt")  # an update is pending here: its stale weights are saved
     state = torch.load(tmp_path / "dpu.ckpt", weights_only=True)[ENGINE_STATE_KEY]
-    assert state["step_calls"] == 20 and "pending" in state
-    assert ("next_params" in state["pending"]) == prediction
+    assert state["step_calls"] == 20 and "pending" in state["schedule"]
+    assert ("next_params" in state["schedule"]["pending"]) == prediction
     resumed = Classifier()
     L.Trainer(strategy=dpu(), max_epochs=2, gradient_clip_val=1.0, **{**QUIET, "precision": "bf16-mixed"}).fit(
         resumed, loader(), ckpt_path=tmp_path / "dpu.ckpt", weights_only=True
@@ -320,3 +320,19 @@ def test_dpu_through_the_trainer_matches_the_delayed_reference():
     strategy = ZeroOffloadStrategy(cpu_step="delayed", dpu_warmup_steps=warmup)
     ours, _ = fit(strategy, max_steps=steps, gradient_clip_val=1.0)
     assert_params_close(reference, ours, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("clip", [100.0, 0.3], ids=["clip-not-triggered", "clip-triggers-sometimes"])
+def test_speculative_step_through_the_trainer_is_bitwise_sync(clip):
+    """The precision plugin announces the window-ending backward; accumulation, groups, scheduler, clipping."""
+    common = {"precision": "bf16-mixed", "gradient_clip_val": clip, "accumulate_grad_batches": 2, "max_steps": 10}
+    sync, _ = fit(ZeroOffloadStrategy(cpu_step="sync", bucket_size_mb=0.002), **common)
+    strategy = ZeroOffloadStrategy(
+        cpu_step="speculative", speculation_rollback="snapshot", overlap=True, bucket_size_mb=0.002
+    )
+    spec, trainer = fit(strategy, **common)
+    assert spec.losses == sync.losses
+    assert all(torch.equal(p, q) for p, q in zip(sync.parameters(), spec.parameters()))
+    engine = trainer.strategy.engine
+    assert (engine.schedule.rollbacks > 0) == (clip < 1)  # the triggered steps were rolled back and redone
+    assert clip < 1 or engine.last.speculated_fraction > 0  # else the steps really ran during backward

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 
@@ -24,11 +25,12 @@ def check_int(name: str, value: Any, minimum: int, optional: bool = False) -> No
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def check_real(name: str, value: Any, requirement: str, valid: bool | None = None) -> None:
+def check_real(name: str, value: Any, requirement: str, valid: bool | Callable[[float], bool] | None = None) -> None:
     """A finite real number (not a bool or a string) for which ``valid`` holds; ``requirement`` says what that is."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number {requirement}, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or (valid is not None and not valid):
+    ok = valid(value) if callable(valid) else valid is None or valid  # a callable is only called on a number
+    if not math.isfinite(value) or not ok:
         raise ValueError(f"{name} must be a finite number {requirement}, got {value!r}")
 
 

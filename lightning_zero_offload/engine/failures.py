@@ -85,22 +85,19 @@ def close_after_failure(engine: OffloadEngine) -> None:
     """
     # Stop the worker threads first: they are not daemons, so one left waiting for a buffer that the
     # failed main thread will never return would keep the process from exiting (and its peers waiting).
-    engine._updater.shutdown(wait=False, cancel_futures=True)
-    if engine._publish_pool is not None:
-        for buffer in engine._publish_pool.buffers:  # unblock an update waiting for a free buffer
-            engine._publish_pool.release(buffer)
-    engine._updater.shutdown(wait=True)
+    engine.updater.shutdown(wait=False, cancel_futures=True)
+    if engine.publish_pool is not None:
+        for buffer in engine.publish_pool.buffers:  # unblock an update waiting for a free buffer
+            engine.publish_pool.release(buffer)
+    engine.updater.shutdown(wait=True)
     engine.grads.close()
-    try:
-        engine.wait_update()  # a delayed update runs kernels only: it finishes on its own
-    except Exception:  # noqa: BLE001 - the first failure is the one being reported
-        engine._pending = None
-    engine._publish_due = False
-    engine._pending_at_close = None
+    engine.schedule.abandon()  # host-side only: a running update finishes, unvalidated work is dropped
+    from lightning_zero_offload.engine.state import full_tensors  # state.py imports this module
+
     single = engine.layout.world_size == 1
     with torch.no_grad():
         if single:
-            masters = engine._full_tensors(engine.master)  # one rank: no collective involved
+            masters = full_tensors(engine, engine.master)  # one rank: no collective involved
         for index, (p, dtype) in enumerate(zip(engine.params, engine._original_dtypes)):
             p.data = masters[index].to(dtype) if single else p.detach().to(dtype, copy=True)
     engine.flat_params = engine.flat_params.new_empty(0)

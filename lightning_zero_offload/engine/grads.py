@@ -130,6 +130,9 @@ class GradientStreamer:
         self._device_origin: torch.Event | None = None
         self._transfer_s = 0.0
         self._hidden_s = 0.0
+        # Called on the worker once a bucket's gradient is in the CPU buffer (the speculative step's cue),
+        # with whether that launch was the bucket's last of this backward pass (see _launch).
+        self.on_accumulated: Callable[[Bucket, bool], None] | None = None
         self._hooks = [self._register(index, p) for index, p in enumerate(params)]
 
     # -- backward side -------------------------------------------------------------------------
@@ -191,6 +194,10 @@ class GradientStreamer:
     def _launch(self, bucket: Bucket) -> None:
         buffer = self._acquire_bucket_buffer(bucket.index)
         filled = set(self._filled[bucket.index])
+        # Final: every parameter's gradient of this pass is in this launch, and no rank can send the bucket
+        # again in this pass (a late relaunch needs a parameter the bucket does not wait for).
+        whole = len(bucket.param_indices)
+        final = len(filled) == whole and (self.layout.world_size == 1 or self._expected[bucket.index] == whole)
         for index in bucket.param_indices:
             if index not in filled:  # no gradient (yet) in this buffer: it counts as zero
                 slot = self.layout.slots[index]
@@ -217,11 +224,13 @@ class GradientStreamer:
         self._launched[bucket.index] = True
         self.device_buffers_live -= 1
         if self.overlap:
-            self._futures.append(self._worker.submit(self._accumulate, bucket, staging, copied, True))
+            self._futures.append(self._worker.submit(self._accumulate, bucket, staging, copied, True, final))
         else:  # measured baseline: backward stops while each bucket is accumulated
-            self._accumulate(bucket, staging, copied, False)
+            self._accumulate(bucket, staging, copied, False, final)
 
-    def _accumulate(self, bucket: Bucket, staging: torch.Tensor, copied: torch.Event | None, overlaps: bool) -> None:
+    def _accumulate(
+        self, bucket: Bucket, staging: torch.Tensor, copied: torch.Event | None, overlaps: bool, final: bool
+    ) -> None:
         wait_event(copied)
         start = time.perf_counter()  # after the wait: the device part is timed on the device
         overwrite = self._fresh[bucket.index]
@@ -237,6 +246,8 @@ class GradientStreamer:
         self.bucket_nonfinite[bucket.index] = nonfinite
         self._staging.release(staging)
         self._host_spans.append((start, time.perf_counter(), overlaps))
+        if self.on_accumulated is not None:
+            self.on_accumulated(bucket, final)
 
     def begin(self) -> None:
         """A backward pass starts: its flush will launch every bucket, even if this rank got no gradient."""

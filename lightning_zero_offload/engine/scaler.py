@@ -23,16 +23,16 @@ class LossScalerConfig:
 
     def __post_init__(self) -> None:
         # Named as the strategy's options, which is where a user sets them.
-        check_real("loss_scale_init", self.init_scale, "> 0", self.init_scale > 0)
-        check_real("loss_scale_growth_factor", self.growth_factor, "> 1", self.growth_factor > 1)
-        check_real("loss_scale_backoff_factor", self.backoff_factor, "in (0, 1)", 0 < self.backoff_factor < 1)
+        check_real("loss_scale_init", self.init_scale, "> 0", lambda v: v > 0)
+        check_real("loss_scale_growth_factor", self.growth_factor, "> 1", lambda v: v > 1)
+        check_real("loss_scale_backoff_factor", self.backoff_factor, "in (0, 1)", lambda v: 0 < v < 1)
         check_int("loss_scale_growth_interval", self.growth_interval, 1)
         check_int("loss_scale_hysteresis", self.hysteresis, 1)
         check_real(
             "loss_scale_min",
             self.min_scale,
             f"in (0, loss_scale_init={self.init_scale}]",
-            0 < self.min_scale <= self.init_scale,
+            lambda v: 0 < v <= self.init_scale,
         )
 
 

@@ -74,7 +74,7 @@ def test_fp32_on_the_device_matches_torch_adamw():
     engine = train(net, torch.float32)
     for p_ref, master in zip(ref_net.parameters(), engine.master_params()):
         torch.testing.assert_close(master, p_ref.detach().cpu(), rtol=1e-5, atol=1e-6)
-    assert engine._h2d.staged_copies > 0  # the pageable fp32 master went through pinned staging
+    assert engine.h2d.staged_copies > 0  # the pageable fp32 master went through pinned staging
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -111,7 +111,7 @@ def test_worker_threads_run_on_the_engine_device():
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     engine = train(deep_net(), torch.bfloat16, steps=1, device=device)
     assert engine.grads._worker.submit(torch.cuda.current_device).result() == device.index
-    assert engine._updater.submit(torch.cuda.current_device).result() == device.index
+    assert engine.updater.submit(torch.cuda.current_device).result() == device.index
 
 
 def test_fp16_overflow_on_the_device_skips_the_step():

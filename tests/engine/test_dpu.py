@@ -8,6 +8,8 @@ from engine_helpers import CPU, batches, loss_fn, make_net, options
 
 from lightning_zero_offload.engine import OffloadEngine
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only add barriers
+
 
 def test_dpu_trajectory_equals_the_delayed_reference_including_warmup():
     warmup, steps = 4, 14
@@ -36,7 +38,7 @@ def test_dpu_trajectory_equals_the_delayed_reference_including_warmup():
 
         loss_fn(net, batch).backward()
         engine.step()
-        assert engine.delayed == (t >= warmup)
+        assert engine.schedule.active == (t >= warmup)
         for p_dev, p in zip(device_ref.parameters(), net.parameters()):
             torch.testing.assert_close(p.detach(), p_dev.detach(), rtol=1e-6, atol=1e-7)
         for p_master, master in zip(master_ref.parameters(), engine.master_params()):
@@ -56,12 +58,12 @@ def test_dpu_bf16_uses_a_second_gradient_buffer_and_publishes_rne_copies():
         torch.bfloat16,
         options(cpu_step="delayed", dpu_warmup_steps=0),
     )
-    assert len(engine._grad_buffers) == 2 and engine.grad is engine._grad_buffers[0]
+    assert len(engine.schedule.grad_buffers) == 2 and engine.grad is engine.schedule.grad_buffers[0]
     for batch in batches(3):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss_fn(net, batch).backward()
         engine.step()
-    assert engine.grad is engine._grad_buffers[1]  # swapped after each delayed step
+    assert engine.grad is engine.schedule.grad_buffers[1]  # swapped after each delayed step
     engine.sync()
     for p, master in zip(net.parameters(), engine.master_params()):
         assert torch.equal(p.detach(), master.to(torch.bfloat16))
@@ -119,7 +121,7 @@ def test_a_skipped_step_takes_the_prediction_back():
             with pytest.warns(RuntimeWarning, match="skipped"):
                 (loss * float("inf")).backward()
                 engine.step()
-            assert engine.pending_state() is None
+            assert engine.schedule.state_dict() == {}
             for p, master in zip(net.parameters(), engine.master_params()):
                 assert torch.equal(p.detach(), master.to(torch.bfloat16))
         else:
@@ -135,9 +137,9 @@ def test_a_loaded_prediction_is_saved_again_by_a_run_without_prediction():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss_fn(net, batch).backward()
         source.step()
-    state = source.pending_state()
-    assert state is not None and "next_params" in state
+    state = source.state_dict()["schedule"]
+    assert "next_params" in state["pending"]
     target = predicting_engine(make_net(), prediction=False)
-    target.load_pending_state(state)
-    again = target.pending_state()
-    assert all(torch.equal(a, b) for a, b in zip(again["next_params"], state["next_params"]))
+    target.load_state_dict({"schedule": state})
+    again = target.state_dict()["schedule"]["pending"]
+    assert all(torch.equal(a, b) for a, b in zip(again["next_params"], state["pending"]["next_params"]))

@@ -10,6 +10,8 @@ from torch import nn
 from lightning_zero_offload import CPUAdam
 from lightning_zero_offload.engine import LossScalerConfig, OffloadEngine, OffloadOptions
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny ops: threads only add barriers
+
 
 def assert_close_to(net: nn.Module, engine: OffloadEngine, rtol: float, atol: float) -> None:
     for p_ref, master in zip(net.parameters(), engine.master_params()):

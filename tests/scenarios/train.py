@@ -44,7 +44,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.strategy == "zero_offload":
-        dpu = {"delayed_param_update": True, "dpu_warmup_steps": 3, "dpu_weight_prediction": True} if args.dpu else {}
+        dpu = {"cpu_step": "delayed", "dpu_warmup_steps": 3, "dpu_weight_prediction": True} if args.dpu else {}
         strategy = ZeroOffloadStrategy(checkpoint_format=args.format, bucket_size_mb=0.002, **dpu)
     else:
         strategy = args.strategy

@@ -1,0 +1,98 @@
+"""What a schedule is: when the CPU step of the planned update runs relative to forward/backward.
+
+The engine owns the data (layout, buffers, publishing, state in/out) and the decisions shared by all
+schedules (global norm, overflow, clip factor, skip). A schedule owns only *when* and *where* the
+update of each bucket runs, and the state that this timing needs (a pending update, speculated
+buckets), including its part of a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from lightning_zero_offload.engine.stats import StepStats
+from lightning_zero_offload.engine.update import make_plan, update_and_publish
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.engine.engine import OffloadEngine
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What the engine decided after backward for a step that is not skipped."""
+
+    has_grad: list[bool]  # per trainable parameter, over all ranks
+    clip_coef: float  # global-norm clip factor (1.0: clipping off or not triggered)
+    multiplier: float  # clip_coef / loss scale: the factor the kernel applies to the stored gradients
+    clamp_limit: float | None  # clip by value, in loss-scaled units
+    scaled_grad_norm: float  # global norm of the stored (loss-scaled) gradients
+
+
+class Schedule:
+    """The synchronous default of every hook; subclasses override what their timing changes."""
+
+    name: ClassVar[str]
+    rollbacks = 0  # speculated work taken back (only the speculative schedule has any)
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.engine = engine
+
+    def on_backward_start(self, step_follows: bool) -> None:
+        """A backward pass begins; ``step_follows``: the caller announced that a step() follows it."""
+
+    def on_backward_end(self) -> None:
+        """The backward pass's gradients are all in the CPU buffer."""
+
+    def before_step(self, stats: StepStats) -> None:
+        """After backward, before the gradient summary (the delayed schedule publishes its update here)."""
+
+    def apply(self, inputs: StepInputs, stats: StepStats) -> None:
+        """Run the step (not skipped): clamp, plan, update and publish."""
+        raise NotImplementedError
+
+    def on_skip(self, stats: StepStats) -> None:
+        """The step was skipped (inf/nan gradients): nothing may have changed."""
+
+    def settle(self) -> None:
+        """Make the CPU state final and consistent (wait for running work, drop unvalidated work)."""
+
+    def sync(self) -> None:
+        """Make the device parameters fully up to date (evaluation, end of training)."""
+
+    def on_weights_loaded(self) -> None:
+        """The master weights were replaced (and published): drop anything computed from the old ones."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs to resume this schedule bitwise (plain tensors and numbers)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`, after the weights and optimizer state are loaded."""
+
+    def close(self) -> None:
+        self.settle()
+
+    def abandon(self) -> None:
+        """After a failure: finish or drop running work, keep nothing pending, issue no collective."""
+        with contextlib.suppress(Exception):  # the first failure is the one being reported
+            self.settle()
+
+
+def apply_now(
+    engine: OffloadEngine,
+    inputs: StepInputs,
+    stats: StepStats,
+    done: Collection[int] = (),
+    done_out: torch.Tensor | None = None,
+) -> None:
+    """The synchronous step: clamp, plan, then update (all buckets not in ``done``) and publish."""
+    if inputs.clamp_limit is not None:
+        engine.clamp_grads(inputs.clamp_limit)
+    plan = make_plan(engine, inputs.has_grad, inputs.multiplier)
+    update_s, stats.copy_back_s = update_and_publish(engine, plan, done, done_out)
+    stats.cpu_step_s += update_s

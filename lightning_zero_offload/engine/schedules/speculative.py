@@ -1,0 +1,193 @@
+"""``cpu_step="speculative"``: each bucket's CPU step runs during backward, validated after it.
+
+On a backward that ends an accumulation window (the caller says so: ``engine.expect_step()``), the
+gradient worker runs the fused Adam step of a bucket as soon as that bucket's gradient is final in
+the CPU buffer (after its reduce-scatter when sharded), with no clip factor. The low-precision result
+goes to a host buffer, never to the device. After backward the engine validates:
+
+- no overflow, clipping off or not triggered, hyperparameters unchanged: the kernel saw exactly the
+  inputs the synchronous step would have given it, so the speculated buckets are published as they
+  are, bitwise equal to ``cpu_step="sync"``;
+- clipping triggered (or hyperparameters changed): every speculated bucket is rolled back (or, for
+  clip-by-value, each bucket that had an element over the limit) and updated again by the
+  synchronous path with the right factor;
+- overflow / inf / nan: every speculated bucket is rolled back and the step is skipped as in sync.
+
+Rolling back is ``"undo"`` (the step inverted algebraically: no memory, equal to sync within fp32
+rounding) or ``"snapshot"`` (the bucket's state copied before the step: bitwise, 12 bytes of host
+memory per parameter and that much extra traffic on every speculated step, on the worker). ``"auto"``
+takes the snapshot for fp16, where overflows are routine and the skipped step must leave the state
+exactly as sync does, and undo otherwise (a non-finite bf16/fp32 gradient is an error condition,
+and a clipped step within fp32 rounding of sync is what the undo gives); see docs/dpu.md.
+
+Only buckets whose parameters all got a gradient in this window and whose gradient is finite are
+speculated: their step count and hyperparameters are then known before the all-reduce that
+settles them globally. The rest is updated after backward, as in sync.
+
+Adaptive: a speculated step that gets rolled back costs a rollback and the synchronous step. So
+speculation pauses while clipping triggered in at least ``PAUSE_TRIGGERS`` of the last
+``WINDOW`` steps (early training often clips every step), and resumes once fewer did. The trigger
+is still observed while paused: the global norm says whether norm clipping triggers; for clipping by
+value, a global norm above the limit counts as triggered (an element over it is then possible).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_zero_offload.engine.adam import AdamHyperparams
+from lightning_zero_offload.engine.layout import Bucket
+from lightning_zero_offload.engine.memory import host_zeros
+from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs, apply_now
+from lightning_zero_offload.engine.schedules.rollback import invertible, undo_adam
+from lightning_zero_offload.engine.stats import StepStats
+from lightning_zero_offload.engine.update import Run, plan_bucket, read_all_hyperparams, update_bucket
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.engine.engine import OffloadEngine
+
+
+class SpeculativeSchedule(Schedule):
+    name = "speculative"
+    WINDOW = 8
+    PAUSE_TRIGGERS = 4
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        super().__init__(engine)
+        shard = engine.layout.shard_numel
+        self.mode = engine.options.speculation_rollback
+        if self.mode == "auto":  # fp16 overflows are routine and must be skipped bitwise as in sync
+            self.mode = "snapshot" if engine.param_dtype == torch.float16 else "undo"
+        # Speculated low-precision results wait here until validated (fp32 params: the master is published).
+        self.out = host_zeros(shard, engine.param_dtype, False) if engine.publish_pool is not None else None
+        self.snapshot = [host_zeros(shard, torch.float32, False) for _ in range(3)] if self.mode == "snapshot" else []
+        self.bucket_numel = [sum(seg.numel for seg in b.segments) for b in engine.layout.buckets]
+        self.armed = False  # the backward running now ends an accumulation window
+        self.hparams: list[AdamHyperparams] = []
+        self.multiplier = 1.0
+        self.speculated: dict[int, list[Run]] = {}  # bucket index -> the runs its step used (worker writes)
+        self.speculate_s = 0.0
+        self.recent: deque[bool] = deque(maxlen=self.WINDOW)  # clipping triggered, per recent step
+        self.rollbacks = 0  # steps (or abandoned backward passes) whose speculation was rolled back
+        engine.grads.on_accumulated = self._on_bucket
+
+    @property
+    def paused(self) -> bool:
+        return sum(self.recent) >= self.PAUSE_TRIGGERS
+
+    # -- during backward -----------------------------------------------------------------------
+
+    def on_backward_start(self, step_follows: bool) -> None:
+        if self.speculated:  # speculated for a step that never came: take it back before more gradient lands
+            self.settle()
+        self.engine.wait_publish()  # the last copies to the device read the buffers speculation writes
+        self.armed = step_follows and not self.paused
+        if self.armed:
+            self.hparams = read_all_hyperparams(self.engine)
+            self.multiplier = 1.0 / self.engine.loss_scale
+
+    def on_backward_end(self) -> None:
+        self.armed = False
+
+    def _on_bucket(self, bucket: Bucket, final: bool) -> None:
+        """Gradient worker: ``bucket``'s gradient was just accumulated. Speculate its step if it is final
+        (every parameter's gradient of this pass is in, and the bucket will not be sent again)."""
+        engine, index = self.engine, bucket.index
+        if index in self.speculated:
+            raise RuntimeError(
+                "A backward pass added gradient to a bucket whose optimizer step was already speculated. "
+                "Call engine.begin_backward() before every backward pass (it takes unvalidated speculation back)."
+            )
+        if not self.armed or not final or engine.grads.bucket_nonfinite[index]:
+            return
+        runs = plan_bucket(engine, bucket, engine.grads.has_grad, self.multiplier, self.hparams)
+        if self.mode == "undo" and not all(invertible(run.hparams) for run in runs if run.hparams is not None):
+            return
+        start = time.perf_counter()
+        window = bucket.shard_range
+        for saved, state in zip(self.snapshot, (engine.master, engine.exp_avg, engine.exp_avg_sq)):
+            saved[window].copy_(state[window])
+        out = None if self.out is None else self.out[window]
+        update_bucket(engine, bucket, runs, engine.grad, out)
+        self.speculated[index] = runs
+        self.speculate_s += time.perf_counter() - start
+
+    # -- after backward ------------------------------------------------------------------------
+
+    def apply(self, inputs: StepInputs, stats: StepStats) -> None:
+        engine = self.engine
+        redo: list[int] = []
+        if self.speculated:
+            if inputs.multiplier != self.multiplier or read_all_hyperparams(engine) != self.hparams:
+                redo = list(self.speculated)
+            elif inputs.clamp_limit is not None:
+                buckets = engine.layout.buckets
+                redo = [i for i in self.speculated if _exceeds(engine.grad[buckets[i].shard_range], inputs.clamp_limit)]
+        triggered = inputs.clip_coef < 1.0 or bool(redo)
+        if inputs.clamp_limit is not None and not self.speculated:
+            triggered = triggered or inputs.scaled_grad_norm > inputs.clamp_limit
+        self.recent.append(triggered)
+        if redo:
+            self._roll_back(redo)
+            stats.rolled_back = True
+        done = set(self.speculated)
+        stats.speculated_fraction = sum(self.bucket_numel[i] for i in done) / max(1, sum(self.bucket_numel))
+        stats.cpu_step_s = self.speculate_s
+        self.speculate_s = 0.0
+        self.speculated = {}
+        apply_now(engine, inputs, stats, done, self.out)
+
+    def on_skip(self, stats: StepStats) -> None:
+        if self.speculated:
+            stats.rolled_back = True
+            self.settle()
+
+    def settle(self) -> None:
+        """Take back speculation that was not validated (no step, or a skipped one)."""
+        self.engine.grads.wait()
+        if self.speculated:
+            self._roll_back(list(self.speculated))
+        self.speculate_s = 0.0
+
+    def _roll_back(self, buckets: list[int]) -> None:
+        engine = self.engine
+        for index in buckets:
+            window = engine.layout.buckets[index].shard_range
+            if self.mode == "snapshot":
+                for saved, state in zip(self.snapshot, (engine.master, engine.exp_avg, engine.exp_avg_sq)):
+                    state[window].copy_(saved[window])
+            else:
+                for run in self.speculated[index]:
+                    if run.hparams is None:
+                        continue
+                    run_window = slice(run.start, run.end)
+                    undo_adam(
+                        engine.master[run_window],
+                        engine.grad[run_window],
+                        engine.exp_avg[run_window],
+                        engine.exp_avg_sq[run_window],
+                        run.hparams,
+                        run.step,
+                        run.multiplier,
+                    )
+            del self.speculated[index]
+        self.rollbacks += 1
+
+    # -- checkpoints and accounting --------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        # The trigger history decides whether the next steps speculate; with "undo" a rolled-back step
+        # differs from sync by rounding, so a bitwise resume needs it.
+        return {"recent_triggers": [bool(t) for t in self.recent], "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.recent = deque((bool(t) for t in state.get("recent_triggers", ())), maxlen=self.WINDOW)
+        self.rollbacks = int(state.get("rollbacks", 0))
+
+
+def _exceeds(grad: torch.Tensor, limit: float) -> bool:
+    return bool(grad.abs().amax() > limit) if grad.numel() else False

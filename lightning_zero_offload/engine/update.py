@@ -1,0 +1,169 @@
+"""The CPU update of one bucket, and the synchronous update-and-publish pipeline every schedule builds on.
+
+A step's work is fixed in a *plan* before any of it runs: for each bucket, the runs of this rank's
+shard that one kernel call can update, each with its hyperparameters, step number and gradient factor.
+Whichever schedule runs the plan (now, during backward, or in the background), the kernel sees the
+same inputs, so the schedules differ in timing only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from lightning_zero_offload import kernels
+from lightning_zero_offload.engine.adam import AdamHyperparams, read_hyperparams
+from lightning_zero_offload.engine.layout import Bucket
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.engine.engine import OffloadEngine
+
+
+class Run(NamedTuple):
+    """One kernel call's worth of work: a shard range and what to do with it."""
+
+    start: int
+    end: int
+    hparams: AdamHyperparams | None  # None: the parameter got no gradient, leave it alone
+    step: int
+    multiplier: float
+
+
+Plan = list[list[Run]]  # per bucket, in layout order
+
+
+def read_all_hyperparams(engine: OffloadEngine) -> list[AdamHyperparams]:
+    """The hyperparameters of every param group, read live (LR schedulers change them between steps)."""
+    return [read_hyperparams(engine.optimizer, group) for group in engine.optimizer.param_groups]
+
+
+def bucket_runs(engine: OffloadEngine, bucket: Bucket, has_grad: list[bool]) -> list[tuple[int, int, int]]:
+    """Merge this rank's segments of ``bucket`` into maximal runs that one kernel call can update.
+
+    Consecutive segments merge when they share param group, step count and gradient presence, which in
+    the common case turns a bucket into one call per param group.
+    """
+    runs: list[tuple[int, int, int]] = []
+    for seg in bucket.segments:
+        i = seg.param_index
+        if runs:
+            start, end, j = runs[-1]
+            same = (
+                end == seg.shard_start
+                and engine.group_of[i] == engine.group_of[j]
+                and has_grad[i] == has_grad[j]
+                and engine.steps[i] == engine.steps[j]
+            )
+            if same:
+                runs[-1] = (start, seg.shard_end, j)
+                continue
+        runs.append((seg.shard_start, seg.shard_end, i))
+    return runs
+
+
+def plan_bucket(
+    engine: OffloadEngine, bucket: Bucket, has_grad: list[bool], multiplier: float, hparams: list[AdamHyperparams]
+) -> list[Run]:
+    """One bucket's runs with the step numbers they will get (the current counts + 1)."""
+    return [
+        Run(start, end, hparams[engine.group_of[i]] if has_grad[i] else None, engine.steps[i] + 1, multiplier)
+        for start, end, i in bucket_runs(engine, bucket, has_grad)
+    ]
+
+
+def make_plan(engine: OffloadEngine, has_grad: list[bool], multiplier: float) -> Plan:
+    """The whole step's plan; counts the step of every parameter that got a gradient.
+
+    Taken on the training thread before any scheduler steps again, so an update that runs later (in
+    the background) uses exactly the hyperparameters a synchronous one would have used.
+    """
+    hparams = read_all_hyperparams(engine)
+    plan = [plan_bucket(engine, bucket, has_grad, multiplier, hparams) for bucket in engine.layout.buckets]
+    for index, got in enumerate(has_grad):
+        if got:
+            engine.steps[index] += 1
+    return plan
+
+
+def update_bucket(
+    engine: OffloadEngine,
+    bucket: Bucket,
+    runs: list[Run],
+    grad: torch.Tensor,
+    out: torch.Tensor | None,
+    extrapolate: float = 0.0,
+) -> None:
+    """The CPU update of this rank's chunk of one bucket; writes the low-precision copy into ``out``."""
+    base = bucket.shard_start
+    for run in runs:
+        window = slice(run.start, run.end)
+        target = None if out is None else out[run.start - base : run.end - base]
+        if run.hparams is None:  # no gradient this step: torch leaves the parameter alone
+            if target is not None:
+                target.copy_(engine.master[window])
+            continue
+        hp = run.hparams
+        kernels.adam_step(
+            engine.master[window],
+            grad[window],
+            engine.exp_avg[window],
+            engine.exp_avg_sq[window],
+            step=run.step,
+            lr=hp.lr,
+            beta1=hp.beta1,
+            beta2=hp.beta2,
+            eps=hp.eps,
+            weight_decay=hp.weight_decay,
+            adamw_mode=hp.adamw_mode,
+            maximize=hp.maximize,
+            grad_scale=run.multiplier,
+            param_out=target,
+            extrapolate=extrapolate,
+            num_threads=engine.num_threads,
+        )
+
+
+def update_and_publish(
+    engine: OffloadEngine,
+    plan: Plan,
+    done: Collection[int] = (),
+    done_out: torch.Tensor | None = None,
+) -> tuple[float, float]:
+    """Update every bucket not in ``done`` and publish all of them; returns (update, publish) seconds.
+
+    Pipelined: the worker updates bucket k+1 while bucket k is published. Buckets in ``done`` were
+    already updated (speculatively, during backward); their low-precision copy waits in ``done_out``
+    (this rank's shard; None: publish the fp32 master itself). Their copies may still be running on
+    return: ``engine.wait_publish()`` before writing ``done_out`` or the master again.
+    """
+    pool = engine.publish_pool
+
+    def update(bucket: Bucket, runs: list[Run]) -> tuple[torch.Tensor | None, float]:
+        out = pool.acquire() if pool is not None else None
+        t = time.perf_counter()
+        update_bucket(engine, bucket, runs, engine.grad, out)
+        return out, time.perf_counter() - t
+
+    pairs = [(b, runs) for b, runs in zip(engine.layout.buckets, plan) if b.index not in done]
+    # The worker blocks on the two-buffer pool, so it runs at most one bucket ahead of publishing.
+    futures = {b.index: engine.updater.submit(update, b, runs) for b, runs in pairs} if engine.overlap else {}
+    todo = {b.index: runs for b, runs in pairs}
+    update_s = publish_s = 0.0
+    for bucket in engine.layout.buckets:
+        if bucket.index in done:
+            source = None if done_out is None else done_out[bucket.shard_range]
+            t = time.perf_counter()
+            engine.publish(bucket, source, pooled=False)
+            publish_s += time.perf_counter() - t
+            continue
+        # overlap=False is the measured baseline: update, then publish, one bucket at a time.
+        future = futures.get(bucket.index)
+        out, seconds = future.result() if future is not None else update(bucket, todo[bucket.index])
+        update_s += seconds
+        t = time.perf_counter()
+        engine.publish(bucket, out)
+        publish_s += time.perf_counter() - t
+    return update_s, publish_s
