@@ -1,12 +1,16 @@
-"""Does Delayed Parameter Update converge like synchronous training? The demo model, trained twice.
+"""Does a CPU-step schedule converge like synchronous training? The demo model, trained twice.
 
-Runs ``configs/cpu_demo.yaml`` (or ``--config``) once synchronously and once with
-``delayed_param_update=True`` (same seed, data and steps), then writes both validation-loss curves to
-``docs/figures/dpu_convergence.png`` and the final numbers to ``benchmarks/results/dpu_convergence.json``.
+Runs ``configs/cpu_demo.yaml`` (or ``--config``) once with ``cpu_step="sync"`` and once with
+``--schedule`` (``delayed``: DPU, one-step-stale weights; ``speculative``: the step runs during backward
+and is validated after it), same seed, data and steps, then writes both validation-loss curves to
+``--figure`` and the final numbers to ``--out``. For ``speculative`` it also reports whether every logged
+loss is bitwise equal to the synchronous run's (they must be, except after a rolled-back step).
 
-    python benchmarks/dpu_convergence.py                      # ~2 x 3 minutes on 2 CPU cores
-    python benchmarks/dpu_convergence.py --max-steps 100      # a shorter run
-    python benchmarks/dpu_convergence.py --weight-prediction  # DPU with dpu_weight_prediction=True
+    python benchmarks/dpu_convergence.py                          # DPU, ~2 x 3 minutes on 2 CPU cores
+    python benchmarks/dpu_convergence.py --max-steps 100          # a shorter run
+    python benchmarks/dpu_convergence.py --weight-prediction      # DPU with dpu_weight_prediction=True
+    python benchmarks/dpu_convergence.py --schedule speculative \
+        --out benchmarks/results/speculative_convergence.json --figure docs/figures/speculative_convergence.png
 """
 
 from __future__ import annotations
@@ -26,14 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def train(
     name: str,
     config: Path,
-    dpu: bool,
-    warmup: int,
-    prediction: bool,
+    strategy_args: dict,
     max_steps: int | None,
     runs: Path,
     cli_args: list[str],
-) -> list[tuple[int, float]]:
-    strategy_args = {"delayed_param_update": dpu, "dpu_warmup_steps": warmup, "dpu_weight_prediction": prediction}
+) -> dict[str, list[tuple[int, float]]]:
     overlay = {
         "trainer": {
             "strategy": {"class_path": "lightning_zero_offload.ZeroOffloadStrategy", "init_args": strategy_args},
@@ -61,13 +62,15 @@ def train(
     subprocess.run(cmd, check=True, cwd=ROOT)
     metrics = sorted((runs / name).glob("version_*/metrics.csv"))[-1]
     with open(metrics) as f:
-        return [(int(r["step"]), float(r["val_loss"])) for r in csv.DictReader(f) if r.get("val_loss")]
+        rows = list(csv.DictReader(f))
+    return {key: [(int(r["step"]), float(r[key])) for r in rows if r.get(key)] for key in ("val_loss", "train_loss")}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "cpu_demo.yaml")
     parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--schedule", choices=("delayed", "speculative"), default="delayed", help="compared to sync")
     parser.add_argument("--warmup", type=int, default=40, help="dpu_warmup_steps")
     parser.add_argument("--weight-prediction", action="store_true", help="dpu_weight_prediction=True")
     parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "dpu_convergence")
@@ -76,31 +79,45 @@ def main() -> None:
     parser.add_argument("cli_args", nargs="*", help="extra CLI overrides for both runs, after --")
     args = parser.parse_args()
 
-    label = f"DPU (warm-up {args.warmup}{', weight prediction' if args.weight_prediction else ''})"
-    curves = {
-        "synchronous": train("sync", args.config, False, args.warmup, False, args.max_steps, args.runs, args.cli_args),
-        label: train(
-            "dpu", args.config, True, args.warmup, args.weight_prediction, args.max_steps, args.runs, args.cli_args
-        ),
+    if args.schedule == "delayed":
+        label = f"DPU (warm-up {args.warmup}{', weight prediction' if args.weight_prediction else ''})"
+        other = {"cpu_step": "delayed", "dpu_warmup_steps": args.warmup}
+        other["dpu_weight_prediction"] = args.weight_prediction
+        sync = {"cpu_step": "sync"}
+    else:  # overlap on for both: on a CPU device "auto" turns the worker off, and speculation runs on it
+        label = "speculative"
+        other, sync = {"cpu_step": "speculative", "overlap": True}, {"cpu_step": "sync", "overlap": True}
+    runs = {
+        "synchronous": train("sync", args.config, sync, args.max_steps, args.runs, args.cli_args),
+        label: train(args.schedule, args.config, other, args.max_steps, args.runs, args.cli_args),
     }
+    curves = {name: run["val_loss"] for name, run in runs.items()}
     (sync_step, sync_loss), (dpu_step, dpu_loss) = (c[-1] for c in curves.values())
     assert sync_step == dpu_step, "both runs must end at the same step"
+    sync_run, other_run = runs.values()
     result = {
         "config": str(args.config.relative_to(ROOT)) if args.config.is_relative_to(ROOT) else str(args.config),
+        "schedule": args.schedule,
         "steps": sync_step,
         "warmup": args.warmup,
         "weight_prediction": args.weight_prediction,
         "overrides": args.cli_args,
-        "final_val_loss": {"synchronous": sync_loss, "dpu": dpu_loss},
+        "final_val_loss": {"synchronous": sync_loss, args.schedule: dpu_loss},
         "relative_difference": (dpu_loss - sync_loss) / sync_loss,
+        "every_logged_loss_bitwise_equal": sync_run == other_run,
+        "max_abs_loss_difference": max(
+            abs(a[1] - b[1]) for key in sync_run for a, b in zip(sync_run[key], other_run[key])
+        ),
         "curves": curves,
+        "train_curves": {name: run["train_loss"] for name, run in runs.items()},
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(
-        f"final val loss after {sync_step} steps: sync {sync_loss:.4f}, DPU {dpu_loss:.4f} "
-        f"({100 * result['relative_difference']:+.2f}%)"
+        f"final val loss after {sync_step} steps: sync {sync_loss:.4f}, {args.schedule} {dpu_loss:.4f} "
+        f"({100 * result['relative_difference']:+.2f}%); every logged loss bitwise equal: "
+        f"{result['every_logged_loss_bitwise_equal']} (max abs difference {result['max_abs_loss_difference']:.3g})"
     )
 
     import matplotlib
@@ -113,7 +130,7 @@ def main() -> None:
         ax.plot([s for s, _ in curve], [v for _, v in curve], marker="o", label=label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title(f"DPU vs synchronous (demo GPT, bf16) {' '.join(args.cli_args)}".strip(), fontsize=9)
+    ax.set_title(f"{args.schedule} vs synchronous (demo GPT, bf16) {' '.join(args.cli_args)}".strip(), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend()
     args.figure.parent.mkdir(parents=True, exist_ok=True)

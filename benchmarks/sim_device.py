@@ -13,7 +13,7 @@ It runs the real user path (a Lightning Trainer with ``accelerator="cpu"``, "bf1
 ``ZeroOffloadStrategy``) for each schedule, alternating short fits round after round so machine
 noise hits them alike, and reports medians over the steps after each fit's warm-up. The device time
 is swept relative to the CPU step measured first: ``--ratios`` are backward time / CPU step time,
-from backward-bound to CPU-bound. Schedules this version of the package lacks are skipped.
+from backward-bound to CPU-bound.
 
     python benchmarks/sim_device.py            # full sweep (a few minutes on a quiet machine)
     python benchmarks/sim_device.py --quick    # one point, a smaller model
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import logging
 import math
@@ -146,16 +145,13 @@ class SimulatedModel(L.LightningModule):
 # running one configuration
 
 
-def schedule_options(schedule: str) -> dict[str, Any] | None:
-    """ZeroOffloadStrategy arguments selecting ``schedule``, or None if this version has no such schedule.
+def schedule_options(schedule: str) -> dict[str, Any]:
+    """ZeroOffloadStrategy arguments selecting ``schedule``.
 
-    Overlap is set explicitly: on a CPU device the strategy's defaults may assume that the device and
-    the CPU step share the cores, which is what this benchmark pretends is not so.
+    Overlap is set explicitly: on a CPU device the strategy's defaults assume that the device and the
+    CPU step share the cores, which is what this benchmark pretends is not so.
     """
-    if "cpu_step" in inspect.signature(ZeroOffloadStrategy).parameters:
-        return {"cpu_step": schedule, "overlap": True, "dpu_warmup_steps": 1}
-    options = {"sync": {}, "delayed": {"delayed_param_update": True, "dpu_warmup_steps": 1}}.get(schedule)
-    return None if options is None else {"overlap": True, **options}
+    return {"cpu_step": schedule, "overlap": True, "dpu_warmup_steps": 1}
 
 
 class _StepClock(L.Callback):
@@ -256,13 +252,6 @@ def main() -> None:
     model_args = {"blocks": args.blocks, "params_per_block": per_block}
     params = sum(p.numel() for p in SimulatedModel(**model_args).parameters())
 
-    configs = []
-    for config in CONFIGS:
-        if schedule_options(config.schedule) is None:
-            print(f"skipping {config.name!r}: this version of ZeroOffloadStrategy has no {config.schedule!r} schedule")
-        else:
-            configs.append(config)
-
     # The CPU step of this machine with no device time: the unit of the sweep.
     calibration = summarize([run(CONFIGS[0], model_args, (0.0, 0.0), warmup + steps + 1, args)], warmup)
     cpu_ms = calibration["cpu_step_ms"]
@@ -275,15 +264,10 @@ def main() -> None:
     for ratio in ratios:
         backward_s = ratio * cpu_ms / 1e3 / args.blocks
         device_s = (args.forward_ratio * backward_s, backward_s)
-        clocks: dict[str, list[_StepClock]] = {c.name: [] for c in configs}
+        clocks: dict[str, list[_StepClock]] = {c.name: [] for c in CONFIGS}
         for _ in range(rounds):  # alternate the configurations, round after round
-            for config in list(configs):
-                try:
-                    clocks[config.name].append(run(config, model_args, device_s, warmup + steps + 1, args))
-                except NotImplementedError as err:  # an option the package has but cannot run yet
-                    print(f"skipping {config.name!r}: {err}")
-                    configs.remove(config)
-                    del clocks[config.name]
+            for config in CONFIGS:
+                clocks[config.name].append(run(config, model_args, device_s, warmup + steps + 1, args))
         results = {name: summarize(c, warmup) for name, c in clocks.items()}
         for name, r in results.items():
             base = results["sync, clip every step" if "clip every step" in name else "sync"]
@@ -321,7 +305,6 @@ def main() -> None:
         "steps_per_fit": steps,
         "warmup_steps_per_fit": warmup,
         "calibration_cpu_step_ms": cpu_ms,
-        "skipped": [c.name for c in CONFIGS if c not in configs],
         "points": points,
         "targets": verdict,
     }

@@ -95,7 +95,7 @@ def test_print_config(name, capsys):
 def test_config_specifics(capsys):
     print_config("--config", str(REPO / "configs" / "dpu.yaml"))
     dpu = printed(capsys)["trainer"]["strategy"]["init_args"]
-    assert dpu["delayed_param_update"] is True and dpu["dpu_warmup_steps"] == 40
+    assert dpu["cpu_step"] == "delayed" and dpu["dpu_warmup_steps"] == 40
     print_config("--config", str(REPO / "configs" / "gpu_fp16.yaml"))
     assert printed(capsys)["trainer"]["precision"] == "16-mixed"
     print_config("--config", str(REPO / "configs" / "multi_gpu.yaml"))

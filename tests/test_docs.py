@@ -65,6 +65,8 @@ def bash_command(tokens: list[str], cwd: Path) -> None:
             run([*CLI, *tokens[1:], "--print_config"], cwd=ROOT)
     elif command == "zero-offload-plan":  # runs for real (presets, or about a second of probes)
         run([sys.executable, "-m", "lightning_zero_offload.planner", *tokens[1:]], cwd=ROOT)
+    elif command == "pip":  # an install of this checkout (running it would reinstall the package under test)
+        assert tokens[1] == "install" and (ROOT / tokens[-1] / "pyproject.toml").is_file(), tokens
     elif command == "zero-offload-convert":
         run([str(Path(sys.executable).with_name(command)), "--help"], cwd=cwd)
     elif command == "python":

@@ -58,7 +58,7 @@ def test_sleeping_blocks_take_their_device_time_and_give_gradients_of_the_declar
 
 
 @pytest.mark.slow
-def test_quick_mode_runs_every_available_schedule_and_writes_its_results(tmp_path: Path) -> None:
+def test_quick_mode_runs_every_schedule_and_writes_its_results(tmp_path: Path) -> None:
     out, figure = tmp_path / "sim.json", tmp_path / "sim.png"
     command = [sys.executable, str(SCRIPT), "--quick", "--params-per-block", "65536", "--rounds", "1"]
     command += ["--steps", "2", "--out", str(out), "--figure", str(figure)]
@@ -67,14 +67,7 @@ def test_quick_mode_runs_every_available_schedule_and_writes_its_results(tmp_pat
     result = json.loads(out.read_text())
     assert figure.stat().st_size > 0
     measured = set(result["points"][0]["results"])
-    assert {"sync", "delayed", "sync, clip every step"} <= measured
-    assert measured | set(result["skipped"]) == {
-        "sync",
-        "speculative",
-        "delayed",
-        "sync, clip every step",
-        "speculative, clip every step",
-    }
+    assert measured == {"sync", "speculative", "delayed", "sync, clip every step", "speculative, clip every step"}
     for r in result["points"][0]["results"].values():
         assert r["steps"] == 2 and r["step_ms"] > 0 and r["cpu_step_ms"] > 0
     assert "targets at backward / CPU step = 1" in done.stdout
