@@ -4,8 +4,8 @@ Every variant trains the same model (the demo GPT or a Hugging Face ``LlamaForCa
 config) on the same synthetic tokens with the same global batch, bf16-mixed, through ``Trainer.fit``:
 
 - ``zero_offload`` with its default settings, and with each CPU-step schedule the strategy has
-  (``zero_offload:sync``, ``zero_offload:speculative``, ``zero_offload:delayed``; missing ones are
-  skipped with a message); ``zero_offload@overlap=False,cpu_threads=1`` overrides strategy options;
+  (``zero_offload:sync``, ``zero_offload:speculative``, ``zero_offload:delayed``);
+  ``zero_offload@overlap=False,cpu_threads=1`` overrides strategy options;
 - ``plain``: ``strategy="auto"`` on one device with torch ``AdamW(fused=True)``;
 - ``ddp``: two ranks (a separately launched process pair), the per-rank batch halved;
 - on CUDA, when importable: ``deepspeed`` (Lightning's ``deepspeed_stage_2_offload`` with
