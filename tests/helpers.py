@@ -3,10 +3,16 @@ checkpoint can be loaded with it in a process where the package was never import
 
 from __future__ import annotations
 
+import inspect
+
 import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+# Lightning 2.6 added `weights_only` to Trainer.fit and load_from_checkpoint; 2.5 (make test-oldest) has neither
+# and loads with torch's default, which is weights_only=True on torch >= 2.6.
+WEIGHTS_ONLY = {"weights_only": True} if "weights_only" in inspect.signature(L.Trainer.fit).parameters else {}
 
 QUIET = {
     "logger": False,

@@ -5,7 +5,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from helpers import QUIET, Classifier, loader
+from helpers import QUIET, WEIGHTS_ONLY, Classifier, loader
 
 import lightning_zero_offload  # noqa: F401  (registers the strategy)
 from lightning_zero_offload import ZeroOffloadPrecision, ZeroOffloadStrategy
@@ -49,7 +49,7 @@ def test_a_0_1_0_checkpoint_resumes_bitwise(tmp_path):
             max_epochs=max_epochs,
             **{**QUIET, "max_steps": -1},
         )
-        trainer.fit(model, loader(n=64), ckpt_path=ckpt_path, weights_only=True)
+        trainer.fit(model, loader(n=64), ckpt_path=ckpt_path, **WEIGHTS_ONLY)
         return model, trainer
 
     full, _ = run(2)
