@@ -105,7 +105,15 @@ def test_config_specifics(capsys):
     assert trainer["num_nodes"] == 2 and trainer["devices"] == 8
     print_config("--config", str(REPO / "configs" / "cpu_demo.yaml"))
     trainer = printed(capsys)["trainer"]
-    assert trainer["accelerator"] == "cpu" and trainer["precision"] == "bf16-mixed"
+    assert trainer["accelerator"] == "cpu" and trainer["precision"] is None  # measured at start (cpu_precision)
+
+
+def test_cpu_precision_is_bf16_only_where_bf16_matmuls_are_fast():
+    from lightning_zero_offload.cli import cpu_precision, pick_cpu_precision
+
+    assert pick_cpu_precision(bf16_matmul_s=0.5, fp32_matmul_s=1.0) == "bf16-mixed"
+    assert pick_cpu_precision(bf16_matmul_s=30.0, fp32_matmul_s=1.0) == "32-true"
+    assert cpu_precision(size=32, repeats=1) in ("bf16-mixed", "32-true")
 
 
 def test_gpu_configs_use_a_model_of_100m_plus_parameters(capsys):
