@@ -142,9 +142,10 @@ class ZeroOffloadPrecision(Precision):
         if self.param_dtype == torch.float32:
             # Lightning's default when precision= is not given; the point of offloading is a 2-byte device copy.
             rank_zero_warn(
-                "zero_offload is training in '32-true' (Lightning's default precision): the device holds fp32 "
-                "weights and gradients (4 B/param). Pass precision='bf16-mixed' (or '16-mixed' on GPUs without "
-                "bf16) to the Trainer to keep a 2 B/param copy on the device with fp32 master weights on the CPU."
+                "zero_offload is training in '32-true' (Lightning's default when precision is not given): the "
+                "device holds fp32 weights and gradients (4 B/param). Pass precision='bf16-mixed' (or '16-mixed' on "
+                "GPUs without bf16) to keep a 2 B/param copy on the device with fp32 master weights on the CPU; on a "
+                "CPU without native bf16 (AVX-512 BF16, AMX) fp32 is the faster choice and this warning can be ignored."
             )
         if self._pending_state is not None:
             engine.load_state_dict(self._pending_state)
