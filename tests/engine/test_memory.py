@@ -127,8 +127,8 @@ def test_memory_report_accounts_for_every_buffer_the_engine_holds(dpu):
 def test_32_true_and_dpu_pin_only_bucket_sized_buffers(driver, monkeypatch):
     """The fp32 master (32-true) and DPU's next parameters stay pageable; what is pinned is a few buckets."""
     monkeypatch.setattr(engine_module, "can_pin", lambda device: True)
-    results = []
-    for dtype, dpu in ((torch.float32, False), (torch.bfloat16, True)):
+
+    def train(dtype: torch.dtype, dpu: bool) -> OffloadEngine:
         net = make_net()
         engine = OffloadEngine(
             two_groups(net), CPU, dtype, options(cpu_step="delayed" if dpu else "sync", dpu_warmup_steps=1)
@@ -137,6 +137,11 @@ def test_32_true_and_dpu_pin_only_bucket_sized_buffers(driver, monkeypatch):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
                 loss_fn(net, batch).backward()
             engine.step()
+        return engine
+
+    results = []
+    for dtype, dpu in ((torch.float32, False), (torch.bfloat16, True)):
+        engine = train(dtype, dpu)
         engine.sync()
         report = engine.memory_report()
         max_shard = max(b.shard_numel for b in engine.layout.buckets)
@@ -147,15 +152,7 @@ def test_32_true_and_dpu_pin_only_bucket_sized_buffers(driver, monkeypatch):
     # and the results are the ones an unpinned run gets
     monkeypatch.undo()
     for (dtype, dpu), pinned in zip(((torch.float32, False), (torch.bfloat16, True)), results):
-        net = make_net()
-        engine = OffloadEngine(
-            two_groups(net), CPU, dtype, options(cpu_step="delayed" if dpu else "sync", dpu_warmup_steps=1)
-        )
-        for batch in batches(3):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
-                loss_fn(net, batch).backward()
-            engine.step()
-        assert all(torch.equal(a, b) for a, b in zip(pinned, engine.master_params()))
+        assert all(torch.equal(a, b) for a, b in zip(pinned, train(dtype, dpu).master_params()))
 
 
 def test_ledger_counts_transients_at_their_largest():
