@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
-import zipfile
 import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -242,8 +241,10 @@ def load_file(source: Location, what: str, weights_only: bool = True, mmap: bool
                 "If you trust this file, resume with trainer.fit(..., weights_only=False)"
             ) from None
         raise CheckpointError(_damaged(source, what)) from None
-    except (RuntimeError, OSError, EOFError, ValueError, zipfile.BadZipFile, UnicodeDecodeError):
-        raise CheckpointError(_damaged(source, what)) from None
+    except Exception as error:
+        # Arbitrary bytes reach the legacy (non-zip) unpickler, which can fail with almost any
+        # exception type (IndexError, KeyError, struct.error, ...); the cause stays chained.
+        raise CheckpointError(_damaged(source, what)) from error
 
 
 def _damaged(source: Location, what: str) -> str:
