@@ -63,7 +63,21 @@ def train(
     metrics = sorted((runs / name).glob("version_*/metrics.csv"))[-1]
     with open(metrics) as f:
         rows = list(csv.DictReader(f))
-    return {key: [(int(r["step"]), float(r[key])) for r in rows if r.get(key)] for key in ("val_loss", "train_loss")}
+    keys = ("val_loss", "train_loss", "offload/rollbacks", "offload/speculated_fraction")
+    return {key: [(int(r["step"]), float(r[key])) for r in rows if r.get(key)] for key in keys}
+
+
+def first_rollback_step(run: dict[str, list[tuple[int, float]]]) -> int | None:
+    """The first logged step whose cumulative rollback count is above zero (None: nothing was rolled back)."""
+    return next((step for step, count in run["offload/rollbacks"] if count > 0), None)
+
+
+def bitwise_equal_before(a: dict, b: dict, step: int | None) -> bool:
+    """Every logged loss of the two runs is bitwise equal up to (not including) ``step``."""
+    limit = float("inf") if step is None else step
+    return all(
+        [x for x in a[key] if x[0] < limit] == [y for y in b[key] if y[0] < limit] for key in ("val_loss", "train_loss")
+    )
 
 
 def main() -> None:
@@ -95,6 +109,7 @@ def main() -> None:
     (sync_step, sync_loss), (dpu_step, dpu_loss) = (c[-1] for c in curves.values())
     assert sync_step == dpu_step, "both runs must end at the same step"
     sync_run, other_run = runs.values()
+    first_rollback = first_rollback_step(other_run)
     result = {
         "config": str(args.config.relative_to(ROOT)) if args.config.is_relative_to(ROOT) else str(args.config),
         "schedule": args.schedule,
@@ -104,11 +119,15 @@ def main() -> None:
         "overrides": args.cli_args,
         "final_val_loss": {"synchronous": sync_loss, args.schedule: dpu_loss},
         "relative_difference": (dpu_loss - sync_loss) / sync_loss,
-        "every_logged_loss_bitwise_equal": sync_run == other_run,
+        "every_logged_loss_bitwise_equal": bitwise_equal_before(sync_run, other_run, None),
         "max_abs_loss_difference": max(
-            abs(a[1] - b[1]) for key in sync_run for a, b in zip(sync_run[key], other_run[key])
+            abs(a[1] - b[1]) for key in ("val_loss", "train_loss") for a, b in zip(sync_run[key], other_run[key])
         ),
         "curves": curves,
+        "rollbacks": other_run["offload/rollbacks"][-1][1] if other_run["offload/rollbacks"] else None,
+        "first_rollback_logged_at_step": first_rollback,
+        "bitwise_equal_before_first_rollback": bitwise_equal_before(sync_run, other_run, first_rollback),
+        "speculated_fraction": other_run["offload/speculated_fraction"],
         "train_curves": {name: run["train_loss"] for name, run in runs.items()},
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -119,6 +138,19 @@ def main() -> None:
         f"({100 * result['relative_difference']:+.2f}%); every logged loss bitwise equal: "
         f"{result['every_logged_loss_bitwise_equal']} (max abs difference {result['max_abs_loss_difference']:.3g})"
     )
+    if args.schedule == "speculative":
+        print(
+            f"rollbacks: {result['rollbacks']}, first logged at step {result['first_rollback_logged_at_step']}; "
+            f"bitwise equal before it: {result['bitwise_equal_before_first_rollback']}"
+        )
+
+    title = f"{args.schedule} vs synchronous (demo GPT) {' '.join(args.cli_args)}".strip()
+    plot_curves(curves, title, args.figure)
+    print(f"wrote {args.figure} and {args.out}")
+
+
+def plot_curves(curves: dict[str, list[tuple[int, float]]], title: str, figure: Path) -> None:
+    import textwrap
 
     import matplotlib
 
@@ -130,13 +162,12 @@ def main() -> None:
         ax.plot([s for s, _ in curve], [v for _, v in curve], marker="o", label=label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation loss (nats/byte)")
-    ax.set_title(f"{args.schedule} vs synchronous (demo GPT, bf16) {' '.join(args.cli_args)}".strip(), fontsize=9)
+    ax.set_title(textwrap.fill(title, 80), fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend()
-    args.figure.parent.mkdir(parents=True, exist_ok=True)
+    figure.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(args.figure, dpi=120)
-    print(f"wrote {args.figure} and {args.out}")
+    fig.savefig(figure, dpi=120)
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ hyperparameters change, or a gradient overflows) the bucket is rolled back and r
 - ``snapshot``: copy the bucket's fp32 master and moments (12 B/param read + 12 written) before every
   speculated step, copy them back on a rollback. Bitwise; costs 12 B/param of host memory and the copy on
   every step, rolled back or not.
-- ``undo``: invert the step from the new state and the gradient (``engine/schedules/rollback.py``, float64).
-  No memory and nothing on steps that stand; a rollback costs one float64 pass, and the restored state is
-  within fp32 rounding of the original.
+- ``undo``: invert the step from the new state and the gradient (``kernels.adam_undo``, float64): the
+  native kernel (native/undo.c) and, for comparison, the same arithmetic in torch ops (``undo_torch``,
+  the torch backend). No memory and nothing on steps that stand; a rollback costs one pass, and the
+  restored state is within fp32 rounding of the original.
 
 Side by side on one bucket, medians of ``--repeats``; prints the time of each against the Adam step itself
 and undo's largest error, and writes ``--out``.
@@ -29,7 +30,6 @@ import torch
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.adam import AdamHyperparams
-from lightning_zero_offload.engine.schedules.rollback import undo_adam
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     n = args.numel
-    param, grad = torch.randn(n, generator=g), torch.randn(n, generator=g).to(torch.bfloat16)
+    param, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)  # the engine's fp32 CPU gradient
     exp_avg, exp_avg_sq = torch.randn(n, generator=g) * 1e-2, torch.rand(n, generator=g) * 1e-4
     hp = AdamHyperparams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=True, maximize=False)
     state = (param, exp_avg, exp_avg_sq)
@@ -74,7 +74,17 @@ def main() -> None:
             s.copy_(t)
 
     def undo() -> None:
-        undo_adam(param, grad, exp_avg, exp_avg_sq, hp, step, scale)
+        kernels.adam_undo(
+            param, grad, exp_avg, exp_avg_sq, hparams=hp, step=step, grad_scale=scale, num_threads=args.threads
+        )
+
+    def undo_torch() -> None:
+        native = kernels.backend()
+        kernels.set_backend("torch")
+        try:
+            undo()
+        finally:
+            kernels.set_backend(native)
 
     original = [t.clone() for t in state]
     adam()
@@ -92,6 +102,7 @@ def main() -> None:
         "snapshot_save": timed(snapshot, args.repeats),
         "snapshot_restore": timed(restore, args.repeats),
         "undo": timed(undo, args.repeats),
+        "undo_torch": timed(undo_torch, args.repeats),
     }
     result = {
         "numel": n,

@@ -1,7 +1,8 @@
 """Trainer-level training step, side by side: zero_offload against what users would pick instead.
 
 Every variant trains the same model (the demo GPT or a Hugging Face ``LlamaForCausalLM`` built from a
-config) on the same synthetic tokens with the same global batch, bf16-mixed, through ``Trainer.fit``:
+config) on the same synthetic tokens with the same global batch and precision (``--precision``, default
+bf16-mixed; ``32-true`` is the fast choice on CPUs without native bf16), through ``Trainer.fit``:
 
 - ``zero_offload`` with its default settings, and with each CPU-step schedule the strategy has
   (``zero_offload:sync``, ``zero_offload:speculative``, ``zero_offload:delayed``);
@@ -309,9 +310,11 @@ def engine_probe(kwargs: dict[str, Any], device: torch.device) -> None:
     OffloadEngine(torch.optim.AdamW(layer.parameters()), device, torch.bfloat16, options).close()
 
 
-def available(variant: str, device: torch.device) -> str | None:
-    """None if the variant can run here, else why not."""
+def available(variant: str, device: torch.device, batch: int = 2) -> str | None:
+    """None if the variant can run here with this global batch, else why not."""
     kind, schedule, options = parse_variant(variant)
+    if kind == "ddp" and batch % 2:
+        return f"ddp splits the global batch over 2 ranks, and {batch} does not split: pass an even --batch"
     if kind == "zero_offload":
         try:
             engine_probe(zero_offload_kwargs(schedule, options), device)
@@ -331,7 +334,9 @@ def available(variant: str, device: torch.device) -> str | None:
     return f"unknown variant kind {kind!r}"
 
 
-def run_trainer(variant: str, spec: dict[str, Any], device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
+def run_trainer(
+    variant: str, spec: dict[str, Any], device: torch.device, warmup: int, steps: int, precision: str
+) -> dict[str, Any]:
     kind, schedule, options = parse_variant(variant)
     optimizer = {"plain": "fused", "ddp": "fused", "deepspeed": "deepspeed"}.get(kind, "adamw")
     devices: int | list[int] = [device.index or 0] if device.type == "cuda" else 1
@@ -351,7 +356,7 @@ def run_trainer(variant: str, spec: dict[str, Any], device: torch.device, warmup
         accelerator=device.type,
         devices=devices,
         strategy=strategy,
-        precision="bf16-mixed",
+        precision=precision,
         max_steps=warmup + steps + 1,
         logger=False,
         enable_checkpointing=False,
@@ -366,8 +371,8 @@ def run_trainer(variant: str, spec: dict[str, Any], device: torch.device, warmup
     return result
 
 
-def run_torchao(spec: dict[str, Any], device: torch.device, warmup: int, steps: int) -> dict[str, Any]:
-    """torchao's CPUOffloadOptimizer in a plain loop: fp32 params on the device, bf16 autocast."""
+def run_torchao(spec: dict[str, Any], device: torch.device, warmup: int, steps: int, precision: str) -> dict[str, Any]:
+    """torchao's CPUOffloadOptimizer in a plain loop: fp32 params on the device, bf16 autocast in bf16-mixed."""
     from torchao.optim import CPUOffloadOptimizer
 
     with torch.device(device):
@@ -376,7 +381,7 @@ def run_torchao(spec: dict[str, Any], device: torch.device, warmup: int, steps: 
     recorder = Recorder(warmup, device)
     for (batch,) in DataLoader(token_data(spec, warmup + steps + 1), batch_size=spec["batch"]):
         recorder.start()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
             loss = lm_loss(net, batch.to(device))
         recorder.mark("fwd")
         loss.backward()
@@ -397,11 +402,12 @@ def clean_env() -> dict[str, str]:
     return {**START_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT), START_ENV.get("PYTHONPATH", "")])}
 
 
-def run_ddp_pair(spec: dict[str, Any], warmup: int, steps: int, timeout: float) -> dict[str, Any]:
+def run_ddp_pair(spec: dict[str, Any], warmup: int, steps: int, precision: str, timeout: float) -> dict[str, Any]:
     """Two ranks in their own processes (Lightning relaunches this script for rank 1)."""
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
-        job.write_text(json.dumps({"spec": spec, "warmup": warmup, "steps": steps, "out": str(Path(tmp) / "r.json")}))
+        out = str(Path(tmp) / "r.json")
+        job.write_text(json.dumps({"spec": spec, "warmup": warmup, "steps": steps, "precision": precision, "out": out}))
         done = subprocess.run(
             [sys.executable, __file__, "--ddp-worker", str(job)],
             capture_output=True,
@@ -416,7 +422,7 @@ def run_ddp_pair(spec: dict[str, Any], warmup: int, steps: int, timeout: float) 
 
 def ddp_worker(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
-    result = run_trainer("ddp", job["spec"], torch.device("cpu"), job["warmup"], job["steps"])
+    result = run_trainer("ddp", job["spec"], torch.device("cpu"), job["warmup"], job["steps"], job["precision"])
     if result:  # rank 0
         Path(job["out"]).write_text(json.dumps(result))
 
@@ -424,10 +430,10 @@ def ddp_worker(job_path: str) -> None:
 def run_variant(variant: str, spec: dict[str, Any], device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     kind = parse_variant(variant)[0]
     if kind == "ddp" and device.type == "cpu":
-        return run_ddp_pair(spec, args.warmup, args.steps, args.ddp_timeout)
+        return run_ddp_pair(spec, args.warmup, args.steps, args.precision, args.ddp_timeout)
     if kind == "torchao":
-        return run_torchao(spec, device, args.warmup, args.steps)
-    return run_trainer(variant, spec, device, args.warmup, args.steps)
+        return run_torchao(spec, device, args.warmup, args.steps, args.precision)
+    return run_trainer(variant, spec, device, args.warmup, args.steps, args.precision)
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -517,13 +523,14 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpt-19m")
     parser.add_argument("--batch", type=int, help="global batch (overrides the preset)")
     parser.add_argument("--variants", nargs="+", help="default: every zero_offload schedule, plain, ddp (CPU)")
+    parser.add_argument("--precision", choices=("bf16-mixed", "32-true"), default="bf16-mixed")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8, help="measured steps per round and variant")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--ddp-timeout", type=float, default=600.0)
-    parser.add_argument("--out", help="JSON path (default benchmarks/results/train_step_<preset>.json)")
-    parser.add_argument("--figure", help="PNG path (default docs/figures/train_step_<preset>.png); 'none': no chart")
+    parser.add_argument("--out", help="JSON path (default benchmarks/results/train_step_<preset>[_32-true].json)")
+    parser.add_argument("--figure", help="PNG path (default docs/figures/train_step_<preset>[_32-true].png); 'none'")
     parser.add_argument("--ddp-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ddp_worker:
@@ -536,7 +543,7 @@ def main() -> None:
     device = torch.device(args.device)
     variants = []
     for v in args.variants or default_variants(device):
-        reason = available(v, device)
+        reason = available(v, device, spec["batch"])
         if reason:
             print(f"skipping {v}: {reason}")
         else:
@@ -544,7 +551,8 @@ def main() -> None:
 
     params = sum(p.numel() for p in build_net(spec).parameters())
     title = (
-        f"{spec['model']} {params / 1e6:.1f}M params, batch {spec['batch']}x{spec['seq']}, bf16-mixed on {device.type}"
+        f"{spec['model']} {params / 1e6:.1f}M params, batch {spec['batch']}x{spec['seq']}, {args.precision} "
+        f"on {device.type}"
     )
     print(f"{title}; {torch.get_num_threads()} torch threads; variants {variants}")
     samples: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
@@ -558,7 +566,7 @@ def main() -> None:
         r["cpu_time_ratio_to"] = {o: r["cpu_ms"] / rows[o]["cpu_ms"] for o in rows if o != v}
     print_table(rows)
 
-    name = "quick" if args.quick else args.preset
+    name = ("quick" if args.quick else args.preset) + ("" if args.precision == "bf16-mixed" else f"_{args.precision}")
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"train_step_{name}.json")
     record = {
         "command": " ".join(["python", *sys.argv]),
@@ -569,6 +577,7 @@ def main() -> None:
         "kernels": kernels.backend(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": {**spec, "params": params},
+        "precision": args.precision,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "rows": rows,
     }

@@ -39,9 +39,11 @@ __all__ = [
     "AdamHyperparams",
     "adam_step",
     "adam_step_multi",
+    "adam_undo",
     "available_backends",
     "backend",
     "bandwidth_probe",
+    "can_undo",
     "get_num_threads",
     "grad_accumulate",
     "set_backend",
@@ -481,6 +483,55 @@ def grad_accumulate(
     return sumsq, not math.isfinite(sumsq)
 
 
+def adam_undo(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    hparams: AdamHyperparams,
+    step: int,
+    grad_scale: float = 1.0,
+    num_threads: int | None = None,
+) -> None:
+    """Take back one :func:`adam_step` made with these arguments (fp32 grads, step number ``step``).
+
+    For a speculated step that validation rejected (clipping triggered, overflow). The step computes,
+    per element, in fp32 (torch's order of operations)::
+
+        g  = grad * grad_scale            (+ p0 * wd   for Adam's L2 decay)
+        m1 = m0 + w (g - m0)              w = 1 - beta1
+        v1 = beta2 v0 + (1 - beta2) g^2
+        p1 = p0 * decay - step_size * m1 / (sqrt(v1) / sqrt(bc2) + eps)     decay = 1 - lr wd (AdamW)
+
+    and every line can be solved for the old value from the new one and the gradient. This does it in
+    float64 and rounds once, so ``param``, ``exp_avg`` and ``exp_avg_sq`` return to within about one
+    fp32 ulp of their values before the step (the step's own rounding cannot be recovered). With
+    ``beta1`` or ``beta2`` 0 the old moment did not influence the new one and is restored as 0. Native
+    and torch backends give the same bits; the native one is one pass over memory (about 4 Adam steps on
+    an AVX2 machine: a float64 division and square root per element), the torch one about 15. A step
+    that zeroed the params (AdamW with ``lr * weight_decay == 1``, see :func:`can_undo`) raises
+    ValueError.
+    """
+    grad_scale, step = _real("grad_scale", grad_scale), _check_step("step", step)
+    nt = _num_threads if num_threads is None else _check_threads("num_threads", num_threads)
+    _check_tensor("param", param, (torch.float32,))
+    for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        _check_tensor(name, t, (torch.float32,), param.numel(), "param")
+    if not can_undo(hparams):
+        raise ValueError("this AdamW step had lr * weight_decay == 1, which zeroes the params: it cannot be undone")
+    if _backend == "torch":
+        _torch_adam_undo(param, grad, exp_avg, exp_avg_sq, hparams, step, grad_scale)
+        return
+    pointers = (ffi.cast("float *", t.data_ptr()) for t in (param, grad, exp_avg, exp_avg_sq))
+    lib.lzo_adam_undo(hparams._c_struct(), grad_scale, float(step), *pointers, param.numel(), nt)
+
+
+def can_undo(hparams: AdamHyperparams) -> bool:
+    """Whether :func:`adam_undo` can take back a step with these hyperparameters (not when it zeroed the params)."""
+    return _adamw_decay(hparams) != 0.0
+
+
 def bandwidth_probe(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, num_threads: int | None = None) -> None:
     """The memory roofline of an fp32 Adam step: reads p, g, m, v and writes p, m, v (28 B/element).
 
@@ -573,6 +624,47 @@ def _torch_adam(
     )
     for i, (param, out) in enumerate(zip(params, params_out or ())):
         out.copy_(param if before is None else torch.add(param, param - before[i], alpha=extrapolate))
+
+
+def _f32(x: float) -> float:
+    """Round a double to float32, as the kernels' constants are."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _adamw_decay(hp: AdamHyperparams) -> float:
+    """AdamW's per-step factor on the params, as the step rounds it (1.0: no decoupled decay)."""
+    return _f32(1.0 - hp.lr * hp.weight_decay) if hp.adamw_mode and hp.weight_decay != 0 else 1.0
+
+
+_UNDO_CHUNK = 1 << 18  # elements per float64 pass: bounds the temporaries (a few MB) whatever the size
+
+
+def _torch_adam_undo(
+    param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, hp: AdamHyperparams, step: int, grad_scale: float
+) -> None:
+    """native/undo.c in torch ops: the same float64 arithmetic in the same order, so the same bits."""
+    bc1 = 1.0 - hp.beta1**step
+    bc2_sqrt = _f32(math.sqrt(1.0 - hp.beta2**step))
+    neg_step_size = _f32(-(hp.lr / bc1))
+    eps = _f32(hp.eps)
+    decay = _adamw_decay(hp)
+    l2 = 0.0 if hp.adamw_mode else _f32(hp.weight_decay)
+    w = _f32(1.0 - hp.beta1)
+    beta2, one_minus_beta2 = _f32(hp.beta2), _f32(1.0 - hp.beta2)
+    scale = torch.tensor(-grad_scale if hp.maximize else grad_scale, dtype=torch.float32)
+    inv_bc2_sqrt, inv_decay = 1.0 / bc2_sqrt, 1.0 / decay
+    inv_one_minus_w = 1.0 / (1.0 - w) if w != 1.0 else 0.0
+    inv_beta2 = 1.0 / beta2 if beta2 != 0 else 0.0
+    for start in range(0, param.numel(), _UNDO_CHUNK):
+        window = slice(start, start + _UNDO_CHUNK)
+        p1, m1, v1 = param[window].double(), exp_avg[window].double(), exp_avg_sq[window].double()
+        p0 = (p1 - neg_step_size * m1 / (v1.sqrt() * inv_bc2_sqrt + eps)) * inv_decay
+        g = (grad[window] * scale).double()  # the product rounded to fp32, as in the step
+        if l2:
+            g += p0 * l2
+        param[window] = p0
+        exp_avg[window] = (m1 - w * g) * inv_one_minus_w
+        exp_avg_sq[window] = ((v1 - one_minus_beta2 * g * g) * inv_beta2).clamp_(min=0.0)
 
 
 def _torch_grad_accumulate(dst: Tensor, src: Tensor, scale: float, overwrite: bool) -> float:

@@ -51,6 +51,11 @@ int64_t lzo_adam_step(const lzo_adam_hparams *hp, double grad_scale, double extr
 double lzo_grad_accumulate(float *dst, const void *src, int64_t n, int src_dtype, float scale,
                            int overwrite, int num_threads);
 
+/* Take one lzo_adam_step with fp32 grads and this step number back, in place (native/undo.c):
+ * p, m and v return to within about one fp32 ulp of their values before the step. */
+void lzo_adam_undo(const lzo_adam_hparams *hp, double grad_scale, double step, float *p,
+                   const float *g, float *m, float *v, int64_t n, int num_threads);
+
 /* Memory roofline for an fp32 Adam step: reads p, g, m, v and writes p, m, v (28 B/element). */
 void lzo_bandwidth_probe(float *p, const float *g, float *m, float *v, int64_t n,
                          int num_threads);

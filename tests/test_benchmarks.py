@@ -78,3 +78,5 @@ def test_train_step_variant_names():
     assert "CUDA" in train_step.available("deepspeed", torch.device("cpu"))
     assert train_step.available("zero_offload:nonsense", torch.device("cpu")) is not None
     assert train_step.available("zero_offload:sync", torch.device("cpu")) is None
+    assert "even --batch" in train_step.available("ddp", torch.device("cpu"), batch=1)
+    assert train_step.available("ddp", torch.device("cpu"), batch=8) is None

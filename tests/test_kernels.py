@@ -424,6 +424,76 @@ def test_grad_accumulate_flags_overflow_from_scale_and_existing_inf(backend: str
 
 
 # --------------------------------------------------------------------------------------------------
+# undo: taking a speculated step back
+
+UNDO_CASES = {  # AdamW, Adam with L2 and maximize, a low beta1 (the step's other lerp branch), odd scales
+    "adamw": (dict(HP, adamw_mode=True), 0.5),
+    "adam-l2-maximize": (dict(HP, weight_decay=0.01, adamw_mode=False, maximize=True), 1 / 3),
+    "low-beta": (dict(HP, beta1=0.3, beta2=0.5, adamw_mode=True), 1e-3),
+}
+
+
+def stepped_state(n: int, hp: dict, scale: float, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    state = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2, torch.rand(n, generator=gen) * 1e-3]
+    grad = grads_like(n, 1, seed + 1)[0]
+    before = [t.clone() for t in state]
+    kernels.adam_step(state[0], grad, state[1], state[2], step=7, grad_scale=scale, **hp)
+    return before, state, grad
+
+
+@pytest.mark.parametrize("case", sorted(UNDO_CASES))
+@pytest.mark.parametrize("n", [0, 1, 17, 2**16 + 5, 2**20 + 3])  # empty, tails, one chunk, many chunks
+def test_undo_restores_the_state_before_the_step(backend: str, case: str, n: int) -> None:
+    hp, scale = UNDO_CASES[case]
+    before, state, grad = stepped_state(n, hp, scale, seed=n)
+    after = [t.clone() for t in state]
+    kernels.adam_undo(*state[:1], grad, *state[1:], hparams=kernels.AdamHyperparams(**hp), step=7, grad_scale=scale)
+    for name, restored, original, stepped in zip(("param", "exp_avg", "exp_avg_sq"), state, before, after):
+        if n == 0:
+            continue
+        # The step's own fp32 rounding cannot be recovered: within 1e-5 of the step's largest change
+        # (observed <= 4.3e-6), or 2 ulp of the value where the change was below its resolution.
+        ulp = torch.nextafter(original.abs(), torch.tensor(math.inf)) - original.abs()
+        tolerance = 1e-5 * (stepped - original).abs().max() + 2 * ulp
+        assert ((restored - original).abs() <= tolerance).all(), name
+
+
+@pytest.mark.parametrize("case", sorted(UNDO_CASES))
+def test_native_undo_equals_the_torch_path_bitwise(native: str, case: str) -> None:
+    """Both do the same float64 arithmetic in the same order and round once (native/undo.c guards its
+    float constants against a GCC vectoriser that dropped a cast)."""
+    hp, scale = UNDO_CASES[case]
+    _, state, grad = stepped_state(2**20 + 3, hp, scale, seed=3)
+    results = []
+    for name in (native, "torch"):
+        kernels.set_backend(name)
+        copy = [t.clone() for t in state]
+        kernels.adam_undo(
+            copy[0], grad, copy[1], copy[2], hparams=kernels.AdamHyperparams(**hp), step=7, grad_scale=scale
+        )
+        results.append(copy)
+    kernels.set_backend(native)
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), *results):
+        assert torch.equal(a, b), name
+
+
+def test_undo_refuses_a_step_that_zeroed_the_params_and_bad_arguments() -> None:
+    zeroing = kernels.AdamHyperparams(lr=0.5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=2.0, adamw_mode=True)
+    assert not kernels.can_undo(zeroing) and kernels.can_undo(kernels.AdamHyperparams(**HP, adamw_mode=True))
+    t = [torch.zeros(4) for _ in range(4)]
+    with pytest.raises(ValueError, match="cannot be undone"):
+        kernels.adam_undo(*t, hparams=zeroing, step=1)
+    hp = kernels.AdamHyperparams(**HP, adamw_mode=True)
+    with pytest.raises(TypeError, match="grad has dtype torch.bfloat16"):
+        kernels.adam_undo(t[0], t[1].bfloat16(), t[2], t[3], hparams=hp, step=1)
+    with pytest.raises(ValueError, match="exp_avg_sq has 3 elements"):
+        kernels.adam_undo(t[0], t[1], t[2], torch.zeros(3), hparams=hp, step=1)
+    with pytest.raises(ValueError, match="step must be >= 1"):
+        kernels.adam_undo(*t, hparams=hp, step=0)
+
+
+# --------------------------------------------------------------------------------------------------
 # threads
 
 

@@ -13,9 +13,10 @@ goes to a host buffer, never to the device. After backward the engine validates:
   synchronous path with the right factor;
 - overflow / inf / nan: every speculated bucket is rolled back and the step is skipped as in sync.
 
-Rolling back is ``"undo"`` (the step inverted algebraically: no memory, equal to sync within fp32
-rounding) or ``"snapshot"`` (the bucket's state copied before the step: bitwise, 12 bytes of host
-memory per parameter and that much extra traffic on every speculated step, on the worker). ``"auto"``
+Rolling back is ``"undo"`` (the step inverted algebraically by :func:`kernels.adam_undo`: no memory,
+one pass costing about 4 Adam steps, equal to sync within fp32 rounding) or ``"snapshot"`` (the bucket's
+state copied before the step: bitwise, 12 bytes of host memory per parameter and that much extra
+traffic on every speculated step, on the worker). ``"auto"``
 takes the snapshot for fp16, where overflows are routine and the skipped step must leave the state
 exactly as sync does, and undo otherwise (a non-finite bf16/fp32 gradient is an error condition,
 and a clipped step within fp32 rounding of sync is what the undo gives); see docs/dpu.md.
@@ -39,11 +40,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.adam import AdamHyperparams
 from lightning_zero_offload.engine.layout import Bucket
 from lightning_zero_offload.engine.memory import host_zeros
 from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs, apply_now
-from lightning_zero_offload.engine.schedules.rollback import invertible, undo_adam
 from lightning_zero_offload.engine.stats import StepStats
 from lightning_zero_offload.engine.update import Run, plan_bucket, read_all_hyperparams, update_bucket
 
@@ -105,7 +106,7 @@ class SpeculativeSchedule(Schedule):
         if not self.armed or not final or engine.grads.bucket_nonfinite[index]:
             return
         runs = plan_bucket(engine, bucket, engine.grads.has_grad, self.multiplier, self.hparams)
-        if self.mode == "undo" and not all(invertible(run.hparams) for run in runs if run.hparams is not None):
+        if self.mode == "undo" and not all(kernels.can_undo(run.hparams) for run in runs if run.hparams is not None):
             return
         start = time.perf_counter()
         window = bucket.shard_range
@@ -165,14 +166,15 @@ class SpeculativeSchedule(Schedule):
                     if run.hparams is None:
                         continue
                     run_window = slice(run.start, run.end)
-                    undo_adam(
+                    kernels.adam_undo(
                         engine.master[run_window],
                         engine.grad[run_window],
                         engine.exp_avg[run_window],
                         engine.exp_avg_sq[run_window],
-                        run.hparams,
-                        run.step,
-                        run.multiplier,
+                        hparams=run.hparams,
+                        step=run.step,
+                        grad_scale=run.multiplier,
+                        num_threads=engine.num_threads,
                     )
             del self.speculated[index]
         self.rollbacks += 1
