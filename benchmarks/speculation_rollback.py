@@ -7,7 +7,7 @@ hyperparameters change, or a gradient overflows) the bucket is rolled back and r
   speculated step, copy them back on a rollback. Bitwise; costs 12 B/param of host memory and the copy on
   every step, rolled back or not.
 - ``undo``: invert the step from the new state and the gradient (``kernels.adam_undo``, float64): the
-  native kernel (native/undo.c) and, for comparison, the same arithmetic in torch ops (``undo_torch``,
+  native kernel (native/undo_body.h) and, for comparison, the same arithmetic in torch ops (``undo_torch``,
   the torch backend). No memory and nothing on steps that stand; a rollback costs one pass, and the
   restored state is within fp32 rounding of the original.
 

@@ -176,4 +176,7 @@ static void probe(float *restrict p, const float *restrict g, float *restrict m,
     }
 }
 
-const lzo_kernel_table lzo_kernels_scalar = {adam, accumulate, probe};
+#define UNDO_TARGET
+#include "undo_body.h"
+
+const lzo_kernel_table lzo_kernels_scalar = {adam, accumulate, probe, undo};

@@ -240,4 +240,7 @@ TARGET static void probe(float *p, const float *g, float *m, float *v, int64_t n
     }
 }
 
-const lzo_kernel_table KERNEL_TABLE = {adam, accumulate, probe};
+#define UNDO_TARGET TARGET
+#include "undo_body.h"
+
+const lzo_kernel_table KERNEL_TABLE = {adam, accumulate, probe, undo};

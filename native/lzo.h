@@ -51,7 +51,7 @@ int64_t lzo_adam_step(const lzo_adam_hparams *hp, double grad_scale, double extr
 double lzo_grad_accumulate(float *dst, const void *src, int64_t n, int src_dtype, float scale,
                            int overwrite, int num_threads);
 
-/* Take one lzo_adam_step with fp32 grads and this step number back, in place (native/undo.c):
+/* Take one lzo_adam_step with fp32 grads and this step number back, in place (native/undo_body.h):
  * p, m and v return to within about one fp32 ulp of their values before the step. */
 void lzo_adam_undo(const lzo_adam_hparams *hp, double grad_scale, double step, float *p,
                    const float *g, float *m, float *v, int64_t n, int num_threads);
@@ -72,6 +72,13 @@ typedef struct {
     float extrapolate;  /* param_out = p_new + extrapolate * (p_new - p_old) (0: off) */
 } lzo_adam_consts;
 
+/* lzo_adam_undo's constants: the step's, rounded to float as the step rounds them, then widened;
+ * divisions by them are multiplications by their double reciprocals. */
+typedef struct {
+    double neg_step_size, inv_bc2_sqrt, eps, inv_decay, l2, w, inv_one_minus_w, one_minus_beta2, inv_beta2;
+    float scale;
+} lzo_undo_consts;
+
 /* Kernels of one instruction set over a contiguous range. */
 typedef struct {
     void (*adam)(const lzo_adam_consts *c, float *p, const void *g, float *m, float *v, void *out,
@@ -79,6 +86,7 @@ typedef struct {
     double (*accumulate)(float *dst, const void *src, int64_t n, int src_dtype, float scale,
                          int overwrite, int stream);
     void (*probe)(float *p, const float *g, float *m, float *v, int64_t n);
+    void (*undo)(const lzo_undo_consts *c, float *p, const float *g, float *m, float *v, int64_t n);
 } lzo_kernel_table;
 
 extern const lzo_kernel_table lzo_kernels_scalar;

@@ -14,7 +14,7 @@ goes to a host buffer, never to the device. After backward the engine validates:
 - overflow / inf / nan: every speculated bucket is rolled back and the step is skipped as in sync.
 
 Rolling back is ``"undo"`` (the step inverted algebraically by :func:`kernels.adam_undo`: no memory,
-one pass costing about 4 Adam steps, equal to sync within fp32 rounding) or ``"snapshot"`` (the bucket's
+one pass costing about 1.2 Adam steps, equal to sync within fp32 rounding) or ``"snapshot"`` (the bucket's
 state copied before the step: bitwise, 12 bytes of host memory per parameter and that much extra
 traffic on every speculated step, on the worker). ``"auto"``
 takes the snapshot for fp16, where overflows are routine and the skipped step must leave the state
