@@ -644,7 +644,7 @@ def _torch_adam_undo(
 ) -> None:
     """native/undo_body.h in torch ops: the same float64 arithmetic in the same order, so the same bits."""
     bc1 = 1.0 - hp.beta1**step
-    bc2_sqrt = _f32(math.sqrt(1.0 - hp.beta2**step))
+    bc2_sqrt = _f32((1.0 - hp.beta2**step) ** 0.5)  # pow, as the step computes it
     neg_step_size = _f32(-(hp.lr / bc1))
     eps = _f32(hp.eps)
     decay = _adamw_decay(hp)

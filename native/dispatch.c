@@ -190,32 +190,24 @@ void lzo_bandwidth_probe(float *p, const float *g, float *m, float *v, int64_t n
     }
 }
 
-/* x rounded to float, the way the step rounds its constants. Through a volatile, because GCC 12 was
- * seen to drop a plain (float) cast of a loop-invariant double in a vectorised loop (the undo then
- * used 1 - beta1 unrounded and differed from the torch path in the last bit). */
-static double round_to_float(double x)
-{
-    volatile float rounded = (float)x;
-    return rounded;
-}
-
 void lzo_adam_undo(const lzo_adam_hparams *hp, double grad_scale, double step, float *p,
                    const float *g, float *m, float *v, int64_t n, int num_threads)
 {
     const lzo_kernel_table *k = active;
-    double decay = hp->adamw_mode && hp->weight_decay != 0.0 ? round_to_float(1.0 - hp->lr * hp->weight_decay) : 1.0;
-    double w = round_to_float(1.0 - hp->beta1), beta2 = round_to_float(hp->beta2);
+    /* the step's own constants, rounded as the step rounded them; divisions become multiplications */
+    lzo_adam_consts a = adam_consts(hp, grad_scale, 0.0, step);
+    double w = (float)(1.0 - hp->beta1);
     lzo_undo_consts c;
-    c.neg_step_size = round_to_float(-(hp->lr / (1.0 - pow(hp->beta1, step))));
-    c.inv_bc2_sqrt = 1.0 / round_to_float(sqrt(1.0 - pow(hp->beta2, step)));
-    c.eps = round_to_float(hp->eps);
-    c.inv_decay = 1.0 / decay; /* the caller refuses decay == 0 (kernels.can_undo) */
-    c.l2 = hp->adamw_mode ? 0.0 : round_to_float(hp->weight_decay);
+    c.neg_step_size = a.neg_step_size;
+    c.inv_bc2_sqrt = 1.0 / a.bc2_sqrt;
+    c.eps = a.eps;
+    c.inv_decay = 1.0 / a.decay; /* the caller refuses decay == 0 (kernels.can_undo) */
+    c.l2 = a.l2;
     c.w = w;
     c.inv_one_minus_w = w != 1.0 ? 1.0 / (1.0 - w) : 0.0;
-    c.one_minus_beta2 = round_to_float(1.0 - hp->beta2);
-    c.inv_beta2 = beta2 != 0.0 ? 1.0 / beta2 : 0.0;
-    c.scale = (float)round_to_float(hp->maximize ? -grad_scale : grad_scale);
+    c.one_minus_beta2 = a.one_minus_beta2;
+    c.inv_beta2 = a.beta2 != 0.0f ? 1.0 / a.beta2 : 0.0;
+    c.scale = a.grad_scale;
     int nt = num_threads > 1 ? num_threads : 1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && n >= PARALLEL_MIN)
     for (int64_t lo = 0; lo < n; lo += CHUNK) {
