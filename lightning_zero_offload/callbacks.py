@@ -96,14 +96,23 @@ def format_summary(engine: OffloadEngine, totals: dict[str, float], steps: int) 
     lines = [
         f"zero_offload: {report['params']:,} trainable parameters, {engine.param_dtype} on {engine.device}, "
         f"world size {world}, {engine.num_threads} CPU thread(s) per rank",
-        f"  device, model states: {device_param:.1f} B/param (parameters) + {buckets / 2**20:.1f} MiB of gradient "
-        f"buckets, vs {PLAIN_MIXED_ADAM_DEVICE_BYTES} B/param for plain mixed-precision Adam "
-        f"({PLAIN_MIXED_ADAM_DEVICE_BYTES / device_param:.0f}x less)",
-        f"  CPU, this rank: {report['host_state_bytes'] / 2**20:.1f} MiB optimizer state "
-        f"({report['host_state_bytes'] * world / n:.1f} B/param over all ranks) + "
-        f"{report['host_staging_bytes'] / 2**20:.1f} MiB staging "
-        f"({report['host_pinned_bytes'] / 2**20:.1f} MiB of host memory pinned)",
     ]
+    if engine.in_place:
+        lines.append(
+            f"  in place on the CPU (nothing to offload): the parameters are the fp32 master weights, "
+            f"{report['host_state_bytes'] / 2**20:.1f} MiB with the Adam moments ({report['host_state_bytes'] / n:.1f} "
+            "B/param); gradients stay where backward puts them, as in plain training"
+        )
+    else:
+        lines += [
+            f"  device, model states: {device_param:.1f} B/param (parameters) + {buckets / 2**20:.1f} MiB of gradient "
+            f"buckets, vs {PLAIN_MIXED_ADAM_DEVICE_BYTES} B/param for plain mixed-precision Adam "
+            f"({PLAIN_MIXED_ADAM_DEVICE_BYTES / device_param:.0f}x less)",
+            f"  CPU, this rank: {report['host_state_bytes'] / 2**20:.1f} MiB optimizer state "
+            f"({report['host_state_bytes'] * world / n:.1f} B/param over all ranks) + "
+            f"{report['host_staging_bytes'] / 2**20:.1f} MiB staging "
+            f"({report['host_pinned_bytes'] / 2**20:.1f} MiB of host memory pinned)",
+        ]
     if steps:
         per = {k: 1e3 * v / steps for k, v in totals.items()}
         hidden = 100 * hidden_fraction(totals["transfer"], totals["transfer_wait"])

@@ -48,6 +48,7 @@ __all__ = [
     "grad_accumulate",
     "set_backend",
     "set_num_threads",
+    "sum_of_squares",
 ]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -480,6 +481,22 @@ def grad_accumulate(
             nt,
         )
     # A finite float squared is < 2^256, so the double sum is finite iff every element is.
+    return sumsq, not math.isfinite(sumsq)
+
+
+def sum_of_squares(src: Tensor, *, num_threads: int | None = None) -> tuple[float, bool]:
+    """The sum of squares of ``src`` and whether it holds an inf or nan, reading it once and writing nothing.
+
+    Bitwise what :func:`grad_accumulate` returns when it overwrites a buffer of the same size with
+    ``src`` (scale 1): the norm of a gradient that is used where it lies instead of being copied.
+    ``src`` is contiguous fp32, bf16 or fp16.
+    """
+    nt = _num_threads if num_threads is None else _check_threads("num_threads", num_threads)
+    _check_tensor("src", src, _GRAD_DTYPES)
+    if _backend == "torch":
+        sumsq = float(torch.linalg.vector_norm(src, dtype=torch.float64)) ** 2
+    else:
+        sumsq = lib.lzo_sum_squares(ffi.cast("void *", src.data_ptr()), src.numel(), _DTYPE_CODES[src.dtype], nt)
     return sumsq, not math.isfinite(sumsq)
 
 

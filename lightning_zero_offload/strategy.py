@@ -72,8 +72,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
             time during backward and at most about two buckets exist there; larger buckets mean fewer,
             more efficient transfers and collectives, smaller ones less device memory.
         pin_memory: page-lock the host staging buffers (CUDA only) so transfers are asynchronous and fast.
-            Only bucket-sized buffers (and the master weights for "32-true") are pinned, never the whole
-            optimizer state.
+            Only bucket-sized buffers are pinned, never the master weights or the optimizer state.
         overlap: move and accumulate gradient buckets on a worker thread (and a side stream on CUDA) while
             backward continues, and publish bucket k while the CPU updates bucket k+1. ``False`` serialises
             everything. Default (None): on for an accelerator, off on a CPU device, where the worker would
@@ -113,6 +112,12 @@ class ZeroOffloadStrategy(ParallelStrategy):
             after this many optimizer steps in a row were skipped for inf/nan gradients (``None``: never). fp16
             also raises when a step overflows at ``loss_scale_min``. The default leaves room for fp16's loss
             scale to calibrate down from ``loss_scale_init`` (two skipped steps per halving).
+        in_place_on_cpu: where nothing would be offloaded (a CPU device, ``"32-true"``, one process,
+            ``cpu_step="sync"``), the parameters are the fp32 master weights and the step reads each gradient
+            where backward left it: plain training's memory traffic, none of the offload path's copies.
+            Default (None): exactly there. ``False``: always run the offload data path that an accelerator
+            runs (on a CPU, its copies are real copies; useful to test it). ``True``: require it (an error
+            says which condition is not met).
         process_group_backend: torch.distributed backend (default: nccl on CUDA, gloo on CPU).
         timeout: how long any collective (the engine's, checkpointing's and Lightning's own) may wait for the
             other ranks before it raises: a ``timedelta`` or seconds. Default: torch's 30 minutes. A rank that
@@ -147,6 +152,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
         checkpoint_format: Literal["full", "sharded"] = "full",
         metrics: bool = True,
         max_consecutive_skipped_steps: int | None = 20,
+        in_place_on_cpu: bool | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -171,6 +177,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
             dpu_weight_prediction=dpu_weight_prediction,
             checkpoint_format=checkpoint_format,
             max_consecutive_skipped_steps=max_consecutive_skipped_steps,
+            in_place_on_cpu=in_place_on_cpu,
         )
         super().__init__(
             accelerator=accelerator,

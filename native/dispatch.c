@@ -157,8 +157,10 @@ int64_t lzo_adam_step(const lzo_adam_hparams *hp, double grad_scale, double extr
     return 0;
 }
 
-double lzo_grad_accumulate(float *dst, const void *src, int64_t n, int src_dtype, float scale,
-                           int overwrite, int num_threads)
+/* The block split depends only on n, and block partials are added in block order: the sum is the
+ * same for any thread count, and the same for lzo_sum_squares as for an overwriting accumulate. */
+static double blocked_accumulate(float *dst, const void *src, int64_t n, int src_dtype, float scale,
+                                 int mode, int num_threads)
 {
     const lzo_kernel_table *k = active;
     int64_t block = (n + MAX_BLOCKS - 1) / MAX_BLOCKS;
@@ -169,13 +171,25 @@ double lzo_grad_accumulate(float *dst, const void *src, int64_t n, int src_dtype
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && nblocks > 1)
     for (int64_t b = 0; b < nblocks; ++b) {
         int64_t start = b * block, len = n - start < block ? n - start : block;
-        partial[b] = k->accumulate(dst + start, (const char *)src + start * ssz, len, src_dtype,
-                                   scale, overwrite, stream);
+        partial[b] = k->accumulate(dst ? dst + start : NULL, (const char *)src + start * ssz, len,
+                                   src_dtype, scale, mode, stream);
     }
     double sumsq = 0.0;
     for (int64_t b = 0; b < nblocks; ++b)
         sumsq += partial[b];
     return sumsq;
+}
+
+double lzo_grad_accumulate(float *dst, const void *src, int64_t n, int src_dtype, float scale,
+                           int overwrite, int num_threads)
+{
+    return blocked_accumulate(dst, src, n, src_dtype, scale,
+                              overwrite ? LZO_ACC_OVERWRITE : LZO_ACC_ADD, num_threads);
+}
+
+double lzo_sum_squares(const void *src, int64_t n, int src_dtype, int num_threads)
+{
+    return blocked_accumulate(NULL, src, n, src_dtype, 1.0f, LZO_ACC_READ, num_threads);
 }
 
 void lzo_bandwidth_probe(float *p, const float *g, float *m, float *v, int64_t n,

@@ -139,30 +139,31 @@ static void adam(const lzo_adam_consts *c, float *p, const void *g, float *m, fl
 
 static inline __attribute__((always_inline)) double
 accumulate_loop(float *restrict dst, const void *restrict src, int64_t n, int sdt, float scale,
-                int overwrite)
+                int mode)
 {
     double sumsq = 0.0;
     for (int64_t i = 0; i < n; ++i) {
         float x = load_elem(src, i, sdt) * scale;
-        if (!overwrite)
+        if (mode == LZO_ACC_ADD)
             x = dst[i] + x;
-        dst[i] = x;
+        if (mode != LZO_ACC_READ)
+            dst[i] = x;
         sumsq += (double)x * (double)x;
     }
     return sumsq;
 }
 
-static double accumulate(float *dst, const void *src, int64_t n, int sdt, float scale,
-                         int overwrite, int stream)
+static double accumulate(float *dst, const void *src, int64_t n, int sdt, float scale, int mode,
+                         int stream)
 {
     (void)stream; /* portable C has no non-temporal stores */
     switch (sdt) {
     case LZO_BFLOAT16:
-        return accumulate_loop(dst, src, n, LZO_BFLOAT16, scale, overwrite);
+        return accumulate_loop(dst, src, n, LZO_BFLOAT16, scale, mode);
     case LZO_FLOAT16:
-        return accumulate_loop(dst, src, n, LZO_FLOAT16, scale, overwrite);
+        return accumulate_loop(dst, src, n, LZO_FLOAT16, scale, mode);
     default:
-        return accumulate_loop(dst, src, n, LZO_FLOAT32, scale, overwrite);
+        return accumulate_loop(dst, src, n, LZO_FLOAT32, scale, mode);
     }
 }
 

@@ -159,16 +159,18 @@ TARGET static void adam(const lzo_adam_consts *c, float *p, const void *g, float
     ADAM_CASE(LZO_FLOAT16, LZO_FLOAT16)
 }
 
-INLINE void accumulate_vec(float *dst, const void *src, int64_t i, int sdt, vfloat scale,
-                           int overwrite, int stream, vdouble *acc_lo, vdouble *acc_hi)
+INLINE void accumulate_vec(float *dst, const void *src, int64_t i, int sdt, vfloat scale, int mode,
+                           int stream, vdouble *acc_lo, vdouble *acc_hi)
 {
     vfloat x = vf_mul(load_as_f32(src, i, sdt), scale);
-    if (!overwrite)
+    if (mode == LZO_ACC_ADD)
         x = vf_add(vf_load(dst + i), x);
-    if (stream)
-        vf_stream(dst + i, x);
-    else
-        vf_store(dst + i, x);
+    if (mode != LZO_ACC_READ) {
+        if (stream)
+            vf_stream(dst + i, x);
+        else
+            vf_store(dst + i, x);
+    }
     vdouble lo = vd_from_low(x), hi = vd_from_high(x);
     *acc_lo = vd_fmadd(lo, lo, *acc_lo);
     *acc_hi = vd_fmadd(hi, hi, *acc_hi);
@@ -176,51 +178,53 @@ INLINE void accumulate_vec(float *dst, const void *src, int64_t i, int sdt, vflo
 
 /* Fewer than W elements, through zero-padded buffers (zeros add nothing to the sums). */
 INLINE void accumulate_partial(float *dst, const void *src, int64_t n, int sdt, vfloat scale,
-                               int overwrite, vdouble *acc_lo, vdouble *acc_hi)
+                               int mode, vdouble *acc_lo, vdouble *acc_hi)
 {
     size_t r = (size_t)n, ssz = sdt == LZO_FLOAT32 ? 4 : 2;
     float db[W] = {0}, sb[W] = {0};
-    memcpy(db, dst, r * 4);
+    if (mode == LZO_ACC_ADD)
+        memcpy(db, dst, r * 4);
     memcpy(sb, src, r * ssz);
-    accumulate_vec(db, sb, 0, sdt, scale, overwrite, 0, acc_lo, acc_hi);
-    memcpy(dst, db, r * 4);
+    accumulate_vec(db, sb, 0, sdt, scale, mode, 0, acc_lo, acc_hi);
+    if (mode != LZO_ACC_READ)
+        memcpy(dst, db, r * 4);
 }
 
 /* `stream` (overwrite only): dst is only written, so it is stored non-temporally after a head
  * that aligns it to a whole vector. */
 INLINE double accumulate_loop(float *dst, const void *src, int64_t n, int sdt, float scale,
-                              int overwrite, int stream)
+                              int mode, int stream)
 {
     const uintptr_t align = W * 4; /* bytes of one vfloat */
     vfloat s = vf_set1(scale);
     vdouble acc_lo = vd_zero(), acc_hi = vd_zero();
     int64_t i = 0, ssz = sdt == LZO_FLOAT32 ? 4 : 2;
-    stream = stream && overwrite && n >= W && ((uintptr_t)dst & 3) == 0;
+    stream = stream && mode == LZO_ACC_OVERWRITE && n >= W && ((uintptr_t)dst & 3) == 0;
     if (stream) {
         i = (int64_t)((align - ((uintptr_t)dst & (align - 1))) & (align - 1)) / 4;
         if (i)
-            accumulate_partial(dst, src, i, sdt, s, overwrite, &acc_lo, &acc_hi);
+            accumulate_partial(dst, src, i, sdt, s, mode, &acc_lo, &acc_hi);
     }
     for (; i + W <= n; i += W)
-        accumulate_vec(dst, src, i, sdt, s, overwrite, stream, &acc_lo, &acc_hi);
+        accumulate_vec(dst, src, i, sdt, s, mode, stream, &acc_lo, &acc_hi);
     if (i < n)
-        accumulate_partial(dst + i, (const char *)src + i * ssz, n - i, sdt, s, overwrite, &acc_lo,
-                           &acc_hi);
+        accumulate_partial(mode == LZO_ACC_READ ? NULL : dst + i, (const char *)src + i * ssz,
+                           n - i, sdt, s, mode, &acc_lo, &acc_hi);
     if (stream)
         _mm_sfence();
     return vd_sum(vd_add(acc_lo, acc_hi));
 }
 
 TARGET static double accumulate(float *dst, const void *src, int64_t n, int sdt, float scale,
-                                int overwrite, int stream)
+                                int mode, int stream)
 {
     switch (sdt) {
     case LZO_BFLOAT16:
-        return accumulate_loop(dst, src, n, LZO_BFLOAT16, scale, overwrite, stream);
+        return accumulate_loop(dst, src, n, LZO_BFLOAT16, scale, mode, stream);
     case LZO_FLOAT16:
-        return accumulate_loop(dst, src, n, LZO_FLOAT16, scale, overwrite, stream);
+        return accumulate_loop(dst, src, n, LZO_FLOAT16, scale, mode, stream);
     default:
-        return accumulate_loop(dst, src, n, LZO_FLOAT32, scale, overwrite, stream);
+        return accumulate_loop(dst, src, n, LZO_FLOAT32, scale, mode, stream);
     }
 }
 

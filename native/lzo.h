@@ -51,6 +51,10 @@ int64_t lzo_adam_step(const lzo_adam_hparams *hp, double grad_scale, double extr
 double lzo_grad_accumulate(float *dst, const void *src, int64_t n, int src_dtype, float scale,
                            int overwrite, int num_threads);
 
+/* The sum of squares of src, exactly as lzo_grad_accumulate(overwrite, scale 1) would return it
+ * for the same n, without writing anything: the norm of a gradient that stays where it is. */
+double lzo_sum_squares(const void *src, int64_t n, int src_dtype, int num_threads);
+
 /* Take one lzo_adam_step with fp32 grads and this step number back, in place (native/undo_body.h):
  * p, m and v return to within about one fp32 ulp of their values before the step. */
 void lzo_adam_undo(const lzo_adam_hparams *hp, double grad_scale, double step, float *p,
@@ -79,12 +83,16 @@ typedef struct {
     float scale;
 } lzo_undo_consts;
 
+/* What accumulate does with dst: dst += src * scale, dst = src * scale, or nothing (dst is not
+ * read or written, only the sum of squares of src * scale is returned). */
+enum { LZO_ACC_ADD = 0, LZO_ACC_OVERWRITE = 1, LZO_ACC_READ = 2 };
+
 /* Kernels of one instruction set over a contiguous range. */
 typedef struct {
     void (*adam)(const lzo_adam_consts *c, float *p, const void *g, float *m, float *v, void *out,
                  int64_t n, int grad_dtype, int out_dtype);
     double (*accumulate)(float *dst, const void *src, int64_t n, int src_dtype, float scale,
-                         int overwrite, int stream);
+                         int mode, int stream);
     void (*probe)(float *p, const float *g, float *m, float *v, int64_t n);
     void (*undo)(const lzo_undo_consts *c, float *p, const float *g, float *m, float *v, int64_t n);
 } lzo_kernel_table;

@@ -41,6 +41,7 @@ def options(**kwargs) -> OffloadOptions:
     kwargs.setdefault("bucket_size_mb", 2000 / 2**20)  # ~500 fp32 elements: several buckets
     kwargs.setdefault("cpu_threads", 2)
     kwargs.setdefault("overlap", True)  # the accelerator's path (the CPU device's default is off)
+    kwargs.setdefault("in_place_on_cpu", False)  # the offload data path, even where fp32 on the CPU skips it
     return OffloadOptions(**kwargs)
 
 

@@ -410,6 +410,24 @@ def test_grad_accumulate_flags_nonfinite(backend: str, bad: float, src_dtype: to
             assert nonfinite is True and not math.isfinite(sumsq)
 
 
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("src_dtype", [torch.float32, *LOW])
+def test_sum_of_squares_is_an_overwriting_accumulate_without_the_write(
+    backend: str, size: int, src_dtype: torch.dtype
+) -> None:
+    src = torch.empty(size + 1, dtype=src_dtype)[1:]  # misaligned, as a gradient may be
+    src.copy_(torch.randn(size) * 3)
+    before = src.clone()
+    for threads in (1, 2):
+        sumsq, nonfinite = kernels.sum_of_squares(src, num_threads=threads)
+        expected, _ = kernels.grad_accumulate(torch.empty(size), src, overwrite=True, num_threads=threads)
+        assert sumsq == expected and nonfinite is False  # bitwise: same blocks, same order
+    assert torch.equal(src, before)
+    if size:
+        src[size // 2] = float("nan")
+        assert kernels.sum_of_squares(src)[1] is True
+
+
 def test_grad_accumulate_flags_overflow_from_scale_and_existing_inf(backend: str) -> None:
     _, nonfinite = kernels.grad_accumulate(torch.zeros(100), torch.full((100,), 1e30), scale=1e10)
     assert nonfinite

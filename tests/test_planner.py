@@ -66,8 +66,10 @@ def test_host_memory_is_what_the_engine_allocates(delayed, dtype):
             "cpu",
             sum(p.numel() for p in model.parameters()),
         )
-        # the device's gradient buckets appear with the first backward; everything else exists now
-        expected = sum(predicted.per_rank.values()) - predicted.per_rank["device_grad_buckets"]
+        # gradients (the device's buckets; in place, autograd's own) appear with the first backward
+        later = ("device_grad_buckets", "autograd_grads")
+        expected = sum(n for name, n in predicted.per_rank.items() if name not in later)
+        assert ("autograd_grads" in predicted.per_rank) == engine.in_place
         assert host_tensor_bytes(engine) == expected
         assert len(engine.layout.buckets) > 1
     finally:

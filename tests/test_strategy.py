@@ -336,3 +336,16 @@ def test_speculative_step_through_the_trainer_is_bitwise_sync(clip):
     engine = trainer.strategy.engine
     assert (engine.schedule.rollbacks > 0) == (clip < 1)  # the triggered steps were rolled back and redone
     assert clip < 1 or engine.last.speculated_fraction > 0  # else the steps really ran during backward
+
+
+def test_32_true_on_a_cpu_runs_in_place_bitwise_the_offload_path():
+    """The CPU device's default skips the offload copies; forcing them back changes no bit."""
+    common = {"gradient_clip_val": 1.0, "accumulate_grad_batches": 2, "max_steps": 12}
+    in_place, trainer = fit("zero_offload", **common)
+    offload, offload_trainer = fit(ZeroOffloadStrategy(in_place_on_cpu=False), **common)
+    assert trainer.strategy.engine.in_place and not offload_trainer.strategy.engine.in_place
+    assert in_place.losses == offload.losses
+    for p, q in zip(in_place.parameters(), offload.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="in_place_on_cpu=True needs.*bfloat16"):
+        fit(ZeroOffloadStrategy(in_place_on_cpu=True), precision="bf16-mixed", max_steps=1)

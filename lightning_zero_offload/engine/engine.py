@@ -15,6 +15,9 @@ clip, skip), publishing to the device, and the state in and out.
 Device parameters are views into one flat low-precision buffer, so a bucket's update lands with a
 single copy (or one all-gather). The CPU holds only this rank's shard: fp32 master, two moments and
 an fp32 gradient buffer (16 bytes per owned parameter) plus a few bucket-sized staging buffers.
+Where nothing would be offloaded (a CPU device, fp32, one process, the sync step) the engine runs in
+place instead (engine/in_place.py): the parameters are views of the fp32 master and gradients stay
+where backward left them.
 Plain torch: no Lightning imports, so it can be driven and tested without a Trainer.
 """
 
@@ -33,6 +36,7 @@ from lightning_zero_offload.engine.adam import check_optimizer
 from lightning_zero_offload.engine.collectives import all_gather, all_reduce_sum
 from lightning_zero_offload.engine.failures import NonFinitePolicy, close_after_failure, refuse_after_failure
 from lightning_zero_offload.engine.grads import GradientStreamer
+from lightning_zero_offload.engine.in_place import InPlaceGradients
 from lightning_zero_offload.engine.layout import Bucket, Layout, build_layout
 from lightning_zero_offload.engine.memory import (
     COLLECTIVE,
@@ -47,7 +51,7 @@ from lightning_zero_offload.engine.memory import (
     wait_event,
     worker_pool,
 )
-from lightning_zero_offload.engine.options import OffloadOptions, resolve_auto
+from lightning_zero_offload.engine.options import OffloadOptions, resolve_auto, use_in_place
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, make_schedule
 from lightning_zero_offload.engine.stats import StepStats
@@ -113,20 +117,26 @@ class OffloadEngine:
 
         element = torch.empty(0, dtype=param_dtype).element_size()
         self.layout: Layout = build_layout([p.shape for p in self.params], options.bucket_numel(element), world, rank)
+        self.in_place = use_in_place(options, device, param_dtype, world, self.cpu_step)
         self.pin = options.pin_memory and can_pin(device)
         shard = self.layout.shard_numel
         self.master = host_zeros(shard, torch.float32, False)  # model-sized: never pinned (see HostToDevice)
         self.exp_avg = host_zeros(shard, torch.float32, False)
         self.exp_avg_sq = host_zeros(shard, torch.float32, False)
-        self.grad = host_zeros(shard, torch.float32, False)  # the buffer backward accumulates into now
+        # The buffer backward accumulates into now (in place: gradients stay in the tensors autograd made).
+        self.grad: torch.Tensor | None = None if self.in_place else host_zeros(shard, torch.float32, False)
         self.steps = [0] * len(self.params)
         self._original_dtypes = [p.dtype for p in self.params]
         state_io.load_shard(self, self.master, [p.detach() for p in self.params])
 
-        self.flat_params = device_zeros(self.layout.flat_numel, param_dtype, device, "params")
+        if self.in_place:  # one rank: the flat buffer and the shard are the same elements in the same order
+            self.flat_params = self.master
+        else:
+            self.flat_params = device_zeros(self.layout.flat_numel, param_dtype, device, "params")
         for slot, p in zip(self.layout.slots, self.params):
             view = self.flat_params[self.layout.slot_range(slot.index)]
-            view.copy_(p.detach().reshape(-1))
+            if not self.in_place:
+                view.copy_(p.detach().reshape(-1))
             p.data = view.view(slot.shape)
 
         max_shard = max(b.shard_numel for b in self.layout.buckets)
@@ -139,17 +149,25 @@ class OffloadEngine:
         self._backward_s = 0.0
         self._step_expected = False
         self.step_calls = 0
-        self.grads = GradientStreamer(
-            self.layout,
-            self.params,
-            self.grad,
-            device,
-            param_dtype,
-            self.pin,
-            self.num_threads,
-            process_group,
-            self.overlap,
-        )
+        self.grads: GradientStreamer | InPlaceGradients
+        if self.in_place:
+            self.grads = InPlaceGradients(self.params, self.num_threads)
+            ranges = [self.layout.slot_range(index) for index in range(len(self.params))]
+            # Per-parameter views of master and moments, for the step (fixed: the buffers are never replaced).
+            buffers = (self.master, self.exp_avg, self.exp_avg_sq)
+            self.param_views = tuple([buffer[r] for r in ranges] for buffer in buffers)
+        else:
+            self.grads = GradientStreamer(
+                self.layout,
+                self.params,
+                self.grad,
+                device,
+                param_dtype,
+                self.pin,
+                self.num_threads,
+                process_group,
+                self.overlap,
+            )
         self.schedule = make_schedule(self.cpu_step, self)
         self.last = StepStats(loss_scale=self.loss_scale)
         self.skipped_steps = 0
@@ -252,8 +270,7 @@ class OffloadEngine:
         )
 
     def _global_grad_summary(self) -> tuple[float, bool, list[bool]]:
-        sumsq = sum(self.grads.bucket_sumsq)
-        overflow = any(self.grads.bucket_nonfinite)
+        sumsq, overflow = self.grads.local_summary()
         has_grad = list(self.grads.has_grad)
         if self.layout.world_size > 1:
             summary = torch.tensor([sumsq, float(overflow), *map(float, has_grad)], dtype=torch.float64)
@@ -301,6 +318,8 @@ class OffloadEngine:
 
     def refresh_device_params(self) -> None:
         """Write the master weights (rounded to the device dtype) into the device parameters."""
+        if self.in_place:  # they are the master weights
+            return
         for bucket in self.layout.buckets:
             out = self.publish_pool.acquire() if self.publish_pool is not None else None
             if out is not None:

@@ -59,6 +59,18 @@ def hidden_fraction(transfer_s: float, exposed_s: float) -> float:
     return min(1.0, max(0.0, 1.0 - exposed_s / transfer_s))
 
 
+def check_gradient(grad: torch.Tensor, seen: bool) -> None:
+    """Refuse what neither data path can take: sparse gradients, and a gradient twice in one pass."""
+    if grad.is_sparse:
+        raise RuntimeError("zero_offload does not support sparse gradients (nn.Embedding(sparse=True))")
+    if seen:
+        raise RuntimeError(
+            "A parameter received its gradient twice in one backward pass. This happens with reentrant "
+            "activation checkpointing when a parameter is used inside and outside the checkpointed region: "
+            "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
+        )
+
+
 class GradientStreamer:
     """Moves gradients from device parameters into a flat fp32 CPU buffer (this rank's shard)."""
 
@@ -147,14 +159,7 @@ class GradientStreamer:
         grad = param.grad
         if grad is None:
             return
-        if grad.is_sparse:
-            raise RuntimeError("zero_offload does not support sparse gradients (nn.Embedding(sparse=True))")
-        if self._seen[index]:
-            raise RuntimeError(
-                "A parameter received its gradient twice in one backward pass. This happens with reentrant "
-                "activation checkpointing when a parameter is used inside and outside the checkpointed region: "
-                "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
-            )
+        check_gradient(grad, self._seen[index])
         self._seen[index] = True
         self._open = True
         slot = self.layout.slots[index]
@@ -348,6 +353,10 @@ class GradientStreamer:
         self.has_grad = [False] * len(self.params)
         self.bucket_sumsq = [0.0] * len(self.layout.buckets)
         self.bucket_nonfinite = [False] * len(self.layout.buckets)
+
+    def local_summary(self) -> tuple[float, bool]:
+        """(sum of squares, any inf/nan) of this rank's accumulated gradients."""
+        return sum(self.bucket_sumsq), any(self.bucket_nonfinite)
 
     def for_each_grad_range(self, fn: Callable[[torch.Tensor], None]) -> None:
         for bucket in self.layout.buckets:

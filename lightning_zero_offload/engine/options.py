@@ -52,6 +52,7 @@ class OffloadOptions:
     speculation_rollback: SpeculationRollback = "auto"
     checkpoint_format: CheckpointFormat = "full"
     max_consecutive_skipped_steps: int | None = 20
+    in_place_on_cpu: bool | None = None
 
     def __post_init__(self) -> None:
         check_real("bucket_size_mb", self.bucket_size_mb, "> 0 (megabytes)", lambda v: v > 0)
@@ -67,6 +68,7 @@ class OffloadOptions:
         check_choice("speculation_rollback", self.speculation_rollback, SPECULATION_ROLLBACKS)
         check_choice("checkpoint_format", self.checkpoint_format, ("full", "sharded"))
         check_int("max_consecutive_skipped_steps", self.max_consecutive_skipped_steps, 1, optional=True)
+        check_bool("in_place_on_cpu", self.in_place_on_cpu, optional=True)
         if self.delayed_param_update:
             if self.cpu_step not in ("auto", "delayed"):
                 raise ValueError(
@@ -125,3 +127,32 @@ def resolve_auto(options: OffloadOptions, device: torch.device, local_world_size
             )
             threads = cores
     return Resolved(cpu_step, overlap, max(1, threads))  # type: ignore[arg-type]
+
+
+def use_in_place(
+    options: OffloadOptions, device: torch.device, param_dtype: torch.dtype, world_size: int, cpu_step: str
+) -> bool:
+    """Whether the engine runs in place (engine/in_place.py) instead of the offload data path.
+
+    Only where nothing would be offloaded: forward/backward on the CPU itself, in fp32 (the device
+    parameters *are* fp32 master weights), one process (no shards) and the synchronous step (the other
+    schedules keep device weights apart from the master on purpose). There the offload path's copies
+    are pure cost: 1.33x plain Lightning's step time on an optimizer-heavy model (docs/benchmarks.md).
+    """
+    reasons = [
+        why
+        for why, unmet in (
+            (f"the device is {device.type}, not cpu", device.type != "cpu"),
+            (f"the parameters are {param_dtype}, not float32 (precision='32-true')", param_dtype != torch.float32),
+            (f"there are {world_size} processes, not 1", world_size != 1),
+            (f"cpu_step is {cpu_step!r}, not 'sync'", cpu_step != "sync"),
+        )
+        if unmet
+    ]
+    if options.in_place_on_cpu and reasons:
+        raise ValueError(
+            "in_place_on_cpu=True needs a CPU device, precision='32-true', one process and cpu_step='sync', but "
+            + "; ".join(reasons)
+            + ". Leave in_place_on_cpu unset (None) to use it exactly where it applies."
+        )
+    return options.in_place_on_cpu is not False and not reasons

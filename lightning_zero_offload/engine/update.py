@@ -167,3 +167,31 @@ def update_and_publish(
         engine.publish(bucket, out)
         publish_s += time.perf_counter() - t
     return update_s, publish_s
+
+
+def update_in_place(engine: OffloadEngine, has_grad: list[bool], multiplier: float) -> float:
+    """The in-place engine's step (engine/in_place.py): one native call per param group; returns seconds.
+
+    Per parameter, the kernel sees what the offload path's plan would give it: the group's
+    hyperparameters, the parameter's own step number and the clip x unscale multiplier.
+    """
+    hparams = read_all_hyperparams(engine)
+    calls: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[int]]]
+    calls = {}
+    masters, exp_avgs, exp_avg_sqs = engine.param_views
+    for index, grad in enumerate(engine.grads.grads):
+        if not has_grad[index] or grad is None:  # no gradient this step: torch leaves the parameter alone
+            continue
+        engine.steps[index] += 1
+        p, g, m, v, steps = calls.setdefault(engine.group_of[index], ([], [], [], [], []))
+        p.append(masters[index])
+        g.append(grad.view(-1))
+        m.append(exp_avgs[index])
+        v.append(exp_avg_sqs[index])
+        steps.append(engine.steps[index])
+    t = time.perf_counter()
+    for group, (p, g, m, v, steps) in calls.items():
+        kernels.adam_step_multi(
+            p, g, m, v, steps, hparams=hparams[group], grad_scale=multiplier, num_threads=engine.num_threads
+        )
+    return time.perf_counter() - t

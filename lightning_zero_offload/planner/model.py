@@ -372,6 +372,16 @@ def host_memory(
     max_shard, max_bucket = layout.max_shard, layout.max_bucket
     low = dtype != torch.float32
     pin = device_type == "cuda"
+    if device_type == "cpu" and not low and schedule == "sync" and layout.world_size == 1:
+        # In place (engine/in_place.py): the parameters are the master; gradients are autograd's own tensors.
+        buffers = {"master": 4 * shard, "exp_avg": 4 * shard, "exp_avg_sq": 4 * shard, "autograd_grads": 4 * shard}
+        return HostMemory(
+            per_rank=buffers,
+            pinned_per_rank=0,
+            per_node=sum(buffers.values()) * ranks_per_node,
+            transient_model_per_rank=4 * params,
+            checkpoint_full_per_rank=12 * params,
+        )
     buffers = {
         "master": 4 * shard,
         "exp_avg": 4 * shard,
@@ -380,11 +390,14 @@ def host_memory(
         "grad_staging": 2 * max_shard * element,  # GradientStreamer's pool of two
         "publish_pool": 2 * max_shard * element if low else 0,
     }
-    pinned = buffers["grad_staging"] + buffers["publish_pool"] + (buffers["master"] if not low else 0)
+    pageable_published = not low  # the fp32 master itself is copied to the device
     if schedule == "delayed":
         buffers["grad_second"] = 4 * shard  # backward t+1 fills one while the update of t reads the other
         buffers["next_params"] = shard * element if low else 0
-        pinned += buffers["next_params"]
+        pageable_published = True
+    # Model-sized buffers are never pinned: they reach the device through HostToDevice's two pinned buffers.
+    buffers["h2d_staging"] = 2 * max_shard * element if pin and pageable_published else 0
+    pinned = buffers["grad_staging"] + buffers["publish_pool"] + buffers["h2d_staging"]
     if device_type == "cpu":  # the "device" is host memory too
         buffers["device_params"] = layout.flat_numel * element
         buffers["device_grad_buckets"] = 2 * max_bucket * element

@@ -32,7 +32,8 @@ class Comparison:
 
 def _engine(model: nn.Module, threads: int, bucket_size_mb: float, dtype: torch.dtype) -> OffloadEngine:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    options = OffloadOptions(bucket_size_mb=bucket_size_mb, cpu_threads=threads, overlap=False)
+    # The offload data path (what the plan models), not the in-place shortcut fp32 would take on a CPU device.
+    options = OffloadOptions(bucket_size_mb=bucket_size_mb, cpu_threads=threads, overlap=False, in_place_on_cpu=False)
     return OffloadEngine(optimizer, torch.device("cpu"), dtype, options)
 
 

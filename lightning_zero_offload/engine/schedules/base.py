@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from lightning_zero_offload.engine.stats import StepStats
-from lightning_zero_offload.engine.update import make_plan, update_and_publish
+from lightning_zero_offload.engine.update import make_plan, update_and_publish, update_in_place
 
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.engine import OffloadEngine
@@ -93,6 +93,9 @@ def apply_now(
     """The synchronous step: clamp, plan, then update (all buckets not in ``done``) and publish."""
     if inputs.clamp_limit is not None:
         engine.clamp_grads(inputs.clamp_limit)
+    if engine.in_place:  # the parameters are the master: nothing to publish
+        stats.cpu_step_s += update_in_place(engine, inputs.has_grad, inputs.multiplier)
+        return
     plan = make_plan(engine, inputs.has_grad, inputs.multiplier)
     update_s, stats.copy_back_s = update_and_publish(engine, plan, done, done_out)
     stats.cpu_step_s += update_s

@@ -1,0 +1,109 @@
+"""When forward/backward run on the CPU in fp32 there is nothing to offload: train where the data lies.
+
+With one process and the synchronous step, the device parameters can *be* the fp32 master weights
+(views into the engine's master buffer) and each gradient can stay where autograd left it. The offload
+data path (engine/grads.py, engine/update.py) would copy every gradient into a device bucket, then into
+a host staging buffer, add it into an fp32 buffer, and copy every updated weight back: about 60 bytes
+of memory traffic per parameter and step against a plain fused AdamW's 28, which made a 49M-parameter
+Llama 1.33x slower than plain Lightning in "32-true" (docs/benchmarks.md).
+
+Here the engine keeps only what it needs of a gradient stream: each parameter's gradient until the
+step (the tensor autograd made, as plain training keeps it in ``.grad``), its sum of squares and inf/nan
+flag (one read-only pass while the gradient is still in cache, for clipping and the skip rule), and
+accumulation over micro-batches (added in place into the first micro-batch's gradient, in fp32, as the
+offload path does). The step (engine/update.py, ``update_in_place``) is one native Adam call per
+param group over those tensors. Results are bitwise those of the offload data path: the same kernels
+see the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from lightning_zero_offload import kernels
+from lightning_zero_offload.engine.grads import check_gradient
+
+
+class InPlaceGradients:
+    """Holds each parameter's gradient for the step; the in-place counterpart of ``GradientStreamer``."""
+
+    device_buffers_live = device_buffers_peak = device_buffers_allocated = device_buffer_nbytes = 0
+    on_accumulated = None  # nothing is streamed, so nothing can be speculated on
+
+    def __init__(self, params: list[torch.nn.Parameter], num_threads: int) -> None:
+        self.params = params
+        self.num_threads = num_threads
+        n = len(params)
+        self.grads: list[torch.Tensor | None] = [None] * n
+        self.has_grad = [False] * n
+        self._sumsq = [0.0] * n
+        self._nonfinite = [False] * n
+        self._seen = [False] * n
+        self._hooks = [self._register(index, p) for index, p in enumerate(params)]
+
+    def _register(self, index: int, param: torch.nn.Parameter) -> torch.utils.hooks.RemovableHandle:
+        def hook(p: torch.Tensor) -> None:
+            self._on_grad(index, p)
+
+        return param.register_post_accumulate_grad_hook(hook)
+
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        check_gradient(grad, self._seen[index])
+        self._seen[index] = True
+        # Taken out of .grad, as the offload path does: the next micro-batch's gradient then arrives as a
+        # fresh tensor instead of being added into this one by autograd (a second pass over memory).
+        param.grad = None
+        held = self.grads[index]
+        if held is None:
+            # Autograd hands over a tensor nobody else holds (it clones one that is shared), so it is ours.
+            held = grad if grad.dtype == torch.float32 and grad.is_contiguous() else grad.float().contiguous()
+            self.grads[index] = held
+            sumsq, nonfinite = kernels.sum_of_squares(held, num_threads=self.num_threads)
+        else:
+            source = grad.contiguous().view(-1)
+            sumsq, nonfinite = kernels.grad_accumulate(held.view(-1), source, num_threads=self.num_threads)
+        self._sumsq[index] = sumsq
+        self._nonfinite[index] = nonfinite
+        self.has_grad[index] = True
+
+    # -- the part of the GradientStreamer interface the engine uses ----------------------------
+
+    def begin(self) -> None:
+        """A backward pass starts (nothing to prepare: gradients are taken as they come)."""
+
+    def finish_backward(self) -> None:
+        self._seen = [False] * len(self.params)
+
+    def wait(self) -> None:
+        """Nothing runs in the background."""
+
+    def take_timings(self) -> tuple[float, float]:
+        return 0.0, 0.0  # no transfer
+
+    def local_summary(self) -> tuple[float, bool]:
+        """(sum of squares, any inf/nan) of this window's gradients."""
+        return sum(self._sumsq), any(self._nonfinite)
+
+    def for_each_grad_range(self, fn: Callable[[torch.Tensor], None]) -> None:
+        for grad in self.grads:
+            if grad is not None:
+                fn(grad)
+
+    def new_window(self) -> None:
+        """After an optimizer step: drop the gradients (as ``zero_grad(set_to_none=True)`` does)."""
+        n = len(self.params)
+        self.grads = [None] * n
+        self.has_grad = [False] * n
+        self._sumsq = [0.0] * n
+        self._nonfinite = [False] * n
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.new_window()
