@@ -263,6 +263,9 @@ def engine_device_bytes(report: dict[str, int]) -> int:
 def model_state_bytes(trainer: L.Trainer, module: L.LightningModule, grad_bytes: int) -> int | None:
     """Device bytes of parameters + gradients + optimizer state, from the tensors (or the engine's report)."""
     engine = getattr(trainer.strategy, "engine", None)
+    if engine is not None and engine.in_place:  # the device is the host: master + moments + autograd's gradients
+        report = engine.memory_report()
+        return report["host_state_bytes"] + 4 * report["params"]
     if engine is not None:
         return engine_device_bytes(engine.memory_report())
     if "deepspeed" in type(trainer.strategy).__name__.lower():
@@ -298,7 +301,7 @@ def zero_offload_kwargs(schedule: str | None, options: dict[str, Any]) -> dict[s
     return kwargs
 
 
-def engine_probe(kwargs: dict[str, Any], device: torch.device) -> None:
+def engine_probe(kwargs: dict[str, Any], device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:
     """Build (and close) an engine with these settings on a one-layer model: raises if the schedule cannot run."""
     from dataclasses import fields
 
@@ -307,17 +310,18 @@ def engine_probe(kwargs: dict[str, Any], device: torch.device) -> None:
     names = {f.name for f in fields(OffloadOptions)}
     layer = torch.nn.Linear(4, 4).to(device)
     options = OffloadOptions(**{k: v for k, v in kwargs.items() if k in names})
-    OffloadEngine(torch.optim.AdamW(layer.parameters()), device, torch.bfloat16, options).close()
+    OffloadEngine(torch.optim.AdamW(layer.parameters()), device, dtype, options).close()
 
 
-def available(variant: str, device: torch.device, batch: int = 2) -> str | None:
+def available(variant: str, device: torch.device, batch: int = 2, precision: str = "bf16-mixed") -> str | None:
     """None if the variant can run here with this global batch, else why not."""
     kind, schedule, options = parse_variant(variant)
     if kind == "ddp" and batch % 2:
         return f"ddp splits the global batch over 2 ranks, and {batch} does not split: pass an even --batch"
     if kind == "zero_offload":
         try:
-            engine_probe(zero_offload_kwargs(schedule, options), device)
+            dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision, torch.float32)
+            engine_probe(zero_offload_kwargs(schedule, options), device, dtype)
         except (ValueError, TypeError) as err:
             return str(err)
         return None
@@ -543,7 +547,7 @@ def main() -> None:
     device = torch.device(args.device)
     variants = []
     for v in args.variants or default_variants(device):
-        reason = available(v, device, spec["batch"])
+        reason = available(v, device, spec["batch"], args.precision)
         if reason:
             print(f"skipping {v}: {reason}")
         else:

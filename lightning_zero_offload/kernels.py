@@ -39,6 +39,7 @@ __all__ = [
     "AdamHyperparams",
     "adam_step",
     "adam_step_multi",
+    "adam_step_multi_if_finite",
     "adam_undo",
     "available_backends",
     "backend",
@@ -450,6 +451,53 @@ def adam_step_multi(
         _adam_impl(table, params, grads, exp_avgs, exp_avg_sqs, params_out, steps, hp, grad_scale, extrapolate, nt)
 
 
+def adam_step_multi_if_finite(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    steps: Sequence[int],
+    *,
+    hparams: AdamHyperparams,
+    grad_scale: float = 1.0,
+    num_threads: int | None = None,
+) -> tuple[float, bool]:
+    """:func:`adam_step_multi` with fp32 grads, applied only if every gradient is finite.
+
+    Returns ``(sum of squares of the grads, applied)``. The norm and the inf/nan check ride along with
+    the update: each 256 KiB chunk of gradients is summed as it is brought into cache and updated from
+    there, so they need no pass over memory of their own (one would add 4 bytes per parameter to an
+    fp32 step's 28). If a gradient is inf or nan, nothing stays changed: the chunks updated before that
+    was seen are taken back with :func:`adam_undo`'s arithmetic (to within about one fp32 ulp), and
+    ``applied`` is False. Needs hyperparameters a step can be undone with (:func:`can_undo`).
+    """
+    grad_scale = _real("grad_scale", grad_scale)
+    if len(steps) != len(params):
+        raise ValueError(f"steps has {len(steps)} entries but params has {len(params)}; pass one per param")
+    steps = [_check_step(f"steps[{i}]", s) for i, s in enumerate(steps)]
+    nt = _num_threads if num_threads is None else _check_threads("num_threads", num_threads)
+    if any(g.dtype != torch.float32 for g in grads):
+        raise TypeError("adam_step_multi_if_finite takes fp32 grads only (its rollback reads them in fp32)")
+    if not can_undo(hparams):
+        raise ValueError("this AdamW step has lr * weight_decay == 1, which zeroes the params: it cannot be undone")
+    table = _adam_table(params, grads, exp_avgs, exp_avg_sqs, None, steps, plural=True)
+    if not table:
+        return 0.0, True
+    if _backend == "torch":
+        sumsq = sum(sum_of_squares(g)[0] for g in grads)
+        if not math.isfinite(sumsq):
+            return math.inf, False
+        _torch_adam(params, grads, exp_avgs, exp_avg_sqs, None, steps, hparams, grad_scale, 0.0)
+        return sumsq, True
+    out = ffi.new("double *")
+    status = lib.lzo_adam_step_checked(
+        hparams._c_struct(), grad_scale, ffi.new("lzo_adam_tensor[]", table), len(table), nt, out
+    )
+    if status == -2:
+        raise MemoryError("adam_step_multi_if_finite could not allocate its per-chunk bookkeeping")
+    return out[0], status == 0
+
+
 def grad_accumulate(
     dst: Tensor,
     src: Tensor,
@@ -592,6 +640,8 @@ def _adam_impl(
         lib.LZO_NONE if params_out is None else _DTYPE_CODES[params_out[0].dtype],
         num_threads,
     )
+    if bad == -2:
+        raise MemoryError("adam_step could not allocate its table of per-tensor constants")
     if bad:
         raise _bad_counter(bad - 1, steps[bad - 1])
 

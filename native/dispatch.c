@@ -13,6 +13,7 @@
 #include "lzo.h"
 
 #include <math.h>
+#include <stdlib.h>
 
 /* Below this many elements one thread is faster than waking a team. */
 #define PARALLEL_MIN ((int64_t)1 << 15)
@@ -108,53 +109,212 @@ static double next_step(const lzo_adam_tensor *t)
     return (double)(*(const float *)(intptr_t)t->step_counter + 1.0f);
 }
 
+/* lzo_adam_undo's constants for a step made with these arguments. */
+static lzo_undo_consts undo_consts(const lzo_adam_hparams *hp, double grad_scale, double step)
+{
+    /* the step's own constants, rounded as the step rounded them; divisions become multiplications */
+    lzo_adam_consts a = adam_consts(hp, grad_scale, 0.0, step);
+    double w = (float)(1.0 - hp->beta1);
+    lzo_undo_consts c;
+    c.neg_step_size = a.neg_step_size;
+    c.inv_bc2_sqrt = 1.0 / a.bc2_sqrt;
+    c.eps = a.eps;
+    c.inv_decay = 1.0 / a.decay; /* the caller refuses decay == 0 (kernels.can_undo) */
+    c.l2 = a.l2;
+    c.w = w;
+    c.inv_one_minus_w = w != 1.0 ? 1.0 / (1.0 - w) : 0.0;
+    c.one_minus_beta2 = a.one_minus_beta2;
+    c.inv_beta2 = a.beta2 != 0.0f ? 1.0 / a.beta2 : 0.0;
+    c.scale = a.grad_scale;
+    return c;
+}
+
+/* Work on tensor j's elements [a, b) of one chunk: the Adam step, its undo, or the sum of squares. */
+enum { CHUNK_ADAM, CHUNK_UNDO, CHUNK_SUMSQ };
+
+static double chunk_part(int what, const lzo_adam_hparams *hp, double grad_scale,
+                         const lzo_adam_consts *consts, const lzo_adam_tensor *t, int64_t a, int64_t b,
+                         int grad_dtype, int out_dtype)
+{
+    const lzo_kernel_table *k = active;
+    int64_t gsz = element_size(grad_dtype);
+    const char *g = (const char *)(intptr_t)t->grad + a * gsz;
+    float *p = (float *)(intptr_t)t->param + a, *m = (float *)(intptr_t)t->exp_avg + a;
+    float *v = (float *)(intptr_t)t->exp_avg_sq + a;
+    if (what == CHUNK_SUMSQ)
+        return k->accumulate(NULL, g, b - a, grad_dtype, 1.0f, LZO_ACC_READ, 0);
+    if (what == CHUNK_UNDO) {
+        lzo_undo_consts c = undo_consts(hp, grad_scale, next_step(t));
+        k->undo(&c, p, (const float *)g, m, v, b - a);
+        return 0.0;
+    }
+    void *out = out_dtype == LZO_NONE ? NULL : (uint16_t *)(intptr_t)t->param_out + a;
+    k->adam(consts, p, g, m, v, out, b - a, grad_dtype, out_dtype);
+    return 0.0;
+}
+
+/* Apply `what` to the parts of every tensor that lie in chunk [lo, hi) of the concatenation; *i and
+ * *start are the caller's cursor (tensor i starts at element start), which only moves forward. */
+static double chunk_apply(int what, const lzo_adam_hparams *hp, double grad_scale,
+                          const lzo_adam_consts *consts, const lzo_adam_tensor *tensors, size_t count,
+                          size_t *i, int64_t *start, int64_t lo, int64_t hi, int grad_dtype,
+                          int out_dtype)
+{
+    double sumsq = 0.0;
+    while (*start + tensors[*i].numel <= lo)
+        *start += tensors[(*i)++].numel;
+    int64_t s = *start;
+    for (size_t j = *i; j < count && s < hi; s += tensors[j++].numel) {
+        int64_t a = lo > s ? lo - s : 0, b = hi - s < tensors[j].numel ? hi - s : tensors[j].numel;
+        if (a < b)
+            sumsq += chunk_part(what, hp, grad_scale, consts ? &consts[j] : NULL, &tensors[j], a, b,
+                                grad_dtype, out_dtype);
+    }
+    return sumsq;
+}
+
+/* Every tensor's constants, computed once per call (3 pow() each) rather than per piece of work. */
+static lzo_adam_consts *consts_table(const lzo_adam_hparams *hp, double grad_scale, double extrapolate,
+                                     const lzo_adam_tensor *tensors, size_t count)
+{
+    lzo_adam_consts *c = malloc((count ? count : 1) * sizeof(lzo_adam_consts));
+    for (size_t i = 0; c && i < count; ++i)
+        c[i] = adam_consts(hp, grad_scale, extrapolate, next_step(&tensors[i]));
+    return c;
+}
+
+static int64_t check_steps(const lzo_adam_tensor *tensors, size_t count, int64_t *total)
+{
+    *total = 0;
+    for (size_t i = 0; i < count; ++i) {
+        if (!(next_step(&tensors[i]) >= 1.0)) /* also catches a NaN counter */
+            return (int64_t)i + 1;
+        *total += tensors[i].numel;
+    }
+    return 0;
+}
+
+static void advance_counters(const lzo_adam_tensor *tensors, size_t count)
+{
+    for (size_t i = 0; i < count; ++i)
+        if (tensors[i].step_counter)
+            *(float *)(intptr_t)tensors[i].step_counter += 1.0f;
+}
+
 int64_t lzo_adam_step(const lzo_adam_hparams *hp, double grad_scale, double extrapolate,
                       const lzo_adam_tensor *tensors, size_t count, int grad_dtype, int out_dtype,
                       int num_threads)
 {
-    const lzo_kernel_table *k = active;
-    int64_t total = 0;
-    for (size_t i = 0; i < count; ++i) {
-        if (!(next_step(&tensors[i]) >= 1.0)) /* also catches a NaN counter */
-            return (int64_t)i + 1;
-        total += tensors[i].numel;
-    }
-    int64_t gsz = element_size(grad_dtype);
+    int64_t total, bad = check_steps(tensors, count, &total);
+    if (bad)
+        return bad;
+    lzo_adam_consts *consts = consts_table(hp, grad_scale, extrapolate, tensors, count);
+    if (!consts)
+        return -2;
     int nt = num_threads > 1 ? num_threads : 1;
 #pragma omp parallel num_threads(nt) if (nt > 1 && total >= PARALLEL_MIN)
     {
-        /* Cursor: tensor i starts at element `start` of the concatenation. A thread's chunks come
-         * in increasing order, so its cursor only moves forward. */
-        size_t i = 0, consts_of = count; /* c holds the constants of tensor consts_of */
+        size_t i = 0;
         int64_t start = 0;
-        lzo_adam_consts c;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t chunk = 0; chunk < (total + CHUNK - 1) / CHUNK; ++chunk) {
             int64_t lo = chunk * CHUNK, hi = lo + CHUNK < total ? lo + CHUNK : total;
-            while (start + tensors[i].numel <= lo)
-                start += tensors[i++].numel;
-            /* run the kernel on the part of each tensor that lies in [lo, hi) */
-            int64_t s = start;
-            for (size_t j = i; j < count && s < hi; s += tensors[j++].numel) {
-                const lzo_adam_tensor *t = &tensors[j];
-                int64_t a = lo > s ? lo - s : 0, b = hi - s < t->numel ? hi - s : t->numel;
-                if (a >= b)
-                    continue;
-                if (consts_of != j) {
-                    c = adam_consts(hp, grad_scale, extrapolate, next_step(t));
-                    consts_of = j;
-                }
-                void *out = out_dtype == LZO_NONE ? NULL : (uint16_t *)(intptr_t)t->param_out + a;
-                k->adam(&c, (float *)(intptr_t)t->param + a, (const char *)(intptr_t)t->grad + a * gsz,
-                        (float *)(intptr_t)t->exp_avg + a, (float *)(intptr_t)t->exp_avg_sq + a, out,
-                        b - a, grad_dtype, out_dtype);
+            chunk_apply(CHUNK_ADAM, hp, grad_scale, consts, tensors, count, &i, &start, lo, hi,
+                        grad_dtype, out_dtype);
+        }
+    }
+    free(consts);
+    advance_counters(tensors, count);
+    return 0;
+}
+
+/* Elements a checked step sums, then updates, at a time: 8 KiB of fp32 gradients, still in L1 when
+ * the update reads them again. Measured on 48.8M parameters (AVX2, 2 threads): the checked step costs
+ * 1.05-1.2x the plain one, a separate norm pass before it 1.2-1.35x. */
+#define CHECK_BLOCK ((int64_t)1 << 11)
+
+/* Sum and then update [lo, hi) block by block until a block's sum is not finite. Returns how many
+ * elements from lo were updated (hi - lo if all); *sumsq receives the sum of the blocks seen. */
+static int64_t chunk_checked(const lzo_adam_hparams *hp, double grad_scale,
+                             const lzo_adam_consts *consts, const lzo_adam_tensor *tensors,
+                             size_t count, size_t *i, int64_t *start, int64_t lo, int64_t hi,
+                             double *sumsq)
+{
+    *sumsq = 0.0;
+    for (int64_t a = lo; a < hi; a += CHECK_BLOCK) {
+        int64_t b = a + CHECK_BLOCK < hi ? a + CHECK_BLOCK : hi;
+        double s = chunk_apply(CHUNK_SUMSQ, hp, grad_scale, NULL, tensors, count, i, start, a, b,
+                               LZO_FLOAT32, LZO_NONE);
+        *sumsq += s;
+        if (!isfinite(s))
+            return a - lo;
+        chunk_apply(CHUNK_ADAM, hp, grad_scale, consts, tensors, count, i, start, a, b, LZO_FLOAT32,
+                    LZO_NONE);
+    }
+    return hi - lo;
+}
+
+int64_t lzo_adam_step_checked(const lzo_adam_hparams *hp, double grad_scale,
+                              const lzo_adam_tensor *tensors, size_t count, int num_threads,
+                              double *sumsq)
+{
+    int64_t total, bad = check_steps(tensors, count, &total);
+    if (bad)
+        return bad;
+    int64_t nchunks = (total + CHUNK - 1) / CHUNK;
+    double *sums = calloc((size_t)nchunks + 1, sizeof(double));
+    int64_t *updated = calloc((size_t)nchunks + 1, sizeof(int64_t)); /* elements updated per chunk */
+    lzo_adam_consts *consts = consts_table(hp, grad_scale, 0.0, tensors, count);
+    if (!sums || !updated || !consts) {
+        free(sums);
+        free(updated);
+        free(consts);
+        return -2;
+    }
+    int nt = num_threads > 1 ? num_threads : 1, stop = 0;
+#pragma omp parallel num_threads(nt) if (nt > 1 && total >= PARALLEL_MIN)
+    {
+        size_t i = 0;
+        int64_t start = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t chunk = 0; chunk < nchunks; ++chunk) {
+            int stopped;
+#pragma omp atomic read
+            stopped = stop;
+            if (stopped)
+                continue;
+            int64_t lo = chunk * CHUNK, hi = lo + CHUNK < total ? lo + CHUNK : total;
+            updated[chunk] =
+                chunk_checked(hp, grad_scale, consts, tensors, count, &i, &start, lo, hi, &sums[chunk]);
+            if (updated[chunk] < hi - lo) {
+#pragma omp atomic write
+                stop = 1;
             }
         }
     }
-    for (size_t i = 0; i < count; ++i)
-        if (tensors[i].step_counter)
-            *(float *)(intptr_t)tensors[i].step_counter += 1.0f;
-    return 0;
+    double total_sumsq = 0.0;
+    for (int64_t chunk = 0; chunk < nchunks; ++chunk)
+        total_sumsq += sums[chunk];
+    *sumsq = stop ? INFINITY : total_sumsq;
+    if (stop) { /* a gradient holds inf/nan: take back what was updated before that was seen */
+#pragma omp parallel num_threads(nt) if (nt > 1 && total >= PARALLEL_MIN)
+        {
+            size_t i = 0;
+            int64_t start = 0;
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t chunk = 0; chunk < nchunks; ++chunk) {
+                if (updated[chunk] > 0)
+                    chunk_apply(CHUNK_UNDO, hp, grad_scale, NULL, tensors, count, &i, &start,
+                                chunk * CHUNK, chunk * CHUNK + updated[chunk], LZO_FLOAT32, LZO_NONE);
+            }
+        }
+    } else {
+        advance_counters(tensors, count);
+    }
+    free(sums);
+    free(updated);
+    free(consts);
+    return stop ? -1 : 0;
 }
 
 /* The block split depends only on n, and block partials are added in block order: the sum is the
@@ -208,20 +368,7 @@ void lzo_adam_undo(const lzo_adam_hparams *hp, double grad_scale, double step, f
                    const float *g, float *m, float *v, int64_t n, int num_threads)
 {
     const lzo_kernel_table *k = active;
-    /* the step's own constants, rounded as the step rounded them; divisions become multiplications */
-    lzo_adam_consts a = adam_consts(hp, grad_scale, 0.0, step);
-    double w = (float)(1.0 - hp->beta1);
-    lzo_undo_consts c;
-    c.neg_step_size = a.neg_step_size;
-    c.inv_bc2_sqrt = 1.0 / a.bc2_sqrt;
-    c.eps = a.eps;
-    c.inv_decay = 1.0 / a.decay; /* the caller refuses decay == 0 (kernels.can_undo) */
-    c.l2 = a.l2;
-    c.w = w;
-    c.inv_one_minus_w = w != 1.0 ? 1.0 / (1.0 - w) : 0.0;
-    c.one_minus_beta2 = a.one_minus_beta2;
-    c.inv_beta2 = a.beta2 != 0.0f ? 1.0 / a.beta2 : 0.0;
-    c.scale = a.grad_scale;
+    lzo_undo_consts c = undo_consts(hp, grad_scale, step);
     int nt = num_threads > 1 ? num_threads : 1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && n >= PARALLEL_MIN)
     for (int64_t lo = 0; lo < n; lo += CHUNK) {

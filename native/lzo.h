@@ -40,10 +40,23 @@ typedef struct {
  * rounded to nearest even, in the same pass; with extrapolate not 0 it receives
  * p_new + extrapolate * (p_new - p_old) instead, the weights predicted one update ahead (Delayed
  * Parameter Update's weight prediction).
- * Returns 0, or i + 1 if tensor i's step number is below 1 (then nothing was changed). */
+ * Returns 0, i + 1 if tensor i's step number is below 1, or -2 if out of memory (then nothing was
+ * changed). */
 int64_t lzo_adam_step(const lzo_adam_hparams *hp, double grad_scale, double extrapolate,
                       const lzo_adam_tensor *tensors, size_t count, int grad_dtype, int out_dtype,
                       int num_threads);
+
+/* lzo_adam_step for fp32 grads without a low-precision copy, applied only if every gradient is
+ * finite: each 256 KiB chunk of gradients is summed (squares) as it is brought into cache and then
+ * updated from there, so the gradient norm and the inf/nan check cost no pass over memory of their
+ * own. *sumsq receives the sum of squares of the gradients (inf if one is not finite). Returns 0
+ * (applied, counters advanced), i + 1 (tensor i's step number is below 1; nothing changed), -1 (a
+ * gradient is inf/nan: the chunks updated before that was seen are taken back with the undo, to
+ * within about one fp32 ulp, and no counter moves) or -2 (out of memory; nothing changed).
+ * The caller ensures the step can be undone (no AdamW decay of exactly 1). */
+int64_t lzo_adam_step_checked(const lzo_adam_hparams *hp, double grad_scale,
+                              const lzo_adam_tensor *tensors, size_t count, int num_threads,
+                              double *sumsq);
 
 /* dst = src * scale (overwrite) or dst + src * scale. Returns the sum of squares of the new dst,
  * accumulated in double in fixed blocks (same result for any thread count). It is finite exactly

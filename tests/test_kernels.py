@@ -479,8 +479,7 @@ def test_undo_restores_the_state_before_the_step(backend: str, case: str, n: int
 
 @pytest.mark.parametrize("case", sorted(UNDO_CASES))
 def test_native_undo_equals_the_torch_path_bitwise(native: str, case: str) -> None:
-    """Both do the same float64 arithmetic in the same order and round once (native/undo.c guards its
-    float constants against a GCC vectoriser that dropped a cast)."""
+    """Both do the same float64 arithmetic in the same order, from the step's own float constants, and round once."""
     hp, scale = UNDO_CASES[case]
     _, state, grad = stepped_state(2**20 + 3, hp, scale, seed=3)
     results = []
@@ -494,6 +493,73 @@ def test_native_undo_equals_the_torch_path_bitwise(native: str, case: str) -> No
     kernels.set_backend(native)
     for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), *results):
         assert torch.equal(a, b), name
+
+
+CHECKED_SIZES = [100, 70_000, 3, 200_000, 1]  # five chunks of 2^16 elements, tensors across their borders
+
+
+def checked_state(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    make = lambda scale: [torch.randn(n, generator=gen) * scale for n in CHECKED_SIZES]  # noqa: E731
+    return make(1.0), make(0.1), make(0.01), [t.abs() for t in make(0.001)]  # params, grads, exp_avg, exp_avg_sq
+
+
+def test_checked_step_applies_exactly_the_plain_step_and_sums_the_grads(backend: str) -> None:
+    hp = kernels.AdamHyperparams(**HP, adamw_mode=True)
+    params, grads, m, v = checked_state(0)
+    steps = [3, 1, 7, 3, 2]
+    expected = [[t.clone() for t in ts] for ts in (params, m, v)]
+    kernels.adam_step_multi(expected[0], grads, expected[1], expected[2], steps, hparams=hp, grad_scale=0.5)
+    sums = []
+    for threads in (1, 2):
+        state = [[t.clone() for t in ts] for ts in (params, m, v)]
+        sumsq, applied = kernels.adam_step_multi_if_finite(
+            state[0], grads, state[1], state[2], steps, hparams=hp, grad_scale=0.5, num_threads=threads
+        )
+        assert applied
+        for got, want in zip(state, expected):
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        sums.append(sumsq)
+    assert sums[0] == sums[1]  # fixed chunks summed in order: the same for any thread count
+    assert sums[0] == pytest.approx(sum(float((g.double() ** 2).sum()) for g in grads), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "where", [(0, 5), (1, 69_999), (3, 150_000), (4, 0)], ids=["first", "chunk1", "chunk3", "last"]
+)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_checked_step_with_a_nonfinite_grad_changes_nothing(backend: str, where, bad: float) -> None:
+    hp = kernels.AdamHyperparams(**HP, adamw_mode=True)
+    params, grads, m, v = checked_state(1)
+    grads[where[0]][where[1]] = bad
+    before = [[t.clone() for t in ts] for ts in (params, m, v)]
+    with torch.no_grad():
+        stepped = [[t.clone() for t in ts] for ts in (params, m, v)]
+        finite = [g.nan_to_num(0.0, 0.0, 0.0) for g in grads]
+        kernels.adam_step_multi(stepped[0], finite, stepped[1], stepped[2], [4] * 5, hparams=hp)
+    for threads in (1, 2):
+        state = [[t.clone() for t in ts] for ts in (params, m, v)]
+        sumsq, applied = kernels.adam_step_multi_if_finite(
+            state[0], grads, state[1], state[2], [4] * 5, hparams=hp, num_threads=threads
+        )
+        assert not applied and sumsq == math.inf
+        for name, got, original, after in zip(("param", "exp_avg", "exp_avg_sq"), state, before, stepped):
+            for g, o, a in zip(got, original, after):
+                # chunks updated before the bad one was seen were undone: adam_undo's tolerance; the rest is untouched
+                ulp = torch.nextafter(o.abs(), torch.tensor(math.inf)) - o.abs()
+                assert ((g - o).abs() <= 1e-5 * (a - o).abs().max() + 2 * ulp).all(), name
+
+
+def test_checked_step_refuses_what_it_cannot_take_back() -> None:
+    zeroing = kernels.AdamHyperparams(lr=0.5, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=2.0, adamw_mode=True)
+    t = [[torch.zeros(4)] for _ in range(4)]
+    with pytest.raises(ValueError, match="cannot be undone"):
+        kernels.adam_step_multi_if_finite(*t, [1], hparams=zeroing)
+    with pytest.raises(TypeError, match="fp32 grads only"):
+        bf16 = [torch.zeros(4, dtype=torch.bfloat16)]
+        kernels.adam_step_multi_if_finite(
+            t[0], bf16, t[2], t[3], [1], hparams=kernels.AdamHyperparams(**HP, adamw_mode=True)
+        )
 
 
 def test_undo_refuses_a_step_that_zeroed_the_params_and_bad_arguments() -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_zero_offload import kernels
 from lightning_zero_offload.engine import state as state_io
 from lightning_zero_offload.engine.adam import check_optimizer
 from lightning_zero_offload.engine.collectives import all_gather, all_reduce_sum
@@ -55,6 +56,7 @@ from lightning_zero_offload.engine.options import OffloadOptions, resolve_auto, 
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, make_schedule
 from lightning_zero_offload.engine.stats import StepStats
+from lightning_zero_offload.engine.update import read_all_hyperparams, update_in_place_checked
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -226,10 +228,18 @@ class OffloadEngine:
         self._backward_s = 0.0
         self.schedule.before_step(stats)
         self.wait_publish()
+        self.step_calls += 1
+        if self.in_place:
+            clips = clip_norm is not None or clip_value is not None
+            checked = not clips and self.grads.sums_pending and all(map(kernels.can_undo, read_all_hyperparams(self)))
+            self.grads.eager_sums = clips  # the next window's norm is needed before its step only if it clips
+            if checked:  # the norm and the inf/nan check ride along with the update (engine/in_place.py)
+                self._step_checked(stats)
+                stats.total_s = time.perf_counter() - start
+                return stats
         sumsq, overflow, has_grad = self._global_grad_summary()
         scale = self.loss_scale
         stats.grad_norm = math.sqrt(sumsq) / scale if math.isfinite(sumsq) else math.inf
-        self.step_calls += 1
 
         if overflow:
             self._skip(stats)
@@ -255,6 +265,19 @@ class OffloadEngine:
         self.last = stats
         self.nonfinite.after_step(stats.skipped, scale)
         return stats
+
+    def _step_checked(self, stats: StepStats) -> None:
+        """The in-place step without clipping: applied only if the gradients are finite, as the others."""
+        applied, sumsq, stats.cpu_step_s = update_in_place_checked(self)
+        stats.grad_norm = math.sqrt(sumsq) if applied else math.inf
+        if applied:
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        else:
+            self._skip(stats)
+            self.schedule.on_skip(stats)
+        self.grads.new_window()
+        self.last = stats
+        self.nonfinite.after_step(stats.skipped, self.loss_scale)
 
     def _skip(self, stats: StepStats) -> None:
         stats.skipped = True

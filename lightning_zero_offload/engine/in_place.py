@@ -9,11 +9,13 @@ Llama 1.33x slower than plain Lightning in "32-true" (docs/benchmarks.md).
 
 Here the engine keeps only what it needs of a gradient stream: each parameter's gradient until the
 step (the tensor autograd made, as plain training keeps it in ``.grad``), its sum of squares and inf/nan
-flag (one read-only pass while the gradient is still in cache, for clipping and the skip rule), and
-accumulation over micro-batches (added in place into the first micro-batch's gradient, in fp32, as the
-offload path does). The step (engine/update.py, ``update_in_place``) is one native Adam call per
-param group over those tensors. Results are bitwise those of the offload data path: the same kernels
-see the same numbers.
+flag, and accumulation over micro-batches (added in place into the first micro-batch's gradient, in
+fp32, as the offload path does). The step (engine/update.py) is one native Adam call per param group
+over those tensors, with the kernels seeing exactly the numbers the offload path gives them: results
+are bitwise equal. The sum of squares costs a pass over the gradients only when the step needs the
+norm before it runs (clipping, which plain training pays for too); otherwise the step's kernel sums
+each chunk of gradients as it reads it (``kernels.adam_step_multi_if_finite``), and a step with an
+inf/nan gradient is taken back (to within about one fp32 ulp) instead of never starting.
 """
 
 from __future__ import annotations
@@ -40,7 +42,11 @@ class InPlaceGradients:
         self.has_grad = [False] * n
         self._sumsq = [0.0] * n
         self._nonfinite = [False] * n
+        self._summed = [False] * n
         self._seen = [False] * n
+        # Sum each gradient as it arrives (the last step clipped, so the next one needs the norm first);
+        # otherwise leave it to the step's kernel. Either way local_summary() can sum what is missing.
+        self.eager_sums = True
         self._hooks = [self._register(index, p) for index, p in enumerate(params)]
 
     def _register(self, index: int, param: torch.nn.Parameter) -> torch.utils.hooks.RemovableHandle:
@@ -63,13 +69,20 @@ class InPlaceGradients:
             # Autograd hands over a tensor nobody else holds (it clones one that is shared), so it is ours.
             held = grad if grad.dtype == torch.float32 and grad.is_contiguous() else grad.float().contiguous()
             self.grads[index] = held
-            sumsq, nonfinite = kernels.sum_of_squares(held, num_threads=self.num_threads)
+            self._summed[index] = False
+            if self.eager_sums:
+                self._sum(index)
         else:
             source = grad.contiguous().view(-1)
             sumsq, nonfinite = kernels.grad_accumulate(held.view(-1), source, num_threads=self.num_threads)
-        self._sumsq[index] = sumsq
-        self._nonfinite[index] = nonfinite
+            self._sumsq[index], self._nonfinite[index], self._summed[index] = sumsq, nonfinite, True
         self.has_grad[index] = True
+
+    def _sum(self, index: int) -> None:
+        self._sumsq[index], self._nonfinite[index] = kernels.sum_of_squares(
+            self.grads[index], num_threads=self.num_threads
+        )
+        self._summed[index] = True
 
     # -- the part of the GradientStreamer interface the engine uses ----------------------------
 
@@ -85,8 +98,16 @@ class InPlaceGradients:
     def take_timings(self) -> tuple[float, float]:
         return 0.0, 0.0  # no transfer
 
+    @property
+    def sums_pending(self) -> bool:
+        """Some gradient of this window has not been summed yet (it will be by the step's kernel)."""
+        return any(grad is not None and not summed for grad, summed in zip(self.grads, self._summed))
+
     def local_summary(self) -> tuple[float, bool]:
-        """(sum of squares, any inf/nan) of this window's gradients."""
+        """(sum of squares, any inf/nan) of this window's gradients, summing those not summed yet."""
+        for index, grad in enumerate(self.grads):
+            if grad is not None and not self._summed[index]:
+                self._sum(index)
         return sum(self._sumsq), any(self._nonfinite)
 
     def for_each_grad_range(self, fn: Callable[[torch.Tensor], None]) -> None:
@@ -101,6 +122,7 @@ class InPlaceGradients:
         self.has_grad = [False] * n
         self._sumsq = [0.0] * n
         self._nonfinite = [False] * n
+        self._summed = [False] * n
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -8,6 +8,7 @@ same inputs, so the schedules differ in timing only.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING, NamedTuple
@@ -169,29 +170,72 @@ def update_and_publish(
     return update_s, publish_s
 
 
-def update_in_place(engine: OffloadEngine, has_grad: list[bool], multiplier: float) -> float:
+def in_place_calls(engine: OffloadEngine) -> dict[int, tuple[list[torch.Tensor], ...]]:
+    """The in-place step's kernel arguments per param group: (params, grads, exp_avgs, exp_avg_sqs), for
+    every parameter that got a gradient; its step number is ``engine.steps[i] + 1``."""
+    calls: dict[int, tuple[list[torch.Tensor], ...]] = {}
+    masters, exp_avgs, exp_avg_sqs = engine.param_views
+    for index, grad in enumerate(engine.grads.grads):
+        if grad is None:  # no gradient this step: torch leaves the parameter alone
+            continue
+        p, g, m, v, indices = calls.setdefault(engine.group_of[index], ([], [], [], [], []))
+        p.append(masters[index])
+        g.append(grad.view(-1))
+        m.append(exp_avgs[index])
+        v.append(exp_avg_sqs[index])
+        indices.append(index)
+    return calls
+
+
+def update_in_place(engine: OffloadEngine, multiplier: float) -> float:
     """The in-place engine's step (engine/in_place.py): one native call per param group; returns seconds.
 
     Per parameter, the kernel sees what the offload path's plan would give it: the group's
     hyperparameters, the parameter's own step number and the clip x unscale multiplier.
     """
     hparams = read_all_hyperparams(engine)
-    calls: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[int]]]
-    calls = {}
-    masters, exp_avgs, exp_avg_sqs = engine.param_views
-    for index, grad in enumerate(engine.grads.grads):
-        if not has_grad[index] or grad is None:  # no gradient this step: torch leaves the parameter alone
-            continue
-        engine.steps[index] += 1
-        p, g, m, v, steps = calls.setdefault(engine.group_of[index], ([], [], [], [], []))
-        p.append(masters[index])
-        g.append(grad.view(-1))
-        m.append(exp_avgs[index])
-        v.append(exp_avg_sqs[index])
-        steps.append(engine.steps[index])
     t = time.perf_counter()
-    for group, (p, g, m, v, steps) in calls.items():
+    for group, (p, g, m, v, indices) in in_place_calls(engine).items():
+        steps = [engine.steps[i] + 1 for i in indices]
         kernels.adam_step_multi(
             p, g, m, v, steps, hparams=hparams[group], grad_scale=multiplier, num_threads=engine.num_threads
         )
+        for i in indices:
+            engine.steps[i] += 1
     return time.perf_counter() - t
+
+
+def update_in_place_checked(engine: OffloadEngine) -> tuple[bool, float, float]:
+    """The in-place step without clipping, with the norm and inf/nan check inside the update; returns
+    (applied, sum of squares of the gradients, seconds).
+
+    The gradients were not read since backward (``InPlaceGradients.eager_sums``): a separate pass for
+    their norm would cost 4 of the step's 28 bytes per parameter. If one holds inf/nan, every group
+    already updated is taken back (to within about one fp32 ulp) and nothing counts as a step.
+    """
+    hparams = read_all_hyperparams(engine)
+    t = time.perf_counter()
+    done: list[tuple[int, tuple[list[torch.Tensor], ...]]] = []
+    sumsq = 0.0
+    for group, call in in_place_calls(engine).items():
+        p, g, m, v, indices = call
+        steps = [engine.steps[i] + 1 for i in indices]
+        group_sumsq, applied = kernels.adam_step_multi_if_finite(
+            p, g, m, v, steps, hparams=hparams[group], num_threads=engine.num_threads
+        )
+        if not applied:
+            for earlier, (p, g, m, v, indices) in done:
+                for tensors in zip(p, g, m, v, indices):
+                    kernels.adam_undo(
+                        *tensors[:4],
+                        hparams=hparams[earlier],
+                        step=engine.steps[tensors[4]] + 1,
+                        num_threads=engine.num_threads,
+                    )
+            return False, math.inf, time.perf_counter() - t
+        sumsq += group_sumsq
+        done.append((group, call))
+    for _, (*_, indices) in done:
+        for i in indices:
+            engine.steps[i] += 1
+    return True, sumsq, time.perf_counter() - t

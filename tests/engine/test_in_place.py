@@ -130,6 +130,40 @@ def test_nonfinite_gradient_skips_the_step_and_leaves_everything_unchanged():
         assert not engine.step().skipped
 
 
+def test_without_clipping_the_norm_is_summed_inside_the_step_and_a_bad_gradient_is_taken_back():
+    net = make_net()
+    engine = OffloadEngine(two_groups(net), CPU, torch.float32, in_place())
+    data = batches(4)
+    loss_fn(net, data[0]).backward()
+    assert not engine.grads.sums_pending  # the first window sums as gradients arrive (clipping may follow)
+    engine.step()
+    assert not engine.grads.eager_sums  # no clipping: from now on the step's kernel sums them
+    loss_fn(net, data[1]).backward()
+    assert engine.grads.sums_pending
+    norm = engine.step().grad_norm
+    assert engine.grads.eager_sums is False and norm > 0
+    before, state_before = engine.master_params(), engine.optimizer_state_dict()["state"]
+    handle = net[4].bias.register_hook(lambda g: g * float("nan"))  # group 1 only: group 0 is updated first
+    loss_fn(net, data[2]).backward()
+    handle.remove()
+    with pytest.warns(RuntimeWarning, match="Non-finite gradients"):
+        stats = engine.step()
+    assert stats.skipped and stats.grad_norm == float("inf") and engine.skipped_steps == 1
+    state_after = engine.optimizer_state_dict()["state"]
+    for a, b in zip(before, engine.master_params()):
+        # group 0 was updated, then taken back: adam_undo's bound, 1e-5 of the step's change (lr 2e-2)
+        torch.testing.assert_close(b, a, rtol=0, atol=2e-7)
+    for key, entry in state_before.items():
+        assert state_after[key]["step"] == entry["step"]
+        for name in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state_after[key][name], entry[name], rtol=1e-5, atol=1e-10)
+    # and the grad norm it reports is the one a separate pass computes
+    loss_fn(net, data[3]).backward()
+    summary = engine.grads.local_summary()
+    assert not engine.grads.sums_pending
+    assert engine.step().grad_norm == pytest.approx(summary[0] ** 0.5, rel=1e-12)
+
+
 def resume(saved: OffloadEngine, in_place_on_cpu: bool):
     """A new engine on other weights, loaded from ``saved``, trained 4 more steps; returns (engine, losses)."""
     net = make_net(seed=5)

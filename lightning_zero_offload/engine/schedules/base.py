@@ -94,7 +94,7 @@ def apply_now(
     if inputs.clamp_limit is not None:
         engine.clamp_grads(inputs.clamp_limit)
     if engine.in_place:  # the parameters are the master: nothing to publish
-        stats.cpu_step_s += update_in_place(engine, inputs.has_grad, inputs.multiplier)
+        stats.cpu_step_s += update_in_place(engine, inputs.multiplier)
         return
     plan = make_plan(engine, inputs.has_grad, inputs.multiplier)
     update_s, stats.copy_back_s = update_and_publish(engine, plan, done, done_out)
