@@ -11,6 +11,10 @@ Rows, at 1 and 2 threads, for N params as one tensor and as 200 tensors of mixed
   torch offload2  the same with the factor folded into fused AdamW's grad_scale (one pass fewer)
   ours offload    kernels.adam_step_multi: bf16 grad in, fp32 master + bf16 param_out, one pass
   ours predict    the same with extrapolate=1.0 (DPU weight prediction); should cost nothing
+  ours checked    kernels.adam_step_multi_if_finite: fp32 grads, the norm and inf/nan check inside
+                  the update (the in-place CPU-device step without clipping)
+  ours sum+step   kernels.sum_of_squares over the grads, then kernels.adam_step_multi: what the
+                  checked step replaces
 
 The implementations are interleaved within every repetition (the machine is shared and noisy) and
 each row reports the median; ratios are taken between rows of the same run.
@@ -193,6 +197,24 @@ def build_cases(sizes: list[int], threads: int) -> dict[str, Callable[[], None]]
 
     cases["ours offload"] = ours_offload(0.0)
     cases["ours predict"] = ours_offload(1.0)
+
+    def ours_in_place(checked: bool) -> Callable[[], None]:
+        master, m, v = make(sizes), make(sizes, fill="zeros"), make(sizes, fill="zeros")
+        hparams = kernels.AdamHyperparams(**HP, adamw_mode=True)
+        steps = [1] * len(sizes)  # a fixed step number: the work per call does not depend on it
+
+        def run() -> None:
+            if checked:
+                kernels.adam_step_multi_if_finite(master, grads, m, v, steps, hparams=hparams, num_threads=threads)
+                return
+            for g in grads:
+                kernels.sum_of_squares(g, num_threads=threads)
+            kernels.adam_step_multi(master, grads, m, v, steps, hparams=hparams, num_threads=threads)
+
+        return run
+
+    cases["ours checked"] = ours_in_place(True)
+    cases["ours sum+step"] = ours_in_place(False)
     return cases
 
 
@@ -270,6 +292,8 @@ def main() -> None:
                         "ours offload / torch offload": medians["torch offload"] / medians["ours offload"],
                         "ours offload / torch offload2": medians["torch offload2"] / medians["ours offload"],
                         "ours predict time / ours offload time": medians["ours predict"] / medians["ours offload"],
+                        "ours checked time / torch fused time": medians["ours checked"] / medians["torch fused"],
+                        "ours checked time / ours sum+step time": medians["ours checked"] / medians["ours sum+step"],
                     },
                 }
                 rows.append(result)

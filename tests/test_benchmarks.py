@@ -5,6 +5,7 @@ variant names map onto the strategy that is installed."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -80,3 +81,15 @@ def test_train_step_variant_names():
     assert train_step.available("zero_offload:sync", torch.device("cpu")) is None
     assert "even --batch" in train_step.available("ddp", torch.device("cpu"), batch=1)
     assert train_step.available("ddp", torch.device("cpu"), batch=8) is None
+
+
+def test_in_place_step_compares_the_three_loops_and_records_them(tmp_path):
+    out = tmp_path / "in_place.json"
+    command = [sys.executable, str(ROOT / "benchmarks" / "in_place_step.py"), "--preset", "quick"]
+    done = subprocess.run(
+        [*command, "--steps", "2", "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"plain", "in place", "offload path"}
+    assert all(rows[k]["step_time_ratio_to_plain"] > 0 for k in ("in place", "offload path"))

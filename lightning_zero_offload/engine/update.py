@@ -224,13 +224,12 @@ def update_in_place_checked(engine: OffloadEngine) -> tuple[bool, float, float]:
             p, g, m, v, steps, hparams=hparams[group], num_threads=engine.num_threads
         )
         if not applied:
-            for earlier, (p, g, m, v, indices) in done:
-                for tensors in zip(p, g, m, v, indices):
+            for earlier, applied_call in done:
+                for param, grad, exp_avg, exp_avg_sq, index in zip(*applied_call):
+                    step = engine.steps[index] + 1
+                    hp = hparams[earlier]
                     kernels.adam_undo(
-                        *tensors[:4],
-                        hparams=hparams[earlier],
-                        step=engine.steps[tensors[4]] + 1,
-                        num_threads=engine.num_threads,
+                        param, grad, exp_avg, exp_avg_sq, hparams=hp, step=step, num_threads=engine.num_threads
                     )
             return False, math.inf, time.perf_counter() - t
         sumsq += group_sumsq
