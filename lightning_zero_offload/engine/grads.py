@@ -24,6 +24,7 @@ bucket on the device until backward ends):
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -69,6 +70,20 @@ def check_gradient(grad: torch.Tensor, seen: bool) -> None:
             "activation checkpointing when a parameter is used inside and outside the checkpointed region: "
             "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
         )
+
+
+def register_grad_hooks(
+    params: list[torch.nn.Parameter], on_grad: Callable[[int, torch.Tensor], None]
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Call ``on_grad(index, param)`` once each parameter's gradient of a backward pass is accumulated."""
+    return [
+        p.register_post_accumulate_grad_hook(functools.partial(_call_with_index, on_grad, i))
+        for i, p in enumerate(params)
+    ]
+
+
+def _call_with_index(on_grad: Callable[[int, torch.Tensor], None], index: int, param: torch.Tensor) -> None:
+    on_grad(index, param)
 
 
 class GradientStreamer:
@@ -145,15 +160,9 @@ class GradientStreamer:
         # Called on the worker once a bucket's gradient is in the CPU buffer (the speculative step's cue),
         # with whether that launch was the bucket's last of this backward pass (see _launch).
         self.on_accumulated: Callable[[Bucket, bool], None] | None = None
-        self._hooks = [self._register(index, p) for index, p in enumerate(params)]
+        self._hooks = register_grad_hooks(params, self._on_grad)
 
     # -- backward side -------------------------------------------------------------------------
-
-    def _register(self, index: int, param: torch.nn.Parameter) -> torch.utils.hooks.RemovableHandle:
-        def hook(p: torch.Tensor) -> None:
-            self._on_grad(index, p)
-
-        return param.register_post_accumulate_grad_hook(hook)
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         grad = param.grad

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from lightning_zero_offload import kernels
-from lightning_zero_offload.engine.grads import check_gradient
+from lightning_zero_offload.engine.grads import check_gradient, register_grad_hooks
 
 
 class InPlaceGradients:
@@ -47,13 +47,7 @@ class InPlaceGradients:
         # Sum each gradient as it arrives (the last step clipped, so the next one needs the norm first);
         # otherwise leave it to the step's kernel. Either way local_summary() can sum what is missing.
         self.eager_sums = True
-        self._hooks = [self._register(index, p) for index, p in enumerate(params)]
-
-    def _register(self, index: int, param: torch.nn.Parameter) -> torch.utils.hooks.RemovableHandle:
-        def hook(p: torch.Tensor) -> None:
-            self._on_grad(index, p)
-
-        return param.register_post_accumulate_grad_hook(hook)
+        self._hooks = register_grad_hooks(params, self._on_grad)
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         grad = param.grad
