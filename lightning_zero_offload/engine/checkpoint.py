@@ -81,8 +81,19 @@ def sharded_layout(engine: OffloadEngine, keys: list[list[str]]) -> dict[str, An
     }
 
 
-def convert_checkpoint_to_fp32_state_dict(checkpoint_path: PathLike, output_path: PathLike | None = None) -> dict:
-    """Write (and return) a plain fp32 ``state_dict`` for ``model.load_state_dict`` from either format."""
+def convert_checkpoint_to_fp32_state_dict(
+    checkpoint_path: PathLike, output_path: PathLike | None = None, overwrite: bool = False
+) -> dict:
+    """Write (and return) a plain fp32 ``state_dict`` for ``model.load_state_dict`` from either format.
+
+    Refuses, as ``zero-offload-convert`` does and with the same message, to write over the checkpoint
+    itself (also through a symlink or another spelling of its path), over a directory, or over an
+    existing training checkpoint or other file that is not an earlier export unless ``overwrite=True``.
+    """
+    if output_path is not None:
+        refusal = _refuse_output(os.fspath(checkpoint_path), os.fspath(output_path), overwrite, "overwrite=True")
+        if refusal is not None:
+            raise CheckpointError(f"refusing to write {os.fspath(output_path)}: {refusal}")
     if is_sharded_checkpoint(checkpoint_path):  # meta.pt uses the Trainer's keys, also when Fabric saved it
         checkpoint, model_key = load_sharded(checkpoint_path, with_optimizer=False), "state_dict"
     else:
@@ -103,8 +114,8 @@ def _same_file(a: PathLike, b: PathLike) -> bool:
         return os.path.realpath(a) == os.path.realpath(b)
 
 
-def _refuse_output(checkpoint_path: str, output_path: str, overwrite: bool) -> str | None:
-    """Why writing ``output_path`` would destroy something, or ``None``."""
+def _refuse_output(checkpoint_path: str, output_path: str, overwrite: bool, override: str) -> str | None:
+    """Why writing ``output_path`` would destroy something, or ``None``; ``override`` names the way out."""
     if "://" in checkpoint_path or "://" in output_path:
         if checkpoint_path.rstrip("/") == output_path.rstrip("/"):
             return "the output path is the checkpoint itself"
@@ -120,10 +131,10 @@ def _refuse_output(checkpoint_path: str, output_path: str, overwrite: bool) -> s
     except Exception:
         existing = None
     if isinstance(existing, dict) and ("optimizer_states" in existing or "loops" in existing):
-        return f"{output_path} is a training checkpoint (it has optimizer or loop state); --overwrite replaces it"
+        return f"{output_path} is a training checkpoint (it has optimizer or loop state); {override} replaces it"
     if isinstance(existing, dict) and all(isinstance(v, torch.Tensor) for v in existing.values()):
         return None  # an earlier export
-    return f"{output_path} exists and is not an fp32 state dict (a training checkpoint?); --overwrite replaces it"
+    return f"{output_path} exists and is not an fp32 state dict (a training checkpoint?); {override} replaces it"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -137,11 +148,11 @@ def main(argv: list[str] | None = None) -> None:
         "--overwrite", action="store_true", help="replace output_path even if it is an existing training checkpoint"
     )
     args = parser.parse_args(argv)
-    refusal = _refuse_output(args.checkpoint_path, args.output_path, args.overwrite)
-    if refusal is not None:
+    refusal = _refuse_output(args.checkpoint_path, args.output_path, args.overwrite, "--overwrite")
+    if refusal is not None:  # checked here too, so that the flag the message names is the CLI's own
         parser.exit(2, f"zero-offload-convert: error: refusing to write {args.output_path}: {refusal}\n")
     try:
-        state_dict = convert_checkpoint_to_fp32_state_dict(args.checkpoint_path, args.output_path)
+        state_dict = convert_checkpoint_to_fp32_state_dict(args.checkpoint_path, args.output_path, args.overwrite)
     except CheckpointError as error:
         parser.exit(1, f"zero-offload-convert: error: {error}\n")
     except OSError as error:

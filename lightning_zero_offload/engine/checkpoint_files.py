@@ -1,10 +1,12 @@
 """Where checkpoint bytes go: the local disk (atomic, exclusive, fsynced) or any fsspec filesystem.
 
-Local writes never follow a planted symlink: temporary files come from ``mkstemp`` (``O_EXCL``, random
-name) in the target's own directory and are renamed into place; shard files are created with
-``O_EXCL | O_NOFOLLOW`` in a directory this save just created. Remote paths (``s3://``, ``gs://``,
-``memory://``...) go through fsspec, where one object appears whole or not at all, so a sharded save
-writes every shard first and its metadata, the completion marker, last.
+Local writes never follow a planted symlink: temporary files are created with ``O_EXCL | O_NOFOLLOW``
+under a random name in the target's own directory and renamed into place; shard files are created with
+``O_EXCL | O_NOFOLLOW`` in a directory this save just created. Every file gets the mode ``torch.save``
+would give it (``0o666`` less the umask), so other users read them as they read plain checkpoints.
+Remote paths (``s3://``, ``gs://``, ``memory://``...) go through fsspec, where one object appears
+whole or not at all, so a sharded save writes every shard first and its metadata, the completion
+marker, last.
 
 Every write returns the size and CRC-32 of the bytes as written (CRC-32 costs about a tenth of a
 second per GB, see docs/checkpoints.md), and every read error names the file and says what is wrong.
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
+import re
+import secrets
+import zipfile
 import zlib
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -23,6 +27,9 @@ import torch
 
 PathLike = str | os.PathLike
 TEMP_INFIX = ".tmp-"
+# What open(path, "wb") (and so torch.save) asks for: the kernel applies the umask, as for plain files.
+FILE_MODE = 0o666
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
 
 
 class CheckpointError(ValueError):
@@ -156,7 +163,7 @@ def _save_into(obj: Any, f: BinaryIO) -> FileRecord:
 def save_file(obj: Any, target: Location, exclusive: bool = False) -> FileRecord:
     """Write ``obj`` with ``torch.save`` so that ``target`` never holds a partial file.
 
-    Local: a ``mkstemp`` file next to ``target``, fsynced, then renamed over it. ``exclusive=True`` is for
+    Local: a temporary file next to ``target``, fsynced, then renamed over it. ``exclusive=True`` is for
     a fresh name in a directory this save created: the file is created with ``O_EXCL | O_NOFOLLOW`` and
     written in place (a partial file there is caught by its recorded size and checksum). Remote: one object.
     """
@@ -164,7 +171,7 @@ def save_file(obj: Any, target: Location, exclusive: bool = False) -> FileRecord
         with target.fs.open(target.path, "wb") as f:
             return _save_into(obj, f)
     if exclusive:
-        fd = os.open(target.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        fd = os.open(target.path, _CREATE, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             record = _save_into(obj, f)
             os.fsync(f.fileno())
@@ -172,7 +179,7 @@ def save_file(obj: Any, target: Location, exclusive: bool = False) -> FileRecord
     directory = target.parent()
     directory.make_dirs()
     remove_stale_temporaries(target)
-    fd, tmp = tempfile.mkstemp(dir=directory.path, prefix=f".{target.name}{TEMP_INFIX}")
+    fd, tmp = _create_temporary(directory, f".{target.name}{TEMP_INFIX}")
     try:
         with os.fdopen(fd, "wb") as f:
             record = _save_into(obj, f)
@@ -184,6 +191,16 @@ def save_file(obj: Any, target: Location, exclusive: bool = False) -> FileRecord
         raise
     directory.fsync_dir()
     return record
+
+
+def _create_temporary(directory: Location, prefix: str) -> tuple[int, str]:
+    """``mkstemp`` with the mode a plain ``open`` would give (``mkstemp`` makes files owner-only)."""
+    while True:
+        path = os.path.join(directory.path, prefix + secrets.token_hex(8))
+        try:
+            return os.open(path, _CREATE, FILE_MODE), path
+        except FileExistsError:  # taken (by anything, a planted link included): draw another name
+            continue
 
 
 def remove_stale_temporaries(target: Location) -> None:
@@ -205,6 +222,25 @@ def file_record(source: Location) -> FileRecord:
             crc = zlib.crc32(block, crc)
             size += len(block)
     return FileRecord(size, crc)
+
+
+def check_zip_checksums(source: Location, what: str) -> None:
+    """Check every record of a ``torch.save`` file against the CRC-32 the zip format stores with it.
+
+    torch writes these checksums (in each record's header and the central directory) but never reads
+    them, so a flipped bit loads as a wrong number; this reads the file once more and compares.
+    """
+    if not source.exists():
+        raise CheckpointError(f"{what} {source} does not exist")
+    try:
+        with _open_read(source) as f, zipfile.ZipFile(f) as archive:
+            bad = archive.testzip()
+    except Exception:  # noqa: BLE001 - no readable zip structure: truncated, or not a torch file at all
+        raise CheckpointError(_damaged(source, what)) from None
+    if bad is not None:
+        raise CheckpointError(
+            f"{what} {source} is corrupt or was edited: its record {bad!r} does not match the CRC-32 stored with it"
+        )
 
 
 def file_size(source: Location) -> int:
@@ -234,17 +270,37 @@ def load_file(source: Location, what: str, weights_only: bool = True, mmap: bool
     except (PermissionError, IsADirectoryError) as error:
         raise CheckpointError(f"cannot read {what} {source}: {error.strerror or error}") from None
     except pickle.UnpicklingError as error:
-        if weights_only and "Unsupported global" in str(error):
-            global_name = str(error).split("Unsupported global:", 1)[1].split(" was not")[0].strip()
+        refused = _refused_globals(source, error) if weights_only else []
+        if refused:
             raise CheckpointError(
-                f"{what} {source} holds Python objects that weights_only loading refuses ({global_name}). "
-                "If you trust this file, resume with trainer.fit(..., weights_only=False)"
+                f"{what} {source} was refused by weights_only loading: it holds Python objects or code "
+                f"({', '.join(refused)}), which unpickling would import and may run. Load only files you trust "
+                "with weights_only=False: to resume, trainer.fit(..., weights_only=False); or re-save the "
+                "checkpoint holding only tensors, numbers, strings and containers of them"
             ) from None
         raise CheckpointError(_damaged(source, what)) from None
     except Exception as error:
         # Arbitrary bytes reach the legacy (non-zip) unpickler, which can fail with almost any
         # exception type (IndexError, KeyError, struct.error, ...); the cause stays chained.
         raise CheckpointError(_damaged(source, what)) from error
+
+
+# Both ways torch's weights_only unpickler refuses a global name the message ("Unsupported global: GLOBAL
+# x.y was not allowed", "Trying to load unsupported GLOBAL posix.system whose module posix is blocked").
+_GLOBAL_IN_MESSAGE = re.compile(r"\bGLOBAL ([\w.]+)")
+
+
+def _refused_globals(source: Location, error: Exception) -> list[str]:
+    """The globals a ``weights_only`` load refused, ``[]`` if the pickle failed for another reason.
+
+    torch's own scan of the pickle comes first: the wording of its errors changes between releases.
+    """
+    try:
+        with _open_read(source) as f:
+            found = torch.serialization.get_unsafe_globals_in_checkpoint(f)
+    except Exception:  # unreadable as a zip checkpoint: fall back to the error's text
+        found = []
+    return found or _GLOBAL_IN_MESSAGE.findall(str(error))[:1]
 
 
 def _damaged(source: Location, what: str) -> str:

@@ -12,13 +12,17 @@ epoch=3-step=400.ckpt/          never removed or renamed while a checkpoint live
 The checkpoint is the newest version directory that has a ``meta.pt``. A save creates a new version,
 writes the shards, then ``meta.pt`` (atomically: a rename on the local disk, one object remotely), and
 only then deletes the older versions, so a crash at any point leaves a complete checkpoint under the
-same path, and the next save deletes what the crash left. Each shard records the save id, and
-``meta.pt`` its size and checksum, so a shard from another save, an edited or a truncated one is named
-on load instead of being mixed in.
+same path, and the next save deletes what the crash left; a save that fails with an error deletes its
+own unpublished version at once. Each shard records the save id, and ``meta.pt`` its size and
+checksum, so a shard from another save, an edited or a truncated one is named on load instead of being
+mixed in. ``meta.pt`` itself is checked against the CRC-32 that the zip format stores with each of its
+records (torch writes them, and never reads them), so every file is checked, in checkpoints of every
+release.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
 import zlib
@@ -32,6 +36,7 @@ from lightning_zero_offload.engine.checkpoint_files import (
     FileRecord,
     Location,
     PathLike,
+    check_zip_checksums,
     file_record,
     file_size,
     load_file,
@@ -93,17 +98,29 @@ def save_sharded(
     root = Location.of(path)
     version_name, save_id = _raise_any([broadcast(_attempt(_new_version, root) if rank == 0 else None)])[0]
     version = root / version_name
-    records = _raise_any(
-        gather(_attempt(save_file, {**shard, "save_id": save_id, "rank": rank}, version / shard_file(rank), True))
-    )
-    published = None
-    if rank == 0:
-        assert meta is not None
-        info = meta[FORMAT_KEY]
-        info.update(save_id=save_id, shards=[{"size": r.size, "crc32": r.crc32} for r in records])
-        info["layout_crc32"] = layout_checksum(info)
-        published = _attempt(_publish, meta, root, version_name)
-    _raise_any([broadcast(published)])
+    published: Any = None
+    try:
+        records = _raise_any(
+            gather(_attempt(save_file, {**shard, "save_id": save_id, "rank": rank}, version / shard_file(rank), True))
+        )
+        if rank == 0:
+            assert meta is not None
+            info = meta[FORMAT_KEY]
+            info.update(save_id=save_id, shards=[{"size": r.size, "crc32": r.crc32} for r in records])
+            info["layout_crc32"] = layout_checksum(info)
+            published = _attempt(_publish, meta, root, version_name)
+        _raise_any([broadcast(published)])
+    except BaseException:
+        # Every rank has finished writing (the collectives above returned), so rank 0 can delete what
+        # this save wrote, unless meta.pt was already in place: then the new version is the checkpoint.
+        if rank == 0 and not (version / META_FILE).is_file():
+            _remove_unpublished(version)
+        raise
+
+
+def _remove_unpublished(version: Location) -> None:
+    with contextlib.suppress(OSError):  # the save's own error matters more; the next save deletes the rest
+        version.remove()
 
 
 def _new_version(root: Location) -> tuple[str, str]:
@@ -170,6 +187,7 @@ def load_sharded(path: PathLike, with_optimizer: bool = True, weights_only: bool
     if version is None:
         raise CheckpointError(f"{root} holds no complete sharded checkpoint (no {META_FILE})")
     meta_file = version / META_FILE
+    check_zip_checksums(meta_file, "metadata")
     checkpoint = load_file(meta_file, "metadata", weights_only=weights_only)
     info = checkpoint.get(FORMAT_KEY) if isinstance(checkpoint, dict) else None
     if not isinstance(info, dict) or info.get("format") != "sharded":

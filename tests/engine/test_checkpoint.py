@@ -4,6 +4,7 @@ the sharded format read back at another world size, and the export tool's safety
 import os
 import random
 import shutil
+import struct
 import zlib
 from pathlib import Path
 
@@ -357,3 +358,157 @@ def test_convert_gives_one_line_errors_for_bad_inputs(tmp_path, capsys):
         assert code == 1 and message in err and str(source) in err, (source, err)
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (tmp_path / "out.pt").exists()
+
+
+# -- every file of a sharded checkpoint is checked; failed saves clean up; refusals are named ----------
+
+
+def save_sharded_with_module_state(path) -> dict:
+    """A sharded checkpoint whose meta.pt holds what the issue saw damaged: a BatchNorm buffer and a
+    param group's weight_decay (numbers inside the pickle and inside a tensor record)."""
+    meta = {
+        "state_dict": {"bn.running_mean": torch.arange(4.0)},
+        "optimizer_states": [{"state": {}, "param_groups": [{"weight_decay": 0.01, "params": [0]}]}],
+        FORMAT_KEY: {
+            "format": "sharded",
+            "version": 2,
+            "world_size": 1,
+            "buckets": [{"shard_start": 0, "shard_numel": 5}],
+            "params": [{"keys": ["w"], "shape": [5], "bucket": 0, "offset": 0, "step": 1, "torch_index": 0}],
+        },
+    }
+    shard = {name: torch.ones(5) for name in checkpoint_sharded.SHARD_KEYS}
+    ckpt.save_sharded(path, shard, meta, 0, broadcast=lambda x: x, gather=lambda x: [x])
+    return ckpt.load_sharded(path)
+
+
+def test_a_flipped_byte_anywhere_in_meta_pt_is_refused_naming_it_or_harmless(tmp_path):
+    """The issue's two silent corruptions (a BatchNorm running_mean, a weight_decay), then every byte."""
+    root = tmp_path / "s.ckpt"
+    good = save_sharded_with_module_state(root)
+    meta = in_version(root, META_FILE)
+    data = meta.read_bytes()
+    targets = {
+        "running_mean": data.index(torch.arange(4.0).numpy().tobytes()) + 1,
+        "weight_decay": data.index(struct.pack(">d", 0.01)) + 7,  # pickle's BINFLOAT is big-endian
+    }
+    for what, position in targets.items():
+        flipped = bytearray(data)
+        flipped[position] ^= 0x40
+        meta.write_bytes(flipped)
+        with pytest.raises(CheckpointError) as error:
+            ckpt.load_sharded(root)
+        assert f"metadata {meta} is corrupt or was edited: its record" in str(error.value), what
+    refused = 0
+    for position in range(len(data)):
+        flipped = bytearray(data)
+        flipped[position] ^= 0x01
+        meta.write_bytes(flipped)
+        try:
+            loaded = ckpt.load_sharded(root)
+        except CheckpointError as error:
+            assert str(meta) in str(error)
+            refused += 1
+            continue
+        # what loads despite the flip is bytes nothing reads (zip padding, timestamps): the same checkpoint
+        assert repr(loaded) == repr(good), position
+    assert refused > len(data) // 2
+
+
+def test_a_failed_sharded_save_removes_its_partial_version_and_the_previous_checkpoint_loads(tmp_path, monkeypatch):
+    root = tmp_path / "s.ckpt"
+    save_sharded_one_rank(root, 1.0)
+    previous = sorted(p.name for p in root.iterdir())
+    real_save_file = checkpoint_sharded.save_file
+
+    def fail_midway(obj, target, exclusive=False):
+        if target.name == failing[0]:
+            if exclusive:  # a shard is written in place: half of it is there (meta.pt goes through a temporary)
+                with open(target.path, "wb") as f:
+                    f.write(b"PK half a file")
+            raise OSError(28, "No space left on device")
+        return real_save_file(obj, target, exclusive)
+
+    monkeypatch.setattr(checkpoint_sharded, "save_file", fail_midway)
+    for failing in ([ckpt.shard_file(0)], [META_FILE]):
+        with pytest.raises(CheckpointError, match="No space left on device"):
+            save_sharded_one_rank(root, 2.0)
+        assert sorted(p.name for p in root.iterdir()) == previous, failing  # no partial version left
+        assert torch.equal(load_w(root), torch.ones(5))
+    monkeypatch.undo()
+    save_sharded_one_rank(root, 3.0)
+    assert torch.equal(load_w(root), torch.full((5,), 3.0)) and len(list(root.iterdir())) == 1
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return os.system, ("true",)
+
+
+class _CustomClass:
+    pass
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_checkpoint_carrying_code_is_named_as_refused_not_as_corrupt(tmp_path, fmt):
+    for payload, name in ((_RunsCode(), f"{os.system.__module__}.system"), (_CustomClass(), "_CustomClass")):
+        path = tmp_path / f"{fmt}.ckpt"
+        if fmt == "full":
+            torch.save({"state_dict": {}, "payload": payload}, path)
+            target, load = path, ckpt.load_checkpoint_file
+        else:
+            save_sharded_one_rank(path, 1.0)
+            target = in_version(path, META_FILE)
+            torch.save({"payload": payload, **torch.load(target, weights_only=True)}, target)
+            load = ckpt.load_sharded
+        with pytest.raises(CheckpointError) as error:
+            load(path)
+        message = str(error.value)
+        assert f"{target} was refused by weights_only loading" in message and name in message, message
+        assert "only files you trust with weights_only=False" in message and "re-save" in message
+        assert "truncated or corrupt" not in message
+
+
+def test_files_get_the_mode_torch_save_gives_them(tmp_path):
+    """0o666 less the umask, like torch.save and the shards, not mkstemp's owner-only 0o600."""
+    previous = os.umask(0o022)
+    try:
+        for umask in (0o022, 0o002):
+            os.umask(umask)
+            where = tmp_path / f"umask{umask:o}"
+            where.mkdir()
+            torch.save({}, where / "plain.pt")
+            expected = (where / "plain.pt").stat().st_mode & 0o777
+            assert expected == 0o666 & ~umask
+            ckpt.atomic_save(full_checkpoint(1.0), where / "full.ckpt")
+            save_sharded_one_rank(where / "s.ckpt", 1.0)
+            convert_checkpoint_to_fp32_state_dict(where / "full.ckpt", where / "export.pt")
+            written = [where / "full.ckpt", where / "export.pt", *Path(where / "s.ckpt").rglob("*.pt")]
+            assert len(written) == 4
+            for path in written:
+                assert path.stat().st_mode & 0o777 == expected, (path, oct(path.stat().st_mode))
+    finally:
+        os.umask(previous)
+
+
+def test_the_python_export_refuses_what_the_cli_refuses_with_the_same_message(tmp_path, capsys):
+    path = tmp_path / "last.ckpt"
+    ckpt.atomic_save(full_checkpoint(1.0), path)
+    before = path.read_bytes()
+    other = tmp_path / "other.ckpt"
+    ckpt.atomic_save(full_checkpoint(2.0), other)
+    sharded = tmp_path / "s.ckpt"
+    save_sharded_one_rank(sharded, 1.0)
+    for output in (path, other, sharded):
+        with pytest.raises(CheckpointError, match=rf"refusing to write {output}: ") as error:
+            convert_checkpoint_to_fp32_state_dict(path, output)
+        code, err = convert(capsys, path, output)
+        assert code != 0
+        cli_message = err.removeprefix("zero-offload-convert: error: ").strip()
+        assert cli_message == str(error.value).replace("overwrite=True", "--overwrite"), output
+    assert path.read_bytes() == before
+    assert torch.equal(torch.load(other, weights_only=True)["state_dict"]["w"], torch.full((5,), 2.0))
+    convert_checkpoint_to_fp32_state_dict(path, other, overwrite=True)
+    assert torch.equal(torch.load(other, weights_only=True)["w"], torch.ones(5))
+    with pytest.raises(CheckpointError, match="the checkpoint itself"):
+        convert_checkpoint_to_fp32_state_dict(path, path, overwrite=True)
