@@ -15,6 +15,7 @@ kernels work in place on the caller's memory and never on a hidden copy.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
@@ -45,6 +46,7 @@ __all__ = [
     "backend",
     "bandwidth_probe",
     "can_undo",
+    "fingerprint16",
     "get_num_threads",
     "grad_accumulate",
     "set_backend",
@@ -548,6 +550,23 @@ def sum_of_squares(src: Tensor, *, num_threads: int | None = None) -> tuple[floa
     return sumsq, not math.isfinite(sumsq)
 
 
+def fingerprint16(words: Tensor, *, num_threads: int | None = None) -> Tensor:
+    """A checksum of 16-bit words: ``sum(words[i] * (i + 1)) mod 2**64`` (signed words), as a 0-dim int64.
+
+    Any single changed word and any swap of two different words change it; it is integer arithmetic,
+    so it is the same on every backend, device and thread count. On a CPU tensor the native kernel
+    computes it in one pass; elsewhere torch does, from row and column sums (no model-sized temporary),
+    and the result stays on the device (no synchronisation).
+    """
+    if words.dtype != torch.int16 or not words.is_contiguous():
+        raise TypeError(f"words must be a contiguous int16 tensor (a .view(torch.int16)), got {words.dtype}")
+    if words.device.type == "cpu" and _backend != "torch":
+        nt = _num_threads if num_threads is None else _check_threads("num_threads", num_threads)
+        value = lib.lzo_fingerprint16(ffi.cast("void *", words.data_ptr()), words.numel(), nt)
+        return torch.tensor(value - (1 << 64) if value >= 1 << 63 else value, dtype=torch.int64)
+    return _torch_fingerprint16(words)
+
+
 def adam_undo(
     param: Tensor,
     grad: Tensor,
@@ -730,6 +749,18 @@ def _torch_adam_undo(
         param[window] = p0
         exp_avg[window] = (m1 - w * g) * inv_one_minus_w
         exp_avg_sq[window] = ((v1 - one_minus_beta2 * g * g) * inv_beta2).clamp_(min=0.0)
+
+
+def _torch_fingerprint16(words: Tensor, width: int = 1024) -> Tensor:
+    # sum x[r*w + c] * (r*w + c + 1) = w * sum_r r * rowsum_r + sum_c (c + 1) * colsum_c, plus the tail
+    flat = words.reshape(-1)
+    rows = flat.numel() // width
+    body = flat[: rows * width].view(rows, width)
+    index = functools.partial(torch.arange, dtype=torch.int64, device=words.device)
+    total = width * (body.sum(1, dtype=torch.int64) * index(rows)).sum()
+    total += (body.sum(0, dtype=torch.int64) * index(1, width + 1)).sum()
+    tail = flat[rows * width :]
+    return total + (tail.to(torch.int64) * index(rows * width + 1, flat.numel() + 1)).sum()
 
 
 def _torch_grad_accumulate(dst: Tensor, src: Tensor, scale: float, overwrite: bool) -> float:

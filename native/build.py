@@ -20,7 +20,7 @@ from pathlib import Path
 from cffi import FFI
 
 NATIVE = Path(__file__).resolve().parent
-SOURCES = ["dispatch.c", "kernels_scalar.c", "kernels_avx2.c", "kernels_avx512.c"]
+SOURCES = ["dispatch.c", "kernels_scalar.c", "kernels_avx2.c", "kernels_avx512.c", "fingerprint.c"]
 HEADERS = ["lzo.h", "kernels_simd.h", "undo_body.h"]  # included by the sources: a change rebuilds them
 # -fno-math-errno lets sqrtf vectorise; no -ffast-math, which would break inf/nan handling.
 # -ffp-contract=off keeps every multiply-add as written: fused only where the code says fma.

@@ -73,6 +73,10 @@ double lzo_sum_squares(const void *src, int64_t n, int src_dtype, int num_thread
 void lzo_adam_undo(const lzo_adam_hparams *hp, double grad_scale, double step, float *p,
                    const float *g, float *m, float *v, int64_t n, int num_threads);
 
+/* Position-weighted checksum of n 16-bit words, sum of x[i] * (i + 1) mod 2^64 with x signed
+ * (native/fingerprint.c): tells whether device parameters were written between two points. */
+uint64_t lzo_fingerprint16(const void *src, int64_t n, int num_threads);
+
 /* Memory roofline for an fp32 Adam step: reads p, g, m, v and writes p, m, v (28 B/element). */
 void lzo_bandwidth_probe(float *p, const float *g, float *m, float *v, int64_t n,
                          int num_threads);

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from lightning_zero_offload.engine.layout import Bucket
 from lightning_zero_offload.engine.stats import StepStats
 from lightning_zero_offload.engine.update import make_plan, update_and_publish, update_in_place
 
@@ -57,6 +58,19 @@ class Schedule:
 
     def on_skip(self, stats: StepStats) -> None:
         """The step was skipped (inf/nan gradients): nothing may have changed."""
+
+    @property
+    def update_in_flight(self) -> bool:
+        """An update is changing the master now: writes to the parameters are merged once it lands."""
+        return False
+
+    def published_chunk(self, bucket: Bucket) -> torch.Tensor | None:
+        """What the device was last given for this rank's chunk of ``bucket``, where that is not the
+        master rounded to the device dtype (None: it is)."""
+        return None
+
+    def before_param_writes_merge(self, buckets: list[int]) -> None:
+        """User code wrote into these buckets' device parameters: the master is about to take the values."""
 
     def settle(self) -> None:
         """Make the CPU state final and consistent (wait for running work, drop unvalidated work)."""

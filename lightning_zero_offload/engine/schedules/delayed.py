@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lightning_zero_offload.engine.layout import Bucket
 from lightning_zero_offload.engine.memory import host_zeros
 from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs, apply_now
 from lightning_zero_offload.engine.state import full_tensors, load_shard
@@ -51,6 +52,9 @@ class DelayedSchedule(Schedule):
         self.last_update_s = 0.0
         self.active_this_step = False
         self.closed_state: dict[str, Any] | None = None
+        # Whether the device holds the master rounded to its dtype (not the weights of a step ago, nor a
+        # prediction): only then can a write to the parameters be told apart from the update.
+        self.device_matches_master = True
 
     @property
     def active(self) -> bool:
@@ -74,6 +78,7 @@ class DelayedSchedule(Schedule):
         grad = engine.grad
         self.next_from_checkpoint = False
         self.pending = engine.updater.submit(self._update_all, plan, grad)
+        self.device_matches_master = False
         engine.grad = self.grad_buffers[1] if grad is self.grad_buffers[0] else self.grad_buffers[0]
         engine.grads.cpu_grad = engine.grad
         stats.cpu_step_s = self.last_update_s  # the update that finished in the background (previous step)
@@ -83,6 +88,22 @@ class DelayedSchedule(Schedule):
             # The device holds a prediction of this very update, which is not happening: go back to
             # the true weights (as plain DPU has them), so later steps and checkpoints agree.
             self.engine.refresh_device_params()
+            self.device_matches_master = True
+
+    @property
+    def update_in_flight(self) -> bool:
+        return self.pending is not None
+
+    def published_chunk(self, bucket: Bucket) -> torch.Tensor | None:
+        if self.device_matches_master:
+            return None
+        raise RuntimeError(
+            "The parameters were written during fit (by a callback, load_state_dict or p.data = ...) while "
+            "cpu_step='delayed' had the device one step behind the master weights: such a write cannot be "
+            "told apart from the update in flight, and would be lost. Use cpu_step='sync' or 'speculative' "
+            "(the same results as sync, with the CPU step hidden during backward) with code that writes "
+            "parameters, or write them only during the first dpu_warmup_steps steps."
+        )
 
     def _update_all(self, plan: Plan, grad: torch.Tensor) -> None:
         """Worker thread: update every bucket into the next-parameters buffer."""
@@ -109,22 +130,27 @@ class DelayedSchedule(Schedule):
         """Wait for the update and swap its parameters in on the device."""
         waited = self.wait_update()
         if self.publish_due:
+            self.engine.absorb_param_writes()  # before the swap-in overwrites them (refused: see published_chunk)
             for bucket in self.engine.layout.buckets:
                 source = None if self.next_params is None else self.next_params[bucket.shard_range]
                 self.engine.publish(bucket, source, pooled=False)
             self.engine.wait_publish()
             self.publish_due = False
+            self.device_matches_master = not self.extrapolate
         return waited
 
     def on_weights_loaded(self) -> None:
         self.publish_due = False  # the device now holds the loaded master weights
+        self.device_matches_master = True
 
     def sync(self) -> None:
         if self.extrapolate:
             self.wait_update()
             if self.publish_due:  # the true weights, not the prediction waiting in next_params
+                self.engine.absorb_param_writes()
                 self.engine.refresh_device_params()
                 self.publish_due = False
+                self.device_matches_master = True
         self.finish_pending_update()
 
     def state_dict(self) -> dict[str, Any]:
@@ -154,6 +180,8 @@ class DelayedSchedule(Schedule):
                 load_shard(self.engine, self.next_params, pending["next_params"])
             else:
                 self.next_params.copy_(self.engine.master)
+        self.engine.writes.record_all()  # the engine's own write: the device holds the stale weights again
+        self.device_matches_master = False
         self.publish_due = True
 
     def abandon(self) -> None:

@@ -147,6 +147,13 @@ class SpeculativeSchedule(Schedule):
             stats.rolled_back = True
             self.settle()
 
+    def before_param_writes_merge(self, buckets: list[int]) -> None:
+        # A bucket written after its step was speculated is updated again from the written values.
+        self.engine.grads.wait()
+        written = [index for index in buckets if index in self.speculated]
+        if written:
+            self._roll_back(written)
+
     def settle(self) -> None:
         """Take back speculation that was not validated (no step, or a skipped one)."""
         self.engine.grads.wait()
