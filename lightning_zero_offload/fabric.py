@@ -56,9 +56,10 @@ from lightning_zero_offload.engine.model_checks import (
     describe_model,
 )
 from lightning_zero_offload.mixed_precision import forward_context
+from lightning_zero_offload.planner import check_host_memory
 from lightning_zero_offload.precision import ENGINE_STATE_KEY, resolve_precision
 from lightning_zero_offload.strategy import ZeroOffloadStrategy as _TrainerStrategy
-from lightning_zero_offload.strategy import _release_process_group, _state_dict_keys
+from lightning_zero_offload.strategy import _release_process_group, _state_dict_keys, collective_timeout
 
 
 class ZeroOffloadFabricPrecision(Precision):
@@ -104,7 +105,8 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
         offload_options: the offload options of :class:`~lightning_zero_offload.ZeroOffloadStrategy`
             (``bucket_size_mb``, ``pin_memory``, ``overlap``, ``cpu_threads``, ``cpu_step``, ``loss_scale_*``,
             ``dpu_*``, ``checkpoint_format``, ...), with the same defaults and checks.
-        process_group_backend, timeout, start_method: as in Fabric's ``DDPStrategy``.
+        process_group_backend, start_method: as in Fabric's ``DDPStrategy``.
+        timeout: as in :class:`~lightning_zero_offload.ZeroOffloadStrategy`: a ``timedelta`` or seconds.
     """
 
     strategy_name = "zero_offload"
@@ -117,7 +119,7 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision: Precision | None = None,
         process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        timeout: timedelta | float | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **offload_options: Any,
     ) -> None:
@@ -134,7 +136,7 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=collective_timeout(timeout),  # the Trainer strategy's types and range
             start_method=start_method,
         )
         self._backward_sync_control = None  # gradients accumulate on the CPU; there is no sync to skip
@@ -215,6 +217,9 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
             raise RuntimeError("zero_offload sets up one model and optimizer per Fabric; create a new Fabric")
         self.precision.device_type = self.root_device.type
         self._check_model(module, optimizers[0])
+        check_host_memory(
+            module, self.options, self.precision.param_dtype, self.world_size, self.num_processes, self.root_device
+        )
         if self._distributed:
             broadcast_tensors_(list(module.state_dict().values()), None, self.root_device)
         self.engine = OffloadEngine(

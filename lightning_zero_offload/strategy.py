@@ -193,6 +193,7 @@ class ZeroOffloadStrategy(ParallelStrategy):
         self.metrics = metrics
         self.engine: OffloadEngine | None = None
         self._param_keys: list[list[str]] = []
+        self._preflight_error: MemoryError | None = None
 
     @classmethod
     @override
@@ -324,14 +325,18 @@ class ZeroOffloadStrategy(ParallelStrategy):
                     "Put the parameters in param groups of one optimizer instead."
                 )
             self._check_model(module)
-            check_host_memory(
-                module,
-                self.options,
-                self.precision_plugin.param_dtype,
-                self.world_size,
-                self.num_processes,
-                self.root_device,
-            )
+            try:
+                check_host_memory(
+                    module,
+                    self.options,
+                    self.precision_plugin.param_dtype,
+                    self.world_size,
+                    self.num_processes,
+                    self.root_device,
+                )
+            except MemoryError as error:
+                self._preflight_error = error  # teardown must not replace it (see teardown)
+                raise
             if self.is_distributed:
                 broadcast_tensors_(list(module.state_dict().values()), None, self.root_device)
             self.engine = OffloadEngine(
@@ -512,7 +517,14 @@ class ZeroOffloadStrategy(ParallelStrategy):
             # Hand the module back holding the trained fp32 master weights; the CPU optimizer state stays
             # with the closed engine so `trainer.save_checkpoint` after fit still saves it.
             self.engine.close()
-        super().teardown()
+        try:
+            super().teardown()
+        except Exception:
+            # A refused pre-flight is what the user must fix; a module that cannot move back (one on the
+            # meta device: "Cannot copy out of meta tensor") must not take its place.
+            if self._preflight_error is None:
+                raise
+            raise self._preflight_error from None
 
 
 def _release_process_group() -> None:
@@ -526,13 +538,25 @@ def _release_process_group() -> None:
     gc.collect()
 
 
+# About 31 years. timedelta itself ends near 8.6e13 s, but torch's C++ side counts in int64 micro- or
+# nanoseconds and overflows long before that (gloo refuses timedelta.max as a negative timeout).
+MAX_TIMEOUT_S = 1e9
+
+
 def collective_timeout(timeout: timedelta | float | None) -> timedelta | None:
-    """The ``timeout`` option as a timedelta (numbers are seconds, for config files), validated."""
+    """The ``timeout`` option as a timedelta (numbers are seconds, for config files), validated.
+
+    Both front ends (Trainer and Fabric strategies) take the same types: a timedelta, seconds as an int
+    or float, or None (torch's default).
+    """
     if timeout is None:
         return None
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
     check_real(
-        "timeout", seconds, "> 0 (seconds, or a datetime.timedelta)", isinstance(seconds, float | int) and seconds > 0
+        "timeout",
+        seconds,
+        f"of seconds in (0, {MAX_TIMEOUT_S:.0e}] (about 31 years), or a datetime.timedelta in that range",
+        lambda s: 0 < s <= MAX_TIMEOUT_S,
     )
     return timedelta(seconds=seconds)
 
