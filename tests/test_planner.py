@@ -10,7 +10,15 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning_zero_offload import ZeroOffloadStrategy
 from lightning_zero_offload.demo.model import GPT
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions
-from lightning_zero_offload.planner import Machine, check_host_memory, measure_machine, plan, presets, probes
+from lightning_zero_offload.planner import (
+    Machine,
+    check_host_memory,
+    measure_machine,
+    plan,
+    presets,
+    probes,
+    with_rates,
+)
 from lightning_zero_offload.planner.cli import main
 from lightning_zero_offload.planner.model import LayoutSummary, ModelShape, host_memory
 from lightning_zero_offload.planner.preflight import SKIP_CHECK_ENV
@@ -50,34 +58,35 @@ def host_tensor_bytes(root: object) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("delayed", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_host_memory_is_what_the_engine_allocates(delayed, dtype):
+@pytest.mark.parametrize("schedule", ["sync", "speculative", "delayed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_host_memory_is_what_the_engine_allocates(schedule, dtype):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.ReLU(), torch.nn.Linear(200, 70))
-    options = OffloadOptions(bucket_size_mb=0.1, cpu_threads=1, cpu_step="delayed" if delayed else "sync")
+    options = OffloadOptions(bucket_size_mb=0.1, cpu_threads=1, cpu_step=schedule)
     engine = OffloadEngine(torch.optim.AdamW(model.parameters()), torch.device("cpu"), dtype, options)
     try:
         predicted = host_memory(
             LayoutSummary.of(engine.layout),
             dtype,
-            "delayed" if delayed else "sync",
+            schedule,
             1,
             "cpu",
             sum(p.numel() for p in model.parameters()),
-        )
+        )  # speculative in fp16 keeps a snapshot of master and moments ("auto" rollback)
         # gradients (the device's buckets; in place, autograd's own) appear with the first backward
         later = ("device_grad_buckets", "autograd_grads")
         expected = sum(n for name, n in predicted.per_rank.items() if name not in later)
         assert ("autograd_grads" in predicted.per_rank) == engine.in_place
-        assert host_tensor_bytes(engine) == expected
+        # exact up to bookkeeping scalars (a few bytes each); the smallest modelled buffer is 1000x larger
+        assert expected <= host_tensor_bytes(engine) <= expected + 256
         assert len(engine.layout.buckets) > 1
     finally:
         engine.close()
 
 
 def test_state_is_16_bytes_per_param_spread_over_the_ranks():
-    p = plan(7_000_000_000, devices=8, num_nodes=2, machine=GPU_BOX)
+    p = plan(7_000_000_000, batch_size=4, seq_len=2048, devices=8, num_nodes=2, machine=GPU_BOX)
     sync, delayed = p.host["sync"], p.host["delayed"]
     state = sum(sync.per_rank[k] for k in ("master", "exp_avg", "exp_avg_sq", "grad"))
     assert state == pytest.approx(16 * 7e9 / 16, rel=1e-3)  # 16 ranks, 16 B each
@@ -85,7 +94,7 @@ def test_state_is_16_bytes_per_param_spread_over_the_ranks():
     assert delayed.per_rank["grad_second"] == sync.per_rank["grad"]
     assert delayed.per_rank["next_params"] == pytest.approx(2 * 7e9 / 16, rel=1e-3)
     assert p.device_bytes["params"] == pytest.approx(2 * 7e9, rel=1e-3)  # ZeRO-2: every device holds all params
-    assert sync.checkpoint_full_per_rank == 12 * 7_000_000_000
+    assert sync.checkpoint_full_per_rank == 12 * 7_000_000_000  # 16 ranks: each gathers the full fp32 state
 
 
 def test_a_module_on_the_meta_device_is_counted_without_memory():
@@ -105,7 +114,9 @@ def test_table4_arithmetic_one_billion_params_at_127_gbs_take_0_22_s():
         d2h_gbs=25, call_overhead_s=0.0,
     )  # fmt: skip
     assert host.host_bandwidth_gbs == pytest.approx(127.3, abs=0.1)
-    assert plan(1_000_000_000, machine=host).steps["sync"].cpu_step == pytest.approx(0.22, rel=1e-6)
+    assert plan(1_000_000_000, batch_size=8, seq_len=2048, machine=host).steps["sync"].cpu_step == pytest.approx(
+        0.22, rel=1e-6
+    )
 
 
 def test_schedules_overlap_only_on_an_accelerator():
@@ -136,16 +147,18 @@ def test_recommendation():
     assert r["cpu_step"] in ("sync", "speculative") and r["bucket_size_mb"] > 0
     assert r["delayed_speedup"] >= 1.0
     assert "recommended: cpu_step=" in str(p)
-    assert plan(10_000_000, seq_len=64, machine=CPU_BOX).recommended["cpu_step"] == "sync"  # nothing to overlap
+    assert (
+        plan(10_000_000, batch_size=1, seq_len=64, machine=CPU_BOX).recommended["cpu_step"] == "sync"
+    )  # nothing to overlap
 
 
 def test_bad_arguments_name_the_option():
     with pytest.raises(ValueError, match="precision"):
-        plan(10, precision="fp8", machine=GPU_BOX)
+        plan(10, batch_size=1, seq_len=8, precision="fp8", machine=GPU_BOX)
     with pytest.raises(ValueError, match="batch_size"):
-        plan(10, batch_size=0, machine=GPU_BOX)
+        plan(10, batch_size=0, seq_len=8, machine=GPU_BOX)
     with pytest.raises(ValueError, match="requires_grad"):
-        plan(torch.nn.Linear(2, 2).requires_grad_(False), machine=GPU_BOX)
+        plan(torch.nn.Linear(2, 2).requires_grad_(False), batch_size=1, seq_len=8, machine=GPU_BOX)
     with pytest.raises(KeyError, match="unknown host"):
         presets.machine("laptop", "H100 SXM (PCIe 5)")
 
@@ -179,24 +192,72 @@ def test_predictions_match_the_engine_on_this_machine():
 # -- pre-flight --------------------------------------------------------------------------------
 
 
-def test_preflight_fails_with_the_numbers_and_the_fix(monkeypatch):
-    monkeypatch.setattr(probes, "host_memory_available", lambda: 2 * 10**9)
+def fake_limit(monkeypatch, available: int, source: str = "MemAvailable") -> None:
+    monkeypatch.setattr(probes, "host_memory_limit", lambda *args, **kwargs: (available, source))
     monkeypatch.delenv(SKIP_CHECK_ENV, raising=False)
+
+
+def test_preflight_fails_with_the_numbers_and_the_fix(monkeypatch):
+    fake_limit(monkeypatch, 2 * 10**9)
     with torch.device("meta"):
-        model = torch.nn.Linear(20_000, 10_000)  # 200M params: 3.2 GB of optimizer state
+        model = torch.nn.Linear(20_000, 10_000)  # 200M params: 3.2 GB of optimizer state, nothing resident
     with pytest.raises(MemoryError) as info:
         check_host_memory(model, OffloadOptions(), torch.bfloat16, 2, 2, torch.device("cuda"))
     message = str(info.value)
-    assert "3.20 GB" in message and "2.00 GB is available" in message and "200.0M trainable params" in message
+    assert "3.20 GB" in message and "only 2.00 GB is available (MemAvailable" in message
+    assert "200.0M trainable params" in message
     assert "more nodes" in message and 'checkpoint_format="sharded"' in message and SKIP_CHECK_ENV in message
-    check_host_memory(model, OffloadOptions(), torch.bfloat16, 4, 1, torch.device("cuda"))  # 4 nodes: fits
+    check_host_memory(model, OffloadOptions(checkpoint_format="sharded"), torch.bfloat16, 4, 1, torch.device("cuda"))
     monkeypatch.setenv(SKIP_CHECK_ENV, "1")
     check_host_memory(model, OffloadOptions(), torch.bfloat16, 2, 2, torch.device("cuda"))
 
 
+def layers() -> torch.nn.Module:
+    """1M parameters in small tensors: with 0.1 MB buckets the staging buffers are negligible."""
+    return torch.nn.Sequential(*[torch.nn.Linear(100, 100) for _ in range(100)])
+
+
+def test_preflight_checks_the_checkpoint_save_and_the_setup_peak(monkeypatch):
+    """The planner's verdict: steady state alone fits, the full save or the module next to the engine does not."""
+    model = layers()  # 1M params, built on the host in fp32: 4 MB resident now
+    params = 100 * (100 * 100 + 100)
+    steady = 16 * params  # sync on a GPU, one rank (plus a few staging buffers)
+    fake_limit(monkeypatch, int(steady * 1.05))  # steady fits (and the module frees 4 MB at setup)
+    small = {"cpu_step": "sync", "bucket_size_mb": 0.1}  # staging buffers of 0.4 MB
+    with pytest.raises(MemoryError, match='saving a "full" checkpoint'):
+        check_host_memory(model, OffloadOptions(**small), torch.bfloat16, 1, 1, torch.device("cuda"))
+    check_host_memory(
+        model, OffloadOptions(**small, checkpoint_format="sharded"), torch.bfloat16, 1, 1, torch.device("cuda")
+    )
+    with torch.device("meta"):
+        meta = layers()
+    fake_limit(monkeypatch, int(steady * 0.9))  # below the engine's own first buffers: setup fails
+    with pytest.raises(MemoryError, match="host RAM, setup"):
+        check_host_memory(
+            meta, OffloadOptions(**small, checkpoint_format="sharded"), torch.bfloat16, 1, 1,
+            torch.device("cuda"),
+        )  # fmt: skip
+
+
+def test_preflight_counts_delayed_and_snapshot_buffers(monkeypatch):
+    with torch.device("meta"):
+        model = layers()
+    params = 100 * (100 * 100 + 100)
+    fake_limit(monkeypatch, int(20 * params))  # sync's 16 B/param fits, not 16 + 4 + 2 (delayed) or + 12 (snapshot)
+    sharded = {"checkpoint_format": "sharded", "bucket_size_mb": 0.1}
+    check_host_memory(model, OffloadOptions(cpu_step="sync", **sharded), torch.bfloat16, 1, 1, torch.device("cuda"))
+    with pytest.raises(MemoryError, match="delayed's second gradient buffer"):
+        check_host_memory(
+            model, OffloadOptions(cpu_step="delayed", **sharded), torch.bfloat16, 1, 1, torch.device("cuda")
+        )
+    with pytest.raises(MemoryError, match='speculation_rollback="undo"'):
+        check_host_memory(
+            model, OffloadOptions(cpu_step="speculative", **sharded), torch.float16, 1, 1, torch.device("cuda")
+        )
+
+
 def test_strategy_refuses_before_the_engine_allocates(monkeypatch, tmp_path):
-    monkeypatch.setattr(probes, "host_memory_available", lambda: 1000)
-    monkeypatch.delenv(SKIP_CHECK_ENV, raising=False)
+    fake_limit(monkeypatch, 1000)
 
     def no_engine(*args, **kwargs):
         raise AssertionError("the engine was built before the memory check")
@@ -210,21 +271,128 @@ def test_strategy_refuses_before_the_engine_allocates(monkeypatch, tmp_path):
         trainer.fit(BoringModel())
 
 
+# -- verdicts ----------------------------------------------------------------------------------
+
+# The H200 box of docs/planning.md: one 141 GB H200, 128 GB of host RAM, 16 cores.
+H200_BOX = with_rates(
+    presets.machine("server (1 socket, 8ch DDR4-3200)", "H200 SXM (PCIe 5)"), host_memory_gb=128, cpu_cores=16
+)
+LLAMA = {"1.3B": (1.3e9, 24, 2048), "7B": (7e9, 32, 4096), "13B": (13e9, 40, 5120), "70B": (70e9, 80, 8192)}
+
+
+def h200(size: str, **kwargs):
+    params, layers, width = LLAMA[size]
+    args = {"batch_size": 4, "seq_len": 2048, "n_layer": layers, "hidden": width, "machine": H200_BOX, **kwargs}
+    return plan(int(params), **args)
+
+
+def test_7b_on_the_h200_box_does_not_fit_and_says_why_first():
+    p = h200("7B")
+    assert not p.fits and p.recommended == {}
+    delayed = {c.name: c for c in p.verdict("delayed", "sharded").checks}
+    training = next(c for name, c in delayed.items() if name.startswith("host RAM, training"))
+    assert training.need == pytest.approx(154e9, rel=0.01) and not training.fits  # 22 B/param
+    setup = p.verdict("sync", "sharded").failed
+    assert [c.name for c in setup] == ["host RAM, setup (the module as built + the engine's state)"]
+    assert setup[0].need == pytest.approx(140e9, rel=0.01)  # 16 B/param of state next to the fp32 module
+    text = str(p)
+    assert text.splitlines()[3].startswith("DOES NOT FIT")
+    assert text.index("DOES NOT FIT") < text.index("step time") and "recommended: nothing" in text
+    assert any(f.startswith("2 nodes") and "sharded" in f for f in p.fixes)
+    assert any(f.startswith("build the module in bfloat16") for f in p.fixes)
+
+
+def test_70b_does_not_fit_the_device_and_more_nodes_are_not_offered():
+    p = h200("70B")
+    assert not p.fits
+    for verdict in p.verdicts.values():
+        assert any(c.name.startswith("device memory") for c in verdict.failed)
+    assert p.device_bytes["params"] == pytest.approx(140e9, rel=1e-3)
+    assert not any("nodes" in fix for fix in p.fixes)  # ZeRO-2 keeps every parameter on every GPU
+    assert any(fix.startswith("a model of at most") for fix in p.fixes)
+    assert not p.plain_fits_device
+
+
+def test_plain_training_that_fits_the_device_is_said():
+    p = h200("1.3B", batch_size=1)
+    assert p.fits and p.plain_fits_device
+    assert "zero_offload is not needed for memory" in str(p)
+    assert not h200("7B").plain_fits_device  # 112 GB + 36.5 GB of activations > 141 GB
+
+
+def test_only_what_fits_is_recommended():
+    # 1.3B: sync needs 20.8 GB training and 26 GB at setup; delayed 28.6 GB; a full save 31.2 GB
+    p = h200("1.3B", machine=with_rates(H200_BOX, host_memory_gb=27))
+    r = p.recommended
+    assert r["checkpoint_format"] == "sharded" and r["cpu_step"] in ("sync", "speculative")
+    assert r["delayed_step_s"] is None and not p.verdict("delayed", "sharded").fits
+    text = str(p)
+    assert 'checkpoint_format="full" does not fit' in text and "cpu_step='delayed' does not fit" in text
+    assert h200("1.3B").recommended["delayed_speedup"] > 1.0  # with room, delayed is reported again
+
+
+def test_activations_and_activation_checkpointing():
+    plain = h200("1.3B", batch_size=8)
+    assert plain.activations.bytes == 24 * 34 * 8 * 2048 * 2048  # layers x 34 B x batch x seq x hidden
+    recompute = h200("1.3B", batch_size=8, activation_checkpointing=True)
+    assert recompute.activations.bytes == (24 * 2 + 34) * 8 * 2048 * 2048
+    assert "activation checkpointing" in recompute.activations.formula
+    fp32 = h200("1.3B", batch_size=8, precision="32-true")
+    assert fp32.activations.bytes == 2 * plain.activations.bytes
+    wide = h200("1.3B", batch_size=64)  # 219 GB of activations: no configuration fits the GPU
+    assert not wide.fits and all(c.name.startswith("device") for c in wide.verdict("sync", "sharded").failed)
+    assert any(fix.startswith("activation checkpointing") for fix in wide.fixes)
+    assert any(fix.startswith("a micro-batch of 40 ") for fix in wide.fixes)  # 24 x 34 x 40 x 2048^2 + 2.6 GB fits
+    assert plan(7e9, batch_size=1, seq_len=2048, machine=H200_BOX).activations is None  # no n_layer: not guessed
+
+
+def test_the_save_peak_is_one_constant(monkeypatch):
+    from lightning_zero_offload.planner import model as planner_model
+
+    assert planner_model.checkpoint_save_bytes(10, "full", 1) == 80  # measured at world size 1
+    assert planner_model.checkpoint_save_bytes(10, "sharded", 4) == 0
+    before = h200("1.3B").host["sync"].save_per_node("full")
+    monkeypatch.setitem(planner_model.CHECKPOINT_SAVE_BYTES_PER_PARAM, "full", (0, 0))  # a save without copies
+    assert h200("1.3B").host["sync"].save_per_node("full") == pytest.approx(before - 8 * 1.3e9)
+
+
 # -- command line ------------------------------------------------------------------------------
 
 
 def test_cli_with_presets(capsys):
-    main(["--params", "1.3e9", "--batch-size", "4", "--seq-len", "1024", "--host", "Grace (GH200, LPDDR5X)"]
-         + ["--device", "GH200 (NVLink-C2C)"])  # fmt: skip
+    code = main(["--params", "1.3e9", "--batch-size", "4", "--seq-len", "1024", "--host", "Grace (GH200, LPDDR5X)"]
+                + ["--device", "GH200 (NVLink-C2C)"])  # fmt: skip
     out = capsys.readouterr().out
-    assert "1300.0M trainable params" in out and "recommended: cpu_step=" in out and "GH200" in out
-    main(["--model", "lightning_zero_offload.demo.GPT", "--model-args", '{"n_layer": 2}', "--json"]
-         + ["--host", "Grace (GH200, LPDDR5X)", "--device", "GH200 (NVLink-C2C)", "--h2d-gbs", "1"])  # fmt: skip
+    assert code == 0 and "1300.0M trainable params" in out and "recommended: cpu_step=" in out and "GH200" in out
+    main(["--model", "lightning_zero_offload.demo.GPT", "--model-args", '{"n_layer": 2}', "--json", "--batch-size"]
+         + ["2", "--seq-len", "64", "--host", "Grace (GH200, LPDDR5X)", "--device", "GH200 (NVLink-C2C)"]
+         + ["--h2d-gbs", "1"])  # fmt: skip
     data = json.loads(capsys.readouterr().out)
     assert data["params"] == sum(p.numel() for p in GPT(n_layer=2).parameters())
-    assert data["machine"]["h2d_gbs"] == 1.0
+    assert data["machine"]["h2d_gbs"] == 1.0 and data["fits"] is True
 
 
-def test_cli_errors():
+def test_cli_errors(capsys):
     with pytest.raises(SystemExit, match="go together"):
-        main(["--params", "10", "--host", "Grace (GH200, LPDDR5X)"])
+        main(["--params", "10", "--batch-size", "1", "--seq-len", "8", "--host", "Grace (GH200, LPDDR5X)"])
+    with pytest.raises(SystemExit) as exc:  # no silent 1-token step: batch and sequence length are required
+        main(["--params", "10", "--host", "Grace (GH200, LPDDR5X)", "--device", "GH200 (NVLink-C2C)"])
+    assert exc.value.code == 2 and "--batch-size, --seq-len" in capsys.readouterr().err
+
+
+H200_ARGS = ["--host", "server (1 socket, 8ch DDR4-3200)", "--device", "H200 SXM (PCIe 5)", "--host-memory-gb", "128"]
+
+
+def test_a_configuration_that_does_not_fit_exits_non_zero():
+    import subprocess
+    import sys
+
+    args = ["--params", "70e9", "--n-layer", "80", "--hidden", "8192", "--batch-size", "1", "--seq-len", "2048"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_zero_offload.planner", *args, *H200_ARGS],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert done.stdout.splitlines()[3].startswith("DOES NOT FIT") and "device memory per GPU" in done.stdout
+    fits = ["--params", "1.3e9", "--n-layer", "24", "--batch-size", "1", "--seq-len", "2048"]
+    assert main([*fits, *H200_ARGS]) == 0

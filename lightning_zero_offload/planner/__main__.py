@@ -3,4 +3,4 @@
 from lightning_zero_offload.planner.cli import main
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -3,9 +3,13 @@
 Examples::
 
     zero-offload-plan --params 1.3e9 --batch-size 8 --seq-len 2048          # measure this machine
-    zero-offload-plan --model lightning_zero_offload.demo.GPT --model-args '{"n_layer": 6}' --seq-len 256
-    zero-offload-plan --params 7e9 --devices 8 --host "server (2 sockets, 8ch DDR4-3200 each)" \\
-        --device "H100 SXM (PCIe 5)"
+    zero-offload-plan --model lightning_zero_offload.demo.GPT --model-args '{"n_layer": 6}' --batch-size 8 \\
+        --seq-len 256 --n-layer 6
+    zero-offload-plan --params 7e9 --batch-size 4 --seq-len 2048 --n-layer 32 --devices 8 \\
+        --host "server (2 sockets, 8ch DDR4-3200 each)" --device "H100 SXM (PCIe 5)"
+
+Exit status (docs/planning.md): 0 when a configuration fits (it is recommended), 3 when none fits
+(the report says why and what would), 2 for a usage error.
 """
 
 from __future__ import annotations
@@ -13,12 +17,25 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import sys
 from dataclasses import fields
 
 import torch
 
 from lightning_zero_offload.planner import presets
-from lightning_zero_offload.planner.model import DTYPES, Machine, measure_machine, plan, with_rates
+from lightning_zero_offload.planner.model import CHECKPOINT_FORMATS, DTYPES, Machine, measure_machine, plan, with_rates
+
+EXIT_FITS = 0
+EXIT_USAGE = 2  # argparse's own
+EXIT_DOES_NOT_FIT = 3
+
+
+def importable_cwd() -> None:
+    """Put the current directory on ``sys.path``, as ``python -m`` and ``python script.py`` do: a console
+    script's path starts at its bin/ directory, so ``--model mymod.MyModule`` next to you would not import."""
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 def build_model(path: str, kwargs: dict) -> torch.nn.Module:
@@ -26,6 +43,7 @@ def build_model(path: str, kwargs: dict) -> torch.nn.Module:
     module_name, _, name = path.replace(":", ".").rpartition(".")
     if not module_name:
         raise SystemExit(f"--model must be a dotted path like package.module.Class, got {path!r}")
+    importable_cwd()
     cls = getattr(importlib.import_module(module_name), name)
     with torch.device("meta"):
         return cls(**kwargs)
@@ -35,22 +53,27 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zero-offload-plan",
         description="Predict host RAM, device memory and step time of zero_offload training, and what to set.",
-        epilog="Rates not given are measured on this machine (about a second), or taken from --host/--device.",
+        epilog="Rates not given are measured on this machine (about a second), or taken from --host/--device. "
+        f"Exit status: {EXIT_FITS} a configuration fits, {EXIT_DOES_NOT_FIT} none fits, {EXIT_USAGE} usage error.",
     )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=float, help="trainable parameters (e.g. 1.3e9)")
     what.add_argument("--model", help="dotted path of an nn.Module class, built on the meta device")
     p.add_argument("--model-args", type=json.loads, default={}, help="JSON keyword arguments for --model")
-    p.add_argument("--batch-size", type=int, default=1, help="micro-batch per rank")
-    p.add_argument("--seq-len", type=int, default=1, help="tokens per sample")
-    p.add_argument("--n-layer", type=int, help="transformer layers (adds attention FLOPs)")
+    p.add_argument("--batch-size", type=int, required=True, help="micro-batch per rank, as the run will use it")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sample, as the run will use them")
+    p.add_argument("--n-layer", type=int, help="transformer layers (adds attention FLOPs and the activation estimate)")
+    p.add_argument("--hidden", type=int, help="model width (default: from the model, or sqrt(params / 12 / n-layer))")
+    p.add_argument(
+        "--activation-checkpointing", action="store_true", help="the model recomputes activations in backward"
+    )
     p.add_argument("--devices", type=int, default=1, help="ranks per node")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--precision", default="bf16-mixed", choices=sorted(DTYPES))
     p.add_argument("--bucket-size-mb", type=float, default=25.0)
     p.add_argument("--cpu-threads", type=int, help="per rank (default: cores / ranks per node)")
     p.add_argument("--accumulate-grad-batches", type=int, default=1)
-    p.add_argument("--checkpoint-format", default="full", choices=["full", "sharded"])
+    p.add_argument("--checkpoint-format", default="full", choices=list(CHECKPOINT_FORMATS))
     p.add_argument("--host", choices=sorted(presets.HOSTS), help="a typical host instead of measuring this one")
     p.add_argument("--device", choices=sorted(presets.DEVICES), help="a typical accelerator (needs --host)")
     p.add_argument("--measure-device", help="device to measure on (default: cuda if available, else cpu)")
@@ -62,7 +85,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """Print the plan; the exit status says whether anything fits (EXIT_FITS / EXIT_DOES_NOT_FIT)."""
     args = parser().parse_args(argv)
     if (args.host is None) != (args.device is None):
         raise SystemExit("--host and --device go together (or give neither, to measure this machine)")
@@ -89,5 +113,8 @@ def main(argv: list[str] | None = None) -> None:
         n_layer=args.n_layer,
         machine=with_rates(machine, **overrides) if overrides else machine,
         checkpoint_format=args.checkpoint_format,
+        activation_checkpointing=args.activation_checkpointing,
+        hidden=args.hidden,
     )
     print(json.dumps(result.to_dict(), indent=1) if args.json else result)
+    return EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT

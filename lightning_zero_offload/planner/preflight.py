@@ -1,7 +1,11 @@
 """Pre-flight: before the engine allocates, check that this node's ranks fit in host RAM.
 
-Runs in the strategy's setup, before any rank builds its engine (all ranks compute the same numbers
-from the same node, so they fail together). ``LZO_SKIP_MEMORY_CHECK=1`` skips it.
+Runs in the strategy's setup (Trainer and Fabric), before any rank builds its engine (all ranks compute
+the same numbers from the same node, so they fail together). The checks are the planner's own verdict
+(:func:`~lightning_zero_offload.planner.model.host_checks`): training's steady state, the setup peak and
+the configured checkpoint format's save, against the memory this process can still get (MemAvailable or
+a cgroup limit, whichever is less: :func:`~lightning_zero_offload.planner.probes.host_memory_limit`).
+``LZO_SKIP_MEMORY_CHECK=1`` skips it.
 """
 
 from __future__ import annotations
@@ -13,11 +17,29 @@ import warnings
 import torch
 from torch import nn
 
-from lightning_zero_offload.engine.options import OffloadOptions, resolve_auto
+from lightning_zero_offload.engine.options import OffloadOptions, resolve_auto, use_in_place
 from lightning_zero_offload.planner import probes
-from lightning_zero_offload.planner.model import STATE_BYTES_PER_PARAM, ModelShape, _gb, _layout, host_memory
+from lightning_zero_offload.planner.model import (
+    STATE_BYTES_PER_PARAM,
+    ModelShape,
+    _gb,
+    _layout,
+    host_checks,
+    host_memory,
+)
 
 SKIP_CHECK_ENV = "LZO_SKIP_MEMORY_CHECK"
+
+
+def _resident_bytes(model: nn.Module) -> int:
+    """Host bytes the module's trainable parameters hold now (released once the engine takes them)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen and p.device.type == "cpu":
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
 
 
 def check_host_memory(
@@ -30,7 +52,8 @@ def check_host_memory(
 ) -> None:
     """Pre-flight: fail before the engine allocates if this node's ranks would not fit in host RAM.
 
-    Set ``LZO_SKIP_MEMORY_CHECK=1`` to skip it (e.g. when swap or memory freed later will cover it).
+    Raises :class:`MemoryError` with the numbers, what sets the limit and what to change. Set
+    ``LZO_SKIP_MEMORY_CHECK=1`` to skip it (e.g. when swap or memory freed later will cover it).
     """
     if os.environ.get(SKIP_CHECK_ENV, "") not in ("", "0"):
         return
@@ -39,26 +62,54 @@ def check_host_memory(
     with warnings.catch_warnings():  # the engine warns about its settings itself, once
         warnings.simplefilter("ignore")
         schedule = resolve_auto(options, device, local_world_size).cpu_step
-    need = host_memory(layout, param_dtype, schedule, local_world_size, device.type, shape.params)
-    available = probes.host_memory_available()
-    if need.per_node <= available:
+    resident = _resident_bytes(model)
+    need = host_memory(
+        layout,
+        param_dtype,
+        schedule,
+        local_world_size,
+        device.type,
+        shape.params,
+        module_bytes=resident,
+        in_place=use_in_place(options, device, param_dtype, world_size, schedule),
+        speculation_rollback=options.speculation_rollback,
+        pin_memory=options.pin_memory,
+    )
+    available, source = probes.host_memory_limit()
+    # The module is already built (its bytes are in use, not available) and is released at setup.
+    budget = available + resident * local_world_size
+    failed = [c for c in host_checks(need, options.checkpoint_format, budget, schedule) if not c.fits]
+    if not failed:
         return
+    worst = max(failed, key=lambda c: c.need)
+    nodes = world_size // local_world_size
     per_node_state = STATE_BYTES_PER_PARAM * shape.params * local_world_size / world_size
-    nodes_needed = math.ceil(need.per_node * (world_size // local_world_size) / (0.9 * available))
-    fixes = [
-        f"more nodes: the optimizer state per node is 16 B x params / nodes, so about {nodes_needed} nodes fit",
-        "fewer trainable parameters (freeze some: frozen parameters get no CPU state) or a smaller model",
-    ]
+    module = resident * local_world_size
+    fixes = []
+    if module < 0.9 * budget:
+        nodes_needed = math.ceil(nodes * (worst.need - module) / (0.9 * budget - module))
+        fixes.append(
+            f"more nodes: the optimizer state per node is 16 B x params / nodes (more ranks per node do not "
+            f"help), so about {max(nodes + 1, nodes_needed)} nodes fit"
+        )
+    fixes.append("fewer trainable parameters (freeze some: frozen parameters get no CPU state) or a smaller model")
     if schedule == "delayed":
         fixes.append(f"a schedule other than delayed saves {_gb(need.per_rank['grad_second'] * local_world_size)}")
+    if schedule == "speculative" and need.per_rank.get("snapshot"):
+        fixes.append(f'speculation_rollback="undo" saves {_gb(need.per_rank["snapshot"] * local_world_size)}')
     if options.checkpoint_format == "full":
         fixes.append(
             f'checkpoint_format="sharded": a full checkpoint also gathers '
-            f"{_gb(need.checkpoint_full_per_rank * local_world_size)} on this node while it is saved"
+            f"{_gb(need.checkpoint_save_per_rank['full'] * local_world_size)} on this node while it is saved"
         )
+    if module and param_dtype != torch.float32 and any(c.name.startswith("host RAM, setup") for c in failed):
+        fixes.append("build the module in bf16/fp16 (2 B/param until setup; the master weights stay fp32)")
+    checks = "; ".join(f"{c.name}: {_gb(c.need)}" for c in failed)
     raise MemoryError(
-        f"zero_offload needs about {_gb(need.per_node)} of host RAM on this node ({local_world_size} rank(s) x "
-        f"{_gb(sum(need.per_rank.values()))}; of which optimizer state {_gb(per_node_state)} for "
-        f"{shape.params / 1e6:.1f}M trainable params over {world_size} rank(s)), but only {_gb(available)} is "
-        f"available (MemAvailable). Options: " + "; ".join(fixes) + f". Set {SKIP_CHECK_ENV}=1 to skip this check."
+        f"zero_offload needs about {_gb(worst.need)} of host RAM on this node ({checks}; {local_world_size} "
+        f"rank(s), optimizer state {_gb(per_node_state)} for {shape.params / 1e6:.1f}M trainable params over "
+        f"{world_size} rank(s), the module as built {_gb(module)}), but only {_gb(budget)} is available "
+        f"({source}: {_gb(available)} now, plus the module's own {_gb(module)} that setup releases). Options: "
+        + "; ".join(fixes)
+        + f". Set {SKIP_CHECK_ENV}=1 to skip this check."
     )

@@ -11,6 +11,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -36,8 +37,13 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def host_memory_available() -> int:
-    """Bytes of host memory available to new allocations (MemAvailable), without psutil."""
+CGROUP_ROOT_ENV = "LZO_CGROUP_ROOT"  # where the cgroup filesystem is mounted (tests point it at a fake tree)
+DEFAULT_CGROUP_ROOT = "/sys/fs/cgroup"
+UNLIMITED_V1 = 2**62  # cgroup v1 writes "no limit" as 2**63 - 1 rounded down to a page
+
+
+def meminfo_available() -> int:
+    """Bytes the kernel estimates new allocations can get without swapping (MemAvailable), without psutil."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -47,6 +53,109 @@ def host_memory_available() -> int:
         pass
     pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
     return pages * size
+
+
+def _read_int(path: Path) -> int | None:
+    """The number in a cgroup file; None for "max" (no limit), a missing or unreadable file."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _reclaimable(stat: Path, key: str) -> int:
+    """Inactive page cache, which the kernel drops before it OOM-kills (what the kubelet subtracts too)."""
+    try:
+        for line in stat.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _cgroup_paths(proc_cgroup: Path) -> tuple[str | None, str | None]:
+    """This process's cgroup v2 path and cgroup v1 memory-controller path, from /proc/self/cgroup."""
+    v2 = v1 = None
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None, None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v2, v1
+
+
+def _walk_up(base: Path, path: str) -> list[Path]:
+    """``base/path`` and its ancestors up to ``base``, from the deepest one that exists (inside a container
+    the path is often the host's, of which only the container's own part is mounted)."""
+    start = base / path.strip("/")
+    while start != base and not start.is_dir():
+        start = start.parent
+    levels = [start]
+    while levels[-1] != base and base in levels[-1].parents:
+        levels.append(levels[-1].parent)
+    return levels
+
+
+def cgroup_memory_limits(
+    cgroup_root: str | Path | None = None, proc_cgroup: str | Path = "/proc/self/cgroup"
+) -> list[tuple[int, str]]:
+    """``(bytes left, where)`` for each cgroup level that limits this process's memory (v2 and v1).
+
+    Bytes left = the limit minus what is charged to that cgroup (less its inactive page cache). Every
+    ancestor's limit applies too, so each level with a limit is listed; none when nothing is limited.
+    ``cgroup_root`` (default ``$LZO_CGROUP_ROOT`` or /sys/fs/cgroup) and ``proc_cgroup`` are parameters
+    so that tests can use a fake tree.
+    """
+    root = Path(cgroup_root or os.environ.get(CGROUP_ROOT_ENV) or DEFAULT_CGROUP_ROOT)
+    v2, v1 = _cgroup_paths(Path(proc_cgroup))
+    found = []
+    if v2 is not None:
+        for level in _walk_up(root, v2):
+            limit = _read_int(level / "memory.max")
+            usage = _read_int(level / "memory.current")
+            if limit is not None and usage is not None:
+                used = max(0, usage - _reclaimable(level / "memory.stat", "inactive_file"))
+                found.append((max(0, limit - used), f"cgroup v2 memory.max of {level} ({limit / 2**20:.0f} MiB)"))
+    if v1 is not None and (root / "memory").is_dir():
+        for level in _walk_up(root / "memory", v1):
+            limit = _read_int(level / "memory.limit_in_bytes")
+            usage = _read_int(level / "memory.usage_in_bytes")
+            if limit is not None and usage is not None and limit < UNLIMITED_V1:
+                used = max(0, usage - _reclaimable(level / "memory.stat", "total_inactive_file"))
+                found.append(
+                    (max(0, limit - used), f"cgroup v1 memory.limit_in_bytes of {level} ({limit / 2**20:.0f} MiB)")
+                )
+    return found
+
+
+def host_memory_limit(
+    cgroup_root: str | Path | None = None, proc_cgroup: str | Path = "/proc/self/cgroup"
+) -> tuple[int, str]:
+    """Bytes of host memory this process can still allocate, and what sets that bound: the smallest of
+    MemAvailable and every cgroup limit minus its usage (containers, SLURM, Kubernetes limit a job below
+    what /proc/meminfo shows, and exceeding the limit gets the process OOM-killed)."""
+    return min([(meminfo_available(), "MemAvailable"), *cgroup_memory_limits(cgroup_root, proc_cgroup)])
+
+
+def host_memory_available() -> int:
+    """Bytes of host memory available to new allocations: :func:`host_memory_limit` without the source."""
+    return host_memory_limit()[0]
 
 
 def host_bandwidth(threads: int, numel: int = 2**23, repeats: int = 5) -> float:

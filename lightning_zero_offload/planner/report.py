@@ -1,17 +1,29 @@
-"""The plan as text: what fits, where the step's time goes, what to set."""
+"""The plan as text: what fits (first, when nothing does), where the step's time goes, what to set."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning_zero_offload.planner.model import SCHEDULES, _gb
+from lightning_zero_offload.planner.model import CHECKPOINT_FORMATS, GB, SCHEDULES, _gb
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.planner.model import Plan
+    from lightning_zero_offload.planner.model import Check, Plan, Verdict
 
 
 def _ms(seconds: float) -> str:
     return f"{1e3 * seconds:.1f}"
+
+
+def _g(nbytes: float) -> str:
+    return f"{nbytes / GB:.1f}"
+
+
+def _why(check: Check) -> str:
+    return f"{check.name}: {_gb(check.need)} needed, {_gb(check.available or 0)} available"
+
+
+def _failures(v: Verdict) -> str:
+    return "; ".join(_why(c) for c in v.failed)
 
 
 def format_plan(p: Plan) -> str:
@@ -20,39 +32,103 @@ def format_plan(p: Plan) -> str:
         f"zero_offload plan: {p.params / 1e6:.1f}M trainable params, {p.world_size} rank(s) "
         f"({p.ranks_per_node} per node), {p.shard_params / 1e6:.1f}M params per rank's shard, "
         f"{p.tokens_per_step} tokens per step, bucket {p.bucket_size_mb:g} MB, {p.cpu_threads} CPU thread(s)/rank",
-        f"machine: {m.name}: host {m.host_bandwidth_gbs:.0f} GB/s ({m.cpu_cores} cores), "
-        f"device {m.device_tflops:.1f} TFLOP/s achieved, link {m.d2h_gbs:.0f}/{m.h2d_gbs:.0f} GB/s down/up",
+        f"machine: {m.name}: host {m.host_bandwidth_gbs:.0f} GB/s ({m.cpu_cores} cores, {m.host_memory_gb:.0f} GB), "
+        f"device {m.device_tflops:.1f} TFLOP/s achieved"
+        + (f", {m.device_memory_gb:.0f} GB" if m.device_memory_gb is not None and m.device_type != "cpu" else "")
+        + f", link {m.d2h_gbs:.0f}/{m.h2d_gbs:.0f} GB/s down/up",
         "",
-        "host RAM per rank (sync / speculative / delayed):",
     ]
-    names = list(dict.fromkeys(name for s in SCHEDULES for name in p.host[s].per_rank))
-    for name in names:
-        values = [p.host[s].per_rank.get(name, 0) for s in SCHEDULES]
-        if any(values):
-            lines.append(f"  {name:<22}" + " / ".join(_gb(v) for v in values))
-    lines += [
-        "  " + "total per node".ljust(22) + " / ".join(_gb(p.host[s].per_node) for s in SCHEDULES),
-        f"  of which pinned per rank: {_gb(p.host['sync'].pinned_per_rank)}; "
-        f"the module as built stays on the host until setup: {_gb(p.host['sync'].transient_model_per_rank)} per rank",
-        "device memory per rank (model states): "
-        + ", ".join(f"{k} {_gb(v)}" for k, v in p.device_bytes.items())
-        + f" = {_gb(sum(p.device_bytes.values()))}",
-        "",
-        "step time, ms    fwd+bwd  transfer  cpu step  copy-back  waited-for    total  bound by",
-    ]
+    if not p.fits:
+        lines.append("DOES NOT FIT: no configuration of zero_offload fits this machine's memory.")
+        for key, verdict in p.verdicts.items():
+            lines.append(f"  {key:<20} {_failures(verdict)}")
+        if p.fixes:
+            lines.append("Smallest changes that would fit:")
+            lines += [f"  - {fix}" for fix in p.fixes]
+        lines.append("")
+    lines += _plain(p)
+    lines += _memory_table(p)
+    lines += ["", "step time, ms    fwd+bwd  transfer  cpu step  copy-back  waited-for    total  bound by"]
     for s in SCHEDULES:
         t = p.steps[s]
         lines.append(
             f"  {s:<13} {_ms(t.forward_backward):>9} {_ms(t.transfer):>9} {_ms(t.cpu_step):>9} {_ms(t.copy_back):>10}"
             f" {_ms(t.exposed):>11} {_ms(t.total):>8}  {t.bound_by}"
         )
+    lines.append("")
     r = p.recommended
-    lines += [
-        "",
-        f"recommended: cpu_step={r['cpu_step']!r}, bucket_size_mb={r['bucket_size_mb']}, "
-        f"cpu_threads={r['cpu_threads']} -> {_ms(r['step_s'])} ms/step",
-        f"  (cpu_step='delayed' would take {_ms(r['delayed_step_s'])} ms, {r['delayed_speedup']:.2f}x, "
-        "with one step of staleness: check convergence, docs/dpu.md)",
-    ]
+    if r:
+        asked = p.verdict("sync")
+        if not asked.fits:
+            lines.append(f'checkpoint_format="{p.checkpoint_format}" does not fit: {_failures(asked)}')
+            if p.fixes:
+                lines += [f"  it would fit with: {fix}" for fix in p.fixes]
+        lines.append(
+            f"recommended: cpu_step={r['cpu_step']!r}, checkpoint_format={r['checkpoint_format']!r}, "
+            f"bucket_size_mb={r['bucket_size_mb']}, cpu_threads={r['cpu_threads']} -> {_ms(r['step_s'])} ms/step"
+        )
+        if r["delayed_step_s"] is not None:
+            lines.append(
+                f"  (cpu_step='delayed' would take {_ms(r['delayed_step_s'])} ms, {r['delayed_speedup']:.2f}x, "
+                "with one step of staleness: check convergence, docs/dpu.md)"
+            )
+        else:
+            delayed = p.verdict("delayed", str(r["checkpoint_format"]))
+            lines.append(f"  (cpu_step='delayed' does not fit: {_failures(delayed)})")
+    else:
+        lines.append("recommended: nothing (no configuration fits; see DOES NOT FIT above)")
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)
+
+
+def _plain(p: Plan) -> list[str]:
+    fits = p.plain_fits_device
+    if fits is None:
+        return []
+    verdict = "fits" if fits else "does not fit"
+    line = (
+        "plain training without offload (16 B/param on each GPU"
+        + (" + activations" if p.activations else "")
+        + f"): {_gb(p.plain_device_bytes)} of {p.machine.device_memory_gb:.1f} GB per GPU: {verdict}"
+    )
+    if fits:
+        line += "; zero_offload is not needed for memory, and plain training has no CPU step to wait for"
+    return [line, ""]
+
+
+def _memory_table(p: Plan) -> list[str]:
+    m = p.machine
+    device = f"device per GPU of {m.device_memory_gb:.1f}" if m.device_type != "cpu" and m.device_memory_gb else ""
+    lines = [
+        f"memory, GB (host per node of {m.host_memory_gb:.1f}" + (f"; {device}" if device else "") + "):",
+        "  schedule      training   setup  save full  save sharded  device   fits: full / sharded",
+    ]
+    for s in SCHEDULES:
+        h = p.host[s]
+        fits = " / ".join("yes" if p.verdicts[f"{s}/{f}"].fits else "NO" for f in CHECKPOINT_FORMATS)
+        lines.append(
+            f"  {s:<13} {_g(h.steady_per_node):>8} {_g(h.setup_per_node):>7} {_g(h.save_per_node('full')):>10}"
+            f" {_g(h.save_per_node('sharded')):>13} {_g(p.device_total):>7}   {fits}"
+        )
+    lines.append("host RAM per rank by buffer (sync / speculative / delayed):")
+    names = list(dict.fromkeys(name for s in SCHEDULES for name in p.host[s].per_rank))
+    for name in names:
+        values = [p.host[s].per_rank.get(name, 0) for s in SCHEDULES]
+        if any(values):
+            lines.append(f"  {name:<22}" + " / ".join(_gb(v) for v in values))
+    sync = p.host["sync"]
+    lines.append(
+        f"  of which pinned per rank: {_gb(sync.pinned_per_rank)}; the module as built stays on the host until "
+        f"setup: {_gb(sync.transient_model_per_rank)} per rank; a save adds "
+        + ", ".join(f'{_gb(v)} ("{f}")' for f, v in sync.checkpoint_save_per_rank.items())
+        + " per rank"
+    )
+    lines.append(
+        "device memory per GPU: "
+        + ", ".join(f"{k} {_gb(v)}" for k, v in p.device_bytes.items())
+        + (f", activations {_gb(p.activations.bytes)}" if p.activations else "")
+        + f" = {_gb(p.device_total)} (ZeRO-2: every GPU holds all parameters, whatever the number of nodes)"
+    )
+    if p.activations:
+        lines.append(f"  activations estimated as {p.activations.formula}")
+    return lines
