@@ -24,6 +24,7 @@ from lightning.pytorch.utilities import rank_zero_only
 # Importing the package registers the "zero_offload" strategy, so `trainer.strategy: zero_offload` resolves.
 import lightning_zero_offload  # noqa: F401
 from lightning_zero_offload.demo import GPT, StdlibCorpusDataModule
+from lightning_zero_offload.planner.cli import importable_cwd
 
 DEFAULT_MODEL = f"{GPT.__module__}.{GPT.__qualname__}"
 DEFAULT_DATA = f"{StdlibCorpusDataModule.__module__}.{StdlibCorpusDataModule.__qualname__}"
@@ -104,7 +105,10 @@ def cli_main(args: Any = None, **kwargs: Any) -> ZeroOffloadCLI:
 
 
 def main(args: Any = None) -> None:
-    """Console-script entry point (``zero-offload``)."""
+    """Console-script entry point (``zero-offload``). The current directory is importable, as for
+    ``python -m lightning_zero_offload`` or a LightningCLI script: ``--model mymod.MyModule`` works next
+    to ``mymod.py``."""
+    importable_cwd()
     cli_main(args)
 
 

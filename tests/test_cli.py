@@ -341,3 +341,35 @@ def test_print_config_lists_only_the_strategy_own_options(tmp_path):
     own = set(inspect.signature(ZeroOffloadStrategy.__init__).parameters) - {"self"}
     assert set(printed) <= own and "find_unused_parameters" not in printed and "bucket_size_mb" in printed
     assert printed["delayed_param_update"] is True and printed["bucket_size_mb"] == 1
+
+
+USER_MODULE = """\
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+
+class MyModule(BoringModel):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+"""
+
+
+def test_console_scripts_import_a_user_module_from_the_current_directory(tmp_path):
+    """`zero-offload fit --model mymod.MyModule` next to mymod.py, as LightningCLI users expect (the console
+    script's sys.path starts at its bin/ directory, not the current one)."""
+    (tmp_path / "mymod.py").write_text(USER_MODULE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    bin_dir = Path(sys.executable).parent
+    fit = subprocess.run(
+        [str(bin_dir / "zero-offload"), "fit", "--model", "mymod.MyModule", "--print_config"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert fit.returncode == 0, fit.stderr[-2000:]
+    assert yaml.safe_load(fit.stdout)["model"]["class_path"] == "mymod.MyModule"
+    planned = subprocess.run(
+        [str(bin_dir / "zero-offload-plan"), "--model", "mymod.MyModule", "--batch-size", "2", "--seq-len", "32"]
+        + ["--host", "Grace (GH200, LPDDR5X)", "--device", "GH200 (NVLink-C2C)"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert "recommended: cpu_step=" in planned.stdout
