@@ -293,3 +293,15 @@ def test_resuming_from_a_checkpoint_holding_a_pickle_payload_never_runs_it(tmp_p
     with pytest.raises(Exception):  # noqa: B017, PT011 - whichever error names the file; the point is below
         fit(ZeroOffloadStrategy(checkpoint_format=fmt), Classifier(), max_steps=1, ckpt_path=path)
     assert not marker.exists()
+
+
+def test_consecutive_skipped_steps_survive_a_resume(tmp_path):
+    """The run that resumes raises after the same total of skipped steps in a row as one without a pause."""
+    first = ZeroOffloadStrategy(max_consecutive_skipped_steps=5)
+    trainer = fit(first, _NanFromStep2(), max_steps=5)  # steps 2, 3, 4 skipped
+    assert first.engine.nonfinite.consecutive == 3
+    trainer.save_checkpoint(tmp_path / "skipping.ckpt")
+    resumed = ZeroOffloadStrategy(max_consecutive_skipped_steps=5)
+    with pytest.raises(NonFiniteLossError, match="5 consecutive optimizer steps were skipped"):
+        fit(resumed, _NanFromStep2(), max_steps=30, ckpt_path=tmp_path / "skipping.ckpt")
+    assert resumed.engine.skipped_steps == 5  # 3 before the save, 2 after it

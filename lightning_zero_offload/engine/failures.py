@@ -41,6 +41,13 @@ class NonFinitePolicy:
         self.consecutive = 0
         self._overflows_at_min = 0
 
+    def state_dict(self) -> dict[str, int]:
+        return {"consecutive": self.consecutive, "overflows_at_min": self._overflows_at_min}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consecutive = int(state.get("consecutive", 0))
+        self._overflows_at_min = int(state.get("overflows_at_min", 0))
+
     def after_step(self, skipped: bool, scale_before: float) -> None:
         """Record one optimizer step; ``scale_before`` is the loss scale the step's loss was multiplied by."""
         if not skipped:
