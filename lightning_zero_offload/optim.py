@@ -85,6 +85,11 @@ class CPUAdam(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for index, group in enumerate(self.param_groups):
+            if group.get("amsgrad", False):  # switched on after construction, where __init__ refuses it
+                raise ValueError(
+                    f"param_groups[{index}] sets amsgrad=True, which CPUAdam does not implement; set it back to "
+                    "False or use torch.optim.AdamW(amsgrad=True)"
+                )
             params, grads, exp_avgs, exp_avg_sqs, steps = self._gather(index, group)
             if not params:
                 continue

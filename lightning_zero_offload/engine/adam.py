@@ -1,21 +1,49 @@
 """Which user optimizers the engine can run, and their hyperparameters read live from ``param_groups``.
 
 The engine never calls the user's optimizer: it keeps it for its ``param_groups`` (which LR
-schedulers and LearningRateMonitor use) and runs the same Adam math on the CPU shard instead.
+schedulers and LearningRateMonitor use) and runs the same Adam math on the CPU shard instead. So an
+optimizer is accepted only if that math is what its own ``step()`` would do: torch's Adam/AdamW or
+CPUAdam, or a subclass of them that leaves the update alone (a subclass that overrides ``step`` would
+silently train as its base class).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 
 from lightning_zero_offload.kernels import AdamHyperparams
 from lightning_zero_offload.optim import CPUAdam
 
-__all__ = ["SUPPORTED", "AdamHyperparams", "check_optimizer", "read_hyperparams"]
+__all__ = ["SUPPORTED", "AdamHyperparams", "check_optimizer", "overridden_update_methods", "read_hyperparams"]
 
 SUPPORTED = "torch.optim.AdamW, torch.optim.Adam or lightning_zero_offload.CPUAdam"
+
+# The methods each base's step() runs; a subclass overriding one of them changes the update, which the
+# CPU kernel would not reproduce.
+_UPDATE_METHODS: dict[type, tuple[str, ...]] = {
+    CPUAdam: ("step", "_gather"),
+    torch.optim.AdamW: ("step", "_init_group"),
+    torch.optim.Adam: ("step", "_init_group"),
+}
+
+# Param-group keys that change the math in ways the kernel does not implement, and why. Other torch keys
+# ("foreach", "fused", "capturable") only choose torch's implementation of the same update: the kernel
+# is an implementation of its own, so they are harmless. "maximize" and "decoupled_weight_decay" are
+# implemented; keys torch does not know (a group "name" for logging) are left alone.
+_UNSUPPORTED_KEYS = {
+    "amsgrad": (
+        "zero_offload's CPU Adam kernel keeps no running maximum of the second moments (AMSGrad's "
+        "max_exp_avg_sq). Set amsgrad=False, or train with strategy='auto'"
+    ),
+    "differentiable": (
+        "zero_offload's CPU step runs outside autograd, so no gradient can flow through the update. "
+        "Set differentiable=False, or train with strategy='auto'"
+    ),
+}
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -30,20 +58,94 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             f"zero_offload runs Adam-family updates in its CPU kernel and cannot run "
             f"{type(optimizer).__name__}. Return {SUPPORTED} from configure_optimizers."
         )
+    overridden = overridden_update_methods(optimizer)
+    if overridden:
+        cls = type(optimizer)
+        base = _base_of(cls)
+        methods = " and ".join(f"{name}()" for name in overridden)
+        raise TypeError(
+            f"zero_offload cannot run {cls.__module__}.{cls.__qualname__}: it overrides {methods} of "
+            f"{base.__module__}.{base.__qualname__}. zero_offload never calls the optimizer's step(): its CPU "
+            f"kernel runs {base.__name__}'s own Adam math on the offloaded fp32 master weights, so "
+            f"{cls.__name__}'s step() would never run and the model would silently train as a plain "
+            f"{base.__name__}. Return {SUPPORTED} from configure_optimizers (move the extra logic into the model "
+            "or a callback), or train with strategy='auto' (or 'deepspeed'), which call the optimizer's step()."
+        )
     for index, group in enumerate(optimizer.param_groups):
-        if group.get("amsgrad", False):
-            raise ValueError(f"param_groups[{index}] sets amsgrad=True, which zero_offload does not support")
-        try:
-            read_hyperparams(optimizer, group)
-        except ValueError as err:
-            raise ValueError(f"param_groups[{index}]: {err}") from None
+        read_hyperparams(optimizer, group, index)
 
 
-def read_hyperparams(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> AdamHyperparams:
-    """The validated hyperparameters of one of the optimizer's param groups, as they are now."""
-    if isinstance(optimizer, CPUAdam):
-        adamw_mode = bool(group["adamw_mode"])
-    else:
-        # AdamW subclasses Adam in recent torch: the group flag, not isinstance, says which decay runs.
-        adamw_mode = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-    return AdamHyperparams.from_param_group(group, adamw_mode)
+def overridden_update_methods(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The methods of the update (``step`` and what it runs) that ``optimizer``'s class overrides.
+
+    Not a plain ``"step" in vars(cls)``: torch wraps ``step`` to fire its hooks when the first instance of
+    a class is made (``Optimizer._patch_step_function``), and may store that wrapper on a subclass that
+    defines no ``step`` of its own. So the function each name resolves to is unwrapped layer by layer
+    (``__wrapped__``), and it counts as the base's own only if every layer is the base's own code or
+    torch's hook wrapper; a user's decorator around the base's step is an override too.
+    """
+    cls = type(optimizer)
+    base = _base_of(cls)
+    return [
+        name
+        for name in _UPDATE_METHODS[base]
+        if not _layers(_resolve(cls, name)) <= _layers(_resolve(base, name)) | _TORCH_WRAPPERS
+    ]
+
+
+def _base_of(cls: type) -> type:
+    return next(klass for klass in cls.__mro__ if klass in _UPDATE_METHODS)
+
+
+def _resolve(cls: type, name: str) -> object:
+    """What ``cls.name`` is defined as, without the descriptor protocol (a staticmethod stays one)."""
+    return next((vars(klass)[name] for klass in cls.__mro__ if name in vars(klass)), None)
+
+
+def _layers(fn: object) -> set[object]:
+    """The code of every layer of a (decorated) function; an object without code stands for itself."""
+    layers: set[object] = set()
+    for _ in range(64):  # a __wrapped__ cycle would otherwise never end
+        if fn is None:
+            break
+        layers.add(getattr(fn, "__code__", fn))
+        fn = getattr(fn, "__wrapped__", None)
+    return layers
+
+
+def _torch_wrappers() -> frozenset[object]:
+    """The code of the wrapper torch puts around ``step`` to fire the step hooks (one code object for all)."""
+    wrap: Callable[[Callable[[], None]], object] | None = getattr(Optimizer, "profile_hook_step", None)
+
+    def probe() -> None:
+        pass
+
+    return frozenset() if wrap is None else frozenset(_layers(wrap(probe)) - _layers(probe))
+
+
+_TORCH_WRAPPERS = _torch_wrappers()
+
+
+def read_hyperparams(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], index: int | None = None
+) -> AdamHyperparams:
+    """The validated hyperparameters of one of the optimizer's param groups, as they are now.
+
+    Called at setup and at every step (a callback or scheduler may change a group between steps), so a
+    key the kernel does not implement is refused at the step where it appears. ``index``: the group's
+    position in ``param_groups``, which every error then names.
+    """
+    try:
+        for key, why in _UNSUPPORTED_KEYS.items():
+            if group.get(key, False):
+                raise ValueError(f"{key}={group[key]!r} is not supported: {why}.")
+        if isinstance(optimizer, CPUAdam):
+            adamw_mode = bool(group["adamw_mode"])
+        else:
+            # AdamW subclasses Adam in recent torch: the group flag, not isinstance, says which decay runs.
+            adamw_mode = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
+        return AdamHyperparams.from_param_group(group, adamw_mode)
+    except (TypeError, ValueError) as err:
+        if index is None:
+            raise
+        raise type(err)(f"param_groups[{index}]: {err}") from None

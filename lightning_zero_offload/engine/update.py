@@ -37,8 +37,13 @@ Plan = list[list[Run]]  # per bucket, in layout order
 
 
 def read_all_hyperparams(engine: OffloadEngine) -> list[AdamHyperparams]:
-    """The hyperparameters of every param group, read live (LR schedulers change them between steps)."""
-    return [read_hyperparams(engine.optimizer, group) for group in engine.optimizer.param_groups]
+    """The hyperparameters of every param group, read live (LR schedulers change them between steps).
+
+    Validated at every step, with the group's index in every error: a callback that switches on a key the
+    kernel does not implement (``amsgrad``) is refused at that step rather than ignored.
+    """
+    groups = engine.optimizer.param_groups
+    return [read_hyperparams(engine.optimizer, group, index) for index, group in enumerate(groups)]
 
 
 def bucket_runs(engine: OffloadEngine, bucket: Bucket, has_grad: list[bool]) -> list[tuple[int, int, int]]:
