@@ -2,8 +2,10 @@
 clear error naming the fix.
 
 - A parameter listed twice in the optimizer would get two slots in the flat buffer and stay frozen.
-- A trainable parameter whose dtype differs from the device dtype (an fp64 submodule under
-  "32-true") would be cast and fail later inside forward with an unrelated dtype error.
+- A trainable parameter the flat, real, single-dtype device buffer cannot hold would be cast or untied
+  silently, or fail later inside forward with an unrelated dtype error: a complex parameter (its
+  imaginary part dropped), an ``expand()``-ed one (its shared elements untied), an fp64 one (rounded to
+  the device dtype, where forward meets fp64 inputs; under "32-true" any dtype but fp32).
 - Ranks whose models (or collective-relevant options) differ would issue mismatched collectives: a
   hang, or gloo's raw "collective mismatch". Each rank hashes a description of its model and options;
   the hashes are compared with one fixed-size all-gather, and only on a mismatch are the descriptions
@@ -56,22 +58,67 @@ def check_unique_params(optimizer: torch.optim.Optimizer, names: Mapping[int, st
 
 
 def check_param_dtypes(params: Sequence[torch.Tensor], names: Mapping[int, str], device_dtype: torch.dtype) -> None:
-    """Refuse trainable parameters that full-precision training would silently cast to another dtype.
+    """Refuse trainable parameters that the engine's flat device buffer of ``device_dtype`` would silently
+    change: complex ones, ``expand()``-ed ones, and dtypes it would cast (the front ends' one call for all).
 
-    With bf16/fp16 autocast casts per operation, so mixed parameter dtypes work there; with "32-true"
-    there is no autocast and an fp64 submodule would meet fp32 inputs of its own weights' layer.
+    With bf16/fp16 autocast casts per operation, so fp32 and low-precision parameters work there, but autocast
+    leaves fp64 alone: an fp64 submodule fed fp64 inputs trains in fp64 under strategy="auto", and would
+    meet its own weights rounded to bf16 here. With "32-true" there is no autocast and any other dtype would
+    meet fp32 inputs of its own weights' layer.
     """
+    labelled = [(names.get(id(p), f"of shape {tuple(p.shape)}"), p) for p in params]
+    found = _first([(name, p) for name, p in labelled if p.is_complex()])
+    if found:
+        name, p, extra = found
+        raise ValueError(
+            f"zero_offload trains real parameters only, but {name!r} is {p.dtype}{extra}: the flat device buffer "
+            "and the CPU Adam kernel hold real numbers, so its imaginary part would be dropped. Parameterise it "
+            "with real tensors, e.g. keep torch.view_as_real(z) (shape (..., 2)) as the nn.Parameter p and use "
+            "torch.complex(p[..., 0].float(), p[..., 1].float()) in forward (torch's Adam updates a complex "
+            "parameter as exactly that real view, so the update is the same; torch.view_as_complex(p) would need "
+            "an even storage offset, which a view into the flat buffer need not have), or freeze it "
+            "(requires_grad=False), or train with strategy='auto'."
+        )
+    found = _first([(name, p) for name, p in labelled if any(n > 1 and s == 0 for n, s in zip(p.shape, p.stride()))])
+    if found:
+        name, p, extra = found
+        raise ValueError(
+            f"zero_offload cannot train {name!r}{extra}: it is an expand()-ed view (shape {tuple(p.shape)}, "
+            f"stride {tuple(p.stride())}) whose elements share memory. zero_offload would give each element its "
+            'own slot and silently untie them; plain torch refuses to update it in place ("more than one element '
+            'of the written-to tensor refers to a single memory location"). Keep the small tensor as the '
+            "parameter and expand() it in forward (the elements stay tied), or materialise it with "
+            "nn.Parameter(t.expand(...).clone()) (or .contiguous()) if they should train independently."
+        )
     if device_dtype != torch.float32:
+        found = _first([(name, p) for name, p in labelled if p.dtype == torch.float64])
+        if found:
+            name, p, extra = found
+            raise ValueError(
+                f"zero_offload keeps one {device_dtype} copy of every trainable parameter on the device and fp32 "
+                f"master weights on the CPU, but {name!r} is {p.dtype}{extra}: it would be rounded to "
+                f"{device_dtype} and its fp64 precision lost (strategy='auto' keeps it fp64: autocast leaves fp64 "
+                "alone). Convert that submodule to float32 (submodule.float(), with float32 inputs: autocast then "
+                "runs it in low precision and its master stays fp32), freeze it (requires_grad=False: frozen "
+                "parameters keep their dtype), or train with strategy='auto'."
+            )
         return
-    other = [(names.get(id(p), f"of shape {tuple(p.shape)}"), p.dtype) for p in params if p.dtype != device_dtype]
-    if other:
-        (name, dtype), more = other[0], len(other) - 1
-        extra = f" (and {more} more)" if more else ""
+    found = _first([(name, p) for name, p in labelled if p.dtype != device_dtype])
+    if found:
+        name, p, extra = found
         raise ValueError(
             f"zero_offload keeps all trainable parameters in one device dtype, float32 under precision='32-true', "
-            f"but {name!r} is {dtype}{extra}. Convert the model to float32 (model.float()), or freeze those "
+            f"but {name!r} is {p.dtype}{extra}. Convert the model to float32 (model.float()), or freeze those "
             "parameters (requires_grad=False: frozen parameters keep their dtype)."
         )
+
+
+def _first(found: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor, str] | None:
+    """The first parameter found, with a note counting the others (None if none was found)."""
+    if not found:
+        return None
+    (name, p), more = found[0], len(found) - 1
+    return name, p, f" (and {more} more)" if more else ""
 
 
 def describe_model(module: nn.Module, optimizer: torch.optim.Optimizer, options: object, precision: str) -> list[str]:
