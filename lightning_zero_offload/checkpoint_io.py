@@ -30,6 +30,15 @@ def _is_default(checkpoint_io: CheckpointIO) -> bool:
     return type(checkpoint_io) is TorchCheckpointIO
 
 
+def writes_before_returning(checkpoint_io: CheckpointIO) -> bool:
+    """Whether a save through ``checkpoint_io`` is done writing when it returns (the strategy's own writer).
+
+    Only then can the checkpoint hold views of the engine's buffers instead of copies: a user's plugin
+    may write in the background (``AsyncCheckpointIO``) or keep the tensors.
+    """
+    return _is_default(checkpoint_io)
+
+
 def save_full_checkpoint(
     checkpoint_io: CheckpointIO, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None
 ) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -55,6 +55,7 @@ from lightning_zero_offload.engine.model_checks import (
     check_unique_params,
     describe_model,
 )
+from lightning_zero_offload.engine.state import buffers_shared_for_save
 from lightning_zero_offload.mixed_precision import forward_context
 from lightning_zero_offload.planner import check_host_memory
 from lightning_zero_offload.precision import ENGINE_STATE_KEY, resolve_precision
@@ -368,7 +369,11 @@ class ZeroOffloadFabricStrategy(DDPStrategy):
             "model": next((k for k, v in state.items() if self._owns(v)), None),
             "optimizer": next((k for k, v in state.items() if isinstance(v, _OffloadedOptimizer)), None),
         }
-        checkpoint = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        # Views of the engine's buffers rather than a second copy of the fp32 state, when the writer is
+        # the strategy's own (done when it returns; a user's CheckpointIO may write in the background).
+        share = storage_options is None and type(self.checkpoint_io) is TorchCheckpointIO
+        with buffers_shared_for_save(self.engine, share) if self.engine is not None else nullcontext():
+            checkpoint = self._convert_stateful_objects_in_state(state, filter=filter or {})
         if keys["model"] is not None:
             checkpoint[FABRIC_KEY] = keys  # where the weights are, for the fp32 export and sharded loading
         if self._sharded and keys["model"] is not None:

@@ -49,6 +49,7 @@ from lightning_zero_offload.checkpoint_io import (
     load_checkpoint_with,
     save_full_checkpoint,
     warn_if_custom_io_sharded,
+    writes_before_returning,
 )
 from lightning_zero_offload.engine import LossScalerConfig, OffloadEngine, OffloadOptions
 from lightning_zero_offload.engine.checkpoint import FORMAT_KEY, save_sharded, sharded_layout
@@ -60,6 +61,7 @@ from lightning_zero_offload.engine.model_checks import (
     check_unique_params,
     describe_model,
 )
+from lightning_zero_offload.engine.state import buffers_shared_for_save
 from lightning_zero_offload.planner import check_host_memory
 from lightning_zero_offload.precision import ZeroOffloadPrecision
 
@@ -444,7 +446,11 @@ class ZeroOffloadStrategy(ParallelStrategy):
                 for key in keys:
                     state.pop(key, None)
             return state
-        for keys, weight in zip(self._param_keys, self.engine.master_params()):
+        # Lightning calls this to save: views of the engine's buffers (as a plain module's state_dict
+        # holds its live parameters), not a second copy, when the writer is done when it returns.
+        with buffers_shared_for_save(self.engine, writes_before_returning(self.checkpoint_io)):
+            weights = self.engine.master_params()
+        for keys, weight in zip(self._param_keys, weights):
             for key in keys:
                 state[key] = weight
         return state
@@ -455,7 +461,8 @@ class ZeroOffloadStrategy(ParallelStrategy):
             return super().optimizer_state(optimizer)
         if self._sharded:
             return {"state": {}, "param_groups": self.engine.param_groups_state()}
-        return self.engine.optimizer_state_dict()
+        with buffers_shared_for_save(self.engine, writes_before_returning(self.checkpoint_io)):
+            return self.engine.optimizer_state_dict()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:

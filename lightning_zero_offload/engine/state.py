@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,17 +23,41 @@ def load_shard(engine: OffloadEngine, shard: torch.Tensor, tensors: list[torch.T
             shard[seg.shard_start : seg.shard_end].copy_(flat[seg.param_start : seg.param_start + seg.numel])
 
 
+@contextmanager
+def buffers_shared_for_save(engine: OffloadEngine, share: bool = True) -> Iterator[None]:
+    """Inside: :func:`full_tensors` returns views instead of copies, for a save that writes them at once.
+
+    A full-format save would otherwise hold a second copy of the fp32 weights and both moments (12
+    bytes per parameter) while it writes. With one rank the views are of the engine's flat buffers
+    (``torch.save`` writes each buffer's storage once, and the file still loads with
+    ``weights_only=True``); with several they are of the gathered buckets, which are then not copied
+    again. Only for a writer that finishes before the next step changes the buffers: an asynchronous
+    ``CheckpointIO`` must get copies (``share=False``).
+    """
+    previous = getattr(engine, "_share_buffers", False)
+    engine._share_buffers = share or previous
+    try:
+        yield
+    finally:
+        engine._share_buffers = previous
+
+
 def full_tensors(engine: OffloadEngine, shard: torch.Tensor) -> list[torch.Tensor]:
-    """Assemble full per-parameter tensors from every rank's shard (a collective if sharded)."""
+    """Assemble full per-parameter tensors from every rank's shard (a collective if sharded).
+
+    Copies, unless inside :func:`buffers_shared_for_save` (then views that change with the next step).
+    """
     refuse_after_failure(engine, "full weights and optimizer state")
     layout = engine.layout
+    copy = not getattr(engine, "_share_buffers", False)
     full: list[torch.Tensor | None] = [None] * len(engine.params)
     for bucket in layout.buckets:
         chunk = shard[bucket.shard_range]
         whole = gather_host(chunk, engine.process_group, engine.device) if layout.world_size > 1 else chunk
         for index in bucket.param_indices:
             slot = layout.slots[index]
-            full[index] = whole[slot.bucket_offset : slot.bucket_offset + slot.numel].view(slot.shape).clone()
+            view = whole[slot.bucket_offset : slot.bucket_offset + slot.numel].view(slot.shape)
+            full[index] = view.clone() if copy else view
     return full  # type: ignore[return-value]
 
 
