@@ -75,6 +75,8 @@ class ZeroOffloadFabricPrecision(Precision):
 
     @override
     def forward_context(self) -> AbstractContextManager:
+        if torch.is_grad_enabled() and self.engine is not None and not self.engine.closed:
+            self.engine.replan_if_changed()  # a training forward: unfrozen parameters / added groups
         return forward_context(self.device_type, self.param_dtype)
 
     @override

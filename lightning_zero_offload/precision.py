@@ -61,6 +61,12 @@ class ZeroOffloadPrecision(Precision):
         return forward_context(self.device_type, self.param_dtype)
 
     @override
+    def train_step_context(self) -> AbstractContextManager:
+        if self.engine is not None and not self.engine.closed:
+            self.engine.replan_if_changed()  # unfrozen parameters / added groups, before forward uses them
+        return self.forward_context()
+
+    @override
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
         tensor = super().pre_backward(tensor, module)
         return self.engine.scale_loss(tensor) if self.engine is not None else tensor

@@ -167,3 +167,139 @@ def test_delayed_update_merges_writes_during_its_warmup():
         max_steps=4,
     )
     assert_same_model(ours, reference)
+
+
+class Backbone(L.LightningModule):
+    """A backbone and a head; the backbone starts frozen (BackboneFinetuning's setting)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU())
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=1e-2)
+
+
+class UnfreezeAt(L.Callback):
+    """``requires_grad_(True)`` on the frozen backbone at a step; with ``add_group`` also a param group for it."""
+
+    def __init__(self, step: int, add_group: bool) -> None:
+        self.step, self.add_group = step, add_group
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step != self.step:
+            return
+        pl_module.backbone.requires_grad_(True)
+        if self.add_group:
+            trainer.optimizers[0].add_param_group({"params": list(pl_module.backbone.parameters()), "lr": 3e-3})
+
+
+def frozen_backbone() -> Backbone:
+    model = Backbone()
+    model.backbone.requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("options", OFFLOAD_32)
+@pytest.mark.parametrize("add_group", [False, True], ids=["requires_grad", "add_param_group"])
+def test_parameters_made_trainable_during_fit_are_trained_as_under_auto(options, add_group):
+    def run(strategy):
+        model = frozen_backbone()
+        model.configure_optimizers = lambda: (
+            torch.optim.AdamW(model.parameters(), lr=1e-2)
+            if not add_group
+            else (torch.optim.AdamW(model.head.parameters(), lr=1e-2))
+        )
+        return fit(strategy, model=model, callbacks=[UnfreezeAt(4, add_group)])[0]
+
+    reference = run("auto")
+    start = frozen_backbone()
+    moved = max(float((a - b).abs().max()) for a, b in zip(params(reference.backbone), params(start.backbone)))
+    assert moved > 1e-3  # the backbone trained after it was unfrozen
+    assert_same_model(run(ZeroOffloadStrategy(**options)), reference)
+
+
+@pytest.mark.parametrize("options", [*OFFLOAD_32[:2], pytest.param(dict(precision="bf16-mixed"), id="bf16-mixed")])
+def test_backbone_finetuning_trains_the_backbone_as_under_auto(options):
+    options = dict(options)
+    precision = options.pop("precision", "32-true")
+
+    def run(strategy):
+        model = Backbone()
+        finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)
+        model.configure_optimizers = lambda: torch.optim.AdamW(
+            filter(lambda p: p.requires_grad, model.parameters()), lr=1e-2
+        )
+        return fit(strategy, precision=precision, model=model, callbacks=[finetuning], max_steps=-1, max_epochs=3)[0]
+
+    reference = run("auto")
+    ours = run(ZeroOffloadStrategy(**options))
+    start = Backbone()
+    assert max(float((a - b).abs().max()) for a, b in zip(params(ours.backbone), params(start.backbone))) > 1e-3
+    if precision == "32-true":
+        assert_same_model(ours, reference)
+    else:  # bf16 weights on the device: the same training within bf16 rounding of the forward
+        assert_same_model(ours, reference, atol=2e-2)
+
+
+def test_weight_averaging_with_the_delayed_update_is_refused_at_setup():
+    strategy = ZeroOffloadStrategy(cpu_step="delayed", in_place_on_cpu=False)
+    with pytest.raises(
+        ValueError, match="WeightAveraging writes the averaged weights.*cpu_step='sync' or 'speculative'"
+    ):
+        fit(strategy, callbacks=[WeightAveraging()])
+
+
+class UnusedAndTwoLosses(Classifier):
+    """A layer that never gets a gradient, and two backward calls per step in manual optimization."""
+
+    def __init__(self, manual: bool) -> None:
+        super().__init__(scheduler=False, lr=3e-2)
+        self.unused = nn.Linear(4, 4)
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):
+        if self.automatic_optimization:
+            return super().training_step(batch, batch_idx)
+        opt = self.optimizers()
+        x, y = batch
+        opt.zero_grad()
+        self.manual_backward(nn.functional.cross_entropy(self(x[:4]).float(), y[:4]))
+        self.manual_backward(nn.functional.cross_entropy(self(x[4:]).float(), y[4:]))
+        opt.step()
+
+
+@pytest.mark.parametrize("options", OFFLOAD_32[:2])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(dict(manual=True), id="two-backward-calls-and-an-unused-layer"),
+        pytest.param(
+            dict(manual=False, accumulate_grad_batches=3, val_check_interval=4, limit_val_batches=2),
+            id="validation-inside-an-accumulation-window",
+        ),
+    ],
+)
+def test_backward_calls_unused_parameters_and_validation_mid_window_match_auto(options, case):
+    case = dict(case)
+    manual = case.pop("manual")
+
+    def run(strategy):
+        model = UnusedAndTwoLosses(manual)
+        trainer = L.Trainer(strategy=strategy, precision="32-true", max_steps=8, **{**QUIET, **case})
+        trainer.fit(model, loader(), loader(n=16) if "val_check_interval" in case else None)
+        return model
+
+    reference = run("auto")
+    ours = run(ZeroOffloadStrategy(**options))
+    assert torch.equal(ours.unused.weight.detach(), UnusedAndTwoLosses(manual).unused.weight)  # never touched
+    assert_same_model(ours, reference)

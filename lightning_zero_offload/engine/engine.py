@@ -52,7 +52,9 @@ from lightning_zero_offload.engine.memory import (
     wait_event,
     worker_pool,
 )
+from lightning_zero_offload.engine.optimizer_hooks import has_step_hooks, step_hooks
 from lightning_zero_offload.engine.options import OffloadOptions, resolve_auto, use_in_place
+from lightning_zero_offload.engine.param_writes import ParamWriteWatch
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, make_schedule
 from lightning_zero_offload.engine.stats import StepStats
@@ -75,7 +77,6 @@ class OffloadEngine:
         local_world_size: ranks on this node, for the default CPU thread count.
     """
 
-    @records_allocations  # every buffer made here (schedules' too) lands in self.ledger, read by memory_report
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -101,7 +102,27 @@ class OffloadEngine:
         self.overlap = resolved.overlap
         self.num_threads = resolved.cpu_threads
         self.scaler = DynamicLossScaler(options.loss_scaler) if param_dtype == torch.float16 else None
+        self.updater = worker_pool("zero-offload-step", device)
+        self._world, self._rank = world, rank
+        self._backward_start: float | None = None
+        self._backward_s = 0.0
+        self._step_expected = False
+        self.step_calls = 0
+        self.skipped_steps = 0
+        self.nonfinite = NonFinitePolicy(options.max_consecutive_skipped_steps, self.scaler)
+        self.failed = False  # closed after an exception, without gathering (see close_after_failure)
+        self._closed = False
+        # Moments and step counts of parameters that left the trainable set, kept should they return.
+        self._parked: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._build()
+        self.last = StepStats(loss_scale=self.loss_scale)
 
+    @records_allocations  # every buffer made here (schedules' too) lands in self.ledger, read by memory_report
+    def _build(self) -> None:
+        """Lay out the optimizer's trainable parameters as they are now, and make every part that depends on it."""
+        optimizer, param_dtype, device, options = self.optimizer, self.param_dtype, self.device, self.options
+        world, rank = self._world, self._rank
+        self._signature = self.trainable_signature()
         # Trainable params in optimizer order; torch_index maps the optimizer's state-dict numbering.
         self.params: list[torch.nn.Parameter] = []
         self.group_of: list[int] = []
@@ -140,17 +161,14 @@ class OffloadEngine:
             if not self.in_place:
                 view.copy_(p.detach().reshape(-1))
             p.data = view.view(slot.shape)
+        self.writes = ParamWriteWatch(self.layout, self.params, self.flat_params, checksums=not self.in_place)
+        self.writes.record_all()
 
         max_shard = max(b.shard_numel for b in self.layout.buckets)
         low_precision = param_dtype in LOW_PRECISION
         self.publish_pool = BufferPool(2, max_shard, param_dtype, self.pin) if low_precision else None
         self.h2d = HostToDevice(device, max_shard, param_dtype, self.pin)  # pageable sources go through pinned staging
         self._pending_publish: list[torch.Event | None] = []
-        self.updater = worker_pool("zero-offload-step", device)
-        self._backward_start: float | None = None
-        self._backward_s = 0.0
-        self._step_expected = False
-        self.step_calls = 0
         self.grads: GradientStreamer | InPlaceGradients
         if self.in_place:
             self.grads = InPlaceGradients(self.params, self.num_threads)
@@ -167,15 +185,55 @@ class OffloadEngine:
                 param_dtype,
                 self.pin,
                 self.num_threads,
-                process_group,
+                self.process_group,
                 self.overlap,
             )
         self.schedule = make_schedule(self.cpu_step, self)
-        self.last = StepStats(loss_scale=self.loss_scale)
-        self.skipped_steps = 0
-        self.nonfinite = NonFinitePolicy(options.max_consecutive_skipped_steps, self.scaler)
-        self.failed = False  # closed after an exception, without gathering (see close_after_failure)
-        self._closed = False
+
+    # -- the trainable set ---------------------------------------------------------------------
+
+    def trainable_signature(self) -> tuple[tuple[int, bool], ...]:
+        """Which parameters each param group holds and which are trainable (cheap: ids and flags)."""
+        return tuple(
+            (id(p), p.requires_grad) if i else (-group_index - 1, True)  # a group boundary
+            for group_index, group in enumerate(self.optimizer.param_groups)
+            for i, p in enumerate([None, *group["params"]])
+        )
+
+    def replan_if_changed(self) -> bool:
+        """Re-plan the layout if parameters became trainable or frozen, or param groups were added.
+
+        Call before a forward (the front ends do, for every training step; ``begin_backward`` too). Every
+        parameter that stays keeps its master weights, moments and step count bitwise; a new one starts
+        from its current value with fresh moments, as torch's AdamW would. Slow (gathers the whole state),
+        and rare. Every rank re-plans at the same step, as every rank changes its trainable set alike.
+        """
+        if self._closed or self.failed or self.trainable_signature() == self._signature:
+            return False
+        check_optimizer(self.optimizer)
+        self.sync()  # an update in flight lands and is published
+        masters = self.master_params()  # settled, writes to the parameters absorbed
+        exp_avgs = state_io.full_tensors(self, self.exp_avg)
+        exp_avg_sqs = state_io.full_tensors(self, self.exp_avg_sq)
+        schedule_state = self.schedule.state_dict()
+        self.schedule.close()
+        self.grads.close()
+        for p, weight, exp_avg, exp_avg_sq, step, dtype in zip(
+            self.params, masters, exp_avgs, exp_avg_sqs, self.steps, self._original_dtypes
+        ):
+            p.data = weight.to(device=self.device, dtype=dtype, copy=True)  # a device tensor of its own again
+            self._parked[id(p)] = (exp_avg.clone(), exp_avg_sq.clone(), step)
+        kept_masters = {id(p): weight for p, weight in zip(self.params, masters)}
+        self._build()
+        state_io.load_shard(self, self.master, [kept_masters.get(id(p), p.detach()).float() for p in self.params])
+        moments = [self._parked.pop(id(p), None) for p in self.params]
+        zeros = [torch.zeros(p.shape) for p in self.params]
+        state_io.load_shard(self, self.exp_avg, [m[0] if m else z for m, z in zip(moments, zeros)])
+        state_io.load_shard(self, self.exp_avg_sq, [m[1] if m else z for m, z in zip(moments, zeros)])
+        self.steps = [m[2] if m else 0 for m in moments]
+        self.refresh_device_params()
+        self.schedule.load_state_dict({"name": self.schedule.name, **schedule_state})
+        return True
 
     # -- training ------------------------------------------------------------------------------
 
@@ -198,7 +256,10 @@ class OffloadEngine:
 
     def begin_backward(self) -> None:
         """Call before every backward pass."""
+        self.replan_if_changed()
         self._backward_start = time.perf_counter()
+        if not self.schedule.update_in_flight:
+            self.absorb_param_writes()
         self.schedule.on_backward_start(self._step_expected)
         self._step_expected = False
         self.grads.begin()
@@ -226,12 +287,15 @@ class OffloadEngine:
         stats = StepStats(loss_scale=self.loss_scale, backward_s=self._backward_s)
         stats.transfer_wait_s, stats.transfer_s = self.grads.take_timings()
         self._backward_s = 0.0
+        if not self.schedule.update_in_flight:
+            self.absorb_param_writes()  # written after backward (on_before_optimizer_step, ...)
         self.schedule.before_step(stats)
         self.wait_publish()
         self.step_calls += 1
         if self.in_place:
             clips = clip_norm is not None or clip_value is not None
             checked = not clips and self.grads.sums_pending and all(map(kernels.can_undo, read_all_hyperparams(self)))
+            checked = checked and not has_step_hooks(self.optimizer)  # hooks need the skip known before the update
             self.grads.eager_sums = clips  # the next window's norm is needed before its step only if it clips
             if checked:  # the norm and the inf/nan check ride along with the update (engine/in_place.py)
                 self._step_checked(stats)
@@ -259,7 +323,8 @@ class OffloadEngine:
                 self.scaler.update(overflow=False)
             # LR schedulers warn unless optimizer.step() ran; the engine's step stands in for it.
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
-            self.schedule.apply(inputs, stats)
+            with step_hooks(self.optimizer):  # torch's step hooks, as optimizer.step() fires them
+                self.schedule.apply(inputs, stats)
         self.grads.new_window()
         stats.total_s = time.perf_counter() - start
         self.last = stats
@@ -312,6 +377,22 @@ class OffloadEngine:
         self.schedule.sync()
         self.wait_publish()
 
+    def absorb_param_writes(self) -> int:
+        """Carry writes made to the device parameters since the engine last published into the master
+        weights (engine/param_writes.py); returns how many elements were written.
+
+        Called before the master is used: every backward and step, checkpoint reads and teardown. Not
+        before evaluation, where weight averaging swaps its average in and back out again.
+        """
+        if self._closed or self.failed:
+            return 0
+        written = self.writes.written_buckets()
+        if not written or self.in_place:  # in place the parameters are the master: written already
+            return 0
+        buckets = [self.layout.buckets[i] for i in written]
+        self.schedule.before_param_writes_merge(written)
+        return sum(self.writes.merge_into(b, self.master, self.schedule.published_chunk(b)) for b in buckets)
+
     # -- publishing to the device --------------------------------------------------------------
 
     def publish(self, bucket: Bucket, out: torch.Tensor | None, pooled: bool = True) -> None:
@@ -328,6 +409,7 @@ class OffloadEngine:
             all_gather(target, chunk, self.process_group)
         else:
             self.h2d.copy(target, source)
+        self.writes.record(bucket)
         event = record_event(self.device)
         if out is not None and pooled:
             self.publish_pool.release(out, event)  # type: ignore[union-attr]
@@ -356,6 +438,7 @@ class OffloadEngine:
         """Before reading or replacing the CPU state: nothing running, nothing unvalidated, copies done."""
         self.schedule.settle()
         self.wait_publish()
+        self.absorb_param_writes()
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs besides weights and moments to resume bitwise: the step count, the
@@ -363,6 +446,7 @@ class OffloadEngine:
         state: dict[str, Any] = {
             "step_calls": self.step_calls,
             "skipped_steps": self.skipped_steps,
+            "nonfinite": self.nonfinite.state_dict(),  # a resumed run raises after the same skipped steps
             "schedule": {"name": self.schedule.name, **self.schedule.state_dict()},
         }
         if self.scaler is not None:
@@ -378,6 +462,7 @@ class OffloadEngine:
         self._settle()
         self.step_calls = int(state.get("step_calls", 0))
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.nonfinite.load_state_dict(state.get("nonfinite", {}))
         if state.get("loss_scaler") is not None and self.scaler is not None:
             self.scaler.load_state_dict(state["loss_scaler"])
         schedule = state.get("schedule") or {}
