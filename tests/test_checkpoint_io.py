@@ -103,3 +103,28 @@ def test_fit_weights_only_false_is_honoured(tmp_path, fmt):
         pytest.skip("this Lightning's fit() has no weights_only argument (added in 2.6)")
     _, resumed = run(fmt, 2, ckpt_path=tmp_path / "p.ckpt", model=WithPath(), fit_kwargs={"weights_only": False})
     assert resumed.global_step == 8
+
+
+def test_a_sharded_checkpoint_fails_torch_load_as_the_docs_say_and_the_export_they_name_loads(tmp_path):
+    """The README's "loads without this package" is the full format's: the docs give the error and the way."""
+    model, trainer = run("sharded", 1)
+    path = tmp_path / "s.ckpt"
+    trainer.save_checkpoint(path)
+    with pytest.raises(IsADirectoryError) as error:
+        torch.load(path, weights_only=True)
+    with pytest.raises(IsADirectoryError):
+        Classifier.load_from_checkpoint(path)
+    searched = f"IsADirectoryError: [Errno {error.value.errno}] {error.value.strerror}"
+    root = pathlib.Path(__file__).resolve().parent.parent
+    troubleshooting = (root / "docs" / "troubleshooting.md").read_text()
+    entry = troubleshooting[troubleshooting.index(searched) :].split("\n\n")[0]
+    assert "zero-offload-convert" in entry and "sharded" in entry
+    readme = " ".join((root / "README.md").read_text().split())
+    assert "a sharded checkpoint is a directory, which those refuse with `IsADirectoryError`" in readme
+    assert "`zero-offload-convert`" in readme
+    from lightning_zero_offload.engine.checkpoint import main as convert
+
+    convert([str(path), str(tmp_path / "fp32.pt")])
+    fresh = Classifier()
+    fresh.load_state_dict(torch.load(tmp_path / "fp32.pt", weights_only=True))
+    assert_same_params(model, fresh)
