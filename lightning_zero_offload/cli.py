@@ -83,16 +83,36 @@ def final_metrics(trainer: Any, datamodule: Any) -> dict[str, float]:
     return out
 
 
+def output_paths(trainer: Any) -> dict[str, str]:
+    """Where this fit wrote its checkpoint and its CSV metrics (the keys present are those that exist)."""
+    out: dict[str, str] = {}
+    for callback in getattr(trainer, "checkpoint_callbacks", []):
+        path = getattr(callback, "best_model_path", "") or getattr(callback, "last_model_path", "")
+        if path:
+            out["checkpoint"] = str(path)
+            break
+    for logger in trainer.loggers:
+        metrics = getattr(getattr(logger, "experiment", None), "metrics_file_path", None)
+        if metrics:
+            out["metrics"] = str(metrics)
+            break
+    return out
+
+
 @rank_zero_only
 def report_fit(trainer: Any, datamodule: Any) -> None:
     metrics = final_metrics(trainer, datamodule)
-    if "val_ppl" not in metrics:
-        return
-    line = f"[zero-offload] after {trainer.global_step} steps: last val perplexity {metrics['val_ppl']:.3f}"
-    if "unigram_ppl" in metrics:
-        ratio = metrics["val_ppl"] / metrics["unigram_ppl"]
-        line += f" | unigram byte baseline {metrics['unigram_ppl']:.3f} (ratio {ratio:.3f})"
-    print(line, flush=True)
+    if "val_ppl" in metrics:
+        line = f"[zero-offload] after {trainer.global_step} steps: last val perplexity {metrics['val_ppl']:.3f}"
+        if "unigram_ppl" in metrics:
+            ratio = metrics["val_ppl"] / metrics["unigram_ppl"]
+            line += f" | unigram byte baseline {metrics['unigram_ppl']:.3f} (ratio {ratio:.3f})"
+        print(line, flush=True)
+    paths = output_paths(trainer)
+    if "checkpoint" in paths:
+        print(f"[zero-offload] checkpoint: {paths['checkpoint']}", flush=True)
+    if "metrics" in paths:
+        print(f"[zero-offload] metrics (CSV): {paths['metrics']} (plot: python scripts/plot_logs.py <dir>)", flush=True)
 
 
 def cli_main(args: Any = None, **kwargs: Any) -> ZeroOffloadCLI:

@@ -208,6 +208,11 @@ def check_tiny_fit(cli, rows, out) -> None:
     # The report line: final val perplexity next to the unigram baseline.
     assert "val perplexity" in out and "unigram byte baseline" in out
     assert (Path(cli.trainer.log_dir) / "config.yaml").is_file()
+    # Where the run went, printed at the end of fit: the CSV log, and the checkpoint when one is written.
+    metrics_line = next(line for line in out.splitlines() if line.startswith("[zero-offload] metrics (CSV): "))
+    assert Path(metrics_line.split(": ", 1)[1].split(" (plot")[0]).is_file()
+    checkpoint_line = next(line for line in out.splitlines() if line.startswith("[zero-offload] checkpoint: "))
+    assert Path(checkpoint_line.split(": ", 1)[1]).exists()
 
 
 def test_tiny_fit_with_auto_strategy(tmp_path, capsys):
