@@ -578,17 +578,20 @@ def _fixes(shape: ModelShape, args: tuple, memory: _Memory, asked: str) -> list[
                 break
             if more.host["sync"].transient_model_per_rank * devices >= machine.host_memory_gb * GB:
                 break  # the module as built alone does not fit: more nodes never help
+
+    def of_size(params: int) -> ModelShape:  # a narrower model of the same depth
+        width = _width(params, n_layer) if n_layer and shape.shapes is None else shape.hidden
+        return ModelShape(None, params, shape.linear_shapes, width, params)
+
     low, high = 0, shape.params
     while high - low > max(1, shape.params // 1000):
         mid = (low + high) // 2
-        width = _width(mid, n_layer) if n_layer and shape.shapes is None else shape.hidden
-        smaller = ModelShape(None, mid, shape.linear_shapes, width, mid)
-        if fitting_format(_memory(smaller, *args)):
+        if fitting_format(_memory(of_size(mid), *args)):
             low = mid
         else:
             high = mid
     if low > 0:
-        found = fitting_format(_memory(ModelShape(None, low, shape.linear_shapes, shape.hidden, low), *args))
+        found = fitting_format(_memory(of_size(low), *args))
         fixes.append(
             f"a model of at most {low / 1e9:.2f}B parameters" + also(found) + " (freezing parameters removes their "
             "16 B/param of CPU state, but not their memory while the module is built nor on the device)"

@@ -19,7 +19,7 @@ def _g(nbytes: float) -> str:
 
 
 def _why(check: Check) -> str:
-    return f"{check.name}: {_gb(check.need)} needed, {_gb(check.available or 0)} available"
+    return f"{check.name.split(' (')[0]} {_g(check.need)} GB > {_g(check.available or 0)} GB"
 
 
 def _failures(v: Verdict) -> str:
