@@ -73,6 +73,46 @@ class Classifier(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
+class GradNorms(L.Callback):
+    """Each optimizer step's global gradient norm before clipping, and its largest gradient element.
+
+    Under zero_offload the gradients never stay on the parameters: the norm is the one the engine
+    computed and clipped with (``engine.last.grad_norm``; no element maximum). Under plain strategies
+    (``"auto"``, ``"ddp"``) it is computed from ``p.grad`` in ``on_before_optimizer_step``, which runs
+    after the gradients are unscaled and averaged and before Lightning clips them (automatic
+    optimization only: in manual optimization the user clips before ``opt.step()``).
+    """
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+        self.max_abs: list[float] = []
+        self._step_calls = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        self._step_calls = engine.step_calls if engine is not None else 0
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        if getattr(trainer.strategy, "engine", None) is not None:
+            return
+        grads = [p.grad.detach().double() for p in pl_module.parameters() if p.grad is not None]
+        self.norms.append(float(torch.cat([g.flatten() for g in grads]).norm()))
+        self.max_abs.append(float(max(g.abs().max() for g in grads)))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is None or engine.step_calls == self._step_calls:
+            return  # a plain strategy, or no optimizer step in this batch (gradient accumulation)
+        self._step_calls = engine.step_calls
+        self.norms.append(engine.last.grad_norm)
+
+
+def assert_clipping_triggered(norms: list[float], clip: float, at_least: int = 3) -> None:
+    """The clip must both act and not act: some steps above it, some below (else the test is no test)."""
+    above = sum(n > clip for n in norms)
+    assert at_least <= above <= len(norms) - at_least, f"{above} of {len(norms)} norms above {clip}: {norms}"
+
+
 def loader(n: int = 160, batch_size: int = 8, seed: int = 1) -> DataLoader:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 16, generator=g)

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers import QUIET, Classifier, loader  # noqa: E402
+from helpers import QUIET, Classifier, GradNorms, loader  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 import lightning_zero_offload  # noqa: E402,F401
@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--max-epochs", type=int, default=None)
     parser.add_argument("--accumulate", type=int, default=2)
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient_clip_val (by norm)")
     parser.add_argument("--format", default="full")
     parser.add_argument("--dpu", action="store_true", help="DPU with weight prediction after 3 steps")
     parser.add_argument("--resume", default=None)
@@ -49,21 +50,27 @@ def main() -> None:
     else:
         strategy = args.strategy
     model = ShardedData(width=31)  # odd sizes: buckets need padding at world sizes 2 and 3
+    norms = GradNorms()
     trainer = L.Trainer(
         strategy=strategy,
         precision=args.precision,
         max_steps=args.max_steps,
         max_epochs=args.max_epochs,
-        gradient_clip_val=1.0,
+        gradient_clip_val=args.clip,
         accumulate_grad_batches=args.accumulate,
         use_distributed_sampler=False,
+        callbacks=[norms],
         **{**QUIET, "devices": args.devices},
     )
     # 192 samples, global batch 48: the same global batches at world sizes 1, 2 and 3.
     trainer.fit(model, ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
-    result = {"params": {k: v.detach().clone() for k, v in model.named_parameters()}, "losses": model.losses}
+    result = {
+        "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+        "losses": model.losses,
+        "grad_norms": norms.norms,  # before clipping: the engine's, or DDP's averaged .grad
+    }
     if isinstance(trainer.strategy, ZeroOffloadStrategy):
         result["memory"] = trainer.strategy.engine.memory_report()
         result["threads"] = trainer.strategy.engine.num_threads
