@@ -108,13 +108,26 @@ def test_save_load_resumes_bitwise_and_exports_fp32(tmp_path, fmt):
         assert ref["losses"][0] == pytest.approx(resumed["losses"][0], rel=1e-2)
 
 
-def test_fp16_loss_scale_resumes(tmp_path):
+def test_fp16_loss_scale_lowered_by_natural_overflows_resumes(tmp_path):
+    """A loss scale of 2^20 overflows fp16 gradients by itself (no injected inf): the scale comes down
+    before the save, grows back (every 4 good steps) and overflows again after it."""
     fp16 = [ZeroOffloadFabricPrecision("16-mixed")]  # on the CPU Fabric turns precision="16-mixed" into bf16
-    full = train(fabric(plugins=fp16), steps=8, save=str(tmp_path / "fp16.ckpt"), save_at=4)
-    saved = torch.load(tmp_path / "fp16.ckpt", weights_only=True)
-    assert saved["optimizer"]["zero_offload_engine"]["loss_scaler"]["scale"] > 1
-    resumed = train(fabric(plugins=fp16), steps=8, resume=str(tmp_path / "fp16.ckpt"))
-    assert resumed["losses"] == full["losses"][4:]
+    scaler = {"loss_scale_init": 2.0**20, "loss_scale_growth_interval": 4}
+    ckpt = str(tmp_path / "fp16.ckpt")
+    f = fabric(plugins=fp16, **scaler)
+    full = train(f, steps=16, save=ckpt, save_at=8)
+    saved = torch.load(ckpt, weights_only=True)["optimizer"]["zero_offload_engine"]
+    assert saved["loss_scaler"]["scale"] < scaler["loss_scale_init"] and saved["skipped_steps"] > 0
+    assert f.strategy.engine.skipped_steps > saved["skipped_steps"]  # overflows after the save too
+
+    loaded = fabric(plugins=fp16, **scaler)
+    train(loaded, steps=8, resume=ckpt)  # loads and runs no step
+    assert loaded.strategy.engine.scaler.state_dict() == saved["loss_scaler"]
+    g = fabric(plugins=fp16, **scaler)
+    resumed = train(g, steps=16, resume=ckpt)
+    assert resumed["losses"] == full["losses"][8:]
+    assert all(torch.equal(resumed["params"][k], v) for k, v in full["params"].items())
+    assert g.strategy.engine.loss_scale == f.strategy.engine.loss_scale
 
 
 def test_litgpt_learns_under_bf16_mixed():
