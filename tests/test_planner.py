@@ -224,11 +224,13 @@ def test_preflight_checks_the_checkpoint_save_and_the_setup_peak(monkeypatch):
     steady = 16 * params  # sync on a GPU, one rank (plus a few staging buffers)
     fake_limit(monkeypatch, int(steady * 1.05))  # steady fits (and the module frees 4 MB at setup)
     small = {"cpu_step": "sync", "bucket_size_mb": 0.1}  # staging buffers of 0.4 MB
+    # Two ranks on this node: each holds half the state and gathers the whole of it to save a full file.
     with pytest.raises(MemoryError, match='saving a "full" checkpoint'):
-        check_host_memory(model, OffloadOptions(**small), torch.bfloat16, 1, 1, torch.device("cuda"))
+        check_host_memory(model, OffloadOptions(**small), torch.bfloat16, 2, 2, torch.device("cuda"))
     check_host_memory(
-        model, OffloadOptions(**small, checkpoint_format="sharded"), torch.bfloat16, 1, 1, torch.device("cuda")
+        model, OffloadOptions(**small, checkpoint_format="sharded"), torch.bfloat16, 2, 2, torch.device("cuda")
     )
+    check_host_memory(model, OffloadOptions(**small), torch.bfloat16, 1, 1, torch.device("cuda"))  # one rank: no copy
     with torch.device("meta"):
         meta = layers()
     fake_limit(monkeypatch, int(steady * 0.9))  # below the engine's own first buffers: setup fails
@@ -257,7 +259,7 @@ def test_preflight_counts_delayed_and_snapshot_buffers(monkeypatch):
 
 
 def test_strategy_refuses_before_the_engine_allocates(monkeypatch, tmp_path):
-    fake_limit(monkeypatch, 1000)
+    fake_limit(monkeypatch, 100)
 
     def no_engine(*args, **kwargs):
         raise AssertionError("the engine was built before the memory check")
@@ -320,8 +322,12 @@ def test_plain_training_that_fits_the_device_is_said():
     assert not h200("7B").plain_fits_device  # 112 GB + 36.5 GB of activations > 141 GB
 
 
-def test_only_what_fits_is_recommended():
-    # 1.3B: sync needs 20.8 GB training and 26 GB at setup; delayed 28.6 GB; a full save 31.2 GB
+def test_only_what_fits_is_recommended(monkeypatch):
+    from lightning_zero_offload.planner import model as planner_model
+
+    # A save that copies 8 B/param (as with a user's CheckpointIO). 1.3B: sync needs 20.8 GB training and
+    # 26 GB at setup; delayed 28.6 GB; such a full save 31.2 GB.
+    monkeypatch.setitem(planner_model.CHECKPOINT_SAVE_BYTES_PER_PARAM, "full", (8, 12))
     p = h200("1.3B", machine=with_rates(H200_BOX, host_memory_gb=27))
     r = p.recommended
     assert r["checkpoint_format"] == "sharded" and r["cpu_step"] in ("sync", "speculative")
@@ -349,11 +355,12 @@ def test_activations_and_activation_checkpointing():
 def test_the_save_peak_is_one_constant(monkeypatch):
     from lightning_zero_offload.planner import model as planner_model
 
-    assert planner_model.checkpoint_save_bytes(10, "full", 1) == 80  # measured at world size 1
+    assert planner_model.checkpoint_save_bytes(10, "full", 1) == 0  # written from the engine's buffers
+    assert planner_model.checkpoint_save_bytes(10, "full", 2) == 120  # every rank gathers the full state
     assert planner_model.checkpoint_save_bytes(10, "sharded", 4) == 0
     before = h200("1.3B").host["sync"].save_per_node("full")
-    monkeypatch.setitem(planner_model.CHECKPOINT_SAVE_BYTES_PER_PARAM, "full", (0, 0))  # a save without copies
-    assert h200("1.3B").host["sync"].save_per_node("full") == pytest.approx(before - 8 * 1.3e9)
+    monkeypatch.setitem(planner_model.CHECKPOINT_SAVE_BYTES_PER_PARAM, "full", (8, 12))  # a save with a copy
+    assert h200("1.3B").host["sync"].save_per_node("full") == pytest.approx(before + 8 * 1.3e9)
 
 
 # -- command line ------------------------------------------------------------------------------

@@ -29,12 +29,12 @@ STATE_BYTES_PER_PARAM = 16  # fp32 master, exp_avg, exp_avg_sq and the fp32 grad
 GB = 1e9
 CHECKPOINT_FORMATS = ("full", "sharded")
 # Host bytes per trainable parameter that saving a checkpoint adds on each rank on top of training's own
-# buffers, by format: (one rank, several ranks). Owned by the checkpoint code (docs/checkpoints.md, "Two
-# formats"): update these when a save holds less. "full" at one rank: +8 B/param, measured (the moments
-# are copied into the saved dict; the master is saved as it is); with several ranks every rank gathers
-# the full fp32 master and both moments (12 B/param). "sharded": each rank writes its own shard through
-# the file object, no copy (under 1 MB measured on a 400 MB shard).
-CHECKPOINT_SAVE_BYTES_PER_PARAM: dict[str, tuple[int, int]] = {"full": (8, 12), "sharded": (0, 0)}
+# buffers, by format: (one rank, several ranks). Owned by the checkpoint code (docs/checkpoints.md): update
+# these when a save holds less. "full" at one rank: none, the file is written from the engine's own buffers
+# (measured +0 B/param, benchmarks/checkpoint_memory.py; a user's CheckpointIO gets copies, +12); with
+# several ranks every rank gathers the full fp32 master and both moments (12 B/param). "sharded": each rank
+# writes its own shard through the file object, no copy.
+CHECKPOINT_SAVE_BYTES_PER_PARAM: dict[str, tuple[int, int]] = {"full": (0, 12), "sharded": (0, 0)}
 # Plain mixed-precision Adam on the device, no offload: fp32 weights, fp32 gradients, two fp32 moments.
 PLAIN_DEVICE_BYTES_PER_PARAM = 16
 # Activations kept for backward per layer, in bytes per (token x hidden) at 16-bit: 34 for a transformer
