@@ -39,6 +39,7 @@ else:
 __all__ = [
     "AdamHyperparams",
     "adam_step",
+    "adam_step_bf16_state",
     "adam_step_multi",
     "adam_step_multi_if_finite",
     "adam_undo",
@@ -616,6 +617,87 @@ def can_undo(hparams: AdamHyperparams) -> bool:
     return _adamw_decay(hparams) != 0.0
 
 
+def adam_step_bf16_state(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    step: int,
+    seed: int,
+    offset: int = 0,
+    hparams: AdamHyperparams | None = None,
+    lr: float | None = None,
+    beta1: float | None = None,
+    beta2: float | None = None,
+    eps: float | None = None,
+    weight_decay: float | None = None,
+    adamw_mode: bool | None = None,
+    maximize: bool | None = None,
+    grad_scale: float = 1.0,
+    num_threads: int | None = None,
+) -> None:
+    """:func:`adam_step` on bf16 state: ``param``, ``exp_avg``, ``exp_avg_sq`` are bf16, updated in place.
+
+    Each element is widened to fp32 and updated with exactly :func:`adam_step`'s fp32 arithmetic (the
+    same constants and operations), and the new p, m and v are stored with stochastic rounding: 16
+    random bits are added below the kept bf16 mantissa and the rest is truncated, so each value rounds
+    up with the probability of the dropped fraction and its expectation is the fp32 value. Without it,
+    updates below half a bf16 ulp (a 2^-9 relative change) would be lost: the params would stop moving
+    and ``exp_avg_sq``, which decays by ``beta2`` a step, would never shrink. ``param`` is also the copy
+    to publish to the accelerator: there is no separate low-precision output.
+
+    The random bits are a counter-based hash of ``(seed, step, offset + i)`` for element i, never a
+    global generator: a run is bitwise reproducible and resumes bitwise from ``(seed, step)``, and the
+    result does not depend on the thread count, the instruction set (every backend, torch included,
+    gives the same bits) or how a flat buffer is split into calls, as long as each call passes the
+    global index of its first element as ``offset``. ``seed`` is in ``[0, 2**64)``.
+
+    ``grad`` is fp32 (an accumulated buffer), bf16 or fp16, multiplied by ``grad_scale`` first. NaN
+    is stored as the quiet NaN ``0x7fc0``; inf stays inf; a finite fp32 value becomes inf only if it
+    lies above the largest finite bf16, with the probability of rounding up; zeros keep their sign, and
+    subnormals are rounded like any other value (bf16 has fp32's exponent range).
+    """
+    hp = _resolve_hparams(
+        hparams,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        adamw_mode=adamw_mode,
+        maximize=maximize,
+    )
+    grad_scale, step = _real("grad_scale", grad_scale), _check_step("step", step)
+    for name, value, limit in (("seed", seed, 1 << 64), ("offset", offset, 1 << 62)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        if not 0 <= value < limit:
+            raise ValueError(f"{name} must be in [0, 2**{limit.bit_length() - 1}), got {value}")
+    nt = _num_threads if num_threads is None else _check_threads("num_threads", num_threads)
+    _check_tensor("param", param, (torch.bfloat16,))
+    _check_tensor("grad", grad, _GRAD_DTYPES, param.numel(), "param")
+    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        _check_tensor(name, t, (torch.bfloat16,), param.numel(), "param")
+    if _backend == "torch":
+        _torch_adam_bf16_state(param, grad, exp_avg, exp_avg_sq, hp, step, int(seed), int(offset), grad_scale)
+        return
+    lib.lzo_adam_step_bf16state(
+        hp._c_struct(),
+        grad_scale,
+        int(seed),
+        step,
+        int(offset),
+        ffi.cast("uint16_t *", param.data_ptr()),
+        ffi.cast("void *", grad.data_ptr()),
+        ffi.cast("uint16_t *", exp_avg.data_ptr()),
+        ffi.cast("uint16_t *", exp_avg_sq.data_ptr()),
+        param.numel(),
+        _DTYPE_CODES[grad.dtype],
+        nt,
+    )
+
+
 def bandwidth_probe(p: Tensor, g: Tensor, m: Tensor, v: Tensor, *, num_threads: int | None = None) -> None:
     """The memory roofline of an fp32 Adam step: reads p, g, m, v and writes p, m, v (28 B/element).
 
@@ -749,6 +831,118 @@ def _torch_adam_undo(
         param[window] = p0
         exp_avg[window] = (m1 - w * g) * inv_one_minus_w
         exp_avg_sq[window] = ((v1 - one_minus_beta2 * g * g) * inv_beta2).clamp_(min=0.0)
+
+
+_M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer (native/dispatch.c mix64)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _sr_keys(seed: int, step: int, high: int) -> tuple[int, int]:
+    """The hash keys (p and m, v) of the elements whose global index has these high 32 bits."""
+    z = _mix64((_mix64((_mix64((seed + 0x9E3779B97F4A7C15) & _M64) + step) & _M64) + high) & _M64)
+    return z & _M32, z >> 32
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``x * c mod 2**32`` for int64 x in [0, 2**32), in halves so that no product overflows int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """lowbias32 (native/kernels_simd.h hash32) on int64 tensors holding uint32 values."""
+    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
+    x = _mul32(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _sr_bits(seed: int, step: int, offset: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The 16 random bits of p, m and v for elements ``offset .. offset + n - 1`` (int64 tensors)."""
+    index = torch.arange(offset, offset + n, dtype=torch.int64)
+    high, low = index >> 32, index & _M32
+    key_pm, key_v = torch.empty_like(index), torch.empty_like(index)
+    for h in range(offset >> 32, ((offset + n - 1) >> 32) + 1 if n else 0):
+        where = high == h
+        key_pm[where], key_v[where] = _sr_keys(seed, step, h)
+    pm, v = _hash32(low ^ key_pm), _hash32(low ^ key_v)
+    return pm >> 16, pm & 0xFFFF, v >> 16
+
+
+def _round_bf16_stochastic(x: Tensor, r: Tensor) -> Tensor:
+    """fp32 -> bf16: add the random bits ``r`` (< 2**16) to the bit pattern and truncate; NaN -> 0x7fc0."""
+    bits = ((x.view(torch.int32).to(torch.int64) & _M32) + r) >> 16
+    bits = torch.where(torch.isnan(x), 0x7FC0, bits)
+    return (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.bfloat16)
+
+
+def _r32(x: Tensor) -> Tensor:
+    """Round float64 to float32, kept in float64: one correctly rounded fp32 operation after a float64
+    one (+, -, *, / and sqrt of fp32 values in float64 then rounded to fp32 give the fp32 result)."""
+    return x.to(torch.float32).to(torch.float64)
+
+
+def _fma32(a: Tensor | float, b: Tensor, c: Tensor) -> Tensor:
+    """fp32 ``a * b + c`` rounded once (the kernels' fused multiply-add), from fp32 values in float64.
+
+    The product is exact in float64; the sum is rounded to odd (to nearest, then, if inexact and even,
+    one step towards the exact sum, whose error TwoSum gives), and round-to-odd in 53 bits followed by
+    round-to-nearest in 24 is correctly rounded (native/kernels_scalar.c fma_exact does the same).
+    """
+    prod = b * a
+    s = prod + c
+    bb = s - prod
+    err = (prod - (s - bb)) + (c - bb)
+    bits = s.view(torch.int64)
+    inexact_even = ((err > 0) | (err < 0)) & ((bits & 1) == 0)  # NaN err (s not finite): untouched
+    bits = bits + torch.where(inexact_even, torch.where((err > 0) == (s > 0), 1, -1), 0)
+    return _r32(bits.view(torch.float64))
+
+
+_BF16_STATE_CHUNK = 1 << 16  # elements per pass of the reference: bounds its float64 temporaries
+
+
+def _torch_adam_bf16_state(
+    param: Tensor,
+    grad: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    hp: AdamHyperparams,
+    step: int,
+    seed: int,
+    offset: int,
+    grad_scale: float,
+) -> None:
+    """adam_bf16state (native/kernels_simd.h) in torch ops: every fp32 operation done in float64 and
+    rounded to fp32 (exact: see _r32), the multiply-adds rounded once (_fma32), the same constants as
+    dispatch.c adam_consts and the same hash, so the same bits as every native backend."""
+    bc1, bc2 = 1.0 - hp.beta1**step, 1.0 - hp.beta2**step  # pow, as adam_consts computes them
+    scale = _f32(-grad_scale if hp.maximize else grad_scale)
+    l2 = 0.0 if hp.adamw_mode else _f32(hp.weight_decay)
+    decay = _adamw_decay(hp)
+    w = _f32(1.0 - hp.beta1)
+    from_end = not w < 0.5
+    lerp_w = _f32(w - 1.0) if from_end else w
+    beta2, one_minus_beta2 = _f32(hp.beta2), _f32(1.0 - hp.beta2)
+    bc2_sqrt, neg_step_size, eps = _f32(bc2**0.5), _f32(-(hp.lr / bc1)), _f32(hp.eps)
+    for start in range(0, param.numel(), _BF16_STATE_CHUNK):
+        window = slice(start, start + _BF16_STATE_CHUNK)
+        gi = _r32(grad[window].double() * scale)
+        p, m, v = (t[window].double() for t in (param, exp_avg, exp_avg_sq))
+        if l2 != 0.0:
+            gi = _fma32(p, l2, gi)
+        p = _r32(p * decay)
+        m = _fma32(lerp_w, _r32(gi - m), gi if from_end else m)
+        v = _fma32(_r32(one_minus_beta2 * gi), gi, _r32(v * beta2))
+        denom = _r32(_r32(_r32(v.sqrt()) / bc2_sqrt) + eps)
+        p = _r32(p + _r32(_r32(neg_step_size * m) / denom))
+        bits = _sr_bits(seed, step, offset + start, p.numel())
+        for t, x, r in zip((param, exp_avg, exp_avg_sq), (p, m, v), bits):
+            t[window] = _round_bf16_stochastic(x.float(), r)
 
 
 def _torch_fingerprint16(words: Tensor, width: int = 1024) -> Tensor:

@@ -375,3 +375,41 @@ void lzo_adam_undo(const lzo_adam_hparams *hp, double grad_scale, double step, f
         k->undo(&c, p + lo, g + lo, m + lo, v + lo, len);
     }
 }
+
+/* splitmix64's finalizer: the keys of the bf16-state step's hash (kernels.py _sr_keys mirrors it). */
+static uint64_t mix64(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
+    return z ^ (z >> 31);
+}
+
+static lzo_sr_keys sr_keys(uint64_t seed, int64_t step, uint64_t high)
+{
+    uint64_t z = mix64(mix64(mix64(seed + 0x9e3779b97f4a7c15u) + (uint64_t)step) + high);
+    lzo_sr_keys k = {(uint32_t)z, (uint32_t)(z >> 32)};
+    return k;
+}
+
+void lzo_adam_step_bf16state(const lzo_adam_hparams *hp, double grad_scale, uint64_t seed, int64_t step,
+                             int64_t offset, uint16_t *p, const void *g, uint16_t *m, uint16_t *v,
+                             int64_t n, int grad_dtype, int num_threads)
+{
+    const lzo_kernel_table *k = active;
+    lzo_adam_consts c = adam_consts(hp, grad_scale, 0.0, (double)step);
+    int64_t gsz = element_size(grad_dtype);
+    int nt = num_threads > 1 ? num_threads : 1;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && n >= PARALLEL_MIN)
+    for (int64_t lo = 0; lo < n; lo += CHUNK) {
+        int64_t hi = n - lo < CHUNK ? n : lo + CHUNK;
+        /* the kernel counts indices in 32 bits: cut where the high half of the global index changes */
+        for (int64_t a = lo, b; a < hi; a = b) {
+            uint64_t index = (uint64_t)offset + (uint64_t)a, high = index >> 32;
+            uint64_t room = ((high + 1) << 32) - index;
+            b = (uint64_t)(hi - a) < room ? hi : a + (int64_t)room;
+            lzo_sr_keys keys = sr_keys(seed, step, high);
+            k->adam_bf16state(&c, &keys, (uint32_t)index, p + a, (const char *)g + a * gsz, m + a, v + a,
+                              b - a, grad_dtype);
+        }
+    }
+}

@@ -44,6 +44,10 @@ INLINE vint vi_and(vint a, vint b) { return _mm256_and_si256(a, b); }
 INLINE vint vi_or(vint a, vint b) { return _mm256_or_si256(a, b); }
 INLINE vint vi_shl16(vint a) { return _mm256_slli_epi32(a, 16); }
 INLINE vint vi_shr16(vint a) { return _mm256_srli_epi32(a, 16); }
+INLINE vint vi_shr15(vint a) { return _mm256_srli_epi32(a, 15); }
+INLINE vint vi_xor(vint a, vint b) { return _mm256_xor_si256(a, b); }
+INLINE vint vi_mullo(vint a, vint b) { return _mm256_mullo_epi32(a, b); }
+INLINE vint vi_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 INLINE vint vi_nan_select(vfloat x, vint if_nan, vint otherwise)
 {
     __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);

@@ -44,6 +44,10 @@ INLINE vint vi_and(vint a, vint b) { return _mm512_and_si512(a, b); }
 INLINE vint vi_or(vint a, vint b) { return _mm512_or_si512(a, b); }
 INLINE vint vi_shl16(vint a) { return _mm512_slli_epi32(a, 16); }
 INLINE vint vi_shr16(vint a) { return _mm512_srli_epi32(a, 16); }
+INLINE vint vi_shr15(vint a) { return _mm512_srli_epi32(a, 15); }
+INLINE vint vi_xor(vint a, vint b) { return _mm512_xor_si512(a, b); }
+INLINE vint vi_mullo(vint a, vint b) { return _mm512_mullo_epi32(a, b); }
+INLINE vint vi_load(const int32_t *p) { return _mm512_loadu_si512(p); }
 INLINE vint vi_nan_select(vfloat x, vint if_nan, vint otherwise)
 {
     return _mm512_mask_mov_epi32(otherwise, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), if_nan);

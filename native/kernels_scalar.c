@@ -180,4 +180,77 @@ static void probe(float *restrict p, const float *restrict g, float *restrict m,
 #define UNDO_TARGET
 #include "undo_body.h"
 
-const lzo_kernel_table lzo_kernels_scalar = {adam, accumulate, probe, undo};
+/* ---- bf16 state (kernels_simd.h, adam_bf16state, documents the rules) ---- */
+
+/* a * b + c rounded once, as the SIMD backends' fused multiply-add, where the CPU has no FMA (the bf16
+ * state kernel must give their bits). The product is exact in double; the sum is rounded to odd
+ * (round to nearest, then, if inexact and even, step to the neighbour on the side of the exact sum,
+ * found with TwoSum), and rounding to odd in 53 bits then to nearest in 24 is correct rounding. */
+static inline float fma_exact(float a, float b, float c)
+{
+    double prod = (double)a * (double)b, s = prod + (double)c, bb = s - prod;
+    double err = (prod - (s - bb)) + ((double)c - bb); /* NaN when s is not finite: left alone */
+    uint64_t u;
+    memcpy(&u, &s, sizeof u);
+    if ((err > 0.0 || err < 0.0) && !(u & 1u))
+        u += (err > 0.0) == (s > 0.0) ? 1u : (uint64_t)-1;
+    memcpy(&s, &u, sizeof s);
+    return (float)s;
+}
+
+#ifdef FP_FAST_FMAF
+#define FMA_EXACT(a, b, c) fmaf(a, b, c)
+#else
+#define FMA_EXACT(a, b, c) fma_exact(a, b, c)
+#endif
+
+static inline uint32_t hash32(uint32_t x) /* lowbias32, as kernels_simd.h */
+{
+    x = (x ^ (x >> 16)) * 0x7feb352du;
+    x = (x ^ (x >> 15)) * 0x846ca68bu;
+    return x ^ (x >> 16);
+}
+
+static inline uint16_t bf16_stochastic(float x, uint32_t r)
+{
+    uint32_t u = f32_bits(x);
+    return (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : (uint16_t)((u + r) >> 16);
+}
+
+static inline __attribute__((always_inline)) void
+adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index, uint16_t *restrict p,
+               const void *restrict g, uint16_t *restrict m, uint16_t *restrict v, int64_t n, int gdt)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        float gi = load_elem(g, i, gdt) * c->grad_scale, pi = bf16_to_f32(p[i]);
+        if (c->l2 != 0.0f)
+            gi = FMA_EXACT(pi, c->l2, gi);
+        pi = pi * c->decay;
+        float mi = bf16_to_f32(m[i]);
+        mi = FMA_EXACT(c->lerp_w, gi - mi, c->lerp_from_end ? gi : mi);
+        float vi = FMA_EXACT(c->one_minus_beta2 * gi, gi, bf16_to_f32(v[i]) * c->beta2);
+        float denom = sqrtf(vi) / c->bc2_sqrt + c->eps;
+        pi = pi + c->neg_step_size * mi / denom;
+        uint32_t idx = index + (uint32_t)i, hpm = hash32(idx ^ k->pm), hv = hash32(idx ^ k->v);
+        p[i] = bf16_stochastic(pi, hpm >> 16);
+        m[i] = bf16_stochastic(mi, hpm & 0xffffu);
+        v[i] = bf16_stochastic(vi, hv >> 16);
+    }
+}
+
+static void adam_bf16state(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index, uint16_t *p,
+                           const void *g, uint16_t *m, uint16_t *v, int64_t n, int gdt)
+{
+    switch (gdt) {
+    case LZO_BFLOAT16:
+        adam_bf16_loop(c, k, index, p, g, m, v, n, LZO_BFLOAT16);
+        return;
+    case LZO_FLOAT16:
+        adam_bf16_loop(c, k, index, p, g, m, v, n, LZO_FLOAT16);
+        return;
+    default:
+        adam_bf16_loop(c, k, index, p, g, m, v, n, LZO_FLOAT32);
+    }
+}
+
+const lzo_kernel_table lzo_kernels_scalar = {adam, accumulate, probe, undo, adam_bf16state};

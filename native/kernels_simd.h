@@ -6,8 +6,9 @@
  *   vfloat  W floats:       vf_load vf_store vf_stream vf_set1 vf_add vf_sub vf_mul vf_div vf_sqrt
  *                           vf_fmadd(a, b, c) = a * b + c rounded once; vf_load_f16 (W halves)
  *   vint    W int32 lanes:  vi_load_u16 (W uint16, zero-extended) vi_from_bits vf_from_bits vi_set1
- *                           vi_add vi_and vi_or vi_shl16 vi_shr16 vi_nan_select(x, a, b) (a where x
- *                           is NaN, else b) vi_narrow_u16 (each lane is <= 0xffff)
+ *                           vi_add vi_and vi_or vi_xor vi_mullo (low 32 bits of the product)
+ *                           vi_shl16 vi_shr16 vi_shr15 vi_load (W int32) vi_nan_select(x, a, b) (a
+ *                           where x is NaN, else b) vi_narrow_u16 (each lane is <= 0xffff)
  *   vhalf   W 16-bit lanes: vh_store vh_stream vh_from_f32_f16 (round to nearest even)
  *   vdouble W/2 doubles:    vd_zero vd_from_low vd_from_high (half of a vfloat each) vd_add
  *                           vd_fmadd vd_sum (horizontal, in the instruction set's fixed order)
@@ -159,6 +160,111 @@ TARGET static void adam(const lzo_adam_consts *c, float *p, const void *g, float
     ADAM_CASE(LZO_FLOAT16, LZO_FLOAT16)
 }
 
+/* ---- bf16 state: p, m, v stored as bf16, stochastically rounded (lzo_adam_step_bf16state) ---- */
+
+static const int32_t LANE_INDEX[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+/* lowbias32 (C. Wellons' 32-bit integer mix): a bijection with full avalanche, two multiplies. */
+INLINE vint hash32(vint x)
+{
+    x = vi_mullo(vi_xor(x, vi_shr16(x)), vi_set1(0x7feb352d));
+    x = vi_mullo(vi_xor(x, vi_shr15(x)), vi_set1((int)0x846ca68bu));
+    return vi_xor(x, vi_shr16(x));
+}
+
+INLINE vfloat load_bf16(const uint16_t *h) { return vf_from_bits(vi_shl16(vi_load_u16(h))); }
+
+/* Stochastic rounding: add r (16 random bits, < 2^16) below the kept mantissa and truncate. Sign and
+ * magnitude are separate, so this rounds the magnitude up with probability (dropped bits) / 2^16,
+ * for either sign; a carry out of the mantissa moves to the next binade (or from the largest finite
+ * value to inf), and inf (dropped bits 0) stays inf. NaN would carry into the sign: it is stored as
+ * the one quiet NaN 0x7fc0 instead, which also makes its bits independent of the backend. */
+INLINE vhalf bf16_stochastic(vfloat x, vint r)
+{
+    vint t = vi_shr16(vi_add(vi_from_bits(x), r));
+    return vi_narrow_u16(vi_nan_select(x, vi_set1(0x7fc0), t));
+}
+
+/* adam_vec's operations in adam_vec's order on the widened state; `index` is the low 32 bits of
+ * element i's global index (lanes add their position). */
+INLINE void adam_bf16_vec(const lzo_adam_consts *c, vint kpm, vint kv, uint32_t index, uint16_t *p,
+                          const void *g, uint16_t *m, uint16_t *v, int64_t i, int gdt)
+{
+    vfloat gi = vf_mul(load_as_f32(g, i, gdt), vf_set1(c->grad_scale));
+    vfloat pi = load_bf16(p + i);
+    if (c->l2 != 0.0f)
+        gi = vf_fmadd(pi, vf_set1(c->l2), gi);
+    pi = vf_mul(pi, vf_set1(c->decay));
+    vfloat mi = load_bf16(m + i);
+    vfloat d = vf_sub(gi, mi);
+    mi = vf_fmadd(vf_set1(c->lerp_w), d, c->lerp_from_end ? gi : mi);
+    vfloat vi = vf_mul(load_bf16(v + i), vf_set1(c->beta2));
+    vi = vf_fmadd(vf_mul(vf_set1(c->one_minus_beta2), gi), gi, vi);
+    vfloat denom = vf_add(vf_div(vf_sqrt(vi), vf_set1(c->bc2_sqrt)), vf_set1(c->eps));
+    pi = vf_add(pi, vf_div(vf_mul(vf_set1(c->neg_step_size), mi), denom));
+    vint idx = vi_add(vi_set1((int)index), vi_load(LANE_INDEX));
+    vint hpm = hash32(vi_xor(idx, kpm)), hv = hash32(vi_xor(idx, kv));
+    vh_store(p + i, bf16_stochastic(pi, vi_shr16(hpm)));
+    vh_store(m + i, bf16_stochastic(mi, vi_and(hpm, vi_set1(0xffff))));
+    vh_store(v + i, bf16_stochastic(vi, vi_shr16(hv)));
+}
+
+/* Fewer than W elements, through zero-padded buffers: the same arithmetic and bits as full vectors. */
+INLINE void adam_bf16_partial(const lzo_adam_consts *c, vint kpm, vint kv, uint32_t index, uint16_t *p,
+                              const void *g, uint16_t *m, uint16_t *v, int64_t n, int gdt)
+{
+    size_t r = (size_t)n, gsz = gdt == LZO_FLOAT32 ? 4 : 2;
+    uint16_t pb[W] = {0}, mb[W] = {0}, vb[W] = {0};
+    float gb[W] = {0};
+    memcpy(pb, p, r * 2);
+    memcpy(gb, g, r * gsz);
+    memcpy(mb, m, r * 2);
+    memcpy(vb, v, r * 2);
+    adam_bf16_vec(c, kpm, kv, index, pb, gb, mb, vb, 0, gdt);
+    memcpy(p, pb, r * 2);
+    memcpy(m, mb, r * 2);
+    memcpy(v, vb, r * 2);
+}
+
+#define BF16_LINE 32 /* bf16 elements per 64-byte cache line */
+
+INLINE void adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index, uint16_t *p,
+                           const void *g, uint16_t *m, uint16_t *v, int64_t n, int gdt)
+{
+    vint kpm = vi_set1((int)k->pm), kv = vi_set1((int)k->v);
+    int64_t i = 0, gsz = gdt == LZO_FLOAT32 ? 4 : 2;
+    for (; i + BF16_LINE <= n; i += BF16_LINE) { /* one cache line of each bf16 stream */
+        _mm_prefetch((const char *)(p + i + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(m + i + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)(v + i + PREFETCH), _MM_HINT_T0);
+        _mm_prefetch((const char *)g + (i + PREFETCH) * gsz, _MM_HINT_T0);
+        if (gsz == 4)
+            _mm_prefetch((const char *)g + (i + PREFETCH) * 4 + 64, _MM_HINT_T0);
+        for (int j = 0; j < BF16_LINE; j += W)
+            adam_bf16_vec(c, kpm, kv, index + (uint32_t)(i + j), p, g, m, v, i + j, gdt);
+    }
+    for (; i + W <= n; i += W)
+        adam_bf16_vec(c, kpm, kv, index + (uint32_t)i, p, g, m, v, i, gdt);
+    if (i < n)
+        adam_bf16_partial(c, kpm, kv, index + (uint32_t)i, p + i, (const char *)g + i * gsz, m + i, v + i,
+                          n - i, gdt);
+}
+
+TARGET static void adam_bf16state(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index,
+                                  uint16_t *p, const void *g, uint16_t *m, uint16_t *v, int64_t n, int gdt)
+{
+    switch (gdt) {
+    case LZO_BFLOAT16:
+        adam_bf16_loop(c, k, index, p, g, m, v, n, LZO_BFLOAT16);
+        return;
+    case LZO_FLOAT16:
+        adam_bf16_loop(c, k, index, p, g, m, v, n, LZO_FLOAT16);
+        return;
+    default:
+        adam_bf16_loop(c, k, index, p, g, m, v, n, LZO_FLOAT32);
+    }
+}
+
 INLINE void accumulate_vec(float *dst, const void *src, int64_t i, int sdt, vfloat scale, int mode,
                            int stream, vdouble *acc_lo, vdouble *acc_hi)
 {
@@ -247,4 +353,4 @@ TARGET static void probe(float *p, const float *g, float *m, float *v, int64_t n
 #define UNDO_TARGET TARGET
 #include "undo_body.h"
 
-const lzo_kernel_table KERNEL_TABLE = {adam, accumulate, probe, undo};
+const lzo_kernel_table KERNEL_TABLE = {adam, accumulate, probe, undo, adam_bf16state};

@@ -73,6 +73,18 @@ double lzo_sum_squares(const void *src, int64_t n, int src_dtype, int num_thread
 void lzo_adam_undo(const lzo_adam_hparams *hp, double grad_scale, double step, float *p,
                    const float *g, float *m, float *v, int64_t n, int num_threads);
 
+/* One Adam/AdamW step on bf16 state (native/kernels_simd.h, adam_bf16state): p, m and v are bf16,
+ * widened to fp32 and updated exactly as lzo_adam_step computes (same constants, same operations),
+ * then stored back in place with stochastic rounding: 16 random bits added below the kept mantissa,
+ * then truncated. The bits are a counter-based hash of (seed, step, offset + i), element i being the
+ * global element offset + i, so any split over calls or threads and every instruction set give the
+ * same bits. NaN is stored as the quiet NaN 0x7fc0; inf stays inf; a finite value becomes inf only
+ * if it lies above the largest finite bf16, with the probability of rounding up. step >= 1, offset >= 0
+ * (the caller checks). grad_dtype: LZO_FLOAT32, LZO_BFLOAT16 or LZO_FLOAT16. */
+void lzo_adam_step_bf16state(const lzo_adam_hparams *hp, double grad_scale, uint64_t seed, int64_t step,
+                             int64_t offset, uint16_t *p, const void *g, uint16_t *m, uint16_t *v,
+                             int64_t n, int grad_dtype, int num_threads);
+
 /* Position-weighted checksum of n 16-bit words, sum of x[i] * (i + 1) mod 2^64 with x signed
  * (native/fingerprint.c): tells whether device parameters were written between two points. */
 uint64_t lzo_fingerprint16(const void *src, int64_t n, int num_threads);
@@ -100,6 +112,13 @@ typedef struct {
     float scale;
 } lzo_undo_consts;
 
+/* The hash keys of one piece of a bf16-state step (from seed, step and the high 32 bits of the
+ * global element index): the p and m bits come from hash32(index ^ pm), the v bits from
+ * hash32(index ^ v). */
+typedef struct {
+    uint32_t pm, v;
+} lzo_sr_keys;
+
 /* What accumulate does with dst: dst += src * scale, dst = src * scale, or nothing (dst is not
  * read or written, only the sum of squares of src * scale is returned). */
 enum { LZO_ACC_ADD = 0, LZO_ACC_OVERWRITE = 1, LZO_ACC_READ = 2 };
@@ -112,6 +131,9 @@ typedef struct {
                          int mode, int stream);
     void (*probe)(float *p, const float *g, float *m, float *v, int64_t n);
     void (*undo)(const lzo_undo_consts *c, float *p, const float *g, float *m, float *v, int64_t n);
+    /* n elements whose global indices have the same high 32 bits; `index` is the low 32 of the first */
+    void (*adam_bf16state)(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index, uint16_t *p,
+                           const void *g, uint16_t *m, uint16_t *v, int64_t n, int grad_dtype);
 } lzo_kernel_table;
 
 extern const lzo_kernel_table lzo_kernels_scalar;
