@@ -21,6 +21,13 @@ each row reports the median; ratios are taken between rows of the same run.
 
     python benchmarks/cpu_adam.py            # full run (about 3 minutes on 2 cores)
     python benchmarks/cpu_adam.py --quick    # small sizes, few repetitions
+
+bf16 state (``--bf16-state``, issue 19): kernels.adam_step_bf16_state (bf16 p, m, v, stochastically
+rounded; fp32 or bf16 grad) beside the fp32-state step that publishes the same bf16 params, on one flat
+tensor, every row interleaved in one measurement per (threads, N), with each row's byte count and its
+fraction of the roofline for that byte count; writes results/cpu_adam_bf16_state.json:
+
+    python benchmarks/cpu_adam.py --bf16-state
 """
 
 from __future__ import annotations
@@ -233,6 +240,117 @@ def measure(cases: dict[str, Callable[[], None]], reps: int, warmup: int) -> dic
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+# Bytes per param moved by each bf16-state row and the fp32-state step it replaces (read + write).
+BF16_STATE_ROWS = {
+    "fp32 state, fp32 grad": 28,  # p, g, m, v read (16), p, m, v written (12)
+    "fp32 state, fp32 grad, bf16 out": 30,  # + the bf16 copy to publish
+    "bf16 state, fp32 grad": 16,  # p, m, v bf16 read and written (12), fp32 g read (4); p is the copy
+    "fp32 state, bf16 grad, bf16 out": 28,
+    "bf16 state, bf16 grad": 12,
+}
+BF16_STATE_PAIRS = [  # (bf16 state, the fp32-state step publishing the same bf16 params)
+    ("bf16 state, fp32 grad", "fp32 state, fp32 grad, bf16 out"),
+    ("bf16 state, fp32 grad", "fp32 state, fp32 grad"),
+    ("bf16 state, bf16 grad", "fp32 state, bf16 grad, bf16 out"),
+]
+RESULTS_BF16_STATE = Path(__file__).parent / "results" / "cpu_adam_bf16_state.json"
+
+
+def bf16_state_cases(n: int, threads: int) -> dict[str, Callable[[], None]]:
+    """kernels.adam_step_bf16_state against kernels.adam_step on one flat tensor, with the roofline."""
+    probe = [torch.randn(n) for _ in range(4)]
+    cases: dict[str, Callable[[], None]] = {"roofline": lambda: kernels.bandwidth_probe(*probe, num_threads=threads)}
+    hparams = kernels.AdamHyperparams(**HP, adamw_mode=True)
+    step = 1  # a fixed step number: the work per call does not depend on it
+    for name in BF16_STATE_ROWS:
+        grad = make([n], torch.bfloat16 if "bf16 grad" in name else torch.float32)[0]
+        if name.startswith("bf16 state"):
+            p, m, v = make([n], torch.bfloat16)[0], make([n], torch.bfloat16)[0], make([n], torch.bfloat16)[0].abs_()
+
+            def run(p=p, grad=grad, m=m, v=v) -> None:
+                kernels.adam_step_bf16_state(
+                    p, grad, m, v, step=step, seed=1, hparams=hparams, grad_scale=FACTOR, num_threads=threads
+                )
+        else:
+            p, m, v = make([n])[0], make([n])[0], make([n])[0].abs_()
+            out = make([n], torch.bfloat16, fill="zeros")[0] if "bf16 out" in name else None
+
+            def run(p=p, grad=grad, m=m, v=v, out=out) -> None:
+                kernels.adam_step(
+                    p, grad, m, v, step=step, hparams=hparams, grad_scale=FACTOR, param_out=out, num_threads=threads
+                )
+
+        cases[name] = run
+    return cases
+
+
+def measure_samples(cases: dict[str, Callable[[], None]], reps: int, warmup: int) -> dict[str, list[float]]:
+    """measure()'s interleaved repetitions, returning every timed sample (seconds) per case."""
+    names = list(cases)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(warmup + reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            start = time.perf_counter()
+            cases[name]()
+            if rep >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def bf16_state_rows(threads: list[int], sizes_n: list[int], reps: int) -> list[dict[str, object]]:
+    """Issue 19: the bf16-state step beside the fp32-state fused step it replaces, in one measurement.
+
+    The roofline column converts the probe's 28 B/param into GB/s and divides it by each row's own
+    byte count (BF16_STATE_ROWS): the fraction of the memory bandwidth the row achieves.
+    """
+    rows = []
+    print(f"{'threads':>7} {'N':>5} {'impl':<32} {'B/param':>7} {'ms':>8} {'Mparam/s':>9} {'% roof':>7}")
+    for t in threads:
+        for n in sizes_n:
+            cases = bf16_state_cases(n, t)
+            load = os.getloadavg()[0]
+            samples = measure_samples(cases, reps=reps, warmup=3)
+            medians = {k: statistics.median(ts) for k, ts in samples.items()}
+            best = {k: min(ts) for k, ts in samples.items()}
+            gb_s = 28 * n / medians["roofline"] / 1e9
+            row = {
+                "threads": t,
+                "n": n,
+                "load_average_1min": load,
+                "roofline_gb_per_s": gb_s,
+                "bytes_per_param": BF16_STATE_ROWS,
+                "seconds": medians,
+                "mparam_per_s": {k: n / s / 1e6 for k, s in medians.items()},
+                "percent_of_roofline": {
+                    k: 100 * n * BF16_STATE_ROWS[k] / medians[k] / 1e9 / gb_s for k in BF16_STATE_ROWS
+                },
+                "ratios": {f"{a} / {b}": medians[b] / medians[a] for a, b in BF16_STATE_PAIRS},
+                # the fastest repetition: what the kernels do when the shared machine lets them run
+                "best_seconds": best,
+                "best_ratios": {f"{a} / {b}": best[b] / best[a] for a, b in BF16_STATE_PAIRS},
+                "best_percent_of_roofline": {
+                    k: 100 * BF16_STATE_ROWS[k] / best[k] * best["roofline"] / 28 for k in BF16_STATE_ROWS
+                },
+            }
+            rows.append(row)
+            for name, s in medians.items():
+                size = BF16_STATE_ROWS.get(name, 28)
+                pct = 100 * n * size / s / 1e9 / gb_s
+                label = f"2^{n.bit_length() - 1}"
+                print(f"{t:>7} {label:>5} {name:<32} {size:>7} {s * 1e3:8.2f} {n / s / 1e6:9.0f} {pct:6.1f}%")
+            ratios = "  ".join(f"{k}: {v:.2f}x" for k, v in row["ratios"].items())
+            print(f"{'':>7} ratios  {ratios}  (roofline {gb_s:.1f} GB/s, load average {load:.1f})")
+            best_gb_s = 28 * n / best["roofline"] / 1e9
+            cells = "  ".join(
+                f"{k}: {n / best[k] / 1e6:.0f} Mparam/s {row['best_percent_of_roofline'][k]:.0f}%"
+                for k in BF16_STATE_ROWS
+            )
+            ratios = "  ".join(f"{k}: {v:.2f}x" for k, v in row["best_ratios"].items())
+            print(f"{'':>7} fastest repetitions  {cells}  (roofline {best_gb_s:.1f} GB/s)  ratios  {ratios}")
+            del cases
+    return rows
+
+
 def machine_info() -> dict[str, object]:
     model = platform.processor()
     try:
@@ -257,10 +375,25 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tensors", type=int, default=200, help="tensors in the many-tensor layout")
+    parser.add_argument(
+        "--bf16-state", action="store_true", help=f"only the bf16-state rows (issue 19), to {RESULTS_BF16_STATE.name}"
+    )
     parser.add_argument("--out", type=Path, default=None, help=f"JSON report (default: {RESULTS}; --quick: none)")
     args = parser.parse_args()
     sizes_n = [1 << 18, 1 << 20] if args.quick else [1 << 22, 1 << 25]
     reps = args.reps or (5 if args.quick else 30)
+    if args.bf16_state:
+        report = {
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine_info(),
+            "config": {"sizes": sizes_n, "reps": reps, "warmup": 3, "hparams": HP, "grad_factor": FACTOR},
+            "rows": bf16_state_rows(args.threads, sizes_n, reps),
+        }
+        out = args.out or (None if args.quick else RESULTS_BF16_STATE)
+        if out is not None:
+            out.write_text(json.dumps(report, indent=2) + "\n")
+            print(f"wrote {out}")
+        return
 
     rows = []
     header = f"{'threads':>7} {'N':>9} {'layout':>11} {'impl':<14} {'ms':>8} {'Mparam/s':>9} {'% roof':>7}"
