@@ -138,6 +138,18 @@ def every_size_case(size: int):
     return p0, grads, torch_steps(p0, grads, HP, adamw_mode=True, maximize=False)
 
 
+def test_the_native_extension_was_built_with_every_kernel() -> None:
+    """The extension is optional at install time (no compiler: torch fallback), so a source that stops
+    compiling would pass silently; on machines with a compiler, as here and in CI, it must be there."""
+    import shutil
+
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the torch fallback is expected")
+    assert kernels.lib is not None, f"the native extension failed to build or load: {kernels._import_error}"
+    for name in ("lzo_adam_step", "lzo_adam_undo", "lzo_grad_accumulate", "lzo_fingerprint16"):
+        assert hasattr(kernels.lib, name), f"{name} is missing from the built extension: rebuild it (pip install -e .)"
+
+
 @pytest.mark.parametrize("size", SIZES)
 def test_adam_matches_torch_every_size(size: int, backend: str) -> None:
     p0, grads, expected = every_size_case(size)
