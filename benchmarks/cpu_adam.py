@@ -22,6 +22,13 @@ each row reports the median; ratios are taken between rows of the same run.
     python benchmarks/cpu_adam.py            # full run (about 3 minutes on 2 cores)
     python benchmarks/cpu_adam.py --quick    # small sizes, few repetitions
 
+Thread counts (``--thread-rows``): only the fused offload step and the roofline, on one flat tensor (the
+engine's case), at each ``--threads`` count (``cores``, ``cores-2``: counted from the usable cores),
+all counts interleaved in one measurement, with ``--busy`` K spinning processes beside it standing in
+for the threads an accelerator run keeps busy (launch thread, autograd thread):
+
+    python benchmarks/cpu_adam.py --thread-rows --threads cores cores-2 --busy 0 2
+
 bf16 state (``--bf16-state``, issue 19): kernels.adam_step_bf16_state (bf16 p, m, v, stochastically
 rounded; fp32 or bf16 grad) beside the fp32-state step that publishes the same bf16 params, on one flat
 tensor, every row interleaved in one measurement per (threads, N), with each row's byte count and its
@@ -38,6 +45,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -225,6 +234,105 @@ def build_cases(sizes: list[int], threads: int) -> dict[str, Callable[[], None]]
     return cases
 
 
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def thread_count(token: str) -> int:
+    """``"8"``, ``"cores"`` or ``"cores-2"`` (the usable cores minus 2, at least 1)."""
+    if token.startswith("cores"):
+        return max(1, usable_cores() + int(token[5:] or 0))  # the suffix is signed: cores-2 is cores + (-2)
+    return int(token)
+
+
+def offload_case(n: int, threads: int) -> Callable[[], None]:
+    """The engine's CPU step on one flat shard: bf16 gradient in, fp32 master + moments, bf16 params out."""
+    master, m, v = make([n]), make([n], fill="zeros"), make([n], fill="zeros")
+    grad, out = make([n], torch.bfloat16), make([n], torch.bfloat16, fill="zeros")
+    step = {"step": 0}
+
+    def run() -> None:
+        step["step"] += 1
+        kernels.adam_step_multi(
+            master,
+            grad,
+            m,
+            v,
+            [step["step"]],
+            adamw_mode=True,
+            grad_scale=FACTOR,
+            params_out=out,
+            num_threads=threads,
+            **HP,
+        )
+
+    return run
+
+
+def roofline_case(n: int, threads: int) -> Callable[[], None]:
+    probe = [torch.randn(n) for _ in range(4)]
+    return lambda: kernels.bandwidth_probe(*probe, num_threads=threads)
+
+
+class Busy:
+    """``count`` processes spinning on a core each while the measurement runs (stand-ins for busy threads)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Busy:
+        spin = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end: pass"
+        self.procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(self.count)]
+        time.sleep(0.3 if self.count else 0)  # let them start spinning
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+def thread_rows(threads: list[int], n: int, reps: int, busy: int = 0) -> dict[str, object]:
+    """The fused offload step and the roofline at each thread count, interleaved in one measurement.
+
+    Issue 20 item 5: the kernels default to every usable core, while on an accelerator the launch and
+    autograd threads need cores too; ``busy`` spinning processes stand in for them. Reports Mparam/s per
+    count and each count's step time relative to the first count's (below 1: faster than it).
+    """
+    threads = list(dict.fromkeys(threads))  # cores-2 is cores on a 2-core machine: measure each once
+    cases: dict[str, Callable[[], None]] = {}
+    for t in threads:
+        cases[f"ours offload @{t}"] = offload_case(n, t)
+        cases[f"roofline @{t}"] = roofline_case(n, t)
+    with Busy(busy):
+        load = os.getloadavg()[0]
+        medians = measure(cases, reps=reps, warmup=3)
+    first = medians[f"ours offload @{threads[0]}"]
+    return {
+        "n": n,
+        "busy": busy,
+        "threads": threads,
+        "cores_usable": usable_cores(),
+        "load_average_1min": load,
+        "seconds": medians,
+        "mparam_per_s": {k: n / t / 1e6 for k, t in medians.items()},
+        "offload_time_vs_first": {t: medians[f"ours offload @{t}"] / first for t in threads},
+    }
+
+
+def print_thread_rows(row: dict[str, object]) -> None:
+    times = row["offload_time_vs_first"]
+    cells = "  ".join(
+        f"{t} threads: {row['mparam_per_s'][f'ours offload @{t}']:6.0f} Mparam/s"
+        f" (roofline {row['mparam_per_s'][f'roofline @{t}']:6.0f}), time {times[t]:.2f}x"
+        for t in row["threads"]
+    )
+    print(
+        f"busy {row['busy']}  N 2^{row['n'].bit_length() - 1}  {cells}  (load average {row['load_average_1min']:.1f})"
+    )
+
+
 def measure(cases: dict[str, Callable[[], None]], reps: int, warmup: int) -> dict[str, float]:
     """Median seconds per call; every repetition runs every case once, in a rotating order."""
     names = list(cases)
@@ -373,15 +481,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="N = 2^18, 2^20 and 5 repetitions")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions per case")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--threads", nargs="+", default=["1", "2"], help="counts, or cores / cores-2 (usable cores)")
     parser.add_argument("--tensors", type=int, default=200, help="tensors in the many-tensor layout")
+    parser.add_argument("--thread-rows", action="store_true", help="only the offload step per --threads count")
+    parser.add_argument("--busy", type=int, nargs="+", default=[0], help="--thread-rows: spinning processes beside")
     parser.add_argument(
         "--bf16-state", action="store_true", help=f"only the bf16-state rows (issue 19), to {RESULTS_BF16_STATE.name}"
     )
     parser.add_argument("--out", type=Path, default=None, help=f"JSON report (default: {RESULTS}; --quick: none)")
     args = parser.parse_args()
+    args.threads = [thread_count(t) for t in args.threads]
     sizes_n = [1 << 18, 1 << 20] if args.quick else [1 << 22, 1 << 25]
     reps = args.reps or (5 if args.quick else 30)
+    if args.thread_rows:
+        report = {"machine": machine_info(), "reps": reps, "rows": []}
+        for busy in args.busy:
+            report["rows"].append(thread_rows(args.threads, sizes_n[-1], reps, busy))
+            print_thread_rows(report["rows"][-1])
+        if args.out is not None:
+            args.out.write_text(json.dumps(report, indent=2) + "\n")
+        return
     if args.bf16_state:
         report = {
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
