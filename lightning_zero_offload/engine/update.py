@@ -137,13 +137,16 @@ def update_and_publish(
     plan: Plan,
     done: Collection[int] = (),
     done_out: torch.Tensor | None = None,
+    published: Collection[int] = (),
 ) -> tuple[float, float]:
-    """Update every bucket not in ``done`` and publish all of them; returns (update, publish) seconds.
+    """Update every bucket not in ``done`` and publish all of them but ``published``; returns (update,
+    publish) seconds.
 
     Pipelined: the worker updates bucket k+1 while bucket k is published. Buckets in ``done`` were
     already updated (speculatively, during backward); their low-precision copy waits in ``done_out``
     (this rank's shard; None: publish the fp32 master itself). Their copies may still be running on
-    return: ``engine.wait_publish()`` before writing ``done_out`` or the master again.
+    return: ``engine.wait_publish()`` before writing ``done_out`` or the master again. Buckets in
+    ``published`` (a subset of ``done``) are on the device already: published during backward.
     """
     pool = engine.publish_pool
 
@@ -159,6 +162,8 @@ def update_and_publish(
     todo = {b.index: runs for b, runs in pairs}
     update_s = publish_s = 0.0
     for bucket in engine.layout.buckets:
+        if bucket.index in published:
+            continue
         if bucket.index in done:
             source = None if done_out is None else done_out[bucket.shard_range]
             t = time.perf_counter()

@@ -3,15 +3,17 @@
 On a backward that ends an accumulation window (the caller says so: ``engine.expect_step()``), the
 gradient worker runs the fused Adam step of a bucket as soon as that bucket's gradient is final in
 the CPU buffer (after its reduce-scatter when sharded), with no clip factor. The low-precision result
-goes to a host buffer, never to the device. After backward the engine validates:
+goes to a host buffer and, at one rank, straight on to the device (see "Publishing during backward").
+After backward the engine validates:
 
 - no overflow, clipping off or not triggered, hyperparameters unchanged: the kernel saw exactly the
   inputs the synchronous step would have given it, so the speculated buckets are published as they
-  are, bitwise equal to ``cpu_step="sync"``;
+  are (those not published during backward yet), bitwise equal to ``cpu_step="sync"``;
 - clipping triggered (or hyperparameters changed): every speculated bucket is rolled back (or, for
   clip-by-value, each bucket that had an element over the limit) and updated again by the
-  synchronous path with the right factor;
-- overflow / inf / nan: every speculated bucket is rolled back and the step is skipped as in sync.
+  synchronous path with the right factor, which publishes it again;
+- overflow / inf / nan: every speculated bucket is rolled back and the step is skipped as in sync;
+  buckets published during backward get the master's rounding again.
 
 Rolling back is ``"undo"`` (the step inverted algebraically by :func:`kernels.adam_undo`: no memory,
 one pass costing about 1.2 Adam steps, equal to sync within fp32 rounding) or ``"snapshot"`` (the bucket's
@@ -30,6 +32,25 @@ speculation pauses while clipping triggered in at least ``PAUSE_TRIGGERS`` of th
 ``WINDOW`` steps (early training often clips every step), and resumes once fewer did. The trigger
 is still observed while paused: the global norm says whether norm clipping triggers; for clipping by
 value, a global norm above the limit counts as triggered (an element over it is then possible).
+
+Publishing during backward (one rank): a speculated bucket's gradient is final, so no later part of
+this backward adds to it, and autograd has already run every node that reads its weights: the
+post-accumulate-grad hook fires only once all nodes with an edge into a parameter have run, and
+every node that saved a parameter for backward has such an edge (tied weights: the one hook fires
+after both uses; activation checkpointing without reentrancy recomputes a segment before that
+segment's nodes produce their gradients; a parameter getting its gradient twice in one pass, as
+reentrant checkpointing can do, is refused by engine/grads.py). So the gradient worker copies the
+bucket to the device as soon as its step is done (on a stream of its own, through
+``engine.publish``, which records the bucket's checksum for engine/param_writes.py), and only the
+last buckets' steps and copies stay after backward. What can still read the weights later is code
+outside autograd's edges: a tensor saved for backward that aliases a parameter without tracking
+its gradient (``w.detach()``), a custom Function reading a module's weight in its backward, a
+backward hook. For the first, the parameter's version counter is bumped before the copy, so torch
+raises its "modified by an inplace operation" error instead of computing with the new weights; the
+others see the new weights (set ``publish_during_backward = False`` on this class for such models).
+Between backward and ``step()`` the parameters of buckets published early already hold the step's
+result. Several ranks publish after validation, as the all-gathers must be issued in the same order
+everywhere.
 """
 
 from __future__ import annotations
@@ -43,10 +64,17 @@ import torch
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.adam import AdamHyperparams
 from lightning_zero_offload.engine.layout import Bucket
-from lightning_zero_offload.engine.memory import host_zeros
-from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs, apply_now
+from lightning_zero_offload.engine.memory import host_zeros, on_stream, side_stream
+from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs
 from lightning_zero_offload.engine.stats import StepStats
-from lightning_zero_offload.engine.update import Run, plan_bucket, read_all_hyperparams, update_bucket
+from lightning_zero_offload.engine.update import (
+    Run,
+    make_plan,
+    plan_bucket,
+    read_all_hyperparams,
+    update_and_publish,
+    update_bucket,
+)
 
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.engine import OffloadEngine
@@ -56,6 +84,7 @@ class SpeculativeSchedule(Schedule):
     name = "speculative"
     WINDOW = 8
     PAUSE_TRIGGERS = 4
+    publish_during_backward = True  # see the module docstring; False publishes only after validation
 
     def __init__(self, engine: OffloadEngine) -> None:
         super().__init__(engine)
@@ -74,6 +103,13 @@ class SpeculativeSchedule(Schedule):
         self.speculate_s = 0.0
         self.recent: deque[bool] = deque(maxlen=self.WINDOW)  # clipping triggered, per recent step
         self.rollbacks = 0  # steps (or abandoned backward passes) whose speculation was rolled back
+        self.publishing = False  # the backward running now publishes its speculated buckets
+        self.publish_stream = side_stream(engine.device)  # those copies stay off the compute stream
+        self.early: set[int] = set()  # speculated buckets already on the device (the worker adds)
+        # Buckets whose device copy is a speculated step since rolled back, with what the device was given
+        # (None: not kept; such a bucket is published again before anything compares with it).
+        self.stale: dict[int, torch.Tensor | None] = {}
+        self.early_published = 0  # buckets published during backward, over the schedule's life
         engine.grads.on_accumulated = self._on_bucket
 
     @property
@@ -83,16 +119,20 @@ class SpeculativeSchedule(Schedule):
     # -- during backward -----------------------------------------------------------------------
 
     def on_backward_start(self, step_follows: bool) -> None:
-        if self.speculated:  # speculated for a step that never came: take it back before more gradient lands
+        if self.speculated or self.stale:  # speculated for a step that never came: take it back first
             self.settle()
         self.engine.wait_publish()  # the last copies to the device read the buffers speculation writes
         self.armed = step_follows and not self.paused
+        self.publishing = self.armed and self.publish_during_backward and self.engine.layout.world_size == 1
         if self.armed:
             self.hparams = read_all_hyperparams(self.engine)
             self.multiplier = 1.0 / self.engine.loss_scale
 
     def on_backward_end(self) -> None:
-        self.armed = False
+        # Called once the gradient worker is idle: nothing is speculated or published after this.
+        self.armed = self.publishing = False
+        if self.early:  # the copies and checksums queued during backward: done before anything reads them
+            self.engine.wait_publish()
 
     def _on_bucket(self, bucket: Bucket, final: bool) -> None:
         """Gradient worker: ``bucket``'s gradient was just accumulated. Speculate its step if it is final
@@ -115,7 +155,20 @@ class SpeculativeSchedule(Schedule):
         out = None if self.out is None else self.out[window]
         update_bucket(engine, bucket, runs, engine.grad, out)
         self.speculated[index] = runs
+        if self.publishing:
+            self._publish_early(bucket, out)
         self.speculate_s += time.perf_counter() - start
+
+    def _publish_early(self, bucket: Bucket, out: torch.Tensor | None) -> None:
+        """Gradient worker: put the speculated bucket on the device while backward goes on."""
+        engine = self.engine
+        for index in bucket.param_indices:
+            # Before the copy, so a saved alias of the weights read after it raises torch's in-place error.
+            torch.autograd.graph.increment_version(engine.params[index])
+        with on_stream(self.publish_stream):
+            engine.publish(bucket, out, pooled=False)  # waited for in on_backward_end
+        self.early.add(bucket.index)
+        self.early_published += 1
 
     # -- after backward ------------------------------------------------------------------------
 
@@ -136,32 +189,60 @@ class SpeculativeSchedule(Schedule):
             self._roll_back(redo)
             stats.rolled_back = True
         done = set(self.speculated)
+        published = self.early  # all speculated still: a rolled-back bucket left it
         stats.speculated_fraction = sum(self.bucket_numel[i] for i in done) / max(1, sum(self.bucket_numel))
         stats.cpu_step_s = self.speculate_s
         self.speculate_s = 0.0
-        self.speculated = {}
-        apply_now(engine, inputs, stats, done, self.out)
+        self.speculated, self.early = {}, set()
+        # The synchronous step (base.apply_now) for the rest; stale buckets are not in done, so they are
+        # updated again and published.
+        if inputs.clamp_limit is not None:
+            engine.clamp_grads(inputs.clamp_limit)
+        plan = make_plan(engine, inputs.has_grad, inputs.multiplier)
+        update_s, stats.copy_back_s = update_and_publish(engine, plan, done, self.out, published)
+        stats.cpu_step_s += update_s
+        self.stale = {}
 
     def on_skip(self, stats: StepStats) -> None:
-        if self.speculated:
-            stats.rolled_back = True
+        if self.speculated or self.stale:
+            stats.rolled_back = bool(self.speculated)
             self.settle()
+
+    def published_chunk(self, bucket: Bucket) -> torch.Tensor | None:
+        # A bucket published during backward and rolled back since: the device holds the speculated result.
+        return self.stale.get(bucket.index)
 
     def before_param_writes_merge(self, buckets: list[int]) -> None:
         # A bucket written after its step was speculated is updated again from the written values.
-        self.engine.grads.wait()
+        engine = self.engine
+        engine.grads.wait()
         written = [index for index in buckets if index in self.speculated]
+        kept = {}
+        if self.out is None:  # fp32: the device was given the master itself, which the rollback changes
+            kept = {i: engine.master[engine.layout.buckets[i].shard_range].clone() for i in written if i in self.early}
         if written:
-            self._roll_back(written)
+            self._roll_back(written, kept)
 
     def settle(self) -> None:
         """Take back speculation that was not validated (no step, or a skipped one)."""
         self.engine.grads.wait()
         if self.speculated:
             self._roll_back(list(self.speculated))
+        self._republish_stale()
         self.speculate_s = 0.0
 
-    def _roll_back(self, buckets: list[int]) -> None:
+    def _republish_stale(self) -> None:
+        """Give the device the master's rounding of every bucket rolled back after it was published."""
+        engine, pool = self.engine, self.engine.publish_pool
+        for index in sorted(self.stale):
+            bucket = engine.layout.buckets[index]
+            out = pool.acquire() if pool is not None else None
+            if out is not None:
+                out[: bucket.shard_numel].copy_(engine.master[bucket.shard_range])
+            engine.publish(bucket, out)
+        self.stale = {}
+
+    def _roll_back(self, buckets: list[int], kept: dict[int, torch.Tensor] | None = None) -> None:
         engine = self.engine
         for index in buckets:
             window = engine.layout.buckets[index].shard_range
@@ -184,6 +265,9 @@ class SpeculativeSchedule(Schedule):
                         num_threads=engine.num_threads,
                     )
             del self.speculated[index]
+            if index in self.early:
+                self.early.discard(index)
+                self.stale[index] = self.out[window] if self.out is not None else (kept or {}).get(index)
         self.rollbacks += 1
 
     # -- checkpoints and accounting --------------------------------------------------------------
