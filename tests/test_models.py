@@ -2,8 +2,9 @@
 
 Each model trains a few steps through the Trainer (with a sanity validation first) in both strategies
 from the same initial weights and batches. Under AMP the weights are fp32; under zero_offload they are
-bf16/fp16 on the device, so the loss curves differ by weight rounding only: they must agree within 2%
-step by step, and the loss on the same batches must drop from the first epoch to the second.
+bf16/fp16 on the device, so the loss curves differ by weight rounding only: they must agree step by step
+within a tolerance set per model from the difference observed (``TRACKING``), and the loss on the same
+batches must drop from the first epoch to the second.
 """
 
 from __future__ import annotations
@@ -148,18 +149,32 @@ def assert_tracks(ours: Wrapped, ref: Wrapped, rel: float) -> None:
     assert sum(ours.losses[epoch:]) < 0.95 * sum(ours.losses[:epoch])  # and it learns
 
 
+# Largest relative loss difference from AMP over the 12 steps, observed (torch 2.13, avx2 kernels) -> the
+# tolerance, about 5x above it. AMP runs the non-matmul ops (norms, embeddings) on fp32 weights where
+# zero_offload has their bf16/fp16 copy: that, not noise, is the difference; a stale or unscaled update
+# moves the losses by several percent.
+TRACKING = {
+    ("demo_transformer", "bf16-mixed"): 1e-2,  # observed 2.0e-3
+    ("cnn", "bf16-mixed"): 4e-3,  # observed 7.2e-4
+    ("gpt2", "bf16-mixed"): 1.5e-3,  # observed 2.5e-4
+    ("llama", "bf16-mixed"): 1.5e-3,  # observed 2.5e-4
+    ("cnn", "16-mixed"): 1.5e-3,  # observed 2.6e-4
+    ("gpt2", "16-mixed"): 2e-4,  # observed 3.2e-5
+}
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_model_trains_in_bf16_mixed_like_amp(name):
     ref = train(name, "auto", "bf16-mixed")
     ours = train(name, "zero_offload", "bf16-mixed")
-    assert_tracks(ours, ref, rel=0.02)
+    assert_tracks(ours, ref, rel=TRACKING[name, "bf16-mixed"])
 
 
 @pytest.mark.parametrize("name", ["cnn", "gpt2"])
 def test_model_trains_in_16_mixed_like_amp(name):
     ref = train(name, "auto", "16-mixed")
     ours = train(name, "zero_offload", "16-mixed")
-    assert_tracks(ours, ref, rel=0.02)
+    assert_tracks(ours, ref, rel=TRACKING[name, "16-mixed"])
 
 
 def test_batchnorm_running_stats_stay_fp32_and_match_amp():
