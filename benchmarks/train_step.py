@@ -559,19 +559,44 @@ def main() -> None:
         f"on {device.type}"
     )
     print(f"{title}; {torch.get_num_threads()} torch threads; variants {variants}")
+    name = ("quick" if args.quick else args.preset) + ("" if args.precision == "bf16-mixed" else f"_{args.precision}")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"train_step_{name}.json")
     samples: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for round_index in range(args.rounds):
         for v in variants:
             samples[v].append(run_variant(v, spec, device, args))
             print(f"round {round_index + 1}/{args.rounds} {v}: {samples[v][-1]['step_ms']:.1f} ms/step", flush=True)
-    rows = {v: merge(s) for v, s in samples.items()}
+            # after every run, not only at the end: a run stopped by a time limit keeps what it measured
+            write_record(out, rows_of(samples), args, spec, params, device, complete=False)
+    rows = rows_of(samples)
+    print_table(rows)
+    write_record(out, rows, args, spec, params, device, complete=True)
+    print(f"wrote {out}")
+    if args.figure != "none":
+        figure = Path(args.figure or ROOT / "docs" / "figures" / f"train_step_{name}.png")
+        plot(rows, title, figure)
+        print(f"wrote {figure}")
+
+
+def rows_of(samples: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """One row per variant measured so far, with its ratios to the other rows."""
+    rows = {v: merge(s) for v, s in samples.items() if s}
     for v, r in rows.items():
         r["step_time_ratio_to"] = {o: r["step_ms"] / rows[o]["step_ms"] for o in rows if o != v}
         r["cpu_time_ratio_to"] = {o: r["cpu_ms"] / rows[o]["cpu_ms"] for o in rows if o != v}
-    print_table(rows)
+    return rows
 
-    name = ("quick" if args.quick else args.preset) + ("" if args.precision == "bf16-mixed" else f"_{args.precision}")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"train_step_{name}.json")
+
+def write_record(
+    out: Path,
+    rows: dict[str, dict[str, Any]],
+    args: argparse.Namespace,
+    spec: dict[str, Any],
+    params: int,
+    device: torch.device,
+    complete: bool,
+) -> None:
+    """The JSON record; ``complete`` is False while rounds are still to run."""
     record = {
         "command": " ".join(["python", *sys.argv]),
         "machine": {"platform": platform.platform(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads()},
@@ -583,15 +608,13 @@ def main() -> None:
         "model": {**spec, "params": params},
         "precision": args.precision,
         "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "complete": complete,
         "rows": rows,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2))
-    print(f"wrote {out}")
-    if args.figure != "none":
-        figure = Path(args.figure or ROOT / "docs" / "figures" / f"train_step_{name}.png")
-        plot(rows, title, figure)
-        print(f"wrote {figure}")
+    partial = out.with_name(out.name + ".part")
+    partial.write_text(json.dumps(record, indent=2))
+    partial.replace(out)  # atomic: a reader (or a kill) never sees half a file
 
 
 if __name__ == "__main__":
