@@ -8,6 +8,7 @@ nothing. The global gradient norm is computed on the CPU anyway and logged here 
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -17,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_zero_offload.engine import OffloadEngine, StepStats
 from lightning_zero_offload.engine.grads import hidden_fraction
 
-_TIMINGS = ("backward", "transfer_wait", "cpu_step", "update_wait", "copy_back")
+_TIMINGS = ("backward", "transfer_wait", "cpu_step", "update_wait", "copy_back")  # the engine's StepStats
 # What plain mixed-precision Adam keeps on the device per parameter: fp32 weights (4), fp32 grads (4),
 # two fp32 Adam moments (8); the paper's fp16-weights + fp32-master variant also totals 16.
 PLAIN_MIXED_ADAM_DEVICE_BYTES = 16
@@ -27,7 +28,11 @@ class OffloadMetrics(L.Callback):
     """Logs ``offload/*`` metrics after every optimizer step and prints a summary when fit ends.
 
     Added automatically by ``ZeroOffloadStrategy`` (``metrics=True``); add it yourself to change its
-    arguments. Metrics: ``backward_ms``, ``transfer_wait_ms`` (gradient transfer not hidden behind
+    arguments. Metrics: ``forward_ms`` (from ``on_train_batch_start``, or the end of the previous backward,
+    to the start of each backward, summed over the accumulation window: forward, loss and Lightning's
+    bookkeeping around them), ``step_ms`` (wall time of the optimizer step from the window's first
+    ``on_train_batch_start`` to ``on_train_batch_end``; data loading not included), ``backward_ms``,
+    ``transfer_wait_ms`` (gradient transfer not hidden behind
     backward), ``hidden_transfer_pct``, ``cpu_step_ms``, ``update_wait_ms`` (DPU: background update not
     hidden), ``copy_back_ms``, ``grad_norm``, ``loss_scale`` (fp16), ``skipped_steps``,
     ``speculated_fraction`` (``cpu_step="speculative"``: share of the parameters updated during backward
@@ -44,6 +49,9 @@ class OffloadMetrics(L.Callback):
         self._seen_steps = 0
         self._totals: dict[str, float] = defaultdict(float)
         self._count = 0
+        self._window_start: float | None = None  # first on_train_batch_start since the last optimizer step
+        self._forward_from: float | None = None  # batch start or end of the last backward: forward runs from here
+        self._forward_s = 0.0
 
     @staticmethod
     def _engine(trainer: L.Trainer) -> OffloadEngine | None:
@@ -55,16 +63,41 @@ class OffloadMetrics(L.Callback):
         self._seen_steps = engine.step_calls if engine is not None else 0
         self._totals.clear()
         self._count = 0
+        self._window_start = None
+        self._forward_s = 0.0
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        if self._window_start is None:
+            self._window_start = now
+        self._forward_from = now
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
+        if self._forward_from is not None:
+            self._forward_s += time.perf_counter() - self._forward_from
+            self._forward_from = None
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Manual optimization may run another forward before its next backward: that counts as forward too.
+        self._forward_from = time.perf_counter()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        self._forward_from = None  # after the last backward of the batch: the optimizer step, not forward
         engine = self._engine(trainer)
         if engine is None or engine.step_calls == self._seen_steps:
             return  # no optimizer step in this batch (gradient accumulation)
         self._seen_steps = engine.step_calls
         stats: StepStats = engine.last
-        metrics = {f"offload/{name}_ms": 1e3 * getattr(stats, f"{name}_s") for name in _TIMINGS}
+        now = time.perf_counter()
+        step_s = now - self._window_start if self._window_start is not None else 0.0
+        forward_s, self._forward_s, self._window_start = self._forward_s, 0.0, None
+        metrics = {"offload/forward_ms": 1e3 * forward_s}
+        metrics.update({f"offload/{name}_ms": 1e3 * getattr(stats, f"{name}_s") for name in _TIMINGS})
+        metrics["offload/step_ms"] = 1e3 * step_s
         metrics["offload/hidden_transfer_pct"] = 100.0 * stats.hidden_transfer_fraction
         metrics["offload/grad_norm"] = stats.grad_norm
         metrics["offload/skipped_steps"] = float(engine.skipped_steps)
@@ -77,6 +110,8 @@ class OffloadMetrics(L.Callback):
             pl_module.log(name, value, prog_bar=name in on_bar, on_step=True, on_epoch=False, rank_zero_only=True)
         for name in _TIMINGS:
             self._totals[name] += getattr(stats, f"{name}_s")
+        self._totals["forward"] += forward_s
+        self._totals["step"] += step_s
         self._totals["transfer"] += stats.transfer_s
         self._totals["speculated_fraction"] += stats.speculated_fraction
         self._count += 1
@@ -117,7 +152,8 @@ def format_summary(engine: OffloadEngine, totals: dict[str, float], steps: int) 
         per = {k: 1e3 * v / steps for k, v in totals.items()}
         hidden = 100 * hidden_fraction(totals["transfer"], totals["transfer_wait"])
         lines.append(
-            f"  per optimizer step over {steps} steps: backward {per['backward']:.1f} ms, transfer wait "
+            f"  per optimizer step over {steps} steps ({per.get('step', 0.0):.1f} ms): forward "
+            f"{per.get('forward', 0.0):.1f} ms, backward {per['backward']:.1f} ms, transfer wait "
             f"{per['transfer_wait']:.1f} ms ({hidden:.0f}% of transfers hidden), CPU step {per['cpu_step']:.1f} ms, "
             f"DPU wait {per['update_wait']:.1f} ms, copy-back {per['copy_back']:.1f} ms; "
             f"skipped steps {engine.skipped_steps}"

@@ -12,10 +12,11 @@ Each positional argument is a ``metrics.csv`` or a log directory holding one. Wr
 
 * ``loss.png``: ``train_loss`` (line) and ``val_loss`` (markers) against the step, one colour per run, and
   ``val_ppl`` in a second panel when logged;
-* ``time_breakdown.png``: only if columns named ``offload/*_ms`` exist (e.g. ``offload/cpu_step_ms``,
-  ``offload/transfer_wait_ms``, ``offload/copy_back_ms``, ``offload/backward_ms``): each of them against
-  the step per run, and a stacked bar of their per-step means, one bar per run (runs without such columns
-  are left out of this figure).
+* ``time_breakdown.png``: only if columns named ``offload/*_ms`` exist (``offload/forward_ms``,
+  ``offload/backward_ms``, ``offload/cpu_step_ms``, ...): one panel per run with each phase against the
+  step, and one panel with each phase's mean per step as its own bar, labelled with its share of the
+  whole step (``offload/step_ms``) and grouped by run; both on a log scale, so phases a hundred times
+  smaller than backward stay visible (runs without such columns are left out of this figure).
 
 Needs matplotlib, an optional extra: ``pip install lightning-zero-offload[plot]``.
 """
@@ -31,6 +32,12 @@ from pathlib import Path
 TIME_PREFIX = "offload/"
 TIME_SUFFIX = "_ms"
 INSTALL_HINT = "pip install 'lightning-zero-offload[plot]'"
+STEP_COLUMN = "offload/step_ms"  # OffloadMetrics' wall time of the whole optimizer step
+# The phases OffloadMetrics logs, in the order a step runs them (others found in a CSV follow, sorted).
+PHASE_ORDER = [
+    f"{TIME_PREFIX}{name}{TIME_SUFFIX}"
+    for name in ("forward", "backward", "transfer_wait", "cpu_step", "update_wait", "copy_back")
+]
 
 
 def resolve_metrics_path(path: str | Path) -> Path:
@@ -120,37 +127,82 @@ def plot_losses(plt, runs, labels, out: Path) -> Path:
     return path
 
 
+def phase_columns(columns: list[str]) -> tuple[list[str], str | None]:
+    """The columns to draw as phases, in the order a step runs them, and the whole-step column if logged.
+
+    ``offload/step_ms`` is the wall time of the step, not a phase: it is drawn as the total the phases add
+    up to (the gap is what no phase measures: zero_grad, hooks, logging).
+    """
+    total = STEP_COLUMN if STEP_COLUMN in columns else None
+    known = [c for c in PHASE_ORDER if c in columns]
+    return known + [c for c in columns if c not in known and c != STEP_COLUMN], total
+
+
 def plot_time_breakdown(plt, runs, labels, columns: list[str], out: Path) -> Path:
-    short = [c[len(TIME_PREFIX) : -len(TIME_SUFFIX)] for c in columns]
+    phases, total = phase_columns(columns)
+    short = {c: c[len(TIME_PREFIX) : -len(TIME_SUFFIX)] for c in columns}
+    color = {c: f"C{k % 10}" for k, c in enumerate(phases)}
     keep = [i for i, run in enumerate(runs) if any(c in run for c in columns)]
     runs, labels = [runs[i] for i in keep], [labels[i] for i in keep]
     n = len(runs)
-    fig, axes = plt.subplots(1, n + 1, figsize=(5 * (n + 1), 4.5), squeeze=False)
+    # One phase usually dominates (backward on a CPU), so both panels use a log scale: a linear stacked bar
+    # shows one colour. Zeros cannot be drawn on it and are named in a note instead.
+    fig, axes = plt.subplots(1, n + 1, figsize=(6 * (n + 1), 4.8), squeeze=False)
     for j, (run, label) in enumerate(zip(runs, labels)):
         ax = axes[0][j]
-        for k, (col, name) in enumerate(zip(columns, short)):
-            if col in run:
-                steps, values = zip(*run[col])
-                ax.plot(steps, values, color=f"C{k % 10}", linewidth=1, label=name)
+        for col in phases + ([total] if total else []):
+            points = [(s, v) for s, v in run.get(col, []) if v > 0]
+            if not points:
+                continue
+            steps, values = zip(*points)
+            if col == total:
+                ax.plot(steps, values, color="black", linestyle="--", linewidth=1.2, label="whole step")
+            else:
+                ax.plot(steps, values, color=color[col], linewidth=1, label=short[col])
+        ax.set_yscale("log")
         ax.set_xlabel("step")
-        ax.set_ylabel("ms")
-        ax.set_title(f"{label}: time per step")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        ax.set_ylabel("ms (log scale)")
+        ax.set_title(f"{label}: time per step", fontsize="medium")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     ax = axes[0][n]
-    bottoms = [0.0] * n
-    for k, (col, name) in enumerate(zip(columns, short)):
-        heights = [mean([v for _, v in run.get(col, [])]) for run in runs]
-        ax.bar(range(n), heights, bottom=bottoms, color=f"C{k % 10}", label=name)
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
-    ax.set_xticks(range(n))
-    ax.set_xticklabels(labels, rotation=20, ha="right", fontsize="small")
-    ax.set_ylabel("mean ms per step")
-    ax.set_title("Mean time breakdown")
-    ax.legend(fontsize="small")
+    means = [{c: mean([v for _, v in run.get(c, [])]) for c in phases} for run in runs]
+    steps = [mean([v for _, v in run.get(total, [])]) if total else 0.0 for run in runs]
+    # A phase at 0 ms in every run (update_wait outside DPU, transfers in place) gets no row, only the note.
+    drawn = [c for c in phases if any(m[c] > 0 for m in means)]
+    zero = [short[c] for c in phases if c not in drawn]
+    rows = (["whole step"] if any(steps) else []) + [short[c] for c in drawn]
+    height = 0.8 / n
+    smallest = min([m[c] for m in means for c in drawn if m[c] > 0] or [1.0])
+    for j, label in enumerate(labels):
+        whole = steps[j] or sum(means[j].values())  # shares of the measured step, else of the phases' sum
+        bars = ([("whole step", steps[j], "0.6" if n == 1 else f"C{j % 10}")] if any(steps) else []) + [
+            (short[c], means[j][c], color[c] if n == 1 else f"C{j % 10}") for c in drawn
+        ]
+        for k, (name, value, colour) in enumerate(bars):
+            y = k + (j - (n - 1) / 2) * height
+            if value <= 0:
+                continue
+            ax.barh(y, value, height=height * 0.9, color=colour, label=label if k == len(bars) - 1 and n > 1 else None)
+            share = f" ({100 * value / whole:.1f}%)" if whole > 0 and name != "whole step" else ""
+            text = f"{value:,.0f}" if value >= 10 else f"{value:.2g}"
+            ax.text(value, y, f" {text} ms{share}", va="center", fontsize="small")
+    ax.set_xscale("log")
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(rows)
+    ax.invert_yaxis()  # the whole step on top, then the phases in the order a step runs them
+    ax.set_xlim(smallest / 5, max([*steps, *(m[c] for m in means for c in drawn)]) * 20)  # room for labels
+    ax.set_xlabel("mean ms per step (log scale)")
+    ax.set_title("Mean time per phase (% of the whole step)", fontsize="medium")
+    ax.grid(alpha=0.3, axis="x", which="both")
+    if n > 1:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    if zero:
+        ax.annotate(f"0 ms on every step (no bar): {', '.join(zero)}", (0, -0.14), xycoords="axes fraction",
+                    fontsize="small", va="top")  # fmt: skip
     fig.tight_layout()
     path = out / "time_breakdown.png"
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # keeps the legends placed outside the axes
     plt.close(fig)
     return path
 

@@ -1,3 +1,5 @@
+import time
+
 import lightning as L
 import pytest
 import torch
@@ -27,11 +29,43 @@ def test_metrics_are_logged_per_optimizer_step_and_summary_printed(tmp_path, cap
         assert f"offload/{name}" in metrics, name
     assert metrics["offload/cpu_step_ms"] > 0 and 0 <= metrics["offload/hidden_transfer_pct"] <= 100
     assert metrics["offload/grad_norm"] > 0 and metrics["offload/skipped_steps"] == 0
+    assert 0 < metrics["offload/forward_ms"] < metrics["offload/step_ms"]
+    assert metrics["offload/forward_ms"] + metrics["offload/backward_ms"] < metrics["offload/step_ms"]
     csv = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
     assert "offload/cpu_step_ms" in csv[0] and len(csv) == 1 + 6  # one row per optimizer step, not per batch
     summary = caplog.text
     assert "16 B/param for plain mixed-precision Adam" in summary and "2.0 B/param (parameters)" in summary
-    assert "per optimizer step over 6 steps" in summary
+    assert "per optimizer step over 6 steps" in summary and "forward" in summary
+
+
+class SlowForward(Classifier):
+    """A training step that takes at least FORWARD_S, before its backward."""
+
+    FORWARD_S = 0.05
+
+    def training_step(self, batch, batch_idx):
+        time.sleep(self.FORWARD_S)
+        return super().training_step(batch, batch_idx)
+
+
+def test_forward_time_is_the_training_step_summed_over_the_accumulation_window(tmp_path):
+    trainer = L.Trainer(
+        strategy="zero_offload",
+        max_steps=3,
+        accumulate_grad_batches=2,
+        log_every_n_steps=1,
+        **{**QUIET, "logger": CSVLogger(tmp_path)},
+    )
+    trainer.fit(SlowForward(), loader())
+    rows = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    steps = [dict(zip(header, row.split(","))) for row in rows[1:]]
+    assert len(steps) == 3
+    for row in steps:
+        forward, backward, step = (float(row[f"offload/{k}_ms"]) for k in ("forward", "backward", "step"))
+        # Two micro-batches per optimizer step, each sleeping in training_step before its backward.
+        assert 2e3 * SlowForward.FORWARD_S <= forward < step
+        assert forward + backward + float(row["offload/cpu_step_ms"]) <= step
 
 
 def test_fp16_logs_the_loss_scale_and_metrics_can_be_turned_off():
@@ -52,7 +86,8 @@ def test_fp16_logs_the_loss_scale_and_metrics_can_be_turned_off():
 def test_summary_reports_the_hidden_share_of_transfers_as_a_percentage():
     engine = OffloadEngine(torch.optim.AdamW(make_net().parameters()), CPU, torch.float32, options())
     totals = dict.fromkeys(
-        ("backward", "transfer_wait", "cpu_step", "update_wait", "copy_back", "speculated_fraction"), 0.0
+        ("forward", "backward", "transfer_wait", "cpu_step", "update_wait", "copy_back", "speculated_fraction", "step"),
+        0.0,
     )
     totals.update(transfer=1.0, transfer_wait=0.25)
     assert "(75% of transfers hidden)" in format_summary(engine, totals, 1)
