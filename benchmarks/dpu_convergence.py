@@ -67,6 +67,24 @@ def train(
     return {key: [(int(r["step"]), float(r[key])) for r in rows if r.get(key)] for key in keys}
 
 
+def resolved_precision(config: Path, cli_args: list[str]) -> list[str]:
+    """``--trainer.precision=...`` for both runs when neither the config nor the overrides give one.
+
+    Left to the CLI, each run would measure bf16 against fp32 anew at its start (cli.cpu_precision), and
+    on a CPU near the threshold the two runs could train in different precisions: resolved once here.
+    """
+    import yaml
+
+    from lightning_zero_offload.cli import measured_cpu_precision
+
+    if any(a.startswith("--trainer.precision") for a in cli_args):
+        return []
+    trainer = (yaml.safe_load(config.read_text()) or {}).get("trainer", {})
+    if trainer.get("precision") is not None or trainer.get("accelerator") != "cpu":
+        return []
+    return [f"--trainer.precision={measured_cpu_precision()['precision']}"]
+
+
 def first_rollback_step(run: dict[str, list[tuple[int, float]]]) -> int | None:
     """The first logged step whose cumulative rollback count is above zero (None: nothing was rolled back)."""
     return next((step for step, count in run["offload/rollbacks"] if count > 0), None)
@@ -101,9 +119,10 @@ def main() -> None:
     else:  # overlap on for both: on a CPU device "auto" turns the worker off, and speculation runs on it
         label = "speculative"
         other, sync = {"cpu_step": "speculative", "overlap": True}, {"cpu_step": "sync", "overlap": True}
+    cli_args = [*args.cli_args, *resolved_precision(args.config, args.cli_args)]
     runs = {
-        "synchronous": train("sync", args.config, sync, args.max_steps, args.runs, args.cli_args),
-        label: train(args.schedule, args.config, other, args.max_steps, args.runs, args.cli_args),
+        "synchronous": train("sync", args.config, sync, args.max_steps, args.runs, cli_args),
+        label: train(args.schedule, args.config, other, args.max_steps, args.runs, cli_args),
     }
     curves = {name: run["val_loss"] for name, run in runs.items()}
     (sync_step, sync_loss), (dpu_step, dpu_loss) = (c[-1] for c in curves.values())
@@ -116,7 +135,7 @@ def main() -> None:
         "steps": sync_step,
         "warmup": args.warmup,
         "weight_prediction": args.weight_prediction,
-        "overrides": args.cli_args,
+        "overrides": cli_args,
         "final_val_loss": {"synchronous": sync_loss, args.schedule: dpu_loss},
         "relative_difference": (dpu_loss - sync_loss) / sync_loss,
         "every_logged_loss_bitwise_equal": bitwise_equal_before(sync_run, other_run, None),

@@ -14,6 +14,7 @@ Model and data default to :class:`~lightning_zero_offload.demo.GPT` and
 
 from __future__ import annotations
 
+import platform
 import time
 from typing import Any
 
@@ -41,33 +42,103 @@ class ZeroOffloadCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         trainer = config["trainer"]
+        self.precision_choice: dict[str, Any] = {"precision": trainer.get("precision"), "precision_source": "given"}
         if trainer.get("precision") is None and trainer.get("accelerator") == "cpu":
-            trainer["precision"] = cpu_precision()
+            self.precision_choice = measured_cpu_precision()
+            trainer["precision"] = self.precision_choice["precision"]
+
+    def before_fit(self) -> None:
+        # In the run's hparams.yaml too (config.yaml holds only the result): two runs of one config that
+        # trained in different precisions say so, and why.
+        choice = getattr(self, "precision_choice", None)
+        if choice is not None and choice["precision"] is not None:
+            for logger in self.trainer.loggers:
+                logger.log_hyperparams(choice)
 
     def after_fit(self) -> None:
         report_fit(self.trainer, self.datamodule)
 
 
+BF16_MAX_SLOWDOWN = 1.5  # bf16-mixed is chosen where a bf16 matmul takes at most this many times the fp32 one
+# Measured slowdowns this close to the threshold (a factor of 1.3 either side) may fall on either side on
+# another start: the choice is then announced as unstable.
+NEAR_THRESHOLD = 1.3
+
+
 def pick_cpu_precision(bf16_matmul_s: float, fp32_matmul_s: float) -> str:
     """bf16 weights halve memory and traffic, but only pay where the CPU multiplies bf16 natively."""
-    return "bf16-mixed" if bf16_matmul_s <= 1.5 * fp32_matmul_s else "32-true"
+    return "bf16-mixed" if bf16_matmul_s <= BF16_MAX_SLOWDOWN * fp32_matmul_s else "32-true"
 
 
-def cpu_precision(size: int = 256, repeats: int = 5) -> str:
-    """The precision the CPU trains fastest in, measured: CPUs without AVX-512 BF16 or AMX run bf16
-    matmuls some 30x slower than fp32 (measured on an AVX2 server), which turns minutes into hours."""
+def native_bf16() -> bool | None:
+    """Whether this CPU multiplies bf16 natively (x86: AVX-512 BF16 or AMX), by torch's CPU feature checks;
+    None where they cannot tell (another architecture, a torch without them)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    checks = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    if not all(callable(check) for check in checks):
+        return None
+    return any(check() for check in checks)
+
+
+def measured_cpu_precision(size: int = 128, repeats: int = 3) -> dict[str, Any]:
+    """The precision the CPU trains fastest in, and why: CPUs without AVX-512 BF16 or AMX run bf16 matmuls
+    some 30x slower than fp32 (measured on an AVX2 server), which turns minutes into hours. Decided by the
+    CPU's features where torch can tell (the same answer at every start), else measured. Prints the choice
+    and why; the dict goes to the run's hparams (``before_fit``)."""
+    native = native_bf16()
+    if native is not None:
+        choice = "bf16-mixed" if native else "32-true"
+        has = "has AVX-512 BF16 or AMX" if native else "has neither AVX-512 BF16 nor AMX"
+        print(
+            f"[zero-offload] precision not given: {choice}, because this CPU {has} (torch.cpu feature check). "
+            f"Pass --trainer.precision to choose another.",
+            flush=True,
+        )
+        return {"precision": choice, "precision_source": f"CPU features: {has}"}
 
     def seconds(dtype: torch.dtype) -> float:
-        a = torch.randn(size, size).to(dtype)
-        a @ a  # warm-up: kernel selection
+        # A generator of its own: LightningCLI has seeded the global one already, and drawing from it here
+        # would give the model another initialisation (and the data another order) than the same config
+        # with --trainer.precision given (the demo and the benchmarks diverged from the first step).
+        generator = torch.Generator().manual_seed(0)
+        # A training-shaped product (tokens x width times width x 4 width, as in an MLP): on an AVX2 CPU a
+        # square 256 x 256 bf16 matmul measured only 1.7-11x fp32, too close to the threshold to be stable.
+        a = torch.randn(4 * size, size, generator=generator).to(dtype)
+        b = torch.randn(size, 4 * size, generator=generator).to(dtype)
+        a @ b  # warm-up: kernel selection
         start = time.perf_counter()
         for _ in range(repeats):
-            a @ a
+            a @ b
         return time.perf_counter() - start
 
-    choice = pick_cpu_precision(seconds(torch.bfloat16), seconds(torch.float32))
-    print(f"[zero-offload] precision not given: {choice}, measured fastest on this CPU", flush=True)
-    return choice
+    bf16_s, fp32_s = seconds(torch.bfloat16), seconds(torch.float32)
+    choice = pick_cpu_precision(bf16_s, fp32_s)
+    slowdown = bf16_s / max(fp32_s, 1e-12)
+    print(
+        f"[zero-offload] precision not given: {choice}, because a {4 * size}x{size} @ {size}x{4 * size} bf16 "
+        f"matmul took {slowdown:.2f}x the fp32 one on this CPU (bf16-mixed where <= {BF16_MAX_SLOWDOWN}x). "
+        f"Pass --trainer.precision={choice} to fix it.",
+        flush=True,
+    )
+    if 1 / NEAR_THRESHOLD <= slowdown / BF16_MAX_SLOWDOWN <= NEAR_THRESHOLD:
+        print(
+            f"[zero-offload] {slowdown:.2f}x is close to {BF16_MAX_SLOWDOWN}x: another start on this machine may "
+            "measure the other side and train in the other precision. Runs meant to be compared should pass "
+            "--trainer.precision.",
+            flush=True,
+        )
+    return {
+        "precision": choice,
+        "precision_source": f"measured: bf16 matmul {slowdown:.2f}x fp32 (bf16-mixed where <= {BF16_MAX_SLOWDOWN}x)",
+        "bf16_matmul_s": bf16_s,
+        "fp32_matmul_s": fp32_s,
+    }
+
+
+def cpu_precision(size: int = 128, repeats: int = 3) -> str:
+    """The precision :func:`measured_cpu_precision` picks (and prints)."""
+    return measured_cpu_precision(size, repeats)["precision"]
 
 
 def final_metrics(trainer: Any, datamodule: Any) -> dict[str, float]:
