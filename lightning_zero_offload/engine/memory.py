@@ -13,7 +13,9 @@ Every buffer made here is recorded in the :class:`MemoryLedger` that is current 
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 import queue
 import threading
 import warnings
@@ -149,6 +151,9 @@ def _register_pinned(tensor: torch.Tensor) -> bool:
         pointer = tensor.data_ptr()
         status = cudart.cudaHostRegister(pointer, nbytes, 0)
         if int(status) != 0:
+            # The runtime keeps the failure as this thread's last error, and torch's check after the next
+            # kernel launch would report it as that kernel's error: clear it here, where it is handled.
+            clear_cuda_error(cudart)
             raise RuntimeError(f"cudaHostRegister returned {status}")
     except Exception as error:  # no driver, locked-memory limit (ulimit -l), container limits...
         warnings.warn(
@@ -169,28 +174,67 @@ def _unregister_pinned(cudart: Any, pointer: int) -> None:
     cudart.cudaHostUnregister(pointer)
 
 
+_CUDART_NAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
+
+
+def clear_cuda_error(cudart: Any) -> None:
+    """Reset the CUDA runtime's last error of the calling thread (``cudaGetLastError``).
+
+    Uses torch's binding where it has one; otherwise the runtime library torch already loaded (looked up
+    with ``RTLD_NOLOAD``, so it is the same instance and its error state; nothing new is loaded).
+    """
+    get_last_error = getattr(cudart, "cudaGetLastError", None)
+    if get_last_error is not None:
+        get_last_error()
+        return
+    for name in _CUDART_NAMES:
+        try:
+            library = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        library.cudaGetLastError()
+        return
+
+
 class BufferPool:
     """A fixed set of equal host buffers, handed out one at a time and returned with a completion event.
 
     ``acquire`` blocks until a buffer is free and its last transfer has finished, so a buffer is never
     overwritten while a copy still reads it. Thread-safe: the gradient worker returns buffers.
+
+    The thread that would return a buffer can fail instead: it then calls :meth:`fail`, which wakes a
+    waiting ``acquire`` and makes every later one raise that error, so the waiter never blocks forever.
     """
 
     def __init__(
         self, count: int, numel: int, dtype: torch.dtype, pin: bool, ledger: MemoryLedger | None = None
     ) -> None:
-        self._free: queue.SimpleQueue[tuple[torch.Tensor, torch.Event | None]] = queue.SimpleQueue()
+        # None in the queue is the wake-up sent by fail().
+        self._free: queue.SimpleQueue[tuple[torch.Tensor, torch.Event | None] | None] = queue.SimpleQueue()
+        self._error: BaseException | None = None
         self.buffers = [host_empty(numel, dtype, pin, "staging", ledger) for _ in range(count)]
         for buffer in self.buffers:
             self._free.put((buffer, None))
 
     def acquire(self) -> torch.Tensor:
-        buffer, event = self._free.get()
+        if self._error is not None:
+            raise self._error
+        item = self._free.get()
+        if item is None:
+            self._free.put(None)  # wake the next waiter too
+            raise self._error  # type: ignore[misc]
+        buffer, event = item
         wait_event(event)
         return buffer
 
     def release(self, buffer: torch.Tensor, event: torch.Event | None = None) -> None:
         self._free.put((buffer, event))
+
+    def fail(self, error: BaseException) -> None:
+        """The pool's users failed with ``error``: waiting and later acquires raise it (the first one kept)."""
+        if self._error is None:
+            self._error = error
+            self._free.put(None)
 
 
 class HostToDevice:
@@ -256,6 +300,12 @@ class DeviceBufferPool:
     completed; if none has, it allocates another, up to ``cap`` buffers; at the cap it waits (on the
     device, not the host) for the oldest transfer. ``waits`` records (transfer waited for, transfer
     released last) per such wait, so tests can check it is never the latest.
+
+    A reused buffer always gets a stream wait on its event, also when the event has completed (then the
+    wait costs nothing): a completed ``query()`` orders nothing for the CUDA sanitizer, a stream wait
+    does. With every buffer in use, ``acquire`` allocates past the cap (the caller bounds how many it
+    holds); a buffer returned while more than ``cap`` exist is freed once its transfer has completed,
+    so the pool keeps at most ``cap``.
     """
 
     def __init__(
@@ -269,14 +319,19 @@ class DeviceBufferPool:
         self.numel, self.dtype, self.device, self.cap = numel, dtype, device, cap
         self._ledger = ledger or current_ledger()
         self._free: deque[tuple[torch.Tensor, torch.Event | None, Hashable]] = deque()
+        # Buffers beyond the cap, kept only until the transfer reading them has completed.
+        self._retiring: list[tuple[torch.Tensor, torch.Event | None]] = []
         self._last_released: Hashable = None
-        self.allocated = 0
+        self.allocated = 0  # buffers that exist now
+        self.peak = 0  # the most that existed at once (what the ledger records)
         self.waits: list[tuple[Hashable, Hashable]] = []
 
     def acquire(self) -> torch.Tensor:
+        self._drop_retired()
         for position, (buffer, event, _) in enumerate(self._free):
             if event is None or event.query():
                 del self._free[position]
+                stream_wait_event(event, self.device)
                 return buffer
         if self._free and self.allocated >= self.cap:
             buffer, event, tag = self._free.popleft()
@@ -284,14 +339,28 @@ class DeviceBufferPool:
             self.waits.append((tag, self._last_released))
             return buffer
         self.allocated += 1
-        return device_empty(self.numel, self.dtype, self.device, "gradient buckets", self._ledger)
+        buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        if self.allocated > self.peak:  # recorded once per high-water mark: freed extras come back as the same bytes
+            self.peak = self.allocated
+            _record(self._ledger, DEVICE, "gradient buckets", buffer)
+        return buffer
 
     def release(self, buffer: torch.Tensor, event: torch.Event | None, tag: Hashable) -> None:
-        self._free.append((buffer, event, tag))
         self._last_released = tag
+        if self.allocated - len(self._retiring) > self.cap:  # more than the cap would stay
+            self._retiring.append((buffer, event))
+            self._drop_retired()
+            return
+        self._free.append((buffer, event, tag))
+
+    def _drop_retired(self) -> None:
+        kept = [(buffer, event) for buffer, event in self._retiring if event is not None and not event.query()]
+        self.allocated -= len(self._retiring) - len(kept)
+        self._retiring = kept
 
     def clear(self) -> None:
         self._free.clear()
+        self._retiring.clear()
 
 
 # -- streams, events, threads ------------------------------------------------------------------

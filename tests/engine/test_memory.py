@@ -1,6 +1,7 @@
 """Host buffers, pinning (with a stand-in driver on the CPU), staging copies and the memory ledger."""
 
 import gc
+import threading
 from collections import deque
 
 import pytest
@@ -165,3 +166,55 @@ def test_ledger_counts_transients_at_their_largest():
     assert report["device_collective_bytes"] == 120
     assert report["device_grad_buffers_peak"] == 2 and report["device_grad_buffer_bytes"] == 20
     assert report["device_total_bytes"] == 160
+
+
+class ErrorKeepingDriver(StandInDriver):
+    """Like the CUDA runtime, a failed call is kept as the thread's last error until cudaGetLastError."""
+
+    last_error = 0
+
+    def cudaHostRegister(self, pointer, nbytes, flags):
+        status = super().cudaHostRegister(pointer, nbytes, flags)
+        if status:
+            self.last_error = status
+        return status
+
+    def cudaGetLastError(self):
+        error, self.last_error = self.last_error, 0
+        return error
+
+
+def test_a_refused_pin_clears_the_error_it_leaves_for_the_next_kernel_launch(monkeypatch):
+    """Otherwise torch's check after the next kernel launch reports the refused pin as that kernel's error."""
+    driver = ErrorKeepingDriver(status=712)  # cudaErrorHostMemoryAlreadyRegistered
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: driver)
+    with pytest.warns(RuntimeWarning, match="pageable memory"):
+        tensor = memory.host_empty(64, torch.float32, pin=True)
+    assert not memory.is_pinned_here(tensor)
+    assert driver.last_error == 0
+
+
+def test_a_failed_pool_wakes_a_waiting_acquire_and_refuses_later_ones():
+    """The thread that would return the buffer failed: the waiter gets its error instead of waiting forever."""
+    pool = memory.BufferPool(1, 8, torch.float32, pin=False)
+    pool.acquire()  # held by the thread that is about to fail
+    outcome = []
+
+    def wait_for_buffer() -> None:
+        try:
+            pool.acquire()
+        except RuntimeError as error:
+            outcome.append(error)
+
+    waiter = threading.Thread(target=wait_for_buffer, daemon=True)
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive()  # blocked: no buffer is free
+    failure = RuntimeError("accumulate failed")
+    pool.fail(failure)
+    waiter.join(10)
+    assert not waiter.is_alive() and outcome == [failure]
+    pool.fail(RuntimeError("a later one"))  # the first error is the one reported
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="accumulate failed"):
+            pool.acquire()
