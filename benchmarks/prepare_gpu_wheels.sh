@@ -8,13 +8,23 @@
 #
 # Target: python3 3.12 (cp312), manylinux x86_64, torch 2.11 already installed there. DeepSpeed ships only
 # an sdist, so its wheel is built here with DS_BUILD_OPS=0 (no op compiled: its CPU Adam is JIT-built
-# there with the image's nvcc/ninja).
+# there with the image's nvcc/ninja). Wheels already in .whl/ stay; only other versions of the packages
+# fetched here are replaced (two versions of one package in --no-deps installs would both be installed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHL=.whl
-PY=${PYTHON:-python3}                                   # any python with pip, for the downloads
-BUILD_PY=${BUILD_PYTHON:-/work/main/.venv/bin/python}   # needs torch importable: DeepSpeed's setup.py imports it
-[ -x "$BUILD_PY" ] || BUILD_PY=$PY
+PY=${PYTHON:-python3}   # any python with pip, for the downloads
+# DeepSpeed's setup.py imports torch: BUILD_PYTHON, else this checkout's .venv, else $PY, if torch imports there
+BUILD_PY=${BUILD_PYTHON:-}
+if [ -z "$BUILD_PY" ]; then
+    BUILD_PY=$PY
+    [ -x .venv/bin/python ] && BUILD_PY=.venv/bin/python
+fi
+if ! "$BUILD_PY" -c 'import torch' 2>/dev/null; then
+    echo "prepare_gpu_wheels: torch does not import with $BUILD_PY (DeepSpeed's setup.py needs it):" \
+        "set BUILD_PYTHON to a python that has torch, e.g. BUILD_PYTHON=.venv/bin/python after make setup" >&2
+    exit 1
+fi
 
 CFFI=cffi==2.0.0
 PYCPARSER=pycparser==2.23
@@ -25,15 +35,33 @@ DEEPSPEED=deepspeed==0.18.9
 DS_DEPS=(hjson==3.1.0 pydantic==2.11.7 pydantic-core==2.33.2 annotated-types==0.7.0 typing-inspection==0.4.1)
 
 mkdir -p "$WHL"
-rm -f "$WHL"/*.whl
+fresh=$(mktemp -d)
+trap 'rm -rf "$fresh"' EXIT
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
     manylinux2014_x86_64 manylinux1_x86_64; do
     platforms+=(--platform "$p")
 done
+# Into a fresh folder first: a failed download or build leaves .whl/ as it was.
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    "${platforms[@]}" -d "$WHL" "$CFFI" "$PYCPARSER" "$TORCHAO" "${DS_DEPS[@]}"
-DS_BUILD_OPS=0 "$BUILD_PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WHL" "$DEEPSPEED"
+    "${platforms[@]}" -d "$fresh" "$CFFI" "$PYCPARSER" "$TORCHAO" "${DS_DEPS[@]}"
+ds_wheel=$(compgen -G "$WHL/deepspeed-${DEEPSPEED#deepspeed==}-*.whl" | head -1 || true)
+if [ -n "$ds_wheel" ]; then
+    echo "keeping $ds_wheel (already built)"
+    cp "$ds_wheel" "$fresh"/
+else
+    DS_BUILD_OPS=0 "$BUILD_PY" -m pip wheel -q --no-deps --no-build-isolation -w "$fresh" "$DEEPSPEED"
+fi
+for w in "$fresh"/*.whl; do
+    name=$(basename "$w")
+    for old in "$WHL/${name%%-*}"-*.whl; do  # other versions of the same distribution only
+        if [ -e "$old" ] && [ "$(basename "$old")" != "$name" ]; then
+            echo "replacing $old"
+            rm -f "$old"
+        fi
+    done
+    mv -f "$w" "$WHL/$name"
+done
 
 echo "wheels in $WHL ($(du -sh "$WHL" | cut -f1)):"
 ls -1 "$WHL"
