@@ -12,15 +12,22 @@ from lightning_zero_offload import ZeroOffloadPrecision, ZeroOffloadStrategy
 from lightning_zero_offload.precision import ENGINE_STATE_KEY
 
 
-def _fit_warnings(**trainer_kwargs) -> list[str]:
+def _fit_warnings(strategy="zero_offload", **trainer_kwargs) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = L.Trainer(strategy="zero_offload", max_steps=2, **QUIET, **trainer_kwargs)
+        trainer = L.Trainer(strategy=strategy, max_steps=2, **QUIET, **trainer_kwargs)
         trainer.fit(Classifier(scheduler=False), loader(n=32))
     return [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize(("kwargs", "warned"), [({}, True), ({"precision": "bf16-mixed"}, False)])
+@pytest.mark.parametrize(
+    ("kwargs", "warned"),
+    [
+        ({"strategy": ZeroOffloadStrategy(in_place_on_cpu=False)}, True),  # fp32 copies offloaded: worth a word
+        ({}, False),  # a CPU device in place: nothing is offloaded (tests/test_front_end_options.py words it)
+        ({"precision": "bf16-mixed"}, False),
+    ],
+)
 def test_fp32_default_precision_warns_and_names_what_to_pass(kwargs, warned):
     messages = [m for m in _fit_warnings(**kwargs) if "zero_offload is training in '32-true'" in m]
     assert bool(messages) == warned
