@@ -14,12 +14,27 @@ bucket on the device until backward ends):
 - one rank: a bucket leaves as soon as it is complete. After the first backward a bucket is complete
   once the parameters that got a gradient then have one, so an unused parameter does not hold it; a
   gradient that turns up after its bucket left is sent in a second launch (accumulation adds).
-- several ranks: collectives must be issued in the same order everywhere, so the first backward
-  launches in layout order while recording when each bucket got its last gradient; rank 0's order is then
+- several ranks: collectives must be issued in the same order everywhere. On the first backward no
+  rank knows the order yet, so a bucket leaves only when the ranks agree: when a rank would need more
+  than ``DEVICE_BUFFER_CAP`` device buffers, and at the flush, it joins a round (one small all-reduce
+  of which buckets each rank holds and has complete); every rank then sends the buckets complete on
+  all ranks, in index order, or, if there is none, the one most ranks hold (its later gradients go in
+  a second launch). Every rank acts on the same sums, so the collectives match, and a rank joins as
+  many rounds as the others (each keeps joining at the flush until all ranks have finished). The
+  first backward also records when each bucket got its last gradient; rank 0's order is then
   broadcast (once, as DDP does) and every later backward launches strictly in it. A bucket waits
   only for the parameters some rank got a gradient for on the first backward; if one turns up
   later, the ranks agree at the flush (one small all-reduce, only for models with such parameters)
   to send that bucket again.
+
+Device gradient buffers: at most ``DEVICE_BUFFER_CAP`` are held on one rank, or on the first backward
+at several ranks (buckets whose gradients arrive in launch order need two); later backward passes at
+several ranks may hold more for a model whose buckets complete out of the agreed order, and the pool
+frees buffers beyond the cap once their transfer completes.
+
+A failure on the gradient worker (the accumulate kernel, the speculative step, a CUDA error) is kept:
+the next hook, the flush and every wait raise that error, and a launch waiting for a staging buffer
+wakes up and raises it, so backward ends instead of waiting for a buffer that will never come back.
 """
 
 from __future__ import annotations
@@ -127,12 +142,17 @@ class GradientStreamer:
         self._staging = BufferPool(2, max_shard, grad_dtype, pin_memory, self.ledger)
         self._worker = worker_pool("zero-offload-grads", device)
         self._futures: list[Future] = []
+        self._failure: BaseException | None = None  # the first error on the worker, raised from then on
 
         n_buckets = len(layout.buckets)
         self._bucket_buffer: list[torch.Tensor | None] = [None] * n_buckets
         # Parameters written into each bucket's current device buffer, and whether it left in this pass.
         self._filled: list[list[int]] = [[] for _ in range(n_buckets)]
         self._launched = [False] * n_buckets
+        # Gradients that arrived in this pass per bucket (also those already sent), and whether the bucket
+        # left with only part of them to make room (the rest follows in another launch).
+        self._arrived = [0] * n_buckets
+        self._evicted = [False] * n_buckets
         # Gradients a bucket waits for before it leaves (one rank; after the first backward: those that came).
         self._expected = [len(b.param_indices) for b in layout.buckets]
         # Several ranks: the agreed launch order, the next position in it, and (first backward) when each
@@ -142,6 +162,7 @@ class GradientStreamer:
         self._last_arrival = [-1] * n_buckets
         self._arrivals = 0
         self._learned = False
+        self._agreement_done = False  # first backward, several ranks: the last round said every rank finished
         self._seen = [False] * len(params)
         self._open = False  # a backward pass has produced gradients that finish_backward has not flushed
         # Across an accumulation window: which params got a gradient, whether a bucket was written yet.
@@ -168,22 +189,26 @@ class GradientStreamer:
         grad = param.grad
         if grad is None:
             return
+        self.check_worker()
         check_gradient(grad, self._seen[index])
         self._seen[index] = True
         self._open = True
         slot = self.layout.slots[index]
-        buffer = self._acquire_bucket_buffer(slot.bucket)
+        buffer = self._acquire_bucket_buffer(slot.bucket, make_room=True)
         buffer[slot.bucket_offset : slot.bucket_offset + slot.numel].copy_(grad.reshape(-1))
         param.grad = None
         self.has_grad[index] = True
         self._filled[slot.bucket].append(index)
+        self._arrived[slot.bucket] += 1
         self._last_arrival[slot.bucket] = self._arrivals
         self._arrivals += 1
         self._launch_ready(slot.bucket)
 
-    def _acquire_bucket_buffer(self, bucket_index: int) -> torch.Tensor:
+    def _acquire_bucket_buffer(self, bucket_index: int, make_room: bool = False) -> torch.Tensor:
         buffer = self._bucket_buffer[bucket_index]
         if buffer is None:
+            if make_room:
+                self._make_room()
             buffer = self._device_buffers.acquire()
             bucket = self.layout.buckets[bucket_index]
             buffer[bucket.numel : bucket.padded_numel].zero_()
@@ -192,11 +217,49 @@ class GradientStreamer:
             self.device_buffers_peak = max(self.device_buffers_peak, self.device_buffers_live)
         return buffer
 
+    def _make_room(self) -> None:
+        """Before a new buffer is taken: send buckets until fewer than the cap are held (see the module doc)."""
+        while self.device_buffers_live >= DEVICE_BUFFER_CAP:
+            if self.layout.world_size == 1:  # no peer to agree with: send the fullest held bucket, partially
+                held = [b for b in range(len(self._filled)) if self._filled[b]]
+                self._launch(self.layout.buckets[max(held, key=lambda b: len(self._filled[b]))], evict=True)
+            elif not self._learned:
+                self._agree(finished=False)
+            else:  # the agreed order cannot change within a pass: the pool allocates past its cap
+                return
+
+    def _agree(self, finished: bool) -> list[float]:
+        """First backward at several ranks: one round of agreement on what leaves now (see the module doc).
+
+        Returns how many ranks hold each bucket; the round is the last one when every rank has finished.
+        """
+        buckets = self.layout.buckets
+        n = len(buckets)
+        held = [bool(f) for f in self._filled]
+        complete = [held[b] and self._arrived[b] >= len(buckets[b].param_indices) for b in range(n)]
+        blocked = not finished and self.device_buffers_live >= DEVICE_BUFFER_CAP
+        local = torch.tensor([*complete, *held, float(blocked), float(finished)], dtype=torch.float64)
+        total = all_reduce_sum(local, self.process_group, self.device).tolist()
+        world = self.layout.world_size
+        ready, holders = total[:n], total[n : 2 * n]
+        agreed = [b for b in range(n) if ready[b] == world]
+        for b in agreed:
+            self._launch(buckets[b])
+        if not agreed and total[2 * n] > 0:  # a rank needs room and no bucket is complete everywhere
+            forced = max(range(n), key=lambda b: (holders[b], -b))
+            self._launch(buckets[forced], evict=True)
+        self._agreement_done = total[2 * n + 1] == world
+        return holders
+
     def _launch_ready(self, bucket_index: int) -> None:
         if self.layout.world_size == 1:
-            # A late gradient (its bucket already left) waits for the flush: sent once, with any others.
-            if not self._launched[bucket_index] and len(self._filled[bucket_index]) >= self._expected[bucket_index]:
+            # Ready once every gradient it waits for has arrived; one that left early to make room sends the
+            # rest then. A late gradient (its bucket already left whole) waits for the flush, sent with others.
+            ready = self._filled[bucket_index] and self._arrived[bucket_index] >= self._expected[bucket_index]
+            if ready and (not self._launched[bucket_index] or self._evicted[bucket_index]):
                 self._launch(self.layout.buckets[bucket_index])
+            return
+        if not self._learned:  # the first backward: buckets leave by agreement only (_agree)
             return
         while self._next_launch < len(self._order):
             bucket = self.layout.buckets[self._order[self._next_launch]]
@@ -205,13 +268,17 @@ class GradientStreamer:
             self._launch(bucket)
             self._next_launch += 1
 
-    def _launch(self, bucket: Bucket) -> None:
+    def _launch(self, bucket: Bucket, evict: bool = False) -> None:
+        """Send the bucket's buffer; ``evict``: only to make room, before all its gradients have arrived."""
+        self.check_worker()
         buffer = self._acquire_bucket_buffer(bucket.index)
         filled = set(self._filled[bucket.index])
         # Final: every parameter's gradient of this pass is in this launch, and no rank can send the bucket
-        # again in this pass (a late relaunch needs a parameter the bucket does not wait for).
+        # again in this pass (a late relaunch needs a parameter the bucket does not wait for, and a bucket
+        # sent to make room is sent again for the ranks that did not have all of it).
         whole = len(bucket.param_indices)
         final = len(filled) == whole and (self.layout.world_size == 1 or self._expected[bucket.index] == whole)
+        final = final and not evict
         for index in bucket.param_indices:
             if index not in filled:  # no gradient (yet) in this buffer: it counts as zero
                 slot = self.layout.slots[index]
@@ -236,6 +303,7 @@ class GradientStreamer:
         self._device_buffers.release(buffer, copied, bucket.index)
         self._filled[bucket.index] = []
         self._launched[bucket.index] = True
+        self._evicted[bucket.index] = evict
         self.device_buffers_live -= 1
         if self.overlap:
             self._futures.append(self._worker.submit(self._accumulate, bucket, staging, copied, True, final))
@@ -245,23 +313,45 @@ class GradientStreamer:
     def _accumulate(
         self, bucket: Bucket, staging: torch.Tensor, copied: torch.Event | None, overlaps: bool, final: bool
     ) -> None:
-        wait_event(copied)
-        start = time.perf_counter()  # after the wait: the device part is timed on the device
-        overwrite = self._fresh[bucket.index]
-        sumsq, nonfinite = kernels.grad_accumulate(
-            self.cpu_grad[bucket.shard_range],
-            staging[: bucket.shard_numel],
-            scale=self.scale,
-            overwrite=overwrite,
-            num_threads=self.num_threads,
-        )
-        self._fresh[bucket.index] = False
-        self.bucket_sumsq[bucket.index] = sumsq
-        self.bucket_nonfinite[bucket.index] = nonfinite
-        self._staging.release(staging)
-        self._host_spans.append((start, time.perf_counter(), overlaps))
-        if self.on_accumulated is not None:
-            self.on_accumulated(bucket, final)
+        try:
+            try:
+                wait_event(copied)
+                start = time.perf_counter()  # after the wait: the device part is timed on the device
+                overwrite = self._fresh[bucket.index]
+                sumsq, nonfinite = kernels.grad_accumulate(
+                    self.cpu_grad[bucket.shard_range],
+                    staging[: bucket.shard_numel],
+                    scale=self.scale,
+                    overwrite=overwrite,
+                    num_threads=self.num_threads,
+                )
+            finally:  # also on failure, so no launch waits for a buffer that never comes back
+                self._staging.release(staging)
+            self._fresh[bucket.index] = False
+            self.bucket_sumsq[bucket.index] = sumsq
+            self.bucket_nonfinite[bucket.index] = nonfinite
+            self._host_spans.append((start, time.perf_counter(), overlaps))
+            if self.on_accumulated is not None:
+                self.on_accumulated(bucket, final)
+        except BaseException as error:
+            self._fail(error, bucket)
+            raise
+
+    def _fail(self, error: BaseException, bucket: Bucket) -> None:
+        if self._failure is not None:
+            return
+        if hasattr(error, "add_note"):  # Python 3.11+: say where it happened, keep type and message
+            error.add_note(
+                f"zero_offload: raised on the gradient worker, handling bucket {bucket.index} (its CPU "
+                "accumulate or speculative step); this backward's gradient is incomplete, so training stops."
+            )
+        self._failure = error
+        self._staging.fail(error)  # a launch waiting for a staging buffer wakes up and raises it
+
+    def check_worker(self) -> None:
+        """Raise the gradient worker's first error, if it had one (every call from then on)."""
+        if self._failure is not None:
+            raise self._failure
 
     def begin(self) -> None:
         """A backward pass starts: its flush will launch every bucket, even if this rank got no gradient."""
@@ -276,6 +366,7 @@ class GradientStreamer:
         if not self._open:
             self.wait()
             return
+        self.check_worker()
         self._open = False
         backward_end = time.perf_counter()
         backward_end_event = record_event(self.device, timing=True)
@@ -285,9 +376,18 @@ class GradientStreamer:
                 if self._filled[bucket.index]:
                     self._launch(bucket)
         else:  # every rank launches every bucket, in the agreed order, so the collectives always match
-            for position in range(self._next_launch, len(self._order)):
-                self._launch(buckets[self._order[position]])
-            if any(e < len(b.param_indices) for e, b in zip(self._expected, buckets)):
+            if self._learned:
+                remaining = self._order[self._next_launch :]
+            else:  # rounds until every rank has finished; then the rest, the buckets every rank holds first
+                self._agreement_done = False
+                while not self._agreement_done:
+                    holders = self._agree(finished=True)
+                    remaining = [b for b in range(len(buckets)) if not self._launched[b]]
+                remaining.sort(key=lambda b: (-holders[b], b))
+            for index in remaining:
+                self._launch(buckets[index])
+            # Evictions are agreed, so every rank takes this branch alike.
+            if any(self._evicted) or any(e < len(b.param_indices) for e, b in zip(self._expected, buckets)):
                 # Some bucket may have left before a gradient no rank had on the first backward: relaunch
                 # the buckets where any rank holds such a late gradient (one small all-reduce).
                 late = torch.tensor([float(bool(f)) for f in self._filled], dtype=torch.float64)
@@ -300,6 +400,8 @@ class GradientStreamer:
         if not self._learned:
             self._learn_order()
         self._launched = [False] * len(buckets)
+        self._arrived = [0] * len(buckets)
+        self._evicted = [False] * len(buckets)
         self._next_launch = 0
         self._seen = [False] * len(self.params)
 
@@ -338,9 +440,11 @@ class GradientStreamer:
             self._hidden_s += max(0.0, min(b, end_ms) - a) / 1e3
 
     def wait(self) -> None:
+        """Wait for every accumulate in flight; raises the worker's error if it had one."""
         futures, self._futures = self._futures, []
         for future in futures:
             future.result()
+        self.check_worker()
 
     def take_timings(self) -> tuple[float, float]:
         """(transfer seconds not hidden behind backward, transfer seconds) since the last call.
@@ -378,8 +482,8 @@ class GradientStreamer:
 
     @property
     def device_buffers_allocated(self) -> int:
-        """Device gradient buffers that exist (the peak: they are kept until close)."""
-        return self._device_buffers.allocated
+        """The most device gradient buffers that existed at once (the pool keeps at most the cap)."""
+        return self._device_buffers.peak
 
     def close(self) -> None:
         for hook in self._hooks:
