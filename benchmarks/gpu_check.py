@@ -4,7 +4,7 @@ Order = priority: what matters most runs first, and every sub-check leaves its r
 it ends (``<results>/summary.json`` is rewritten after each one). (1) ``env``, ``micro``: versions,
 host<->device bandwidth pinned and pageable both ways, the CPU-Adam kernel at cores / cores-2 / cores-4
 threads; (2) ``cuda_tests``: tests/cuda; (3) ``correctness``: zero_offload's default schedule against
-plain bf16 AMP AdamW through the Trainer, 30 steps; (4) ``throughput``: train_step.py on a 1.1B Llama at
+plain bf16 AMP AdamW through the Trainer, 30 steps; (4) ``throughput``: train_step.py on a 1.26B Llama at
 16k tokens per step, one process per variant, rows in ``<results>/throughput.json`` as each variant
 ends; (5) the engine-level checks (sanitizer, determinism, fit/resume, ...) while time remains.
 
@@ -551,12 +551,12 @@ def deepspeed_build_status() -> str | None:
 
 def check_throughput(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
     """train_step.py per variant, in its own process group under its own budget (a crash or hang costs that
-    variant only); ``throughput.json`` is rewritten as each variant ends. 1.1B Llama, 32 x 512 tokens."""
+    variant only); ``throughput.json`` is rewritten as each variant ends. 1.26B Llama, 32 x 512 tokens."""
     from train_step import PRESETS, build_net
 
     preset, batch = ("quick", 4) if tiny else ("llama-1b", 32)  # llama-1b: 16,384 tokens per step
     spec = dict(PRESETS[preset], batch=batch)
-    with torch.device("meta"):  # the count only: building 1.1B parameters on the CPU takes longer than a step
+    with torch.device("meta"):  # the count only: building 1.26B parameters on the CPU takes longer than a step
         params = sum(p.numel() for p in build_net(spec).parameters())
     micro = results / "micro.json"
     out: dict[str, Any] = {"preset": preset, "batch": batch, "tokens_per_step": batch * spec["seq"], "params": params}
