@@ -22,33 +22,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rss import PeakSampler, rss  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-class PeakSampler(threading.Thread):
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak, self.done = rss(), threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            self.peak = max(self.peak, rss())
-            time.sleep(0.001)
-
-    def stop(self) -> int:
-        self.done.set()
-        self.join()
-        return max(self.peak, rss())
 
 
 def child(fmt: str, params: float, width: int) -> dict:

@@ -28,10 +28,12 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from functools import partial
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rss import PeakSampler, rss  # noqa: E402
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.demo.model import GPT
@@ -48,35 +50,6 @@ MEMORY_CONFIGS = {  # name: (precision, in_place_on_cpu, checkpoint_format)
     "bf16-mixed offload, sharded save": ("bf16-mixed", False, "sharded"),
     "32-true in place, full save": ("32-true", None, "full"),
 }
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
-
-
-class PeakSampler(threading.Thread):
-    """The largest RSS seen, sampled every millisecond (a peak shorter than that can be missed)."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak, self.done = rss(), threading.Event()
-
-    def run(self) -> None:
-        while not self.done.is_set():
-            self.peak = max(self.peak, rss())
-            time.sleep(0.001)
-
-    def reset(self) -> int:
-        """The peak so far (including now), and start a new one from the current RSS."""
-        peak, self.peak = max(self.peak, rss()), rss()
-        return peak
-
-    def stop(self) -> int:
-        self.done.set()
-        self.join()
-        return max(self.peak, rss())
 
 
 def memory_child(name: str, params: float, width: int) -> dict:
