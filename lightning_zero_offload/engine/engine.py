@@ -123,6 +123,7 @@ class OffloadEngine:
         optimizer, param_dtype, device, options = self.optimizer, self.param_dtype, self.device, self.options
         world, rank = self._world, self._rank
         self._signature = self.trainable_signature()
+        self._grad_summary: tuple[float, bool, list[bool]] | None = None  # this window's, once computed
         # Trainable params in optimizer order; torch_index maps the optimizer's state-dict numbering.
         self.params: list[torch.nn.Parameter] = []
         self.group_of: list[int] = []
@@ -258,6 +259,7 @@ class OffloadEngine:
         """Call before every backward pass."""
         self.replan_if_changed()
         self._backward_start = time.perf_counter()
+        self._grad_summary = None  # more gradient is coming
         if not self.schedule.update_in_flight:
             self.absorb_param_writes()
         self.schedule.on_backward_start(self._step_expected)
@@ -325,7 +327,7 @@ class OffloadEngine:
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
             with step_hooks(self.optimizer):  # torch's step hooks, as optimizer.step() fires them
                 self.schedule.apply(inputs, stats)
-        self.grads.new_window()
+        self._new_window()
         stats.total_s = time.perf_counter() - start
         self.last = stats
         self.nonfinite.after_step(stats.skipped, scale)
@@ -340,7 +342,7 @@ class OffloadEngine:
         else:
             self._skip(stats)
             self.schedule.on_skip(stats)
-        self.grads.new_window()
+        self._new_window()
         self.last = stats
         self.nonfinite.after_step(stats.skipped, self.loss_scale)
 
@@ -357,7 +359,31 @@ class OffloadEngine:
             stacklevel=3,
         )
 
+    def grad_norm(self) -> float:
+        """The total 2-norm of this window's gradients, unscaled (``inf`` if any is inf/nan), as
+        ``torch.nn.utils.clip_grad_norm_`` returns it. Ends the backward first. With several ranks it
+        costs one all-reduce, which the coming ``step()`` reuses instead of issuing its own.
+        """
+        self.finish_backward()
+        sumsq, overflow, _ = self._global_grad_summary()
+        return math.inf if overflow else math.sqrt(sumsq) / self.loss_scale
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last step (``optimizer.zero_grad()``)."""
+        self.finish_backward()
+        self._new_window()
+
+    def _new_window(self) -> None:
+        self.grads.new_window()
+        self._grad_summary = None
+
     def _global_grad_summary(self) -> tuple[float, bool, list[bool]]:
+        """(sum of squares, overflow, has_grad per parameter) over all ranks, computed once per window."""
+        if self._grad_summary is None:
+            self._grad_summary = self._reduce_grad_summary()
+        return self._grad_summary
+
+    def _reduce_grad_summary(self) -> tuple[float, bool, list[bool]]:
         sumsq, overflow = self.grads.local_summary()
         has_grad = list(self.grads.has_grad)
         if self.layout.world_size > 1:
