@@ -12,7 +12,8 @@ from lightning_zero_offload.callbacks import OffloadMetrics
 from lightning_zero_offload.engine.checkpoint import CheckpointError, convert_checkpoint_to_fp32_state_dict
 from lightning_zero_offload.engine.failures import NonFiniteLossError
 from lightning_zero_offload.engine.model_checks import ModelMismatchError
-from lightning_zero_offload.fabric import ZeroOffloadFabricPrecision, ZeroOffloadFabricStrategy
+from lightning_zero_offload.fabric import ZeroOffloadFabricStrategy
+from lightning_zero_offload.fabric_precision import ZeroOffloadFabricPrecision
 from lightning_zero_offload.optim import CPUAdam
 from lightning_zero_offload.planner import plan
 from lightning_zero_offload.precision import ZeroOffloadPrecision

@@ -1,8 +1,12 @@
-"""Lightning glue for checkpoint files: which writer/reader a path gets, and ``fit(weights_only=...)``.
+"""Lightning glue for the Trainer's checkpoints: its checkpoint hooks, which writer/reader a path gets,
+and ``fit(weights_only=...)``.
 
-The default ``TorchCheckpointIO`` is replaced by the engine's writer (atomic and streaming on the local
-disk, one object per file on fsspec filesystems such as ``s3://`` or ``memory://``); a custom
-``CheckpointIO`` given to the Trainer, or ``storage_options``, hand the full format to that plugin.
+:class:`TrainerCheckpoints` translates the Trainer's checkpoint hooks into calls on the strategy's
+:class:`~lightning_zero_offload.core.OffloadSession` (fp32 master weights, torch AdamW optimizer format,
+full or sharded). The default ``TorchCheckpointIO`` is replaced by the engine's writer (atomic and
+streaming on the local disk, one object per file on fsspec filesystems such as ``s3://`` or
+``memory://``); a custom ``CheckpointIO`` given to the Trainer, or ``storage_options``, hand the full
+format to that plugin.
 """
 
 from __future__ import annotations
@@ -10,12 +14,13 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import torch.distributed
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from typing_extensions import override
 
+from lightning_zero_offload.core import OffloadSession
 from lightning_zero_offload.engine.checkpoint import (
     CheckpointError,
     atomic_save,
@@ -51,15 +56,6 @@ def save_full_checkpoint(
             "Delete it or save under another name"
         )
     atomic_save(checkpoint, filepath)
-
-
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order, on every rank (``[obj]`` without a process group)."""
-    if not _distributed_is_initialized():
-        return [obj]
-    gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, obj)
-    return gathered
 
 
 def warn_if_custom_io_sharded(checkpoint_io: CheckpointIO) -> None:
@@ -104,3 +100,70 @@ class SubprocessScriptLauncher(_RemembersWeightsOnly, _SubprocessScriptLauncher)
 
 class MultiProcessingLauncher(_RemembersWeightsOnly, _MultiProcessingLauncher):
     """Lightning's multiprocessing launcher (spawn/fork), remembering ``weights_only``."""
+
+
+class TrainerCheckpoints(Strategy):
+    """The Trainer's checkpoint hooks for a strategy whose ``session`` (set up by ``fit``) holds the weights
+    and the optimizer state. Mixed in before the strategy's base class."""
+
+    session: OffloadSession | None
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the master weights and moments live in the engine, which setup() creates
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict with the fp32 master weights in place of the device copies.
+
+        Sharded: the trainable weights are left out here; each rank writes its shard of them instead.
+        """
+        assert self.lightning_module is not None
+        if self.session is None:
+            return self.lightning_module.state_dict()
+        # Lightning calls this to save: views of the engine's buffers (as a plain module's state_dict
+        # holds its live parameters), not a second copy, when the writer is done when it returns.
+        with self.session.shared_buffers(writes_before_returning(self.checkpoint_io)):
+            return self.session.module_state_to_save()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if self.session is None:
+            return super().optimizer_state(optimizer)
+        with self.session.shared_buffers(writes_before_returning(self.checkpoint_io)):
+            return self.session.optimizer_state_to_save()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Full: rank 0 writes one file. Sharded: every rank writes its shard into a new version directory.
+
+        Either way the new checkpoint is complete before it replaces an existing one (docs/checkpoints.md).
+        """
+        if self.session is not None and self.session.sharded:
+            warn_if_custom_io_sharded(self.checkpoint_io)
+            self.session.save_sharded(checkpoint, filepath, self.global_rank, self.broadcast)
+        elif self.is_global_zero:
+            save_full_checkpoint(self.checkpoint_io, checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Either format, on any filesystem; ``weights_only`` as passed to ``fit`` (Lightning 2.4+ alike)."""
+        if weights_only is None:
+            weights_only = getattr(self, "_weights_only", None)
+        return load_checkpoint_with(self.checkpoint_io, checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if self.session is not None:
+            self.session.load_master_weights(checkpoint["state_dict"], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if self.session is None or not self.session.training:
+            return super().load_optimizer_state_dict(checkpoint)
+        states = checkpoint["optimizer_states"]
+        if len(states) != 1:
+            raise ValueError(f"expected one optimizer state in the checkpoint, found {len(states)}")
+        self.session.engine.load_optimizer_state_dict(states[0])

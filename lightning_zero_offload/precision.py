@@ -13,30 +13,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_zero_offload.engine import OffloadEngine
+from lightning_zero_offload.core import ENGINE_STATE_KEY, OffloadSession, resolve_precision
 from lightning_zero_offload.mixed_precision import forward_context
 
-ENGINE_STATE_KEY = "zero_offload_engine"
-_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}
-_ALIASES = {"bf16": "bf16-mixed", "16": "16-mixed", "32": "32-true"}
-_ALTERNATIVES = {
-    "bf16-true": "'bf16-mixed' (it already keeps bf16 weights on the device; fp32 master weights stay on the CPU)",
-    "16-true": "'16-mixed' (it already keeps fp16 weights on the device; fp32 master weights stay on the CPU)",
-    "64-true": "'32-true'",
-    "transformer-engine": "'bf16-mixed'",
-    "transformer-engine-float16": "'16-mixed'",
-}
-
-
-def resolve_precision(precision: str) -> tuple[str, torch.dtype]:
-    """The canonical precision name and the dtype of the device parameters; unsupported names are refused
-    with the supported alternative (shared by the Trainer and the Fabric plugins)."""
-    precision = _ALIASES.get(str(precision), str(precision))
-    if precision not in _DTYPES:
-        alternative = _ALTERNATIVES.get(precision)
-        hint = f"use precision={alternative}" if alternative else f"choose one of {sorted(_DTYPES)}"
-        raise ValueError(f"zero_offload does not support precision={precision!r}: {hint}.")
-    return precision, _DTYPES[precision]
+__all__ = ["ENGINE_STATE_KEY", "ZeroOffloadPrecision"]
 
 
 class ZeroOffloadPrecision(Precision):
@@ -53,23 +33,22 @@ class ZeroOffloadPrecision(Precision):
     def __init__(self, precision: str = "bf16-mixed") -> None:
         self.precision, self.param_dtype = resolve_precision(precision)  # type: ignore[assignment]
         self.device_type = "cpu"  # set by the strategy once the device is known
-        self.engine: OffloadEngine | None = None
-        self._pending_state: dict[str, Any] | None = None
-        self._clip: dict[str, float] = {}  # set by clip_gradients between backward and the step
+        self.session: OffloadSession | None = None
+        self._pending_state: dict[str, Any] | None = None  # engine state loaded before the engine existed
 
     def forward_context(self) -> AbstractContextManager:
         return forward_context(self.device_type, self.param_dtype)
 
     @override
     def train_step_context(self) -> AbstractContextManager:
-        if self.engine is not None and not self.engine.closed:
-            self.engine.replan_if_changed()  # unfrozen parameters / added groups, before forward uses them
+        if self.session is not None:
+            self.session.before_training_forward()
         return self.forward_context()
 
     @override
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
         tensor = super().pre_backward(tensor, module)
-        return self.engine.scale_loss(tensor) if self.engine is not None else tensor
+        return self.session.engine.scale_loss(tensor) if self.session is not None else tensor
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -77,23 +56,20 @@ class ZeroOffloadPrecision(Precision):
     ) -> Any:
         if kwargs:
             raise TypeError(f"zero_offload's optimizer step takes no extra arguments, got {sorted(kwargs)}")
-        if self.engine is None or self.engine.closed:
-            raise RuntimeError("The offload engine is not set up: optimizer steps are only possible during fit")
+        session = self._training_session("The offload engine is not set up: optimizer steps are")
         # In automatic optimization the closure runs the backward that ends the accumulation window, so a
         # step follows it: the speculative schedule may run the CPU step during that backward. (Manual
         # optimization has run its backward already; its step then runs after it, as in sync.)
-        self.engine.expect_step()
+        session.engine.expect_step()
         closure_result = closure()
         # Like AMP: training_step returned None in automatic optimization means "skip this step".
         skip = closure_result is None and getattr(model, "automatic_optimization", True)
-        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clip_gradients
-        # Manual optimization records the clip before calling optimizer.step(); automatic in _after_closure.
-        clip, self._clip = self._clip, {}
+        # on_before_optimizer_step hooks, then clip_gradients (manual optimization has recorded its clip already)
+        self._after_closure(model, optimizer)
         if skip:
-            self.engine.expect_step(False)
-            self.engine.finish_backward()
+            session.skip_step()
         else:
-            self.engine.step(**clip)
+            session.step()
         return closure_result
 
     @override
@@ -106,13 +82,19 @@ class ZeroOffloadPrecision(Precision):
         """Record the clip for the coming step; the engine applies it on the CPU buffers, fused into the step."""
         if clip_val <= 0:
             return
-        if self.engine is None or self.engine.closed:
-            raise RuntimeError("Gradient clipping under zero_offload is only possible during fit")
-        name = "clip_value" if gradient_clip_algorithm == GradClipAlgorithmType.VALUE else "clip_norm"
-        self._clip[name] = float(clip_val)
+        session = self._training_session("Gradient clipping under zero_offload is")
+        if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+            session.clip_value(clip_val)
+        else:
+            session.clip_norm(clip_val)
 
-    # The engine's state (step count, loss scaler, pending schedule state) is a top-level checkpoint entry,
-    # ENGINE_STATE_KEY, rather than this plugin's class-name entry, so a Fabric run reads the same state.
+    def _training_session(self, what: str) -> OffloadSession:
+        if self.session is None or not self.session.training:
+            raise RuntimeError(f"{what} only possible during fit")
+        return self.session
+
+    # The engine's state is a top-level checkpoint entry, ENGINE_STATE_KEY, rather than this plugin's
+    # class-name entry, so a Fabric run reads the same state.
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -120,8 +102,8 @@ class ZeroOffloadPrecision(Precision):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.engine is not None:
-            checkpoint[ENGINE_STATE_KEY] = self.engine.state_dict()
+        if self.session is not None:
+            checkpoint[ENGINE_STATE_KEY] = self.session.engine.state_dict()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -138,14 +120,14 @@ class ZeroOffloadPrecision(Precision):
             self._load_engine_state(state)
 
     def _load_engine_state(self, state: dict[str, Any]) -> None:
-        if self.engine is None or self.engine.closed:
+        if self.session is None or not self.session.training:
             self._pending_state = state
         else:
-            self.engine.load_state_dict(state)
+            self.session.engine.load_state_dict(state)
 
-    def attach(self, engine: OffloadEngine) -> None:
-        self.engine = engine
-        if self.param_dtype == torch.float32 and not engine.in_place:
+    def attach(self, session: OffloadSession) -> None:
+        self.session = session
+        if self.param_dtype == torch.float32 and not session.engine.in_place:
             # The point of offloading is a 2-byte device copy. The plugin cannot tell a passed "32-true" from
             # Lightning's default, so the text holds for both; in place there is no device copy to shrink.
             rank_zero_warn(
@@ -156,5 +138,5 @@ class ZeroOffloadPrecision(Precision):
                 "(AVX-512 BF16, AMX), where fp32 is faster, this warning can be ignored."
             )
         if self._pending_state is not None:
-            engine.load_state_dict(self._pending_state)
+            session.engine.load_state_dict(self._pending_state)
             self._pending_state = None

@@ -1,0 +1,50 @@
+"""The core both front ends share: plain torch and the engine, no Trainer and no Fabric.
+
+:mod:`.options` holds what they take (options, precision, timeout, validated once); :mod:`.session`
+what they do (build the engine, the master-weight state dict, saving and loading, the pending clip,
+``zero_grad``). ``strategy.py``/``precision.py`` and ``fabric.py`` translate Lightning's hooks into it.
+"""
+
+from lightning_zero_offload.core.options import (
+    OPTION_NAMES,
+    OPTIONS_DOC,
+    STRATEGY_DESCRIPTION,
+    coerced_precision,
+    collective_timeout,
+    make_offload_options,
+    resolve_precision,
+)
+from lightning_zero_offload.core.session import (
+    ENGINE_STATE_KEY,
+    OffloadedOptimizer,
+    OffloadSession,
+    SessionStrategy,
+    all_gather_objects,
+    fabric_checkpoint_from_sharded,
+    move_untrained_to,
+    release_after_failure,
+    release_process_group,
+    restore_objects,
+    sharded_from_fabric_checkpoint,
+)
+
+__all__ = [
+    "ENGINE_STATE_KEY",
+    "OPTIONS_DOC",
+    "OPTION_NAMES",
+    "STRATEGY_DESCRIPTION",
+    "OffloadSession",
+    "OffloadedOptimizer",
+    "SessionStrategy",
+    "all_gather_objects",
+    "coerced_precision",
+    "collective_timeout",
+    "fabric_checkpoint_from_sharded",
+    "make_offload_options",
+    "move_untrained_to",
+    "release_after_failure",
+    "release_process_group",
+    "resolve_precision",
+    "restore_objects",
+    "sharded_from_fabric_checkpoint",
+]

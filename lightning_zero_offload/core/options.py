@@ -1,0 +1,173 @@
+"""The options both front ends take, validated once and the same way: offload options, precision, timeout.
+
+``make_offload_options`` is what ``ZeroOffloadStrategy(...)`` and ``ZeroOffloadFabricStrategy(...)`` call
+with their keyword arguments; :data:`OPTIONS_DOC` documents those arguments for both classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from lightning_zero_offload.engine import LossScalerConfig, OffloadOptions
+from lightning_zero_offload.engine.checks import check_real
+
+_LOSS_SCALER_FIELDS = {
+    "loss_scale_init": "init_scale",
+    "loss_scale_growth_interval": "growth_interval",
+    "loss_scale_growth_factor": "growth_factor",
+    "loss_scale_backoff_factor": "backoff_factor",
+    "loss_scale_hysteresis": "hysteresis",
+    "loss_scale_min": "min_scale",
+}
+# The offload options as the front ends take them: OffloadOptions' fields, with the loss scaler's flattened.
+OPTION_NAMES = (*(f.name for f in fields(OffloadOptions) if f.name != "loss_scaler"), *_LOSS_SCALER_FIELDS)
+
+
+def make_offload_options(**arguments: Any) -> OffloadOptions:
+    """The front ends' offload options (the names in :data:`OPTION_NAMES`) as validated ``OffloadOptions``.
+
+    Options not given take ``OffloadOptions``' defaults; a name that is not an option raises ``TypeError``.
+    """
+    unknown = sorted(set(arguments) - set(OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"zero_offload has no option {', '.join(unknown)}; its options are {', '.join(OPTION_NAMES)}")
+    scaler = {field: arguments.pop(name) for name, field in _LOSS_SCALER_FIELDS.items() if name in arguments}
+    return OffloadOptions(loss_scaler=LossScalerConfig(**scaler), **arguments)
+
+
+_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}
+_ALIASES = {"bf16": "bf16-mixed", "16": "16-mixed", "32": "32-true"}
+_ALTERNATIVES = {
+    "bf16-true": "'bf16-mixed' (it already keeps bf16 weights on the device; fp32 master weights stay on the CPU)",
+    "16-true": "'16-mixed' (it already keeps fp16 weights on the device; fp32 master weights stay on the CPU)",
+    "64-true": "'32-true'",
+    "transformer-engine": "'bf16-mixed'",
+    "transformer-engine-float16": "'16-mixed'",
+}
+
+
+def resolve_precision(precision: str) -> tuple[str, torch.dtype]:
+    """The canonical precision name and the dtype of the device parameters; unsupported names are refused
+    with the supported alternative."""
+    precision = _ALIASES.get(str(precision), str(precision))
+    if precision not in _DTYPES:
+        alternative = _ALTERNATIVES.get(precision)
+        hint = f"use precision={alternative}" if alternative else f"choose one of {sorted(_DTYPES)}"
+        raise ValueError(f"zero_offload does not support precision={precision!r}: {hint}.")
+    return precision, _DTYPES[precision]
+
+
+# About 31 years. timedelta itself ends near 8.6e13 s, but torch's C++ side counts in int64 micro- or
+# nanoseconds and overflows long before that (gloo refuses timedelta.max as a negative timeout).
+MAX_TIMEOUT_S = 1e9
+
+
+def collective_timeout(timeout: timedelta | float | None) -> timedelta | None:
+    """The ``timeout`` option as a timedelta (numbers are seconds, for config files), validated: a
+    timedelta, seconds as an int or float, or None (torch's default)."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    check_real(
+        "timeout",
+        seconds,
+        f"of seconds in (0, {MAX_TIMEOUT_S:.0e}] (about 31 years), or a datetime.timedelta in that range",
+        lambda s: 0 < s <= MAX_TIMEOUT_S,
+    )
+    return timedelta(seconds=seconds)
+
+
+def coerced_precision(plugin_type: type, attribute: str) -> property:
+    """A strategy's precision-plugin property that always holds a ``plugin_type``.
+
+    Lightning builds a generic plugin from ``precision=`` and assigns it to the strategy; the offload step
+    needs its own, so any other plugin assigned is replaced by ``plugin_type(plugin.precision)`` (which
+    refuses unsupported precisions), and none set reads as ``"32-true"``.
+    """
+
+    def get(strategy: Any) -> Any:
+        if getattr(strategy, attribute) is None:
+            setattr(strategy, attribute, plugin_type("32-true"))
+        return getattr(strategy, attribute)
+
+    def set_(strategy: Any, plugin: Any) -> None:
+        if plugin is not None and not isinstance(plugin, plugin_type):
+            plugin = plugin_type(str(plugin.precision))
+        setattr(strategy, attribute, plugin)
+
+    return property(get, set_)
+
+
+# What ``zero_offload`` names in Lightning's strategy registries (the Trainer's and Fabric's).
+STRATEGY_DESCRIPTION = "ZeRO-Offload: fp32 master weights and Adam on the CPU, low-precision training on the device"
+
+# The Args section of both front ends' docstrings (LightningCLI shows it as each option's help).
+OPTIONS_DOC = """\
+        bucket_size_mb: size of a gradient bucket on the device. Gradients leave the device a bucket at a
+            time during backward and at most about two buckets exist there; larger buckets mean fewer,
+            more efficient transfers and collectives, smaller ones less device memory.
+        pin_memory: page-lock the host staging buffers (CUDA only) so transfers are asynchronous and fast.
+            Only bucket-sized buffers are pinned, never the master weights or the optimizer state.
+        overlap: move and accumulate gradient buckets on a worker thread (and a side stream on CUDA) while
+            backward continues, and publish bucket k while the CPU updates bucket k+1. ``False`` serialises
+            everything. Default (None): on for an accelerator, off on a CPU device, where the worker would
+            compete with backward for the same cores.
+        cpu_threads: threads for the CPU Adam kernels. Default (None): on an accelerator the cores this
+            process may use divided by the ranks on this node (``OMP_NUM_THREADS``, which torchrun sets to
+            1, is not consulted); on a CPU device ``torch.get_num_threads()``. Capped at the usable cores.
+        cpu_step: when the CPU optimizer step runs (docs/dpu.md). ``"sync"``: after backward, on the
+            critical path. ``"speculative"``: each gradient bucket's step runs during backward, is validated
+            after it (clipping, overflow) and corrected if needed; results equal ``"sync"``. ``"delayed"``:
+            overlaps the next forward/backward, which sees one-step-stale weights (changes convergence).
+            ``"auto"`` (default): ``"speculative"`` on an accelerator, ``"sync"`` on a CPU device.
+        speculation_rollback: how ``cpu_step="speculative"`` takes a speculated bucket back when clipping
+            triggers or a gradient overflows: ``"undo"`` inverts the Adam step algebraically (no extra memory;
+            equal to sync within fp32 rounding), ``"snapshot"`` copies the bucket's state before speculating
+            (bitwise equal to sync; 12 bytes of host memory per parameter). ``"auto"``: snapshot for fp16
+            (overflows are routine there), undo otherwise.
+        loss_scale_init: fp16 only: initial dynamic loss scale.
+        loss_scale_growth_interval: fp16 only: overflow-free steps before the scale grows.
+        loss_scale_growth_factor: fp16 only: factor by which the scale grows.
+        loss_scale_backoff_factor: fp16 only: factor applied to the scale after ``loss_scale_hysteresis``
+            overflowing steps (each overflowing step is skipped).
+        loss_scale_hysteresis: fp16 only: overflows tolerated before the scale is lowered.
+        loss_scale_min: fp16 only: the scale never goes below this.
+        delayed_param_update: deprecated alias of ``cpu_step="delayed"``.
+        dpu_warmup_steps: with ``cpu_step="delayed"``, synchronous steps before the delayed update starts.
+        dpu_weight_prediction: with ``cpu_step="delayed"``, run forward/backward on
+            ``W_{t-1} + (W_{t-1} - W_{t-2})`` (the update still running predicted as a repeat of the last one)
+            instead of ``W_{t-1}``. Costs no memory or bandwidth; removed 37-63% of DPU's convergence loss on
+            the demo (docs/dpu.md).
+            Needs a low-precision device copy ("bf16-mixed" or "16-mixed").
+        checkpoint_format: ``"full"``: one file with the full fp32 weights and optimizer state (rank 0 writes).
+            ``"sharded"``: a directory, each rank writes its own shard; resumable at any world size.
+        max_consecutive_skipped_steps: raise :class:`~lightning_zero_offload.engine.failures.NonFiniteLossError`
+            after this many optimizer steps in a row were skipped for inf/nan gradients (``None``: never). fp16
+            also raises when a step overflows at ``loss_scale_min``. The default leaves room for fp16's loss
+            scale to calibrate down from ``loss_scale_init`` (two skipped steps per halving).
+        in_place_on_cpu: where nothing would be offloaded (a CPU device, ``"32-true"``, one process,
+            ``cpu_step="sync"``), the parameters are the fp32 master weights and the step reads each gradient
+            where backward left it: plain training's memory traffic, none of the offload path's copies.
+            Default (None): exactly there. ``False``: always run the offload data path that an accelerator
+            runs (on a CPU, its copies are real copies; useful to test it). ``True``: require it (an error
+            says which condition is not met).
+        process_group_backend: torch.distributed backend (default: nccl on CUDA, gloo on CPU).
+        timeout: how long any collective (the engine's, checkpointing's and Lightning's own) may wait for the
+            other ranks before it raises: a ``timedelta`` or seconds. Default: torch's 30 minutes. A rank that
+            fails does not wait for it: its peers are released as soon as it fails (docs/reliability.md).
+        start_method: how Lightning starts the processes (as in ``DDPStrategy``).
+"""
+
+__all__ = [
+    "OPTIONS_DOC",
+    "OPTION_NAMES",
+    "STRATEGY_DESCRIPTION",
+    "coerced_precision",
+    "collective_timeout",
+    "make_offload_options",
+    "resolve_precision",
+]

@@ -1,0 +1,451 @@
+"""What both front ends do, written once: one module and its optimizer trained by the offload engine.
+
+Plain torch and the engine; no Trainer and no Fabric. The Trainer strategy (``strategy.py`` with
+``precision.py``) and the Fabric strategy (``fabric.py``) translate Lightning's hooks into calls on an
+:class:`OffloadSession`, as Lightning's own ``pytorch/strategies/fsdp.py`` imports its helpers from
+``fabric/strategies/fsdp.py``:
+
+- setup: :meth:`OffloadSession.start` (model checks, host-memory pre-flight, the engine);
+- training: re-planning before a training forward, the pending clip, the step, ``zero_grad``, and
+  :class:`OffloadedOptimizer`, the optimizer to hand to a loop that calls ``step()`` itself;
+- checkpoints: the master-weight state dict, the optimizer state to save, the sharded save, loading
+  weights back;
+- the end: :meth:`OffloadSession.close`, or :func:`release_after_failure` without a collective.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zero_offload.core.options import STRATEGY_DESCRIPTION, resolve_precision
+from lightning_zero_offload.engine import OffloadEngine, OffloadOptions, StepStats
+from lightning_zero_offload.engine.checkpoint import FABRIC_KEY, FORMAT_KEY, save_sharded, sharded_layout
+from lightning_zero_offload.engine.checkpoint_files import PathLike
+from lightning_zero_offload.engine.collectives import abandon_process_group, broadcast_tensors_
+from lightning_zero_offload.engine.model_checks import (
+    check_param_dtypes,
+    check_same_on_all_ranks,
+    check_unique_params,
+    describe_model,
+)
+from lightning_zero_offload.engine.state import buffers_shared_for_save
+from lightning_zero_offload.planner import check_host_memory
+
+# The engine's own state (step count, loss scale, a pending schedule state) in a checkpoint: a top-level
+# entry of a Trainer checkpoint, an entry of the optimizer state in a Fabric one. Same key, same content.
+ENGINE_STATE_KEY = "zero_offload_engine"
+
+
+class OffloadSession:
+    """The engine training ``module``'s parameters through one optimizer, and what the front ends ask of it.
+
+    Built by :meth:`start`. ``engine`` stays after :meth:`close` (closed), so the optimizer state can
+    still be saved after training, as with a plain torch optimizer.
+    """
+
+    def __init__(self, module: nn.Module, engine: OffloadEngine) -> None:
+        self.module = module
+        self.engine = engine
+        self._clip: dict[str, float] = {}  # recorded between backward and the step, applied by step()
+        # Refuses, now, an optimizer holding parameters of another module.
+        self._param_keys = _state_dict_keys(module, engine.params)
+        self._keyed_params = tuple(map(id, engine.params))
+
+    @classmethod
+    def start(
+        cls,
+        module: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        device: torch.device,
+        precision: str,
+        options: OffloadOptions,
+        world_size: int,
+        local_world_size: int,
+    ) -> OffloadSession:
+        """Check the model and the host memory, then build the engine (the module's trainable weights go
+        to ``device`` as low-precision views of one flat buffer).
+
+        Everything that can be refused is refused before the engine allocates. With several ranks the
+        ranks first check that they hold the same model and options, then take rank 0's weights and
+        buffers; the engine shards over torch.distributed's default group.
+        """
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"zero_offload takes exactly one optimizer, got {len(optimizers)}. "
+                "Put the parameters in param groups of one optimizer instead."
+            )
+        (optimizer,) = optimizers
+        precision, param_dtype = resolve_precision(precision)
+        _check_model(module, optimizer, param_dtype, precision, options, device, world_size > 1)
+        check_host_memory(module, options, param_dtype, world_size, local_world_size, device)
+        if world_size > 1:
+            broadcast_tensors_(list(module.state_dict().values()), None, device)
+        # process_group=None means the default group to torch.distributed; holding the group object itself
+        # would keep it alive past destroy_process_group (see release_process_group).
+        engine = OffloadEngine(
+            optimizer, device, param_dtype, options, process_group=None, local_world_size=local_world_size
+        )
+        return cls(module, engine)
+
+    @property
+    def param_keys(self) -> list[list[str]]:
+        """For each of the engine's trainable parameters, every state-dict key it appears under (tied
+        weights appear under several); follows the engine when it re-plans its trainable set."""
+        params = self.engine.params
+        if tuple(map(id, params)) != self._keyed_params:
+            self._param_keys = _state_dict_keys(self.module, params)
+            self._keyed_params = tuple(map(id, params))
+        return self._param_keys
+
+    @property
+    def training(self) -> bool:
+        """The engine is set up and not closed yet."""
+        return not self.engine.closed
+
+    # -- training --------------------------------------------------------------------------------
+
+    def before_training_forward(self) -> None:
+        """Re-plan if parameters were unfrozen or param groups added, before the forward uses them."""
+        if self.training:
+            self.engine.replan_if_changed()
+
+    def clip_norm(self, max_norm: float) -> None:
+        """Clip the global gradient norm in the coming step (on the CPU, fused into it)."""
+        self._clip["clip_norm"] = float(max_norm)
+
+    def clip_value(self, limit: float) -> None:
+        """Clip each gradient element to ``[-limit, limit]`` in the coming step."""
+        self._clip["clip_value"] = float(limit)
+
+    def grad_norm(self, error_if_nonfinite: bool = False) -> float:
+        """The total 2-norm of this window's unscaled gradients; its all-reduce is the coming step's.
+
+        ``error_if_nonfinite``: raise on inf/nan, as ``torch.nn.utils.clip_grad_norm_`` does, except under
+        fp16 loss scaling, where an overflow is routine (the step is skipped and the scale lowered).
+        """
+        norm = self.engine.grad_norm()
+        if error_if_nonfinite and math.isinf(norm) and self.engine.scaler is None:
+            raise RuntimeError(
+                "The total norm of the gradients is non-finite, so it cannot be clipped. "
+                "Pass error_if_nonfinite=False to clip_gradients to skip this step instead."
+            )
+        return norm
+
+    def step(self) -> StepStats:
+        """The optimizer step on the CPU with the clip recorded since the last step."""
+        clip, self._clip = self._clip, {}
+        return self.engine.step(**clip)
+
+    def skip_step(self) -> None:
+        """No step for this backward (a training step that returned None): its clip is dropped too."""
+        self._clip = {}
+        self.engine.expect_step(False)
+        self.engine.finish_backward()
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last step, and the clip recorded for them."""
+        self._clip = {}
+        if self.training:
+            self.engine.zero_grad()
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    @property
+    def sharded(self) -> bool:
+        return self.engine.options.checkpoint_format == "sharded"
+
+    def shared_buffers(self, share: bool = True) -> AbstractContextManager[None]:
+        """Inside: the master weights and moments come as views of the engine's buffers, not copies, for
+        a writer that is done when it returns (``share=False``: copies, e.g. for a background writer)."""
+        return buffers_shared_for_save(self.engine, share)
+
+    def master_state_dict(self) -> dict[str, Any]:
+        """``module.state_dict()`` with the fp32 master weights in place of the low-precision device copies.
+
+        A collective with several ranks: call it on every rank.
+        """
+        state = self.module.state_dict()
+        if not self.training:
+            return state  # closed: the module holds the master weights itself
+        for keys, weight in zip(self.param_keys, self.engine.master_params()):
+            for key in keys:
+                state[key] = weight
+        return state
+
+    def module_state_to_save(self) -> dict[str, Any]:
+        """The master state dict; sharded, without the trainable weights (each rank saves its shard)."""
+        if not (self.sharded and self.training):
+            return self.master_state_dict()
+        state = self.module.state_dict()
+        for key in (key for keys in self.param_keys for key in keys):
+            state.pop(key, None)
+        return state
+
+    def optimizer_state_to_save(self) -> dict[str, Any]:
+        """The optimizer state in torch AdamW's format; sharded, only the param groups (the moments are
+        in the shards)."""
+        if self.sharded:
+            return {"state": {}, "param_groups": self.engine.param_groups_state()}
+        return self.engine.optimizer_state_dict()
+
+    def save_sharded(self, checkpoint: dict[str, Any], path: PathLike, rank: int, broadcast: Callable) -> None:
+        """Every rank writes its shard of the master weights and moments, rank 0 also ``checkpoint`` (with
+        the layout a loader needs at any world size) as ``meta.pt``: a new version directory, complete
+        before it replaces an existing one. ``broadcast(obj)``: rank 0's ``obj`` on every rank."""
+        if rank == 0:
+            checkpoint[FORMAT_KEY] = sharded_layout(self.engine, self.param_keys)
+        meta = checkpoint if rank == 0 else None
+        save_sharded(path, self.engine.shard_state_dict(), meta, rank, broadcast, all_gather_objects)
+
+    def load_master_weights(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """The trainable weights of a module state dict into the master weights (and the device copies).
+
+        A weight the state dict lacks keeps its value; with ``strict`` that is a ``KeyError``.
+        """
+        if not self.training:
+            return
+        keys = [keys[0] for keys in self.param_keys]
+        missing = [key for key in keys if key not in state_dict]
+        if missing and strict:
+            raise KeyError(f"The checkpoint has no weights for {missing[:5]}")
+        current = self.engine.master_params() if missing else []
+        self.engine.load_master_params([state_dict[k] if k in state_dict else current[i] for i, k in enumerate(keys)])
+
+    def close(self) -> None:
+        """Hand the module back holding the trained fp32 master weights (the optimizer state is kept)."""
+        self.engine.close()
+
+
+class SessionStrategy:
+    """Mixed into both front ends' strategies (before Lightning's base class): the session once set up,
+    its engine (what users, callbacks and tests read), and the ``zero_offload`` registry entry."""
+
+    strategy_name = "zero_offload"
+    session: OffloadSession | None = None
+
+    @property
+    def engine(self) -> OffloadEngine | None:
+        """The offload engine once set up (after training: closed, still holding the optimizer state)."""
+        return self.session.engine if self.session is not None else None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description=STRATEGY_DESCRIPTION, override=True)
+
+
+class OffloadedOptimizer:
+    """The user's optimizer with its step taken by the session: ``step``, ``zero_grad`` and the state go
+    through it, for a loop that calls them itself (Fabric's, or a plain torch one).
+
+    Imitates the wrapped optimizer's class (as Fabric's own wrapper does), so ``isinstance`` checks and
+    LR schedulers work; ``param_groups`` are the wrapped optimizer's, which the engine reads live.
+    ``state_dict()`` is what a checkpoint saves: torch AdamW's format (sharded: the param groups only,
+    the moments are in the shards) plus the engine's state under :data:`ENGINE_STATE_KEY`.
+    """
+
+    def __init__(self, session: OffloadSession) -> None:
+        self._session = session
+        self._optimizer = session.engine.optimizer
+        self.__class__ = type(
+            "ZeroOffload" + self._optimizer.__class__.__name__, (OffloadedOptimizer, self._optimizer.__class__), {}
+        )
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    def step(self, closure: Callable[[], Any] | None = None) -> StepStats:
+        if closure is not None:
+            raise ValueError("zero_offload's optimizer.step() takes no closure: call backward before step()")
+        self._training_engine()
+        return self._session.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._session.zero_grad()
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self._session.optimizer_state_to_save()
+        state[ENGINE_STATE_KEY] = self._session.engine.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        engine = self._training_engine()
+        engine.load_optimizer_state_dict(state_dict)
+        if ENGINE_STATE_KEY in state_dict:
+            engine.load_state_dict(state_dict[ENGINE_STATE_KEY])
+
+    def _training_engine(self) -> OffloadEngine:
+        if not self._session.training:
+            raise RuntimeError("The offload engine is closed: training with this optimizer has ended")
+        return self._session.engine
+
+    def __getattr__(self, item: str) -> Any:
+        if item == "_optimizer":  # not set yet (copy/unpickle): do not recurse
+            raise AttributeError(item)
+        return getattr(self._optimizer, item)
+
+
+def release_after_failure(session: OffloadSession | None, distributed: bool) -> None:
+    """This rank failed: release the process group and the engine without a collective. Never raises.
+
+    The other ranks may be blocked in a collective or already gone, so gathering anything now would
+    hang. Tearing the process group down makes their pending collectives fail at once, so every rank
+    exits within seconds instead of at the collective timeout. The group goes first: aborting NCCL also
+    ends device work still waiting for a peer, which the engine's workers may be waiting for.
+    """
+    releases: list[Callable[[], None]] = [abandon_process_group] if distributed else []
+    if session is not None:
+        releases.append(lambda: session.engine.close(after_failure=True))
+    for release in releases:
+        try:
+            release()
+        except Exception as error:  # noqa: BLE001 -- the caller would report this error instead of the real one
+            warnings.warn(f"zero_offload: cleaning up after the failure also failed: {error!r}", stacklevel=2)
+
+
+def release_process_group() -> None:
+    """Destroy the process group, then collect garbage while the interpreter is fully alive.
+
+    A gloo group still referenced from a reference cycle (Lightning's trainer, strategy and module form
+    many) would otherwise be destroyed during interpreter finalization, which aborts the process in
+    about one exit of four (measured with two ranks). Registered with ``atexit`` by both front ends.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (``[obj]`` without a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def move_untrained_to(module: nn.Module, device: torch.device) -> None:
+    """Move what the engine will not own to ``device`` (frozen parameters, buffers), before the engine is
+    built: the trainable fp32 weights would otherwise pass through device memory at 4 bytes per parameter."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(device)
+        for sub in module.modules():
+            for name, buffer in sub._buffers.items():
+                if buffer is not None:
+                    sub._buffers[name] = buffer.to(device)
+
+
+# A Fabric checkpoint names its entries freely; FABRIC_KEY says which hold the model and the optimizer. Its
+# sharded meta.pt is in the Trainer's layout ("state_dict", "optimizer_states"), so that load_sharded and the
+# fp32 export read both alike.
+
+
+def sharded_from_fabric_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """The Fabric checkpoint dict (with its ``FABRIC_KEY`` entry) in the Trainer's layout, in place."""
+    keys = checkpoint[FABRIC_KEY]
+    checkpoint["state_dict"] = checkpoint.pop(keys["model"])
+    if keys["optimizer"] is not None:
+        checkpoint["optimizer_states"] = [checkpoint.pop(keys["optimizer"])]
+    return checkpoint
+
+
+def fabric_checkpoint_from_sharded(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A loaded sharded checkpoint of Fabric's back under the names the Fabric run gave its entries, in place."""
+    keys = checkpoint.pop(FABRIC_KEY)
+    checkpoint.pop(FORMAT_KEY)
+    checkpoint[keys["model"]] = checkpoint.pop("state_dict")
+    if keys["optimizer"] is not None:
+        checkpoint[keys["optimizer"]] = checkpoint.pop("optimizer_states")[0]
+    return checkpoint
+
+
+def restore_objects(
+    state: nn.Module | torch.optim.Optimizer | dict[str, Any] | None,
+    checkpoint: dict[str, Any],
+    load_module: Callable[[nn.Module, dict[str, Any]], None],
+) -> dict[str, Any]:
+    """Restore ``state`` from a loaded ``checkpoint`` and return what is left of it (Fabric's ``load``).
+
+    ``state`` is one module, one optimizer, or a dict of named objects: modules load through
+    ``load_module``, objects with a ``state_dict``/``load_state_dict`` load their entry, other values
+    are replaced in ``state``. Modules load first, whatever the dict's order: a pending delayed update,
+    restored with the optimizer state, puts device parameters over the weights.
+    """
+    if not state:
+        return checkpoint
+    if isinstance(state, nn.Module):
+        load_module(state, checkpoint)
+        return {}
+    if isinstance(state, torch.optim.Optimizer):
+        state.load_state_dict(checkpoint)
+        return {}
+    names = sorted((name for name in state if name in checkpoint), key=lambda n: not isinstance(state[n], nn.Module))
+    for name in names:
+        obj = state[name]
+        if isinstance(obj, nn.Module):
+            load_module(obj, checkpoint.pop(name))
+        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
+            obj.load_state_dict(checkpoint.pop(name))
+        else:
+            state[name] = checkpoint.pop(name)
+    return checkpoint
+
+
+def _check_model(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    param_dtype: torch.dtype,
+    precision: str,
+    options: OffloadOptions,
+    device: torch.device,
+    distributed: bool,
+) -> None:
+    """Refuse what the engine would train wrongly, and models or options that differ between ranks
+    (before the first collective that depends on them)."""
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    check_unique_params(optimizer, names)
+    trainable = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    check_param_dtypes(trainable, names, param_dtype)
+    if distributed:
+        check_same_on_all_ranks(describe_model(module, optimizer, options, precision), device)
+
+
+def _state_dict_keys(module: nn.Module, params: list[torch.nn.Parameter]) -> list[list[str]]:
+    keys: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        keys.setdefault(id(p), []).append(name)
+    if any(id(p) not in keys for p in params):
+        raise ValueError(
+            "The optimizer holds parameters that are not parameters of the module it trains; build the optimizer "
+            "from the module's parameters (self.parameters() in configure_optimizers, model.parameters() for Fabric)"
+        )
+    return [keys[id(p)] for p in params]
+
+
+__all__ = [
+    "ENGINE_STATE_KEY",
+    "OffloadSession",
+    "OffloadedOptimizer",
+    "SessionStrategy",
+    "all_gather_objects",
+    "fabric_checkpoint_from_sharded",
+    "move_untrained_to",
+    "release_after_failure",
+    "release_process_group",
+    "restore_objects",
+    "sharded_from_fabric_checkpoint",
+]

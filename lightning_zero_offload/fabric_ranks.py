@@ -1,0 +1,40 @@
+"""The Fabric strategy's processes and ranks: Fabric's ``DDPStrategy`` without its wrapper.
+
+Launching, ranks, barrier, broadcast and all-reduce are Fabric's DDP machinery (``devices=N`` with
+``fabric.launch()``, ``fabric run``, torchrun, SLURM). The module is never wrapped in
+``DistributedDataParallel``: the offload engine reduce-scatters gradients itself, so there is no
+backward sync to skip either. One process gets no process group at all (no free port, no init).
+"""
+
+from __future__ import annotations
+
+import atexit
+from typing import Any
+
+from lightning.fabric.strategies import DDPStrategy
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_zero_offload.core import release_process_group
+
+
+class DDPWithoutWrapper(DDPStrategy):
+    """Fabric's ``DDPStrategy`` minus ``DistributedDataParallel``, and minus the process group for one process."""
+
+    def __init__(self, **ddp_arguments: Any) -> None:  # DDPStrategy's, by name
+        super().__init__(**ddp_arguments)
+        self._backward_sync_control = None  # gradients accumulate on the CPU; there is no sync to skip
+
+    @override
+    def setup_environment(self) -> None:
+        if self.num_nodes * self.num_processes > 1:
+            super().setup_environment()  # DDP's process group
+            # A gloo group left to interpreter teardown can abort the process at exit (see release_process_group).
+            atexit.register(release_process_group)
+        else:
+            self.accelerator.setup_device(self.root_device)
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        module.to(self.root_device)  # no optimizer: evaluation only, the module keeps its dtype
+        return module

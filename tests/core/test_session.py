@@ -1,0 +1,312 @@
+"""The shared core driven directly, without a Trainer or Fabric: options, the session, its optimizer and
+checkpoints, on a tiny CPU model (the offload data path in fp32, so results compare exactly)."""
+
+import inspect
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+from engine_helpers import CPU, batches, loss_fn, make_net, options, two_groups
+from torch import nn
+
+from lightning_zero_offload.core import (
+    ENGINE_STATE_KEY,
+    OPTION_NAMES,
+    OffloadedOptimizer,
+    OffloadSession,
+    collective_timeout,
+    fabric_checkpoint_from_sharded,
+    make_offload_options,
+    release_after_failure,
+    resolve_precision,
+    restore_objects,
+    sharded_from_fabric_checkpoint,
+)
+from lightning_zero_offload.engine import LossScalerConfig, OffloadOptions
+from lightning_zero_offload.engine.checkpoint import FABRIC_KEY, FORMAT_KEY, load_sharded
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture
+def start():
+    """Start sessions on the CPU (closed at the end of the test, so no worker thread outlives it)."""
+    sessions = []
+
+    def start(net: nn.Module, optimizer=None, **option_values) -> OffloadSession:
+        optimizer = optimizer if optimizer is not None else two_groups(net)
+        session = OffloadSession.start(net, [optimizer], CPU, "32-true", options(**option_values), 1, 1)
+        sessions.append(session)
+        return session
+
+    yield start
+    for session in sessions:
+        session.close()
+
+
+def train(session: OffloadSession, steps: list, clip: float | None = None) -> None:
+    """What both front ends do per step: replan, backward between begin/finish, the recorded clip, step."""
+    for batch in steps:
+        session.before_training_forward()
+        loss = loss_fn(session.module, batch)
+        session.engine.begin_backward()
+        session.engine.scale_loss(loss).backward()
+        session.engine.finish_backward()
+        if clip is not None:
+            session.clip_norm(clip)
+        session.step()
+
+
+def backward(session: OffloadSession, batch) -> None:
+    session.engine.begin_backward()
+    loss_fn(session.module, batch).backward()
+    session.engine.finish_backward()
+
+
+def mse(model: nn.Module, batch) -> torch.Tensor:
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def weights(session: OffloadSession) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in session.master_state_dict().items()}
+
+
+def assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+# -- options, precision, timeout ------------------------------------------------------------------
+
+
+def test_offload_options_from_keywords_validate_once_with_the_engine_defaults():
+    assert make_offload_options() == OffloadOptions()
+    options = make_offload_options(bucket_size_mb=2, loss_scale_init=8.0, loss_scale_min=2.0)
+    assert options.bucket_size_mb == 2
+    assert options.loss_scaler == LossScalerConfig(init_scale=8.0, min_scale=2.0)
+    with pytest.raises(ValueError, match="loss_scale_min"):
+        make_offload_options(loss_scale_init=1.0, loss_scale_min=2.0)
+    with pytest.raises(TypeError, match="no option metric, nonsense"):
+        make_offload_options(metric=True, nonsense=1)
+    with pytest.raises(TypeError, match="no option loss_scaler"):  # the scaler is set through loss_scale_*
+        make_offload_options(loss_scaler=LossScalerConfig())
+
+
+def test_the_trainer_strategy_forwards_every_option_by_name():
+    from lightning_zero_offload.strategy import ZeroOffloadStrategy
+
+    parameters = inspect.signature(ZeroOffloadStrategy.__init__).parameters
+    assert set(OPTION_NAMES) <= set(parameters)
+    assert ZeroOffloadStrategy().options == OffloadOptions()  # its signature's defaults are the engine's
+    given = {"cpu_step": "sync", "loss_scale_hysteresis": 5, "checkpoint_format": "sharded"}
+    assert ZeroOffloadStrategy(**given).options == make_offload_options(**given)
+
+
+def test_precision_names_and_refusals():
+    assert resolve_precision("bf16") == ("bf16-mixed", torch.bfloat16)
+    assert resolve_precision("16-mixed") == ("16-mixed", torch.float16)
+    assert resolve_precision(32) == ("32-true", torch.float32)
+    with pytest.raises(ValueError, match="use precision='bf16-mixed'"):
+        resolve_precision("bf16-true")
+
+
+def test_collective_timeout_takes_seconds_or_a_timedelta():
+    assert collective_timeout(1.5) == timedelta(seconds=1.5)
+    assert collective_timeout(timedelta(minutes=2)) == timedelta(minutes=2)
+    assert collective_timeout(None) is None
+    with pytest.raises(ValueError, match="timeout"):
+        collective_timeout(0)
+
+
+# -- the session: setup and training ----------------------------------------------------------------
+
+
+def test_start_refuses_what_it_cannot_train(start):
+    net = make_net()
+    with pytest.raises(ValueError, match="exactly one optimizer, got 2"):
+        OffloadSession.start(net, [two_groups(net), two_groups(net)], CPU, "32-true", options(), 1, 1)
+    with pytest.raises(ValueError, match="not parameters of the module it trains"):
+        start(make_net(), two_groups(net))
+    with pytest.raises(ValueError, match="does not support precision"):
+        OffloadSession.start(net, [two_groups(net)], CPU, "64-true", options(), 1, 1)
+
+
+def test_steps_match_torch_adamw_with_the_recorded_clip(start):
+    reference = make_net()
+    reference_optimizer = two_groups(reference)
+    session = start(make_net())
+    for batch in batches(6):
+        loss_fn(reference, batch).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        train(session, [batch], clip=0.5)
+    for key, weight in session.master_state_dict().items():
+        torch.testing.assert_close(weight, reference.state_dict()[key], rtol=1e-5, atol=1e-6)
+        assert torch.equal(weight, session.module.state_dict()[key])  # fp32: the device copy is the master
+
+
+def test_grad_norm_is_the_steps_norm_and_its_summary_is_computed_once(start, monkeypatch):
+    session = start(make_net())
+    grads = session.engine.grads
+    calls = []
+    summary = grads.local_summary
+    monkeypatch.setattr(grads, "local_summary", lambda: calls.append(1) or summary())
+    backward(session, batches(1)[0])
+    norm = session.grad_norm()
+    session.clip_norm(norm / 2)
+    stats = session.step()
+    assert stats.grad_norm == norm and len(calls) == 1  # one summary (one all-reduce with several ranks)
+
+
+def test_zero_grad_drops_the_window_and_skip_step_drops_the_clip(start):
+    data = batches(3)
+    once, twice = start(make_net()), start(make_net())
+    train(once, [data[1]])
+    backward(twice, data[0])  # accumulated, then dropped with its clip
+    twice.clip_norm(1e-6)
+    twice.zero_grad()
+    train(twice, [data[1]])
+    assert_equal(weights(once), weights(twice))
+
+    skipped = start(make_net())
+    backward(skipped, data[0])
+    skipped.clip_value(1e-6)
+    skipped.skip_step()
+    skipped.zero_grad()
+    train(skipped, [data[2]])
+    reference = start(make_net())
+    train(reference, [data[2]])
+    assert_equal(weights(reference), weights(skipped))
+
+
+def test_param_keys_follow_the_engine_when_a_frozen_layer_becomes_trainable(start):
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))  # equal shapes: a shifted key shows
+    net[1].requires_grad_(False)
+    session = start(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+    for _ in range(2):
+        session.engine.begin_backward()
+        mse(session.module, batch).backward()
+        session.step()
+    assert [keys[0] for keys in session.param_keys] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    net[1].requires_grad_(True)
+    session.before_training_forward()  # the engine re-plans: the middle layer joins the flat buffer
+    session.engine.begin_backward()
+    mse(session.module, batch).backward()
+    session.step()
+    assert [keys[0] for keys in session.param_keys] == [f"{i}.{n}" for i in range(3) for n in ("weight", "bias")]
+    assert_equal(session.master_state_dict(), session.module.state_dict())
+
+
+def test_tied_weights_appear_under_every_key(start):
+    net = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    net[1].weight = net[0].weight
+    session = start(net, torch.optim.AdamW(net.parameters()))
+    state = session.master_state_dict()
+    assert session.param_keys == [["0.weight", "1.weight"]]
+    assert torch.equal(state["0.weight"], state["1.weight"])
+
+
+# -- checkpoints ------------------------------------------------------------------------------------
+
+
+def test_full_save_and_load_round_trip_resumes_bitwise(start, tmp_path):
+    data = batches(8)
+    straight = start(make_net())
+    train(straight, data)
+
+    first = start(make_net())
+    train(first, data[:4])
+    optimizer = OffloadedOptimizer(first)
+    with first.shared_buffers():  # views of the engine's buffers, written at once
+        torch.save({"model": first.module_state_to_save(), "optimizer": optimizer.state_dict()}, tmp_path / "c.pt")
+    checkpoint = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert ENGINE_STATE_KEY in checkpoint["optimizer"] and checkpoint["optimizer"]["state"]
+
+    resumed = start(make_net(seed=7))
+    resumed.module.load_state_dict(checkpoint["model"])
+    resumed.load_master_weights(checkpoint["model"])
+    OffloadedOptimizer(resumed).load_state_dict(checkpoint["optimizer"])
+    assert resumed.engine.step_calls == 4
+    train(resumed, data[4:])
+    assert_equal(weights(straight), weights(resumed))
+
+
+def test_sharded_save_and_load_round_trip_resumes_bitwise(start, tmp_path):
+    data = batches(8)
+    straight = start(make_net(), checkpoint_format="sharded")
+    train(straight, data)
+
+    first = start(make_net(), checkpoint_format="sharded")
+    train(first, data[:4])
+    module_state = first.module_state_to_save()
+    assert not any(key in module_state for keys in first.param_keys for key in keys)  # the shards hold them
+    meta = {"state_dict": module_state, "optimizer_states": [first.optimizer_state_to_save()]}
+    meta[ENGINE_STATE_KEY] = first.engine.state_dict()
+    first.save_sharded(meta, tmp_path / "s.ckpt", 0, broadcast=lambda obj: obj)
+    checkpoint = load_sharded(tmp_path / "s.ckpt")
+
+    resumed = start(make_net(seed=7), checkpoint_format="sharded")
+    resumed.load_master_weights(checkpoint["state_dict"])
+    resumed.engine.load_optimizer_state_dict(checkpoint["optimizer_states"][0])
+    resumed.engine.load_state_dict(checkpoint[ENGINE_STATE_KEY])
+    train(resumed, data[4:])
+    assert_equal(weights(straight), weights(resumed))
+
+
+def test_loading_weights_a_state_dict_lacks(start):
+    session = start(make_net())
+    before = weights(session)
+    partial = {k: torch.zeros_like(v) for k, v in before.items() if not k.startswith("4.")}
+    with pytest.raises(KeyError, match="4.weight"):
+        session.load_master_weights(partial)
+    session.load_master_weights(partial, strict=False)
+    after = weights(session)
+    assert all(torch.equal(after[k], torch.zeros_like(v) if k in partial else v) for k, v in before.items())
+
+
+def test_fabric_checkpoints_in_the_sharded_layout_and_back():
+    checkpoint = {"net": {"w": 1}, "opt": {"state": {}}, "step": 3, FABRIC_KEY: {"model": "net", "optimizer": "opt"}}
+    meta = sharded_from_fabric_checkpoint(dict(checkpoint))
+    assert meta["state_dict"] == {"w": 1} and meta["optimizer_states"] == [{"state": {}}] and "net" not in meta
+    meta[FORMAT_KEY] = {"format": "sharded"}  # what save_sharded adds
+    assert fabric_checkpoint_from_sharded(meta) == {"net": {"w": 1}, "opt": {"state": {}}, "step": 3}
+
+
+def test_restore_objects_loads_modules_first_and_returns_the_rest():
+    order = []
+
+    class Stateful:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            order.append(("stateful", state))
+
+    module = nn.Linear(2, 2)
+    state = {"scheduler": Stateful(), "step": 0, "model": module}
+    left = restore_objects(
+        state,
+        {"scheduler": 1, "step": 5, "model": {"w": 2}, "extra": 9},
+        lambda m, weights: order.append(("module", weights)),
+    )
+    assert order == [("module", {"w": 2}), ("stateful", 1)]
+    assert state["step"] == 5 and left == {"extra": 9}
+    assert restore_objects(None, {"a": 1}, lambda m, w: None) == {"a": 1}
+
+
+def test_release_after_failure_never_raises(start):
+    session = start(make_net())
+
+    def fails(after_failure: bool = False) -> None:
+        raise OSError("disk gone")
+
+    session.engine.close = fails
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        release_after_failure(session, distributed=False)
+    assert any("cleaning up after the failure also failed" in str(w.message) for w in caught)
+    del session.engine.close  # the real close, for the fixture
