@@ -21,6 +21,7 @@ import torch
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.layout import Bucket, Layout
+from lightning_zero_offload.engine.memory import DEVICE, current_ledger
 
 _WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -36,6 +37,9 @@ class ParamWriteWatch:
         self._views = [flat_params[layout.slot_range(i)].view(slot.shape) for i, slot in enumerate(layout.slots)]
         self._pointers = [view.data_ptr() for view in self._views]
         self._prints: list[torch.Tensor | None] = [None] * len(layout.buckets)
+        ledger = current_ledger()
+        if ledger is not None and checksums:  # one 8-byte checksum per bucket, where the device copy is
+            ledger.add(DEVICE, "checksums", 8 * len(layout.buckets))
 
     def _bucket_words(self, bucket: Bucket) -> torch.Tensor:
         flat = self.flat_params[bucket.flat_start : bucket.flat_start + bucket.padded_numel]

@@ -153,7 +153,13 @@ def update_and_publish(
     def update(bucket: Bucket, runs: list[Run]) -> tuple[torch.Tensor | None, float]:
         out = pool.acquire() if pool is not None else None
         t = time.perf_counter()
-        update_bucket(engine, bucket, runs, engine.grad, out)
+        try:
+            update_bucket(engine, bucket, runs, engine.grad, out)
+        except BaseException as error:
+            if pool is not None:  # the later buckets' updates must not wait for buffers nobody returns
+                pool.release(out)
+                pool.fail(error)
+            raise
         return out, time.perf_counter() - t
 
     pairs = [(b, runs) for b, runs in zip(engine.layout.buckets, plan) if b.index not in done]

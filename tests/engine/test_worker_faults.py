@@ -113,3 +113,32 @@ def test_trainer_fit_raises_the_worker_error(monkeypatch, tmp_path):
     assert isinstance(error, InjectedFault), error
     assert str(error).startswith(f"injected accumulate fault at call {FAULT_FROM}")
     assert len(strategy.engine.layout.buckets) >= 4 and strategy.engine.closed
+
+
+def test_a_fault_in_the_cpu_update_ends_the_step_and_close_returns(monkeypatch):
+    """The update worker runs ahead of publishing through a two-buffer pool: a bucket whose update fails
+    must not leave the next ones waiting for a buffer, or close() would wait for the worker forever."""
+    net = make_net()
+    engine = OffloadEngine(two_groups(net), CPU, torch.bfloat16, options(bucket_size_mb=BUCKET_MB))
+    assert len(engine.layout.buckets) >= 4 and engine.overlap
+    real = kernels.adam_step
+    calls = [0]
+
+    def faulty(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise InjectedFault("injected CPU-update fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "adam_step", faulty)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(net, batches(1)[0])
+        engine.begin_backward()
+        loss.backward()
+        engine.step()
+
+    error = error_within_guard(step)
+    assert isinstance(error, InjectedFault)
+    assert error_within_guard(engine.close) is None
