@@ -260,7 +260,7 @@ class OffloadEngine:
         self.replan_if_changed()
         self._backward_start = time.perf_counter()
         self._grad_summary = None  # more gradient is coming
-        if not self.schedule.update_in_flight:
+        if self.schedule.updates_during_backward:  # otherwise step() is the first to use the master
             self.absorb_param_writes()
         self.schedule.on_backward_start(self._step_expected)
         self._step_expected = False

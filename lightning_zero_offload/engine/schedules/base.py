@@ -39,6 +39,7 @@ class Schedule:
 
     name: ClassVar[str]
     rollbacks = 0  # speculated work taken back (only the speculative schedule has any)
+    updates_during_backward = False  # the master changes before step() is called
 
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine

@@ -82,6 +82,7 @@ if TYPE_CHECKING:
 
 class SpeculativeSchedule(Schedule):
     name = "speculative"
+    updates_during_backward = True
     WINDOW = 8
     PAUSE_TRIGGERS = 4
     publish_during_backward = True  # see the module docstring; False publishes only after validation
