@@ -34,13 +34,10 @@ from lightning_zero_offload.core import (
     make_offload_options,
     release_after_failure,
 )
-from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.precision import ZeroOffloadPrecision
 from lightning_zero_offload.trainer_ranks import ParallelLikeDDP
 
-# collective_timeout and OffloadEngine stay importable from here for the tests that use this path; the
-# session (lightning_zero_offload.core) now builds the engine.
-__all__ = ["OffloadEngine", "ZeroOffloadStrategy", "collective_timeout"]
+__all__ = ["ZeroOffloadStrategy"]
 
 
 class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):

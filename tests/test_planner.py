@@ -264,7 +264,7 @@ def test_strategy_refuses_before_the_engine_allocates(monkeypatch, tmp_path):
     def no_engine(*args, **kwargs):
         raise AssertionError("the engine was built before the memory check")
 
-    monkeypatch.setattr("lightning_zero_offload.strategy.OffloadEngine", no_engine)
+    monkeypatch.setattr("lightning_zero_offload.core.session.OffloadEngine", no_engine)
     trainer = L.Trainer(
         strategy=ZeroOffloadStrategy(), accelerator="cpu", devices=1, max_steps=1, default_root_dir=tmp_path,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
