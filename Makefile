@@ -29,7 +29,7 @@ lint: $(INSTALLED)
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The oldest Lightning that pyproject admits, in a venv of its own, against the Trainer-level tests.
 OLDEST_VENV ?= .venv-oldest
