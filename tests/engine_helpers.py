@@ -190,3 +190,36 @@ def two_gpu_checks(rank: int) -> tuple:
     """``two_rank_checks`` over NCCL, one GPU per rank."""
     device = torch.device("cuda", rank)
     return fp16_headroom(device), *layers_training(rank, 2, device=device)
+
+
+def unfreeze_training(rank: int, world: int, unfreeze_at: int = 3, steps: int = 6) -> dict:
+    """AdamW with the first layer frozen until ``unfreeze_at`` (then trainable: the engine re-plans), on
+    this rank's share of each batch; the full master weights and the optimizer state at the end."""
+    net = make_net()
+    net[0].requires_grad_(False)
+    optimizer = two_groups(net)
+    engine = OffloadEngine(optimizer, CPU, torch.float32, options())
+    for index, (x, y) in enumerate(batches(steps)):
+        if index == unfreeze_at:
+            net[0].requires_grad_(True)
+            assert engine.replan_if_changed()
+        share = len(x) // world
+        mine = slice(rank * share, (rank + 1) * share)
+        engine.begin_backward()
+        loss_fn(net, (x[mine], y[mine])).backward()
+        engine.step()
+    return {"weights": engine.master_params(), "state": engine.optimizer_state_dict()["state"]}
+
+
+def unfreeze_reference(unfreeze_at: int = 3, steps: int = 6) -> dict:
+    """The same with torch's AdamW on whole batches."""
+    net = make_net()
+    net[0].requires_grad_(False)
+    optimizer = two_groups(net)
+    for index, batch in enumerate(batches(steps)):
+        if index == unfreeze_at:
+            net[0].requires_grad_(True)
+        optimizer.zero_grad()
+        loss_fn(net, batch).backward()
+        optimizer.step()
+    return {"weights": [p.detach().clone() for p in net.parameters()], "state": optimizer.state_dict()["state"]}
