@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rss import PeakSampler, rss  # noqa: E402
+from memory_probe import PeakSampler, linear_stack, rss  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -34,22 +34,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def child(fmt: str, params: float, width: int) -> dict:
     import lightning as L
     import torch
-    from torch import nn
 
     from lightning_zero_offload import ZeroOffloadStrategy
 
-    layers = max(1, round(params / (width * width + width)))
-
-    class Net(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-
-        def training_step(self, batch, batch_idx):
-            return self.net(batch[0]).float().pow(2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+    Net = linear_stack(params, width)
 
     torch.manual_seed(0)
     model = Net()

@@ -33,7 +33,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rss import PeakSampler, rss  # noqa: E402
+from memory_probe import PeakSampler, linear_stack, rss  # noqa: E402
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.demo.model import GPT
@@ -56,24 +56,12 @@ def memory_child(name: str, params: float, width: int) -> dict:
     """One fit of a stack of linear layers on the CPU; RSS at setup, in steady training and during a save."""
     import lightning as L
     import torch
-    from torch import nn
 
     from lightning_zero_offload import ZeroOffloadStrategy
     from lightning_zero_offload.planner.model import Machine, plan
 
     precision, in_place, fmt = MEMORY_CONFIGS[name]
-    layers = max(1, round(params / (width * width + width)))
-
-    class Net(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-
-        def training_step(self, batch, batch_idx):
-            return self.net(batch[0]).float().pow(2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+    Net = linear_stack(params, width)
 
     class Probe(L.Callback):
         def __init__(self, sampler: PeakSampler, path: str) -> None:

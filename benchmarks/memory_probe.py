@@ -1,0 +1,61 @@
+"""Host memory of this process as the kernel counts it (resident set), its peak over an interval, and the
+model the memory benchmarks measure."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class PeakSampler(threading.Thread):
+    """The largest RSS seen, sampled every millisecond (a peak shorter than that can be missed)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak, self.done = rss(), threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.peak = max(self.peak, rss())
+            time.sleep(0.001)
+
+    def reset(self) -> int:
+        """The peak so far (including now), and start a new one from the current RSS."""
+        peak, self.peak = max(self.peak, rss()), rss()
+        return peak
+
+    def stop(self) -> int:
+        self.done.set()
+        self.join()
+        return max(self.peak, rss())
+
+
+def linear_stack(params: float, width: int):
+    """A LightningModule of Linear(width, width) layers with about ``params`` parameters (Lightning is
+    imported here, in the measuring child, so the parent's RSS is not part of the measurement)."""
+    import lightning as L
+    import torch
+    from torch import nn
+
+    layers = max(1, round(params / (width * width + width)))
+
+    class LinearStack(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).float().pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    return LinearStack
