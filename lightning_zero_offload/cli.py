@@ -83,7 +83,7 @@ def native_bf16() -> bool | None:
 
 def measured_cpu_precision(size: int = 128, repeats: int = 3) -> dict[str, Any]:
     """The precision the CPU trains fastest in, and why: CPUs without AVX-512 BF16 or AMX run bf16 matmuls
-    some 30x slower than fp32 (measured on an AVX2 server), which turns minutes into hours. Decided by the
+    many times slower than fp32 (docs/benchmarks.md, "The demo"), which turns minutes into hours. Decided by the
     CPU's features where torch can tell (the same answer at every start), else measured. Prints the choice
     and why; the dict goes to the run's hparams (``before_fit``)."""
     native = native_bf16()
@@ -102,8 +102,8 @@ def measured_cpu_precision(size: int = 128, repeats: int = 3) -> dict[str, Any]:
         # would give the model another initialisation (and the data another order) than the same config
         # with --trainer.precision given (the demo and the benchmarks diverged from the first step).
         generator = torch.Generator().manual_seed(0)
-        # A training-shaped product (tokens x width times width x 4 width, as in an MLP): on an AVX2 CPU a
-        # square 256 x 256 bf16 matmul measured only 1.7-11x fp32, too close to the threshold to be stable.
+        # A training-shaped product (tokens x width times width x 4 width, as in an MLP): a square bf16
+        # matmul timed too close to the threshold to be stable on an AVX2 CPU (docs/benchmarks.md, "The demo").
         a = torch.randn(4 * size, size, generator=generator).to(dtype)
         b = torch.randn(size, 4 * size, generator=generator).to(dtype)
         a @ b  # warm-up: kernel selection

@@ -140,8 +140,8 @@ OPTIONS_DOC = """\
         dpu_warmup_steps: with ``cpu_step="delayed"``, synchronous steps before the delayed update starts.
         dpu_weight_prediction: with ``cpu_step="delayed"``, run forward/backward on
             ``W_{t-1} + (W_{t-1} - W_{t-2})`` (the update still running predicted as a repeat of the last one)
-            instead of ``W_{t-1}``. Costs no memory or bandwidth; removed 37-63% of DPU's convergence loss on
-            the demo (docs/dpu.md).
+            instead of ``W_{t-1}``. Costs no memory or bandwidth and narrows DPU's convergence gap without
+            closing it (docs/dpu.md; the runs: docs/benchmarks.md, "DPU convergence").
             Needs a low-precision device copy ("bf16-mixed" or "16-mixed").
         checkpoint_format: ``"full"``: one file with the full fp32 weights and optimizer state (rank 0 writes).
             ``"sharded"``: a directory, each rank writes its own shard; resumable at any world size.

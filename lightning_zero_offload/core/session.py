@@ -317,8 +317,8 @@ def release_process_group() -> None:
     """Destroy the process group, then collect garbage while the interpreter is fully alive.
 
     A gloo group still referenced from a reference cycle (Lightning's trainer, strategy and module form
-    many) would otherwise be destroyed during interpreter finalization, which aborts the process in
-    about one exit of four (measured with two ranks). Registered with ``atexit`` by both front ends.
+    many) would otherwise be destroyed during interpreter finalization, which can abort the process
+    (docs/benchmarks.md, "Exit with a gloo group"). Registered with ``atexit`` by both front ends.
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -8,8 +8,8 @@ Remote paths (``s3://``, ``gs://``, ``memory://``...) go through fsspec, where o
 whole or not at all, so a sharded save writes every shard first and its metadata, the completion
 marker, last.
 
-Every write returns the size and CRC-32 of the bytes as written (CRC-32 costs about a tenth of a
-second per GB, see docs/checkpoints.md), and every read error names the file and says what is wrong.
+Every write returns the size and CRC-32 of the bytes as written, computed as they are written (no
+second pass; its cost: docs/checkpoints.md), and every read error names the file and says what is wrong.
 """
 
 from __future__ import annotations

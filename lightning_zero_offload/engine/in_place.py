@@ -4,8 +4,8 @@ With one process and the synchronous step, the device parameters can *be* the fp
 (views into the engine's master buffer) and each gradient can stay where autograd left it. The offload
 data path (engine/grads.py, engine/update.py) would copy every gradient into a device bucket, then into
 a host staging buffer, add it into an fp32 buffer, and copy every updated weight back: about 60 bytes
-of memory traffic per parameter and step against a plain fused AdamW's 28, which made a 49M-parameter
-Llama 1.33x slower than plain Lightning in "32-true" (docs/benchmarks.md).
+of memory traffic per parameter and step against a plain fused AdamW's 28, all of it cost when "device"
+and host are the same memory (docs/benchmarks.md, "CPU device, default settings").
 
 Here the engine keeps only what it needs of a gradient stream: each parameter's gradient until the
 step (the tensor autograd made, as plain training keeps it in ``.grad``), its sum of squares and inf/nan

@@ -31,7 +31,7 @@ CHECKPOINT_FORMATS = ("full", "sharded")
 # Host bytes per trainable parameter that saving a checkpoint adds on each rank on top of training's own
 # buffers, by format: (one rank, several ranks). Owned by the checkpoint code (docs/checkpoints.md): update
 # these when a save holds less. "full" at one rank: none, the file is written from the engine's own buffers
-# (measured +0 B/param, benchmarks/checkpoint_memory.py; a user's CheckpointIO gets copies, +12); with
+# (checked: docs/benchmarks.md, "Checkpoint save memory"; a user's CheckpointIO gets copies, +12); with
 # several ranks every rank gathers the full fp32 master and both moments (12 B/param). "sharded": each rank
 # writes its own shard through the file object, no copy.
 CHECKPOINT_SAVE_BYTES_PER_PARAM: dict[str, tuple[int, int]] = {"full": (0, 12), "sharded": (0, 0)}

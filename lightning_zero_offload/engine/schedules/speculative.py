@@ -16,7 +16,8 @@ After backward the engine validates:
   buckets published during backward get the master's rounding again.
 
 Rolling back is ``"undo"`` (the step inverted algebraically by :func:`kernels.adam_undo`: no memory,
-one pass costing about 1.2 Adam steps, equal to sync within fp32 rounding) or ``"snapshot"`` (the bucket's
+one pass over the step's memory, equal to sync within fp32 rounding; its cost: docs/benchmarks.md,
+"Rolling a speculated step back") or ``"snapshot"`` (the bucket's
 state copied before the step: bitwise, 12 bytes of host memory per parameter and that much extra
 traffic on every speculated step, on the worker). ``"auto"``
 takes the snapshot for fp16, where overflows are routine and the skipped step must leave the state
