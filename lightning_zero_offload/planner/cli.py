@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zero-offload-plan",
         description="Predict host RAM, device memory and step time of zero_offload training, and what to set.",
-        epilog="Rates not given are measured on this machine (about a second), or taken from --host/--device. "
+        epilog="Rates not given are measured on this machine by short probes, or taken from --host/--device. "
         f"Exit status: {EXIT_FITS} a configuration fits, {EXIT_DOES_NOT_FIT} none fits, {EXIT_USAGE} usage error.",
     )
     what = p.add_mutually_exclusive_group(required=True)

@@ -95,7 +95,7 @@ def measure_machine(
     linear_shapes: dict[tuple[int, int], int] | None = None,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Machine:
-    """Measure this machine's rates (about a second): see :mod:`lightning_zero_offload.planner_probes`.
+    """Measure this machine's rates with the short probes of :mod:`lightning_zero_offload.planner.probes`.
 
     ``threads``: the thread count the node bandwidth is measured with (default: all cores).
     ``tokens``, ``linear_shapes``, ``dtype``: the matmul probe runs forward+backward of each ``(in, out)`` shape once

@@ -2,7 +2,7 @@
 
 Each probe repeats a small piece of the real work (the engine's own kernels, copies and a matmul) a few
 times and keeps the median, so one descheduled repetition on a shared machine does not decide the result.
-The whole set takes about a second on a 2-core machine.
+The set is kept short (its time on one machine: docs/benchmarks.md, "Planner accuracy").
 """
 
 from __future__ import annotations
