@@ -593,10 +593,9 @@ def adam_undo(
     float64 and rounds once, so ``param``, ``exp_avg`` and ``exp_avg_sq`` return to within about one
     fp32 ulp of their values before the step (the step's own rounding cannot be recovered). With
     ``beta1`` or ``beta2`` 0 the old moment did not influence the new one and is restored as 0. Native
-    and torch backends give the same bits; the native one is one vectorised pass over memory (about 1.2
-    Adam steps on an AVX2 machine), the torch one about 12. A step
-    that zeroed the params (AdamW with ``lr * weight_decay == 1``, see :func:`can_undo`) raises
-    ValueError.
+    and torch backends give the same bits; the native one is one vectorised pass over the step's memory
+    (its cost relative to the step: docs/benchmarks.md). A step that zeroed the params (AdamW with
+    ``lr * weight_decay == 1``, see :func:`can_undo`) raises ValueError.
     """
     grad_scale, step = _real("grad_scale", grad_scale), _check_step("step", step)
     nt = _num_threads if num_threads is None else _check_threads("num_threads", num_threads)

@@ -105,7 +105,7 @@ INLINE void adam_partial(const lzo_adam_consts *c, float *p, const void *g, floa
 }
 
 /* Software prefetch PREFETCH elements ahead: the division and square root of each vector otherwise
- * keep too few cache misses in flight to saturate memory (measured: ~92% -> ~99% of the probe). */
+ * keep too few cache misses in flight to saturate memory (the gain: docs/benchmarks.md, "CPU-Adam kernels"). */
 INLINE void prefetch(const float *p, const void *g, const float *m, const float *v, int64_t i, int gdt)
 {
     _mm_prefetch((const char *)(p + i + PREFETCH), _MM_HINT_T0);

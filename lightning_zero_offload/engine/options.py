@@ -1,7 +1,7 @@
 """The engine's settings: checked once, at construction, with errors that name the strategy option to change.
 
 "auto" settings (``cpu_step="auto"``, ``overlap=None``, ``cpu_threads=None``) are resolved per device by
-:func:`resolve_auto`, the one place that encodes what was measured about them.
+:func:`resolve_auto`, the one place that encodes what the benchmarks found about them (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -101,12 +101,12 @@ def resolve_auto(options: OffloadOptions, device: torch.device, local_world_size
     """Turn the "auto" settings into concrete ones for ``device``.
 
     On a CPU device forward/backward and the CPU step run on the same cores: a gradient worker thread
-    or a step running beside backward only competes with it (measured on a 5.2M HF Llama: default
-    settings 1.18x slower than plain Lightning; overlap=False 0.93x), so the schedule is synchronous,
-    nothing overlaps, and the kernels use torch's own thread count (at most this rank's share of the
-    cores). On an accelerator the host cores are free during forward/backward: the gradient worker
-    overlaps backward, the CPU step is speculated behind it (exact, and faster on the simulated
-    device: docs/benchmarks.md) and each rank gets its share of the node's cores.
+    or a step running beside backward only competes with it (docs/benchmarks.md, "CPU device, default
+    settings"), so the schedule is synchronous, nothing overlaps, and the kernels use torch's own thread
+    count (at most this rank's share of the cores). On an accelerator the host cores are free during
+    forward/backward: the gradient worker overlaps backward, the CPU step is speculated behind it (exact,
+    and faster on the simulated device: docs/benchmarks.md) and each rank gets its share of the node's
+    cores.
     """
     accelerator = device.type != "cpu"
     cpu_step = options.cpu_step if options.cpu_step != "auto" else ("speculative" if accelerator else "sync")
@@ -137,7 +137,7 @@ def use_in_place(
     Only where nothing would be offloaded: forward/backward on the CPU itself, in fp32 (the device
     parameters *are* fp32 master weights), one process (no shards) and the synchronous step (the other
     schedules keep device weights apart from the master on purpose). There the offload path's copies
-    are pure cost: 1.33x plain Lightning's step time on an optimizer-heavy model (docs/benchmarks.md).
+    are pure cost (docs/benchmarks.md, "CPU device, default settings").
     """
     reasons = [
         why
