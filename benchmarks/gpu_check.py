@@ -74,10 +74,11 @@ def gpt(device: torch.device, tiny: bool, **size: int) -> nn.Module:
 
 
 def engine_for(model: nn.Module, device: torch.device, dtype: torch.dtype, **options: Any) -> Any:
-    from lightning_zero_offload.engine import OffloadEngine, OffloadOptions
+    from lightning_zero_offload.core import make_offload_options
+    from lightning_zero_offload.engine import OffloadEngine
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    return OffloadEngine(optimizer, device, dtype, OffloadOptions(**options))
+    return OffloadEngine(optimizer, device, dtype, make_offload_options(**options))
 
 
 def batches(device: torch.device, tiny: bool, n: int, seed: int = 1) -> list[torch.Tensor]:

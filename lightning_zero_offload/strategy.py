@@ -67,7 +67,6 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         loss_scale_backoff_factor: float = 0.5,
         loss_scale_hysteresis: int = 2,
         loss_scale_min: float = 1.0,
-        delayed_param_update: bool = False,
         dpu_warmup_steps: int = 40,
         dpu_weight_prediction: bool = False,
         checkpoint_format: Literal["full", "sharded"] = "full",

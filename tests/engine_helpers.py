@@ -1,10 +1,12 @@
 """Small models, data and option presets for driving the offload engine directly in tests."""
 
 import io
+from dataclasses import replace
 
 import torch
 from torch import nn
 
+from lightning_zero_offload.core import make_offload_options
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions
 
 CPU = torch.device("cpu")
@@ -38,11 +40,15 @@ def two_groups(net: nn.Module, cls=torch.optim.AdamW, **kwargs):
 
 
 def options(**kwargs) -> OffloadOptions:
+    """Engine options by the strategy's names (``dpu_warmup_steps=``, ...), or ``loss_scaler=`` as a whole."""
     kwargs.setdefault("bucket_size_mb", 2000 / 2**20)  # ~500 fp32 elements: several buckets
     kwargs.setdefault("cpu_threads", 2)
-    kwargs.setdefault("overlap", True)  # the accelerator's path (the CPU device's default is off)
+    if kwargs.get("in_place_on_cpu") is not True:  # in place nothing overlaps (setting it warns)
+        kwargs.setdefault("overlap", True)  # the accelerator's path (the CPU device's default is off)
     kwargs.setdefault("in_place_on_cpu", False)  # the offload data path, even where fp32 on the CPU skips it
-    return OffloadOptions(**kwargs)
+    scaler = kwargs.pop("loss_scaler", None)
+    built = make_offload_options(**kwargs)
+    return built if scaler is None else replace(built, loss_scaler=scaler)
 
 
 def run_ranks(fn, world: int, tmp_path, timeout: float = 120.0, backend: str = "gloo") -> list:

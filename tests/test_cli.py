@@ -345,7 +345,7 @@ trainer:
     class_path: lightning_zero_offload.ZeroOffloadStrategy
     init_args:
       bucket_size_mb: 1
-      delayed_param_update: true
+      cpu_step: delayed
       dpu_warmup_steps: 1
 """
 
@@ -365,7 +365,7 @@ class AdamBoring(BoringModel):
 cli = LightningCLI(AdamBoring, BoringDataModule, save_config_callback=None)
 assert "lightning_zero_offload" in sys.modules  # imported by jsonargparse from the class_path, not by us
 strategy = cli.trainer.strategy
-print(type(strategy).__name__, strategy.options.delayed_param_update, cli.trainer.global_step)
+print(type(strategy).__name__, strategy.options.cpu_step, cli.trainer.global_step)
 """
 
 
@@ -377,7 +377,7 @@ def test_class_path_strategy_in_a_plain_lightning_cli_script_without_import(tmp_
         [sys.executable, "train.py", "fit", "--config", "config.yaml"], cwd=tmp_path, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().splitlines()[-1] == "ZeroOffloadStrategy True 2"
+    assert done.stdout.strip().splitlines()[-1] == "ZeroOffloadStrategy delayed 2"
 
 
 def test_print_config_lists_only_the_strategy_own_options(tmp_path):
@@ -398,7 +398,8 @@ def test_print_config_lists_only_the_strategy_own_options(tmp_path):
     printed = yaml.safe_load(done.stdout)["trainer"]["strategy"]["init_args"]
     own = set(inspect.signature(ZeroOffloadStrategy.__init__).parameters) - {"self"}
     assert set(printed) <= own and "find_unused_parameters" not in printed and "bucket_size_mb" in printed
-    assert printed["delayed_param_update"] is True and printed["bucket_size_mb"] == 1
+    assert printed["cpu_step"] == "delayed" and printed["bucket_size_mb"] == 1
+    assert "delayed_param_update" not in printed  # removed in 0.1.0 (CHANGELOG.md)
 
 
 USER_MODULE = """\

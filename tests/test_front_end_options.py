@@ -58,3 +58,26 @@ def test_the_fp32_warning_is_true_when_32_true_was_passed():
 
 def test_no_fp32_warning_where_nothing_is_offloaded():
     assert fp32_warnings() == []  # a CPU device in place: the parameters are the fp32 master, no copy to shrink
+
+
+@pytest.mark.parametrize("strategy", FRONT_ENDS)
+def test_the_deprecated_alias_is_gone(strategy):
+    with pytest.raises(TypeError, match="delayed_param_update"):
+        strategy(delayed_param_update=True)
+
+
+def test_an_option_that_does_not_apply_warns_once_through_preflight_and_engine():
+    """The pre-flight check and the engine both resolve the options; only the engine warns, once."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = L.Trainer(
+            strategy=ZeroOffloadStrategy(speculation_rollback="snapshot"), precision="bf16-mixed", accelerator="cpu",
+            devices=1, max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False,
+        )  # fmt: skip
+        trainer.fit(AdamModel())
+    notes = [str(w.message) for w in caught if "speculation_rollback" in str(w.message)]
+    assert notes == [
+        "speculation_rollback='snapshot' has no effect: it applies to cpu_step='speculative' only, and "
+        "cpu_step='auto' runs 'sync' on a cpu device"
+    ]

@@ -1,5 +1,7 @@
 import json
 import math
+import os
+import warnings
 from functools import partial
 
 import lightning as L
@@ -8,8 +10,10 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_zero_offload import ZeroOffloadStrategy
+from lightning_zero_offload.core import make_offload_options
 from lightning_zero_offload.demo.model import GPT
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions
+from lightning_zero_offload.engine.options import resolve
 from lightning_zero_offload.planner import (
     Machine,
     check_host_memory,
@@ -69,7 +73,7 @@ def test_host_memory_is_what_the_engine_allocates(schedule, dtype):
         predicted = host_memory(
             LayoutSummary.of(engine.layout),
             dtype,
-            schedule,
+            engine.resolved,
             1,
             "cpu",
             sum(p.numel() for p in model.parameters()),
@@ -83,6 +87,57 @@ def test_host_memory_is_what_the_engine_allocates(schedule, dtype):
         assert len(engine.layout.buckets) > 1
     finally:
         engine.close()
+
+
+PLANNED_OPTIONS = [
+    {},
+    {"in_place_on_cpu": False},
+    {"in_place_on_cpu": True},
+    {"speculation_rollback": "snapshot"},
+    {"speculation_rollback": "undo"},
+    {"cpu_threads": 1},
+    {"cpu_threads": 10_000},
+]
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_the_planner_resolves_options_exactly_as_the_engine(device_type):
+    """Over devices, precisions, world sizes and options, each schedule's planned configuration (in place
+    or not, rollback, threads, overlap, pinning, notes) is the one the engine resolves for it."""
+    cores = len(os.sched_getaffinity(0))
+    here = with_rates(CPU_BOX if device_type == "cpu" else GPU_BOX, cpu_cores=cores)
+    here = with_rates(here, torch_threads=torch.get_num_threads())  # as measure_machine records them
+    compared = built = 0
+    for precision, dtype in (("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16), ("32-true", torch.float32)):
+        for devices, nodes in ((1, 1), (2, 1), (2, 2)):
+            for given in PLANNED_OPTIONS:
+                planned_args = dict(batch_size=1, seq_len=8, devices=devices, num_nodes=nodes, precision=precision)
+                in_place_refused = given.get("in_place_on_cpu") and not (
+                    device_type == "cpu" and dtype == torch.float32 and devices * nodes == 1
+                )
+                if in_place_refused:  # the sync schedule cannot run in place: refused by both
+                    with pytest.raises(ValueError, match="in_place_on_cpu=True needs"):
+                        plan(10_000, machine=here, **planned_args, **given)
+                    continue
+                planned = plan(10_000, machine=here, **planned_args, **given).resolved
+                for schedule in ("sync", "speculative", "delayed"):
+                    if given.get("in_place_on_cpu") and schedule != "sync":
+                        continue  # the engine refuses in_place_on_cpu=True there; the plan shows it without
+                    options = make_offload_options(cpu_step=schedule, **given)
+                    device = torch.device(device_type)
+                    engine_side = resolve(options, device, dtype, devices * nodes, devices)  # as the engine calls it
+                    assert planned[schedule] == engine_side, (precision, devices, nodes, given, schedule)
+                    compared += 1
+                    if devices * nodes == 1 and (device_type == "cpu" or torch.cuda.is_available()):
+                        layer = torch.nn.Linear(4, 4)
+                        with warnings.catch_warnings():
+                            warnings.simplefilter("ignore")  # the notes, compared above
+                            engine = OffloadEngine(torch.optim.AdamW(layer.parameters()), device, dtype, options)
+                        engine.close()
+                        assert engine.resolved == planned[schedule], (precision, given, schedule)
+                        built += 1
+    assert compared == 9 * 6 * 3 + (device_type == "cpu")  # in place required: runs only on the CPU, fp32, 1 rank
+    assert built == (3 * 6 * 3 + 1 if device_type == "cpu" or torch.cuda.is_available() else 0)
 
 
 def test_state_is_16_bytes_per_param_spread_over_the_ranks():
@@ -390,6 +445,7 @@ def test_cli_errors(capsys):
 H200_ARGS = ["--host", "server (1 socket, 8ch DDR4-3200)", "--device", "H200 SXM (PCIe 5)", "--host-memory-gb", "128"]
 
 
+@pytest.mark.slow  # the CLI in a fresh interpreter
 def test_a_configuration_that_does_not_fit_exits_non_zero():
     import subprocess
     import sys

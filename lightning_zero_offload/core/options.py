@@ -14,17 +14,12 @@ import torch
 
 from lightning_zero_offload.engine import LossScalerConfig, OffloadOptions
 from lightning_zero_offload.engine.checks import check_real
+from lightning_zero_offload.engine.options import GROUPED_OPTION_NAMES, DelayedOptions, SpeculativeOptions
 
-_LOSS_SCALER_FIELDS = {
-    "loss_scale_init": "init_scale",
-    "loss_scale_growth_interval": "growth_interval",
-    "loss_scale_growth_factor": "growth_factor",
-    "loss_scale_backoff_factor": "backoff_factor",
-    "loss_scale_hysteresis": "hysteresis",
-    "loss_scale_min": "min_scale",
-}
-# The offload options as the front ends take them: OffloadOptions' fields, with the loss scaler's flattened.
-OPTION_NAMES = (*(f.name for f in fields(OffloadOptions) if f.name != "loss_scaler"), *_LOSS_SCALER_FIELDS)
+_GROUPS = {"loss_scaler": LossScalerConfig, "delayed": DelayedOptions, "speculative": SpeculativeOptions}
+# The offload options as the front ends take them: OffloadOptions' fields, with the groups' (the loss
+# scaler's and each schedule's settings) flattened to their own names.
+OPTION_NAMES = (*(f.name for f in fields(OffloadOptions) if f.name not in _GROUPS), *GROUPED_OPTION_NAMES)
 
 
 def make_offload_options(**arguments: Any) -> OffloadOptions:
@@ -35,8 +30,11 @@ def make_offload_options(**arguments: Any) -> OffloadOptions:
     unknown = sorted(set(arguments) - set(OPTION_NAMES))
     if unknown:
         raise TypeError(f"zero_offload has no option {', '.join(unknown)}; its options are {', '.join(OPTION_NAMES)}")
-    scaler = {field: arguments.pop(name) for name, field in _LOSS_SCALER_FIELDS.items() if name in arguments}
-    return OffloadOptions(loss_scaler=LossScalerConfig(**scaler), **arguments)
+    grouped: dict[str, dict[str, Any]] = {group: {} for group in _GROUPS}
+    for name, (group, field) in GROUPED_OPTION_NAMES.items():
+        if name in arguments:
+            grouped[group][field] = arguments.pop(name)
+    return OffloadOptions(**{group: kind(**grouped[group]) for group, kind in _GROUPS.items()}, **arguments)
 
 
 _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}
@@ -136,7 +134,6 @@ OPTIONS_DOC = """\
             overflowing steps (each overflowing step is skipped).
         loss_scale_hysteresis: fp16 only: overflows tolerated before the scale is lowered.
         loss_scale_min: fp16 only: the scale never goes below this.
-        delayed_param_update: deprecated alias of ``cpu_step="delayed"``.
         dpu_warmup_steps: with ``cpu_step="delayed"``, synchronous steps before the delayed update starts.
         dpu_weight_prediction: with ``cpu_step="delayed"``, run forward/backward on
             ``W_{t-1} + (W_{t-1} - W_{t-2})`` (the update still running predicted as a repeat of the last one)

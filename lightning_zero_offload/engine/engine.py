@@ -53,7 +53,7 @@ from lightning_zero_offload.engine.memory import (
     worker_pool,
 )
 from lightning_zero_offload.engine.optimizer_hooks import has_step_hooks, step_hooks
-from lightning_zero_offload.engine.options import OffloadOptions, resolve_auto, use_in_place
+from lightning_zero_offload.engine.options import OffloadOptions, resolve
 from lightning_zero_offload.engine.param_writes import ParamWriteWatch
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, make_schedule
@@ -72,7 +72,7 @@ class OffloadEngine:
         optimizer: the user's Adam/AdamW/CPUAdam; only its ``param_groups`` are used (read live).
         device: where forward/backward run; parameters are moved there in ``param_dtype``.
         param_dtype: dtype of the device parameters and gradients (bf16, fp16 or fp32).
-        options: engine settings ("auto" ones are resolved here for ``device``).
+        options: engine settings ("auto" ones are resolved here for ``device``: ``resolved``).
         process_group: ranks sharing the optimizer state (ZeRO-2); None for a single process.
         local_world_size: ranks on this node, for the default CPU thread count.
     """
@@ -97,7 +97,10 @@ class OffloadEngine:
         distributed = process_group is not None or (dist.is_available() and dist.is_initialized())
         world = dist.get_world_size(process_group) if distributed else 1
         rank = dist.get_rank(process_group) if distributed else 0
-        resolved = resolve_auto(options, device, local_world_size)
+        # Every "auto" decided once, by the rule the pre-flight check and the planner use too.
+        self.resolved = resolve(options, device, param_dtype, world, local_world_size)
+        self.resolved.warn()
+        resolved = self.resolved
         self.cpu_step = resolved.cpu_step
         self.overlap = resolved.overlap
         self.num_threads = resolved.cpu_threads
@@ -141,8 +144,8 @@ class OffloadEngine:
 
         element = torch.empty(0, dtype=param_dtype).element_size()
         self.layout: Layout = build_layout([p.shape for p in self.params], options.bucket_numel(element), world, rank)
-        self.in_place = use_in_place(options, device, param_dtype, world, self.cpu_step)
-        self.pin = options.pin_memory and can_pin(device)
+        self.in_place = self.resolved.in_place
+        self.pin = self.resolved.pin_memory and can_pin(device)
         shard = self.layout.shard_numel
         self.master = host_zeros(shard, torch.float32, False)  # model-sized: never pinned (see HostToDevice)
         self.exp_avg = host_zeros(shard, torch.float32, False)

@@ -28,9 +28,8 @@ from lightning_zero_offload.engine.collectives import all_gather, comm_device
 COLLECTIVE_OPTIONS = (
     "bucket_size_mb",
     "cpu_step",
-    "dpu_warmup_steps",
-    "dpu_weight_prediction",
-    "speculation_rollback",
+    "delayed",  # dpu_warmup_steps, dpu_weight_prediction
+    "speculative",  # speculation_rollback
     "checkpoint_format",
     "max_consecutive_skipped_steps",
 )

@@ -1,14 +1,17 @@
-"""The engine's settings: checked once, at construction, with errors that name the strategy option to change.
+"""The engine's settings, valid by construction, and the one function that resolves them for a device.
 
-"auto" settings (``cpu_step="auto"``, ``overlap=None``, ``cpu_threads=None``) are resolved per device by
-:func:`resolve_auto`, the one place that encodes what the benchmarks found about them (docs/benchmarks.md).
+:class:`OffloadOptions` is frozen and checks every field when it is built, with errors that name the
+strategy option to change. The settings of one schedule are grouped with it (:class:`DelayedOptions`,
+:class:`SpeculativeOptions`). :func:`resolve` turns every "auto" into what runs on a given device, dtype
+and world size; the engine, the pre-flight check and the planner all call it, so the planner predicts
+what the engine does. Options that do not apply there come back as notes, which the engine warns once.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 import torch
@@ -18,6 +21,7 @@ from lightning_zero_offload.engine.scaler import LossScalerConfig
 
 CheckpointFormat = Literal["full", "sharded"]
 CpuStep = Literal["auto", "sync", "speculative", "delayed"]
+Schedule = Literal["sync", "speculative", "delayed"]
 SpeculationRollback = Literal["auto", "undo", "snapshot"]
 CPU_STEPS = ("auto", "sync", "speculative", "delayed")
 SPECULATION_ROLLBACKS = ("auto", "undo", "snapshot")
@@ -27,16 +31,44 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def default_cpu_threads(local_world_size: int = 1) -> int:
-    """Cores this process may use, shared evenly between the ranks of one node.
+@dataclass(frozen=True)
+class DelayedOptions:
+    """The settings of ``cpu_step="delayed"`` (the strategy's ``dpu_warmup_steps``, ``dpu_weight_prediction``)."""
 
-    Deliberately ignores ``OMP_NUM_THREADS``: torchrun sets it to 1, which would silently make the
-    CPU optimizer single-threaded.
-    """
-    return max(1, usable_cores() // max(1, local_world_size))
+    warmup_steps: int = 40
+    weight_prediction: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("dpu_warmup_steps", self.warmup_steps, 0)
+        check_bool("dpu_weight_prediction", self.weight_prediction)
 
 
-@dataclass
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """The settings of ``cpu_step="speculative"`` (the strategy's ``speculation_rollback``)."""
+
+    rollback: SpeculationRollback = "auto"
+
+    def __post_init__(self) -> None:
+        check_choice("speculation_rollback", self.rollback, SPECULATION_ROLLBACKS)
+
+
+# The strategy's flat names of the grouped settings: name -> (OffloadOptions field, that group's field).
+GROUPED_OPTION_NAMES = {
+    "speculation_rollback": ("speculative", "rollback"),
+    "loss_scale_init": ("loss_scaler", "init_scale"),
+    "loss_scale_growth_interval": ("loss_scaler", "growth_interval"),
+    "loss_scale_growth_factor": ("loss_scaler", "growth_factor"),
+    "loss_scale_backoff_factor": ("loss_scaler", "backoff_factor"),
+    "loss_scale_hysteresis": ("loss_scaler", "hysteresis"),
+    "loss_scale_min": ("loss_scaler", "min_scale"),
+    "dpu_warmup_steps": ("delayed", "warmup_steps"),
+    "dpu_weight_prediction": ("delayed", "weight_prediction"),
+}
+_OPTION_NAME = {place: name for name, place in GROUPED_OPTION_NAMES.items()}
+
+
+@dataclass(frozen=True)
 class OffloadOptions:
     """Engine settings (the strategy's options of the same names; see docs/configuration.md)."""
 
@@ -46,10 +78,8 @@ class OffloadOptions:
     cpu_threads: int | None = None
     loss_scaler: LossScalerConfig = field(default_factory=LossScalerConfig)
     cpu_step: CpuStep = "auto"
-    delayed_param_update: bool = False  # deprecated alias of cpu_step="delayed"
-    dpu_warmup_steps: int = 40
-    dpu_weight_prediction: bool = False
-    speculation_rollback: SpeculationRollback = "auto"
+    delayed: DelayedOptions = field(default_factory=DelayedOptions)
+    speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
     checkpoint_format: CheckpointFormat = "full"
     max_consecutive_skipped_steps: int | None = 20
     in_place_on_cpu: bool | None = None
@@ -59,29 +89,15 @@ class OffloadOptions:
         check_bool("pin_memory", self.pin_memory)
         check_bool("overlap", self.overlap, optional=True)
         check_int("cpu_threads", self.cpu_threads, 1, optional=True)
-        if not isinstance(self.loss_scaler, LossScalerConfig):
-            raise TypeError(f"loss_scaler must be a LossScalerConfig, got {type(self.loss_scaler).__name__}")
+        groups = (("loss_scaler", LossScalerConfig), ("delayed", DelayedOptions), ("speculative", SpeculativeOptions))
+        for name, kind in groups:
+            if not isinstance(getattr(self, name), kind):
+                raise TypeError(f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
         check_choice("cpu_step", self.cpu_step, CPU_STEPS)
-        check_bool("delayed_param_update", self.delayed_param_update)
-        check_int("dpu_warmup_steps", self.dpu_warmup_steps, 0)
-        check_bool("dpu_weight_prediction", self.dpu_weight_prediction)
-        check_choice("speculation_rollback", self.speculation_rollback, SPECULATION_ROLLBACKS)
         check_choice("checkpoint_format", self.checkpoint_format, ("full", "sharded"))
         check_int("max_consecutive_skipped_steps", self.max_consecutive_skipped_steps, 1, optional=True)
         check_bool("in_place_on_cpu", self.in_place_on_cpu, optional=True)
-        if self.delayed_param_update:
-            if self.cpu_step not in ("auto", "delayed"):
-                raise ValueError(
-                    f"delayed_param_update=True contradicts cpu_step={self.cpu_step!r}: "
-                    "drop delayed_param_update and set only cpu_step"
-                )
-            warnings.warn(
-                "delayed_param_update=True is deprecated: write cpu_step='delayed' instead",
-                FutureWarning,
-                stacklevel=3,
-            )
-            self.cpu_step = "delayed"
-        if self.dpu_weight_prediction and self.cpu_step != "delayed":
+        if self.delayed.weight_prediction and self.cpu_step != "delayed":
             raise ValueError("dpu_weight_prediction=True only changes the delayed update; set cpu_step='delayed' too")
 
     def bucket_numel(self, element_size: int) -> int:
@@ -90,69 +106,146 @@ class OffloadOptions:
 
 @dataclass(frozen=True)
 class Resolved:
-    """The settings an engine on a given device actually runs with (no "auto" left)."""
+    """What an engine runs with on a given device, dtype and world size: no "auto" left.
 
-    cpu_step: Literal["sync", "speculative", "delayed"]
+    ``speculation_rollback`` is set only for the speculative schedule and ``delayed`` only for the delayed
+    one. ``notes`` name each option given that does not apply here (or only in part), and why.
+    """
+
+    cpu_step: Schedule
     overlap: bool
     cpu_threads: int
+    in_place: bool
+    pin_memory: bool
+    speculation_rollback: Literal["undo", "snapshot"] | None
+    delayed: DelayedOptions | None
+    notes: tuple[str, ...] = ()
+
+    def warn(self) -> None:
+        """Warn once for each note (the engine calls this when it is built; re-planning does not)."""
+        for note in self.notes:
+            warnings.warn(note, UserWarning, stacklevel=3)
 
 
-def resolve_auto(options: OffloadOptions, device: torch.device, local_world_size: int = 1) -> Resolved:
-    """Turn the "auto" settings into concrete ones for ``device``.
+def _changed(options: OffloadOptions, group: str) -> list[str]:
+    """``name=value``, by the strategy's names, for each setting of ``group`` that is not its default."""
+    given = getattr(options, group)
+    default = type(given)()
+    return [
+        f"{_OPTION_NAME[group, f.name]}={getattr(given, f.name)!r}"
+        for f in fields(given)
+        if getattr(given, f.name) != getattr(default, f.name)
+    ]
 
-    On a CPU device forward/backward and the CPU step run on the same cores: a gradient worker thread
-    or a step running beside backward only competes with it (docs/benchmarks.md, "CPU device, default
-    settings"), so the schedule is synchronous, nothing overlaps, and the kernels use torch's own thread
-    count (at most this rank's share of the cores). On an accelerator the host cores are free during
-    forward/backward: the gradient worker overlaps backward, the CPU step is speculated behind it (exact,
-    and faster on the simulated device: docs/benchmarks.md) and each rank gets its share of the node's
-    cores.
+
+def resolve(
+    options: OffloadOptions,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    world_size: int = 1,
+    local_world_size: int = 1,
+    *,
+    cores: int | None = None,
+    torch_threads: int | None = None,
+) -> Resolved:
+    """Every "auto" of ``options`` made concrete for ``device``, ``param_dtype`` and ``world_size`` ranks
+    (``local_world_size`` of them on this node).
+
+    ``cores`` (the cores this process may use) and ``torch_threads`` (the threads torch's own CPU ops
+    use) default to this process's; the planner passes a planned machine's. Raises ``ValueError`` for a
+    combination that cannot run (``in_place_on_cpu=True`` where it does not apply, weight prediction
+    without a low-precision copy).
+
+    On a CPU device forward/backward and the CPU step run on the same cores, so the schedule is
+    synchronous, nothing overlaps and the kernels use torch's own thread count (at most this rank's share
+    of the cores). On an accelerator the host cores are free during forward/backward: the gradient
+    worker overlaps backward, the CPU step is speculated behind it, and each rank gets its share of the
+    node's cores (docs/benchmarks.md has the measurements behind both).
     """
+    cores = usable_cores() if cores is None else cores
     accelerator = device.type != "cpu"
-    cpu_step = options.cpu_step if options.cpu_step != "auto" else ("speculative" if accelerator else "sync")
-    overlap = options.overlap if options.overlap is not None else accelerator
-    if options.cpu_threads is None:
-        threads = default_cpu_threads(local_world_size)
+    notes = []
+    if options.cpu_step == "auto":
+        cpu_step: Schedule = "speculative" if accelerator else "sync"
+        step_said = f"cpu_step='auto' runs {cpu_step!r} on a {device.type} device"
+    else:
+        cpu_step = options.cpu_step
+        step_said = f"cpu_step is {cpu_step!r}"
+
+    if options.cpu_threads is None:  # OMP_NUM_THREADS is not consulted: torchrun sets it to 1
+        threads = max(1, cores // max(1, local_world_size))
         if not accelerator:  # the threads forward/backward use, never more than this rank's share of cores
-            threads = min(threads, torch.get_num_threads())
+            threads = min(threads, torch.get_num_threads() if torch_threads is None else torch_threads)
     else:
         threads = options.cpu_threads
-        cores = usable_cores()
         if threads > cores:
-            warnings.warn(
+            notes.append(
                 f"cpu_threads={threads} is more than the {cores} cores this process may use; using {cores} "
-                "(more threads than cores only makes the CPU step slower)",
-                UserWarning,
-                stacklevel=3,
+                "(more threads than cores only makes the CPU step slower)"
             )
             threads = cores
-    return Resolved(cpu_step, overlap, max(1, threads))  # type: ignore[arg-type]
 
-
-def use_in_place(
-    options: OffloadOptions, device: torch.device, param_dtype: torch.dtype, world_size: int, cpu_step: str
-) -> bool:
-    """Whether the engine runs in place (engine/in_place.py) instead of the offload data path.
-
-    Only where nothing would be offloaded: forward/backward on the CPU itself, in fp32 (the device
-    parameters *are* fp32 master weights), one process (no shards) and the synchronous step (the other
-    schedules keep device weights apart from the master on purpose). There the offload path's copies
-    are pure cost (docs/benchmarks.md, "CPU device, default settings").
-    """
-    reasons = [
+    # In place (engine/in_place.py) only where nothing would be offloaded: forward/backward on the CPU
+    # itself, in fp32 (the device parameters *are* the fp32 master), one process (no shards) and the sync
+    # step (the other schedules keep the device weights apart from the master on purpose).
+    unmet = [
         why
-        for why, unmet in (
+        for why, fails in (
             (f"the device is {device.type}, not cpu", device.type != "cpu"),
             (f"the parameters are {param_dtype}, not float32 (precision='32-true')", param_dtype != torch.float32),
             (f"there are {world_size} processes, not 1", world_size != 1),
             (f"cpu_step is {cpu_step!r}, not 'sync'", cpu_step != "sync"),
         )
-        if unmet
+        if fails
     ]
-    if options.in_place_on_cpu and reasons:
+    if options.in_place_on_cpu and unmet:
         raise ValueError(
             "in_place_on_cpu=True needs a CPU device, precision='32-true', one process and cpu_step='sync', but "
-            + "; ".join(reasons)
+            + "; ".join(unmet)
             + ". Leave in_place_on_cpu unset (None) to use it exactly where it applies."
         )
-    return options.in_place_on_cpu is not False and not reasons
+    in_place = options.in_place_on_cpu is not False and not unmet
+
+    if in_place:
+        overlap = False  # nothing is streamed or published, so nothing can overlap
+        if options.overlap is not None:
+            notes.append(
+                f"overlap={options.overlap} has no effect: this run trains in place (a CPU device, "
+                "precision='32-true', one process, cpu_step='sync'), where no gradient is streamed and no weight "
+                "published; set in_place_on_cpu=False to run the offload data path it would overlap"
+            )
+    else:
+        overlap = options.overlap if options.overlap is not None else accelerator
+
+    rollback: Literal["undo", "snapshot"] | None = None
+    if cpu_step == "speculative":  # fp16 overflows are routine and must be skipped bitwise as in sync
+        chosen = options.speculative.rollback
+        rollback = chosen if chosen != "auto" else ("snapshot" if param_dtype == torch.float16 else "undo")
+    elif options.speculative != SpeculativeOptions():
+        notes.append(
+            f"speculation_rollback={options.speculative.rollback!r} has no effect: it applies to "
+            f"cpu_step='speculative' only, and {step_said}"
+        )
+
+    delayed = None
+    if cpu_step == "delayed":
+        delayed = options.delayed
+        if delayed.weight_prediction and param_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                "dpu_weight_prediction writes the predicted weights into the low-precision copy the device "
+                f"uses, and these parameters are {param_dtype}: use precision='bf16-mixed' or '16-mixed', "
+                "or set dpu_weight_prediction=False"
+            )
+    elif options.delayed != DelayedOptions():
+        changed = _changed(options, "delayed")
+        notes.append(f"{', '.join(changed)} has no effect: it applies to cpu_step='delayed' only, and {step_said}")
+
+    if param_dtype != torch.float16 and options.loss_scaler != LossScalerConfig():
+        changed = _changed(options, "loss_scaler")
+        notes.append(
+            f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect: loss scaling runs only "
+            f"under precision='16-mixed', and the parameters are {param_dtype}"
+        )
+
+    pin = options.pin_memory and device.type == "cuda"  # page-locked staging speeds up CUDA copies only
+    return Resolved(cpu_step, overlap, max(1, threads), in_place, pin, rollback, delayed, tuple(notes))

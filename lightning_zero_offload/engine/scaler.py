@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from lightning_zero_offload.engine.checks import check_int, check_real
 
 
-@dataclass
+@dataclass(frozen=True)
 class LossScalerConfig:
     init_scale: float = 2.0**16
     growth_factor: float = 2.0

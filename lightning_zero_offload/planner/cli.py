@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--host and --device go together (or give neither, to measure this machine)")
     model = int(args.params) if args.params is not None else build_model(args.model, args.model_args)
     overrides = {
-        f.name: int(v) if f.name == "cpu_cores" else v
+        f.name: int(v) if f.name in ("cpu_cores", "torch_threads") else v
         for f in fields(Machine)
         if f.name != "name" and (v := getattr(args, f.name)) is not None
     }

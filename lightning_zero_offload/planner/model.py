@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_zero_offload.engine.layout import Layout, build_layout
-from lightning_zero_offload.engine.options import OffloadOptions
+from lightning_zero_offload.engine.options import OffloadOptions, Resolved, SpeculativeOptions, resolve
 from lightning_zero_offload.planner import probes
 
 SCHEDULES = ("sync", "speculative", "delayed")
@@ -78,6 +78,7 @@ class Machine:
     call_overhead_s: float = 30e-6  # Python + thread wake-up per kernel call (once per bucket)
     link_latency_s: float = 20e-6  # per bucket copy (launch, event); a collective's latency comes on top
     interconnect_gbs: float | None = None
+    torch_threads: int | None = None  # torch's CPU threads (a CPU device's forward/backward); None: all cores
     name: str = "custom"
 
     def rank_bandwidth(self, threads: int, ranks_per_node: int) -> float:
@@ -122,6 +123,7 @@ def measure_machine(
         device_memory_gb=device_memory,
         adam_efficiency=probes.adam_rate(threads) * ADAM_BYTES_PER_PARAM / node,
         call_overhead_s=probes.call_overhead(threads),
+        torch_threads=torch.get_num_threads(),
         name=f"measured here ({device.type}, {threads} threads)",
     )
 
@@ -313,6 +315,8 @@ class Plan:
     bucket_size_mb: float
     cpu_threads: int
     recommended: dict[str, object] = field(default_factory=dict)
+    # What the engine runs with under each schedule (engine/options.resolve): in place or not, the rollback.
+    resolved: dict[str, Resolved] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     checkpoint_format: str = "full"
     activations: Activations | None = None
@@ -360,10 +364,25 @@ class _Memory:
     device_total: int
     activations: Activations | None
     verdicts: dict[str, Verdict]
+    resolved: dict[str, Resolved]
 
     @property
     def fits(self) -> bool:
         return any(v.fits for v in self.verdicts.values())
+
+
+def _resolve(options: OffloadOptions, machine: Machine, dtype: torch.dtype, world: int, ranks: int) -> Resolved:
+    """What the engine would run with on ``machine`` (its cores, not this process's)."""
+    cores = machine.cpu_cores
+    device = torch.device(machine.device_type)
+    return resolve(options, device, dtype, world, ranks, cores=cores, torch_threads=machine.torch_threads or cores)
+
+
+def schedule_options(options: OffloadOptions, schedule: str) -> OffloadOptions:
+    """``options`` with ``cpu_step=schedule``, as the planner evaluates each schedule. ``in_place_on_cpu=True``
+    requires the sync schedule in place; the others, which never run in place, are planned without it."""
+    in_place = None if options.in_place_on_cpu and schedule != "sync" else options.in_place_on_cpu
+    return replace(options, cpu_step=schedule, in_place_on_cpu=in_place)
 
 
 def _memory(
@@ -372,16 +391,19 @@ def _memory(
     machine: Machine,
     devices: int,
     num_nodes: int,
-    bucket_size_mb: float,
+    options: OffloadOptions,
     batch_size: int,
     seq_len: int,
     n_layer: int | None,
     checkpointing: bool,
 ) -> _Memory:
     world = devices * num_nodes
-    layout = _layout(shape, bucket_size_mb, dtype, world)
+    layout = _layout(shape, options.bucket_size_mb, dtype, world)
+    configs = {s: _resolve(schedule_options(options, s), machine, dtype, world, devices) for s in SCHEDULES}
     host = {
-        s: host_memory(layout, dtype, s, devices, machine.device_type, shape.params, module_bytes=shape.built_bytes)
+        s: host_memory(
+            layout, dtype, configs[s], devices, machine.device_type, shape.params, module_bytes=shape.built_bytes
+        )
         for s in SCHEDULES
     }
     states = device_memory(layout, dtype)
@@ -401,7 +423,7 @@ def _memory(
             what = "model states" + (" + activations" if activations else "")
             checks.append(Check(f"device memory per GPU ({what})", total, device_gb))
             verdicts[f"{schedule}/{checkpoint_format}"] = Verdict(schedule, checkpoint_format, checks)
-    return _Memory(layout, host, states, total, activations, verdicts)
+    return _Memory(layout, host, states, total, activations, verdicts, configs)
 
 
 def plan(
@@ -420,6 +442,8 @@ def plan(
     checkpoint_format: str = "full",
     activation_checkpointing: bool = False,
     hidden: int | None = None,
+    in_place_on_cpu: bool | None = None,
+    speculation_rollback: str = "auto",
 ) -> Plan:
     """Predict memory and step time of training ``model`` with zero_offload, and recommend settings.
 
@@ -435,7 +459,9 @@ def plan(
             scale with ``batch_size * seq_len`` tokens).
         devices, num_nodes: ranks per node and nodes (as in ``Trainer(devices=, num_nodes=)``).
         precision: ``"bf16-mixed"``, ``"16-mixed"`` or ``"32-true"``.
-        bucket_size_mb, cpu_threads: the strategy options to evaluate (None: cores per rank).
+        bucket_size_mb, cpu_threads, in_place_on_cpu, speculation_rollback: the strategy options to evaluate,
+            resolved as the engine resolves them (``Plan.resolved``); ``in_place_on_cpu=True`` applies to the
+            sync schedule, the only one that runs in place, and ``speculation_rollback`` to the speculative one.
         n_layer: transformer layers; adds attention's 12 x layers x hidden x seq FLOPs/token and the
             activation estimate to device memory.
         machine: the rates to use; None measures this machine (:func:`measure_machine`).
@@ -451,10 +477,13 @@ def plan(
             raise ValueError(f"{name} must be >= 1, got {value}")
     if num_nodes < 1 or accumulate_grad_batches < 1:
         raise ValueError("num_nodes and accumulate_grad_batches must be >= 1")
-    if not bucket_size_mb > 0 or (cpu_threads is not None and cpu_threads < 1):
-        raise ValueError(f"bucket_size_mb must be > 0 and cpu_threads >= 1, got {bucket_size_mb}, {cpu_threads}")
-    if checkpoint_format not in CHECKPOINT_FORMATS:
-        raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
+    options = OffloadOptions(  # checks each option as the strategy does
+        bucket_size_mb=bucket_size_mb,
+        cpu_threads=cpu_threads,
+        checkpoint_format=checkpoint_format,  # type: ignore[arg-type]
+        in_place_on_cpu=in_place_on_cpu,
+        speculative=SpeculativeOptions(speculation_rollback),  # type: ignore[arg-type]
+    )
     if n_layer is not None and n_layer < 1:
         raise ValueError(f"n_layer must be >= 1, got {n_layer}")
     shape = ModelShape.of(model)
@@ -467,9 +496,9 @@ def plan(
     if machine is None:
         machine = measure_machine(threads=cpu_threads, tokens=tokens, linear_shapes=shape.linear_shapes, dtype=dtype)
     world = devices * num_nodes
-    threads = cpu_threads or default_threads(machine, devices)
-    args = (dtype, machine, devices, num_nodes, bucket_size_mb, batch_size, seq_len, n_layer, activation_checkpointing)
+    args = (dtype, machine, devices, num_nodes, options, batch_size, seq_len, n_layer, activation_checkpointing)
     memory = _memory(shape, *args)
+    threads = memory.resolved["sync"].cpu_threads  # the thread rule does not depend on the schedule
     layout = memory.layout
     flops = accumulate_grad_batches * tokens * (6 * shape.matmul_params + 12 * (n_layer or 0) * shape.hidden * seq_len)
     steps = {
@@ -496,6 +525,7 @@ def plan(
         device_total=memory.device_total,
         verdicts=memory.verdicts,
         plain_device_bytes=plain,
+        resolved=memory.resolved,
     )
     chosen = _chosen_format(memory.verdicts, checkpoint_format)
     if chosen is not None:
@@ -526,7 +556,7 @@ def _chosen_format(verdicts: dict[str, Verdict], asked: str) -> str | None:
 def _fixes(shape: ModelShape, args: tuple, memory: _Memory, asked: str) -> list[str]:
     """The smallest single changes with which an exact schedule fits, each checked by recomputing. A change
     that fits only with the other checkpoint format says so."""
-    dtype, machine, devices, num_nodes, bucket_mb, batch, seq_len, n_layer, checkpointing = args
+    dtype, machine, devices, num_nodes, options, batch, seq_len, n_layer, checkpointing = args
 
     def fitting_format(m: _Memory) -> str | None:
         for checkpoint_format in (asked, *(f for f in CHECKPOINT_FORMATS if f != asked)):
@@ -552,7 +582,7 @@ def _fixes(shape: ModelShape, args: tuple, memory: _Memory, asked: str) -> list[
                 "the master weights and Adam state stay fp32, initialised from the rounded values" + also(found)
             )
     if n_layer and not checkpointing and device_fails:
-        again = _memory(shape, dtype, machine, devices, num_nodes, bucket_mb, batch, seq_len, n_layer, True)
+        again = _memory(shape, dtype, machine, devices, num_nodes, options, batch, seq_len, n_layer, True)
         found = fitting_format(again)
         if found:
             fixes.append(
@@ -561,14 +591,14 @@ def _fixes(shape: ModelShape, args: tuple, memory: _Memory, asked: str) -> list[
             )
     if n_layer and device_fails and batch > 1:
         for b in range(batch - 1, 0, -1):
-            smaller = _memory(shape, dtype, machine, devices, num_nodes, bucket_mb, b, seq_len, n_layer, checkpointing)
+            smaller = _memory(shape, dtype, machine, devices, num_nodes, options, b, seq_len, n_layer, checkpointing)
             found = fitting_format(smaller)
             if found:
                 fixes.append(f"a micro-batch of {b} (accumulate_grad_batches keeps the tokens per step)" + also(found))
                 break
     if failed & {"host RAM"} and not device_fails:  # ZeRO-2 shards the CPU state over nodes, never the device's
         for nodes in range(num_nodes + 1, 1025):
-            more = _memory(shape, dtype, machine, devices, nodes, bucket_mb, batch, seq_len, n_layer, checkpointing)
+            more = _memory(shape, dtype, machine, devices, nodes, options, batch, seq_len, n_layer, checkpointing)
             found = fitting_format(more)
             if found:
                 fixes.append(
@@ -601,11 +631,6 @@ def _fixes(shape: ModelShape, args: tuple, memory: _Memory, asked: str) -> list[
 
 BUCKET_CHOICES_MB = (1, 2, 4, 8, 16, 25, 32, 64, 128, 256)
 EXACT_SCHEDULES = ("sync", "speculative")  # same result as a plain optimizer step; delayed uses stale weights
-
-
-def default_threads(machine: Machine, ranks_per_node: int) -> int:
-    """The engine's default: the node's cores shared evenly between its ranks."""
-    return max(1, machine.cpu_cores // ranks_per_node)
 
 
 @dataclass(frozen=True)
@@ -663,7 +688,7 @@ def recommend(
     exact = [s for s in EXACT_SCHEDULES if s in allowed]
     if not exact:
         return {}
-    cores = default_threads(machine, ranks_per_node)
+    cores = _resolve(OffloadOptions(), machine, dtype, world, ranks_per_node).cpu_threads  # the engine's default
     threads = cores
     if machine.device_type != "cpu" and machine.host_bandwidth_per_thread_gbs:
         share = machine.host_bandwidth_gbs / ranks_per_node
@@ -711,28 +736,24 @@ def _notes(result: Plan) -> list[str]:
 def host_memory(
     layout: LayoutSummary,
     dtype: torch.dtype,
-    schedule: str,
+    config: Resolved,
     ranks_per_node: int,
     device_type: str,
     params: int,
     *,
     module_bytes: int | None = None,
-    in_place: bool | None = None,
-    speculation_rollback: str = "auto",
-    pin_memory: bool = True,
 ) -> HostMemory:
     """The engine's host allocations for one rank, buffer by buffer (see OffloadEngine.__init__), and the
     transient peaks: the engine's first buffers next to the module as built (``module_bytes``, default fp32),
-    and each checkpoint format's save. ``in_place`` None: the engine's rule (engine/options.use_in_place)."""
+    and each checkpoint format's save. ``config`` is what the engine runs with
+    (:func:`~lightning_zero_offload.engine.options.resolve`: the schedule, in place or not, the rollback)."""
     shard, element = layout.shard_numel, dtype.itemsize
     max_shard, max_bucket = layout.max_shard, layout.max_bucket
     low = dtype != torch.float32
-    pin = device_type == "cuda" and pin_memory
+    pin, schedule = config.pin_memory, config.cpu_step
     module = 4 * params if module_bytes is None else module_bytes
     saves = {f: checkpoint_save_bytes(params, f, layout.world_size) for f in CHECKPOINT_FORMATS}
-    if in_place is None:
-        in_place = device_type == "cpu" and not low and schedule == "sync" and layout.world_size == 1
-    if in_place:
+    if config.in_place:
         # In place (engine/in_place.py): the parameters are the master; gradients are autograd's own tensors.
         buffers = {"master": 4 * shard, "exp_avg": 4 * shard, "exp_avg_sq": 4 * shard, "autograd_grads": 4 * shard}
         return HostMemory(
@@ -762,8 +783,7 @@ def host_memory(
         # Speculated low-precision results wait for validation; "snapshot" (fp16's default) keeps a copy
         # of master and moments to take a step back bitwise.
         buffers["speculated_out"] = shard * element if low else 0
-        snapshot = speculation_rollback == "snapshot" or (speculation_rollback == "auto" and dtype == torch.float16)
-        buffers["snapshot"] = 12 * shard if snapshot else 0
+        buffers["snapshot"] = 12 * shard if config.speculation_rollback == "snapshot" else 0
     # Model-sized buffers are never pinned: they reach the device through HostToDevice's two pinned buffers.
     buffers["h2d_staging"] = 2 * max_shard * element if pin and pageable_published else 0
     pinned = buffers["grad_staging"] + buffers["publish_pool"] + buffers["h2d_staging"]

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 
 import torch
 from torch import nn
 
-from lightning_zero_offload.engine.options import OffloadOptions, resolve_auto, use_in_place
+from lightning_zero_offload.engine.options import OffloadOptions, resolve
 from lightning_zero_offload.planner import probes
 from lightning_zero_offload.planner.model import (
     STATE_BYTES_PER_PARAM,
@@ -59,22 +58,10 @@ def check_host_memory(
         return
     shape = ModelShape.of(model)
     layout = _layout(shape, options.bucket_size_mb, param_dtype, world_size)
-    with warnings.catch_warnings():  # the engine warns about its settings itself, once
-        warnings.simplefilter("ignore")
-        schedule = resolve_auto(options, device, local_world_size).cpu_step
+    config = resolve(options, device, param_dtype, world_size, local_world_size)  # what the engine will run
+    schedule = config.cpu_step
     resident = _resident_bytes(model)
-    need = host_memory(
-        layout,
-        param_dtype,
-        schedule,
-        local_world_size,
-        device.type,
-        shape.params,
-        module_bytes=resident,
-        in_place=use_in_place(options, device, param_dtype, world_size, schedule),
-        speculation_rollback=options.speculation_rollback,
-        pin_memory=options.pin_memory,
-    )
+    need = host_memory(layout, param_dtype, config, local_world_size, device.type, shape.params, module_bytes=resident)
     available, source = probes.host_memory_limit()
     # The module is already built (its bytes are in use, not available) and is released at setup.
     budget = available + resident * local_world_size

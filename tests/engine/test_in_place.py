@@ -9,7 +9,7 @@ from torch import nn
 
 from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.engine.in_place import InPlaceGradients
-from lightning_zero_offload.engine.options import OffloadOptions, use_in_place
+from lightning_zero_offload.engine.options import OffloadOptions, resolve
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -51,14 +51,15 @@ def assert_same_state(a: OffloadEngine, b: OffloadEngine) -> None:
 
 def test_chosen_exactly_where_nothing_is_offloaded():
     auto = OffloadOptions()
-    assert use_in_place(auto, CPU, torch.float32, 1, "sync")
-    assert not use_in_place(auto, CPU, torch.bfloat16, 1, "sync")  # a low-precision copy to keep
-    assert not use_in_place(auto, CPU, torch.float32, 2, "sync")  # shards
-    assert not use_in_place(auto, CPU, torch.float32, 1, "speculative")  # device weights apart from the master
-    assert not use_in_place(auto, torch.device("cuda"), torch.float32, 1, "sync")
-    assert not use_in_place(OffloadOptions(in_place_on_cpu=False), CPU, torch.float32, 1, "sync")
+    assert resolve(auto, CPU, torch.float32, 1).in_place
+    assert not resolve(auto, CPU, torch.bfloat16, 1).in_place  # a low-precision copy to keep
+    assert not resolve(auto, CPU, torch.float32, 2).in_place  # shards
+    speculative = OffloadOptions(cpu_step="speculative")
+    assert not resolve(speculative, CPU, torch.float32, 1).in_place  # device weights apart from the master
+    assert not resolve(auto, torch.device("cuda"), torch.float32, 1).in_place
+    assert not resolve(OffloadOptions(in_place_on_cpu=False), CPU, torch.float32, 1).in_place
     with pytest.raises(ValueError, match=r"precision='32-true'.*bfloat16.*cpu_step is 'delayed'.*unset"):
-        use_in_place(OffloadOptions(in_place_on_cpu=True), CPU, torch.bfloat16, 1, "delayed")
+        resolve(OffloadOptions(in_place_on_cpu=True, cpu_step="delayed"), CPU, torch.bfloat16, 1)
     with pytest.raises(TypeError, match="in_place_on_cpu"):
         OffloadOptions(in_place_on_cpu="yes")
     # The engine's own resolution: a CPU device's defaults (sync) in fp32 run in place.

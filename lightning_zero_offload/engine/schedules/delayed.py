@@ -31,15 +31,10 @@ class DelayedSchedule(Schedule):
 
     def __init__(self, engine: OffloadEngine) -> None:
         super().__init__(engine)
-        options = engine.options
-        if options.dpu_weight_prediction and engine.publish_pool is None:
-            raise ValueError(
-                "dpu_weight_prediction writes the predicted weights into the low-precision copy the device "
-                f"uses, and these parameters are {engine.param_dtype}: use precision='bf16-mixed' or '16-mixed', "
-                "or set dpu_weight_prediction=False"
-            )
-        self.warmup_steps = options.dpu_warmup_steps
-        self.extrapolate = 1.0 if options.dpu_weight_prediction else 0.0
+        settings = engine.resolved.delayed  # checked by engine/options.resolve (prediction needs bf16/fp16)
+        assert settings is not None
+        self.warmup_steps = settings.warmup_steps
+        self.extrapolate = 1.0 if settings.weight_prediction else 0.0
         # Two gradient buffers: backward t+1 fills one while the update of step t reads the other.
         shard = engine.layout.shard_numel
         self.grad_buffers = [engine.grad, host_zeros(shard, torch.float32, False)]

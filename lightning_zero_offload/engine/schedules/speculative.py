@@ -91,9 +91,7 @@ class SpeculativeSchedule(Schedule):
     def __init__(self, engine: OffloadEngine) -> None:
         super().__init__(engine)
         shard = engine.layout.shard_numel
-        self.mode = engine.options.speculation_rollback
-        if self.mode == "auto":  # fp16 overflows are routine and must be skipped bitwise as in sync
-            self.mode = "snapshot" if engine.param_dtype == torch.float16 else "undo"
+        self.mode = engine.resolved.speculation_rollback  # "undo" or "snapshot" (engine/options.resolve)
         # Speculated low-precision results wait here until validated (fp32 params: the master is published).
         self.out = host_zeros(shard, engine.param_dtype, False) if engine.publish_pool is not None else None
         self.snapshot = [host_zeros(shard, torch.float32, False) for _ in range(3)] if self.mode == "snapshot" else []
