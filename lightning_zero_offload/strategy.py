@@ -15,7 +15,6 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
@@ -120,7 +119,6 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
                 self._preflight_error = error  # teardown must not replace it (see teardown)
                 raise
             self.precision_plugin.attach(self.session)
-            _refuse_weight_averaging_with_delayed(trainer, self.session.engine.cpu_step)
             if self.metrics and not any(isinstance(c, OffloadMetrics) for c in trainer.callbacks):
                 trainer.callbacks.append(OffloadMetrics())
         self.model_to_device()
@@ -166,22 +164,3 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
             if self._preflight_error is None:
                 raise
             raise self._preflight_error from None
-
-
-try:  # WeightAveraging is newer than the oldest Lightning this package supports
-    from lightning.pytorch.callbacks import WeightAveraging
-
-    _AVERAGING: tuple[type, ...] = (WeightAveraging, StochasticWeightAveraging)
-except ImportError:
-    _AVERAGING = (StochasticWeightAveraging,)
-
-
-def _refuse_weight_averaging_with_delayed(trainer: Trainer, cpu_step: str) -> None:
-    """Weight averaging writes the parameters, which the delayed update refuses: say so before training."""
-    averaging = [c for c in trainer.callbacks if isinstance(c, _AVERAGING)]
-    if averaging and cpu_step == "delayed":
-        raise ValueError(
-            f"{type(averaging[0]).__name__} writes the averaged weights into the parameters, and cpu_step='delayed' "
-            "cannot merge writes to parameters (the device is one step behind the master weights). Use "
-            "cpu_step='sync' or 'speculative' with weight averaging."
-        )

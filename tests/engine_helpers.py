@@ -229,3 +229,80 @@ def unfreeze_reference(unfreeze_at: int = 3, steps: int = 6) -> dict:
         loss_fn(net, batch).backward()
         optimizer.step()
     return {"weights": [p.detach().clone() for p in net.parameters()], "state": optimizer.state_dict()["state"]}
+
+
+class DelayedReference:
+    """``cpu_step="delayed"`` with writes between steps, as docs/usage.md states it, in plain torch.
+
+    ``optimizer`` steps the fp32 master copies (its parameters, in the order of ``device``, the parameters
+    the forward uses, in the device dtype). The update of step t runs before step t+1's forward, with
+    step t's learning rates; then every element written since step t (its device value differs from what
+    the device was given) takes the written value. The result is given to the device at step t+1 (with
+    prediction ``w_t + (w_t - w_{t-1})``, written elements as written). Without an update pending, a
+    write is merged at the step, as in sync. With CPUAdam (the engine's kernel) it is bitwise the engine.
+    """
+
+    def __init__(self, device: list[torch.Tensor], optimizer: torch.optim.Optimizer, warmup: int, prediction: bool):
+        self.device = device
+        self.opt = optimizer
+        self.master = [p for group in optimizer.param_groups for p in group["params"]]
+        self.warmup, self.prediction = warmup, prediction
+        self.published = [p.detach().clone() for p in device]
+        self.pending: tuple[list[torch.Tensor], list[float]] | None = None  # gradients and learning rates
+        self.next: list[torch.Tensor] | None = None
+        self.steps = 0
+
+    def before_forward(self) -> None:
+        if self.pending is None:
+            return
+        grads, lrs = self.pending
+        self.pending = None
+        written = [d.detach() != p for d, p in zip(self.device, self.published)]
+        before = [m.detach().clone() for m in self.master]
+        self._update(grads, lrs)
+        extrapolate = 1.0 if self.prediction else 0.0
+        self.next = [(m + extrapolate * (m - b)).to(d.dtype) for m, b, d in zip(self.master, before, self.device)]
+        for m, n, d, w in zip(self.master, self.next, self.device, written):
+            m.data[w] = d.detach()[w].float()
+            n[w] = d.detach()[w]
+
+    def step(self, lrs: list[float] | None = None) -> None:
+        """After backward; ``lrs``: each param group's learning rate for this step (default: the optimizer's)."""
+        lrs = lrs or [group["lr"] for group in self.opt.param_groups]
+        grads = [p.grad.float() for p in self.device]
+        for p in self.device:
+            p.grad = None
+        self.before_forward()  # a no-op where the forward started it
+        if self.next is None:  # no update pending: a write since the last step is merged here, as in sync
+            for m, d, p in zip(self.master, self.device, self.published):
+                written = d.detach() != p
+                m.data[written] = d.detach()[written].float()
+            self.published = [d.detach().clone() for d in self.device]
+        else:
+            self._give(self.next)
+            self.next = None
+        if self.steps < self.warmup:
+            self._update(grads, lrs)
+            self._give([m.detach() for m in self.master])
+        else:
+            self.pending = grads, lrs
+        self.steps += 1
+
+    def finish(self) -> list[torch.Tensor]:
+        """The end of fit: the pending update lands, the last write kept; returns the master weights."""
+        self.before_forward()
+        return [m.detach() for m in self.master]
+
+    def _update(self, grads: list[torch.Tensor], lrs: list[float]) -> None:
+        for m, g in zip(self.master, grads):
+            m.grad = g
+        for group, lr in zip(self.opt.param_groups, lrs):
+            group["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def _give(self, values: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for d, v in zip(self.device, values):
+                d.copy_(v)
+        self.published = [d.detach().clone() for d in self.device]

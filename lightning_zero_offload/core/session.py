@@ -114,9 +114,10 @@ class OffloadSession:
     # -- training --------------------------------------------------------------------------------
 
     def before_training_forward(self) -> None:
-        """Re-plan if parameters were unfrozen or param groups added, before the forward uses them."""
+        """Re-plan if parameters were unfrozen or param groups added, before the forward uses them, and
+        start the delayed update behind it (``engine.before_training_forward``)."""
         if self.training:
-            self.engine.replan_if_changed()
+            self.engine.before_training_forward()
 
     def clip_norm(self, max_norm: float) -> None:
         """Clip the global gradient norm in the coming step (on the CPU, fused into it)."""

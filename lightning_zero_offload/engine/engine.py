@@ -258,9 +258,21 @@ class OffloadEngine:
         """
         self._step_expected = follows
 
+    def before_training_forward(self) -> None:
+        """Call before each training forward (the front ends do; ``begin_backward`` too, as a fallback).
+
+        Re-plans if the trainable set changed, then lets the schedule start what is meant to run behind
+        forward and backward: the delayed update of the last step, on the master weights with the writes
+        made to the parameters since that step (engine/schedules/delayed.py).
+        """
+        if self._closed or self.failed:
+            return
+        self.replan_if_changed()
+        self.schedule.before_forward()
+
     def begin_backward(self) -> None:
         """Call before every backward pass."""
-        self.replan_if_changed()
+        self.before_training_forward()
         self._backward_start = time.perf_counter()
         self._grad_summary = None  # more gradient is coming
         if self.schedule.updates_during_backward:  # otherwise step() is the first to use the master
@@ -418,9 +430,8 @@ class OffloadEngine:
         written = self.writes.written_buckets()
         if not written or self.in_place:  # in place the parameters are the master: written already
             return 0
-        buckets = [self.layout.buckets[i] for i in written]
         self.schedule.before_param_writes_merge(written)
-        return sum(self.writes.merge_into(b, self.master, self.schedule.published_chunk(b)) for b in buckets)
+        return sum(self.schedule.merge_param_writes(self.layout.buckets[i]) for i in written)
 
     # -- publishing to the device --------------------------------------------------------------
 

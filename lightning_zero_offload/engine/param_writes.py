@@ -83,6 +83,16 @@ class ParamWriteWatch:
         differs = (torch.stack(current) != torch.stack(recorded)).tolist()  # one synchronisation
         return [b.index for b, d in zip(buckets, differs) if d or self._prints[b.index] is None]
 
+    def find_writes(self, bucket: Bucket, published: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where this rank's chunk of ``bucket`` on the device differs from ``published`` (the chunk the
+        device was given, in its dtype): (written mask, the device chunk on the host). Records the bucket."""
+        rank_start = bucket.flat_start + self.layout.rank * bucket.shard_numel
+        device_chunk = self.flat_params[rank_start : rank_start + bucket.shard_numel].cpu()
+        words = _WORDS[device_chunk.dtype]
+        written = device_chunk.view(words) != published.view(words)
+        self.record(bucket)
+        return written, device_chunk
+
     def merge_into(self, bucket: Bucket, master: torch.Tensor, published: torch.Tensor | None) -> int:
         """Make the written elements of this rank's chunk of ``bucket`` the new master values.
 
@@ -90,15 +100,11 @@ class ParamWriteWatch:
         device dtype, which is what it was given unless an update is in flight). Returns how many
         elements were written.
         """
-        rank_start = bucket.flat_start + self.layout.rank * bucket.shard_numel
-        device_chunk = self.flat_params[rank_start : rank_start + bucket.shard_numel].cpu()
         shard = master[bucket.shard_range]
         if published is None:
-            published = shard.to(device_chunk.dtype) if device_chunk.dtype != torch.float32 else shard
-        words = _WORDS[device_chunk.dtype]
-        written = device_chunk.view(words) != published.view(words)
+            published = shard.to(self.flat_params.dtype)
+        written, device_chunk = self.find_writes(bucket, published)
         count = int(written.sum())
         if count:
             shard[written] = device_chunk[written].float()
-        self.record(bucket)
         return count

@@ -44,6 +44,10 @@ class Schedule:
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine
 
+    def before_forward(self) -> None:
+        """A training forward is about to start: launch work meant to run behind it (nothing here: sync
+        and speculative take writes to the parameters over where they next use the master)."""
+
     def on_backward_start(self, step_follows: bool) -> None:
         """A backward pass begins; ``step_follows``: the caller announced that a step() follows it."""
 
@@ -72,6 +76,10 @@ class Schedule:
 
     def before_param_writes_merge(self, buckets: list[int]) -> None:
         """User code wrote into these buckets' device parameters: the master is about to take the values."""
+
+    def merge_param_writes(self, bucket: Bucket) -> int:
+        """Make the elements user code wrote into ``bucket``'s device parameters the master's; returns how many."""
+        return self.engine.writes.merge_into(bucket, self.engine.master, self.published_chunk(bucket))
 
     def settle(self) -> None:
         """Make the CPU state final and consistent (wait for running work, drop unvalidated work)."""

@@ -1,10 +1,19 @@
 """``cpu_step="delayed"``: Delayed Parameter Update (ZeRO-Offload's DPU), the CPU step behind the next forward.
 
-After ``dpu_warmup_steps`` synchronous steps, the update of step t runs on the worker while step t+1
-computes forward/backward on the weights of step t-1, and is swapped in at step t+1. The step is
-hidden, but every gradient is computed on one-step-stale weights, which changes convergence
-(docs/dpu.md). With weight prediction the device gets ``W_t + (W_t - W_{t-1})`` instead: the update
-still running guessed as a repeat of the last one (free: the kernel has both values in registers).
+After ``dpu_warmup_steps`` synchronous steps, step t only plans its update (clip factor, skip, step
+numbers and hyperparameters are step t's); the update runs on the worker from the start of step t+1's
+training forward, while step t+1 computes forward/backward on the weights of step t-1, and is swapped
+in at step t+1. The step is hidden, but every gradient is computed on one-step-stale weights, which
+changes convergence (docs/dpu.md). With weight prediction the device gets ``W_t + (W_t - W_{t-1})``
+instead: the update still running guessed as a repeat of the last one (free: the kernel has both values
+in registers).
+
+Writes to the parameters between steps (callbacks after the optimizer step, ``load_state_dict``, weight
+averaging at the end of fit) are seen because the update of step t has not started yet: the device still
+holds what it was given, so a written element is one whose device value differs from it. A written
+element takes the written value as its master value *after* the pending update of step t (which still
+updates its moments): the write replaces the weights as they stand after the last step, as it would
+with a synchronous optimizer. Writes during forward/backward, while the update runs, are refused.
 """
 
 from __future__ import annotations
@@ -20,10 +29,12 @@ from lightning_zero_offload.engine.memory import host_zeros
 from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs, apply_now
 from lightning_zero_offload.engine.state import full_tensors, load_shard
 from lightning_zero_offload.engine.stats import StepStats
-from lightning_zero_offload.engine.update import Plan, make_plan, update_bucket
+from lightning_zero_offload.engine.update import Plan, Run, make_plan, update_bucket
 
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.engine import OffloadEngine
+
+MASTER, NEXT, SAVED = "master", "next", "saved"  # what the device was last given (DelayedSchedule.device_holds)
 
 
 class DelayedSchedule(Schedule):
@@ -42,19 +53,44 @@ class DelayedSchedule(Schedule):
         low_precision = engine.publish_pool is not None
         self.next_params = host_zeros(shard, engine.param_dtype, False) if low_precision else None
         self.next_from_checkpoint = False  # next_params holds a loaded prediction (kept if saved again)
+        self.deferred: tuple[Plan, torch.Tensor] | None = None  # planned at the step, started before the forward
         self.pending: Future | None = None  # the update running on the worker
         self.publish_due = False  # a finished update waits to be swapped in
         self.last_update_s = 0.0
         self.active_this_step = False
         self.closed_state: dict[str, Any] | None = None
-        # Whether the device holds the master rounded to its dtype (not the weights of a step ago, nor a
-        # prediction): only then can a write to the parameters be told apart from the update.
-        self.device_matches_master = True
+        # What the device was last given, to tell user writes apart: the master rounded to the device dtype,
+        # next_params (a prediction), the gradient buffer not in use (SAVED: kept there when the update ran
+        # before the next forward, for a checkpoint), or unknown while an update runs (writes refused).
+        self.device_holds: str | None = MASTER
 
     @property
     def active(self) -> bool:
         """Whether steps now run one step behind (after the warm-up)."""
         return self.engine.step_calls >= self.warmup_steps
+
+    @property
+    def spare_grad(self) -> torch.Tensor:
+        """The gradient buffer backward is not filling now (it held the last step's gradient)."""
+        return self.grad_buffers[1] if self.engine.grad is self.grad_buffers[0] else self.grad_buffers[0]
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def before_forward(self) -> None:
+        """Start the planned update on the worker, with the writes made since the step it belongs to."""
+        if self.deferred is None:
+            return
+        plan, grad = self.deferred
+        self.deferred = None
+        engine = self.engine
+        overrides: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for index in engine.writes.written_buckets():
+            bucket = engine.layout.buckets[index]
+            written, values = self._find_writes(bucket, self._published(bucket))
+            if written is not None:
+                overrides[index] = (written, values)  # held until the worker has updated the bucket
+        self.device_holds = None  # the worker overwrites what the device was given
+        self.pending = engine.updater.submit(self._update_all, plan, grad, overrides)
 
     def before_step(self, stats: StepStats) -> None:
         self.active_this_step = self.active
@@ -65,6 +101,7 @@ class DelayedSchedule(Schedule):
     def apply(self, inputs: StepInputs, stats: StepStats) -> None:
         if not self.active_this_step:
             apply_now(self.engine, inputs, stats)
+            self.device_holds = MASTER
             return
         engine = self.engine
         if inputs.clamp_limit is not None:
@@ -72,9 +109,8 @@ class DelayedSchedule(Schedule):
         plan = make_plan(engine, inputs.has_grad, inputs.multiplier)
         grad = engine.grad
         self.next_from_checkpoint = False
-        self.pending = engine.updater.submit(self._update_all, plan, grad)
-        self.device_matches_master = False
-        engine.grad = self.grad_buffers[1] if grad is self.grad_buffers[0] else self.grad_buffers[0]
+        self.deferred = (plan, grad)  # runs from the next training forward on (before_forward)
+        engine.grad = self.spare_grad
         engine.grads.cpu_grad = engine.grad
         stats.cpu_step_s = self.last_update_s  # the update that finished in the background (previous step)
 
@@ -83,36 +119,102 @@ class DelayedSchedule(Schedule):
             # The device holds a prediction of this very update, which is not happening: go back to
             # the true weights (as plain DPU has them), so later steps and checkpoints agree.
             self.engine.refresh_device_params()
-            self.device_matches_master = True
+            self.device_holds = MASTER
 
     @property
     def update_in_flight(self) -> bool:
-        return self.pending is not None
+        return self.deferred is not None or self.pending is not None
 
-    def published_chunk(self, bucket: Bucket) -> torch.Tensor | None:
-        if self.device_matches_master:
-            return None
-        raise RuntimeError(
-            "The parameters were written during fit (by a callback, load_state_dict or p.data = ...) while "
-            "cpu_step='delayed' had the device one step behind the master weights: such a write cannot be "
-            "told apart from the update in flight, and would be lost. Use cpu_step='sync' or 'speculative' "
-            "(the same results as sync, with the CPU step hidden during backward) with code that writes "
-            "parameters, or write them only during the first dpu_warmup_steps steps."
-        )
+    # -- the update ----------------------------------------------------------------------------
 
-    def _update_all(self, plan: Plan, grad: torch.Tensor) -> None:
-        """Worker thread: update every bucket into the next-parameters buffer."""
+    def _published(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's chunk of what the device was given for ``bucket``, in the device dtype (may be a view)."""
+        if self.device_holds is None:
+            raise RuntimeError(
+                "The parameters were written during a training step's forward or backward (in training_step, "
+                "on_after_backward or on_before_optimizer_step) while cpu_step='delayed' updated the master "
+                "weights behind it: such a write cannot be told apart from the update and would be lost. Write "
+                "parameters between steps (on_train_batch_end, on_train_batch_start, or before the forward), or "
+                "use cpu_step='sync' or 'speculative' (the same results as sync, the CPU step hidden in backward)."
+            )
+        window = bucket.shard_range
+        if self.device_holds == NEXT:
+            return self.next_params[window]  # type: ignore[index]
+        if self.device_holds == SAVED:
+            return self.spare_grad[window].to(self.engine.param_dtype)
+        return self.engine.master[window].to(self.engine.param_dtype)
+
+    def _find_writes(self, bucket: Bucket, published: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(mask, written values) of this rank's chunk of ``bucket``; mask None if nothing was written."""
+        written, device_chunk = self.engine.writes.find_writes(bucket, published)
+        return (written, device_chunk[written]) if bool(written.any()) else (None, device_chunk[:0])
+
+    def _update_bucket(
+        self,
+        bucket: Bucket,
+        runs: list[Run],
+        grad: torch.Tensor,
+        override: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """Update one bucket into the master (and next_params), then give written elements their written value."""
+        engine = self.engine
+        out = None if self.next_params is None else self.next_params[bucket.shard_range]
+        update_bucket(engine, bucket, runs, grad, out, self.extrapolate)
+        if override is not None:
+            written, values = override
+            engine.master[bucket.shard_range][written] = values.float()
+            if out is not None:
+                out[written] = values  # the device keeps showing the written value, not a prediction
+
+    def _update_all(
+        self, plan: Plan, grad: torch.Tensor, overrides: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Worker thread: update every bucket (the master, and next_params for a low-precision device copy)."""
         t = time.perf_counter()
         for bucket, runs in zip(self.engine.layout.buckets, plan):
-            out = None if self.next_params is None else self.next_params[bucket.shard_range]
-            update_bucket(self.engine, bucket, runs, grad, out, self.extrapolate)
+            self._update_bucket(bucket, runs, grad, overrides.pop(bucket.index, None))
         self.last_update_s = time.perf_counter() - t
 
-    def settle(self) -> None:
-        self.wait_update()
+    def _run_deferred_here(self, keep_published: bool) -> float:
+        """Run the planned update now, on this thread, bucket by bucket (no write held longer than its bucket).
 
-    def wait_update(self) -> float:
-        """Wait for a running update (the CPU state is then complete); returns seconds waited."""
+        ``keep_published``: the device is not given the result now (a checkpoint before the next forward):
+        what it holds is kept in the spare gradient buffer, whose gradient the update has just used, so
+        writes made before the next step can still be told apart.
+        """
+        plan, grad = self.deferred  # type: ignore[misc]
+        self.deferred = None
+        engine = self.engine
+        t = time.perf_counter()
+        written = set(engine.writes.written_buckets())
+        for bucket, runs in zip(engine.layout.buckets, plan):
+            override = None
+            published = None
+            if bucket.index in written or keep_published:
+                published = self._published(bucket).clone()  # the update overwrites its source
+            if bucket.index in written:
+                mask, values = self._find_writes(bucket, published)  # type: ignore[arg-type]
+                if mask is not None:
+                    override = (mask, values)
+                    published[mask] = values  # type: ignore[index]
+            self._update_bucket(bucket, runs, grad, override)
+            if keep_published:
+                grad[bucket.shard_range].copy_(published)  # type: ignore[arg-type]
+        self.device_holds = SAVED if keep_published else None
+        self.last_update_s = time.perf_counter() - t
+        self.publish_due = True
+        return self.last_update_s
+
+    def settle(self) -> None:
+        self.wait_update(keep_published=True)
+
+    def wait_update(self, keep_published: bool = True) -> float:
+        """Complete the update of the last step (the CPU state is then whole); returns seconds waited.
+
+        A planned update not started yet runs here (``keep_published``: see :meth:`_run_deferred_here`).
+        """
+        if self.deferred is not None:
+            return self._run_deferred_here(keep_published)
         if self.pending is None:
             return 0.0
         t = time.perf_counter()
@@ -123,29 +225,44 @@ class DelayedSchedule(Schedule):
 
     def finish_pending_update(self) -> float:
         """Wait for the update and swap its parameters in on the device."""
-        waited = self.wait_update()
+        waited = self.wait_update(keep_published=False)
         if self.publish_due:
-            self.engine.absorb_param_writes()  # before the swap-in overwrites them (refused: see published_chunk)
+            self.engine.absorb_param_writes()  # before the swap-in overwrites them (refused while an update ran)
             for bucket in self.engine.layout.buckets:
                 source = None if self.next_params is None else self.next_params[bucket.shard_range]
                 self.engine.publish(bucket, source, pooled=False)
             self.engine.wait_publish()
             self.publish_due = False
-            self.device_matches_master = not self.extrapolate
+            self.device_holds = NEXT if self.extrapolate else MASTER
         return waited
+
+    def merge_param_writes(self, bucket: Bucket) -> int:
+        """A write after the update has landed (a checkpoint ran it before the next forward): the written
+        elements take the written value, over the update, as when the write comes before it runs."""
+        published = self._published(bucket)
+        written, values = self._find_writes(bucket, published)
+        if written is None:
+            return 0
+        window = bucket.shard_range
+        self.engine.master[window][written] = values.float()
+        if self.next_params is not None:  # what the next swap-in gives the device
+            self.next_params[window][written] = values
+        if self.device_holds == SAVED:
+            self.spare_grad[window][written] = values.float()
+        return int(written.sum())
 
     def on_weights_loaded(self) -> None:
         self.publish_due = False  # the device now holds the loaded master weights
-        self.device_matches_master = True
+        self.device_holds = MASTER
 
     def sync(self) -> None:
         if self.extrapolate:
-            self.wait_update()
+            self.wait_update(keep_published=False)
             if self.publish_due:  # the true weights, not the prediction waiting in next_params
                 self.engine.absorb_param_writes()
                 self.engine.refresh_device_params()
                 self.publish_due = False
-                self.device_matches_master = True
+                self.device_holds = MASTER
         self.finish_pending_update()
 
     def state_dict(self) -> dict[str, Any]:
@@ -175,11 +292,14 @@ class DelayedSchedule(Schedule):
                 load_shard(self.engine, self.next_params, pending["next_params"])
             else:
                 self.next_params.copy_(self.engine.master)
+        # What the device holds, kept as a run that saved here keeps it (writes before the next step merge).
+        load_shard(self.engine, self.spare_grad, [t.float() for t in pending["device_params"]])
         self.engine.writes.record_all()  # the engine's own write: the device holds the stale weights again
-        self.device_matches_master = False
+        self.device_holds = SAVED
         self.publish_due = True
 
     def abandon(self) -> None:
+        self.deferred = None  # after a failure: drop the planned update rather than run it
         super().abandon()
         self.pending = None
         self.publish_due = False
