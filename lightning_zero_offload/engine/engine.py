@@ -34,33 +34,21 @@ import torch.distributed as dist
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine import state as state_io
 from lightning_zero_offload.engine.adam import check_optimizer
-from lightning_zero_offload.engine.collectives import all_gather, all_reduce_sum
-from lightning_zero_offload.engine.failures import NonFinitePolicy, close_after_failure, refuse_after_failure
+from lightning_zero_offload.engine.collectives import all_reduce_sum
+from lightning_zero_offload.engine.failures import NonFinitePolicy
+from lightning_zero_offload.engine.gradient_source import GradientSource
 from lightning_zero_offload.engine.grads import GradientStreamer
 from lightning_zero_offload.engine.in_place import InPlaceGradients
 from lightning_zero_offload.engine.layout import Bucket, Layout, build_layout
-from lightning_zero_offload.engine.memory import (
-    COLLECTIVE,
-    BufferPool,
-    HostToDevice,
-    can_pin,
-    device_empty,
-    device_zeros,
-    host_zeros,
-    record_event,
-    records_allocations,
-    wait_event,
-    worker_pool,
-)
+from lightning_zero_offload.engine.memory import BufferPool, can_pin, host_zeros, records_allocations, worker_pool
 from lightning_zero_offload.engine.optimizer_hooks import has_step_hooks, step_hooks
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
 from lightning_zero_offload.engine.param_writes import ParamWriteWatch
+from lightning_zero_offload.engine.publisher import LOW_PRECISION, NullPublisher, Publisher
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, make_schedule
 from lightning_zero_offload.engine.stats import StepStats
 from lightning_zero_offload.engine.update import read_all_hyperparams, update_in_place_checked
-
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 __all__ = ["OffloadEngine", "StepStats"]
 
@@ -113,7 +101,7 @@ class OffloadEngine:
         self.step_calls = 0
         self.skipped_steps = 0
         self.nonfinite = NonFinitePolicy(options.max_consecutive_skipped_steps, self.scaler)
-        self.failed = False  # closed after an exception, without gathering (see close_after_failure)
+        self.failed = False  # closed after an exception, without gathering (see _close_after_failure)
         self._closed = False
         # Moments and step counts of parameters that left the trainable set, kept should they return.
         self._parked: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
@@ -156,31 +144,20 @@ class OffloadEngine:
         self._original_dtypes = [p.dtype for p in self.params]
         state_io.load_shard(self, self.master, [p.detach() for p in self.params])
 
-        if self.in_place:  # one rank: the flat buffer and the shard are the same elements in the same order
-            self.flat_params = self.master
-        else:
-            self.flat_params = device_zeros(self.layout.flat_numel, param_dtype, device, "params")
-        for slot, p in zip(self.layout.slots, self.params):
-            view = self.flat_params[self.layout.slot_range(slot.index)]
-            if not self.in_place:
-                view.copy_(p.detach().reshape(-1))
-            p.data = view.view(slot.shape)
-        self.writes = ParamWriteWatch(self.layout, self.params, self.flat_params, checksums=not self.in_place)
-        self.writes.record_all()
-
-        max_shard = max(b.shard_numel for b in self.layout.buckets)
-        low_precision = param_dtype in LOW_PRECISION
-        self.publish_pool = BufferPool(2, max_shard, param_dtype, self.pin) if low_precision else None
-        self.h2d = HostToDevice(device, max_shard, param_dtype, self.pin)  # pageable sources go through pinned staging
-        self._pending_publish: list[torch.Event | None] = []
-        self.grads: GradientStreamer | InPlaceGradients
+        # The device copy of the parameters and the gradients' way to the CPU: in place, neither moves.
+        self.publisher: Publisher | NullPublisher
+        self.grads: GradientSource
         if self.in_place:
+            self.publisher = NullPublisher(self.layout, self.params, self.master)
             self.grads = InPlaceGradients(self.params, self.num_threads)
             ranges = [self.layout.slot_range(index) for index in range(len(self.params))]
             # Per-parameter views of master and moments, for the step (fixed: the buffers are never replaced).
             buffers = (self.master, self.exp_avg, self.exp_avg_sq)
             self.param_views = tuple([buffer[r] for r in ranges] for buffer in buffers)
         else:
+            self.publisher = Publisher(
+                self.layout, self.params, device, param_dtype, self.pin, self.process_group, self.ledger
+            )
             self.grads = GradientStreamer(
                 self.layout,
                 self.params,
@@ -309,15 +286,13 @@ class OffloadEngine:
         self.schedule.before_step(stats)
         self.wait_publish()
         self.step_calls += 1
-        if self.in_place:
-            clips = clip_norm is not None or clip_value is not None
-            checked = not clips and self.grads.sums_pending and all(map(kernels.can_undo, read_all_hyperparams(self)))
-            checked = checked and not has_step_hooks(self.optimizer)  # hooks need the skip known before the update
-            self.grads.eager_sums = clips  # the next window's norm is needed before its step only if it clips
-            if checked:  # the norm and the inf/nan check ride along with the update (engine/in_place.py)
-                self._step_checked(stats)
-                stats.total_s = time.perf_counter() - start
-                return stats
+        clips = clip_norm is not None or clip_value is not None
+        # The in-place source can take the norm and the inf/nan check from the update itself (hooks need
+        # the skip known before the update).
+        if self.grads.checks_in_update(clips, self._undoable) and not has_step_hooks(self.optimizer):
+            self._step_checked(stats)
+            stats.total_s = time.perf_counter() - start
+            return stats
         sumsq, overflow, has_grad = self._global_grad_summary()
         scale = self.loss_scale
         stats.grad_norm = math.sqrt(sumsq) / scale if math.isfinite(sumsq) else math.inf
@@ -347,6 +322,9 @@ class OffloadEngine:
         self.last = stats
         self.nonfinite.after_step(stats.skipped, scale)
         return stats
+
+    def _undoable(self) -> bool:
+        return all(map(kernels.can_undo, read_all_hyperparams(self)))
 
     def _step_checked(self, stats: StepStats) -> None:
         """The in-place step without clipping: applied only if the gradients are finite, as the others."""
@@ -427,13 +405,23 @@ class OffloadEngine:
         """
         if self._closed or self.failed:
             return 0
-        written = self.writes.written_buckets()
-        if not written or self.in_place:  # in place the parameters are the master: written already
+        written = self.publisher.written_buckets()
+        if not written:
             return 0
         self.schedule.before_param_writes_merge(written)
         return sum(self.schedule.merge_param_writes(self.layout.buckets[i]) for i in written)
 
     # -- publishing to the device --------------------------------------------------------------
+
+    @property
+    def publish_pool(self) -> BufferPool | None:
+        """The publisher's pool of low-precision host chunks (None for fp32 parameters)."""
+        return self.publisher.pool
+
+    @property
+    def writes(self) -> ParamWriteWatch:
+        """The publisher's record of what the device parameters were last given."""
+        return self.publisher.writes
 
     def publish(self, bucket: Bucket, out: torch.Tensor | None, pooled: bool = True) -> None:
         """Copy this rank's updated chunk of ``bucket`` to the device and gather the other chunks.
@@ -442,35 +430,15 @@ class OffloadEngine:
         from ``publish_pool`` and goes back to it once copied.
         """
         source = self.master[bucket.shard_range] if out is None else out[: bucket.shard_numel]
-        target = self.flat_params[bucket.flat_start : bucket.flat_start + bucket.padded_numel]
-        if self.layout.world_size > 1:
-            chunk = device_empty(bucket.shard_numel, self.param_dtype, self.device, COLLECTIVE, self.ledger)
-            self.h2d.copy(chunk, source)
-            all_gather(target, chunk, self.process_group)
-        else:
-            self.h2d.copy(target, source)
-        self.writes.record(bucket)
-        event = record_event(self.device)
-        if out is not None and pooled:
-            self.publish_pool.release(out, event)  # type: ignore[union-attr]
-        else:
-            self._pending_publish.append(event)  # the copy reads host memory that will change: wait before then
+        self.publisher.publish(bucket, source, out, pooled)
 
     def wait_publish(self) -> None:
-        events, self._pending_publish = self._pending_publish, []
-        for event in events:
-            wait_event(event)
+        """Wait for the copies to the device that read host memory about to change."""
+        self.publisher.wait()
 
     def refresh_device_params(self) -> None:
         """Write the master weights (rounded to the device dtype) into the device parameters."""
-        if self.in_place:  # they are the master weights
-            return
-        for bucket in self.layout.buckets:
-            out = self.publish_pool.acquire() if self.publish_pool is not None else None
-            if out is not None:
-                out[: bucket.shard_numel].copy_(self.master[bucket.shard_range])
-            self.publish(bucket, out)
-        self.wait_publish()
+        self.publisher.refresh(self.master)
 
     # -- state in and out ----------------------------------------------------------------------
 
@@ -534,7 +502,7 @@ class OffloadEngine:
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's flat fp32 master and moments, as stored in a sharded checkpoint."""
-        refuse_after_failure(self, "sharded checkpoint")
+        self.refuse_after_failure("sharded checkpoint")
         self._settle()
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
@@ -559,12 +527,12 @@ class OffloadEngine:
         Each parameter gets its original dtype back, so a module that came in fp32 leaves with the exact
         fp32 trained weights, not their low-precision device copy. The CPU optimizer state is kept, so
         the optimizer state can still be saved after training (as with a plain torch optimizer).
-        ``after_failure``: issue no collective (the other ranks may be gone); see ``close_after_failure``.
+        ``after_failure``: issue no collective (the other ranks may be gone); see ``_close_after_failure``.
         """
         if self._closed:
             return
         if after_failure:
-            close_after_failure(self)
+            self._close_after_failure()
             return
         self._settle()
         self.schedule.close()
@@ -572,8 +540,47 @@ class OffloadEngine:
         self.grads.close()
         for p, weight, dtype in zip(self.params, self.master_params(), self._original_dtypes):
             p.data = weight.to(dtype)
-        self.flat_params = self.flat_params.new_empty(0)
+        self.publisher.drop()
         self._closed = True
+
+    def _close_after_failure(self) -> None:
+        """Detach from the module after an exception, issuing no collective and never blocking on a peer.
+
+        What the module's parameters hold afterwards (each in its original dtype, on the device):
+
+        - one process: the fp32 master weights (as after a normal close; they are complete on this rank);
+        - several ranks: this rank's device copy of the parameters (the low-precision values the last
+          forward used, upcast), because the full master weights are spread over the ranks and gathering
+          them needs peers that may be gone. The engine keeps only this rank's shard of the optimizer
+          state; asking it for the full state raises instead of hanging (:meth:`refuse_after_failure`).
+
+        A failure inside the optimizer step itself can leave some buckets updated and others not; resume
+        from the last checkpoint rather than saving these weights as a training checkpoint.
+        """
+        # Stop the worker threads first: they are not daemons, so one left waiting for a buffer that the
+        # failed main thread will never return would keep the process from exiting (and its peers waiting).
+        self.updater.shutdown(wait=False, cancel_futures=True)
+        self.publisher.release_waiters()  # unblock an update waiting for a free buffer
+        self.updater.shutdown(wait=True)
+        self.grads.close()
+        self.schedule.abandon()  # host-side only: a running update finishes, unvalidated work is dropped
+        single = self.layout.world_size == 1
+        with torch.no_grad():
+            if single:
+                masters = state_io.full_tensors(self, self.master)  # one rank: no collective involved
+            for index, (p, dtype) in enumerate(zip(self.params, self._original_dtypes)):
+                p.data = masters[index].to(dtype) if single else p.detach().to(dtype, copy=True)
+        self.publisher.drop()
+        self.failed = True
+        self._closed = True
+
+    def refuse_after_failure(self, what: str) -> None:
+        """Raise instead of gathering ``what`` from peers that a failure may have taken down."""
+        if self.failed and self.layout.world_size > 1:
+            raise RuntimeError(
+                f"Cannot assemble the {what}: training failed and the engine was closed without gathering it "
+                "from the other ranks (they may be gone). Resume from the last checkpoint instead."
+            )
 
 
 def _check_clip(name: str, value: float | None) -> None:

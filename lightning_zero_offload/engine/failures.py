@@ -5,18 +5,16 @@ Both are about never hanging and never ending "successfully" when something is b
 - :class:`NonFinitePolicy` turns a run of skipped (inf/nan) steps into an error instead of a run that
   quietly stops learning. Every rank sees the same skip decisions (the overflow flag is all-reduced),
   so every rank raises at the same step.
-- :func:`close_after_failure` releases the engine without a single collective: after an exception the
-  other ranks may be anywhere (inside a collective of their own, or dead), so a gather would hang.
+- ``OffloadEngine.close(after_failure=True)`` releases the engine without a single collective: after an
+  exception the other ranks may be anywhere (inside a collective of their own, or dead), so a gather
+  would hang; afterwards ``OffloadEngine.refuse_after_failure`` raises instead of gathering.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.engine import OffloadEngine
     from lightning_zero_offload.engine.scaler import DynamicLossScaler
 
 
@@ -74,48 +72,3 @@ class NonFinitePolicy:
                 "loss_scale_init. To allow longer runs of skipped steps set max_consecutive_skipped_steps "
                 "(None never raises)."
             )
-
-
-def close_after_failure(engine: OffloadEngine) -> None:
-    """Detach from the module after an exception, issuing no collective and never blocking on a peer.
-
-    What the module's parameters hold afterwards (each in its original dtype, on the device):
-
-    - one process: the fp32 master weights (as after a normal close; they are complete on this rank);
-    - several ranks: this rank's device copy of the parameters (the low-precision values the last
-      forward used, upcast), because the full master weights are spread over the ranks and gathering
-      them needs peers that may be gone. The engine keeps only this rank's shard of the optimizer
-      state; asking it for the full state raises instead of hanging.
-
-    A failure inside the optimizer step itself can leave some buckets updated and others not; resume
-    from the last checkpoint rather than saving these weights as a training checkpoint.
-    """
-    # Stop the worker threads first: they are not daemons, so one left waiting for a buffer that the
-    # failed main thread will never return would keep the process from exiting (and its peers waiting).
-    engine.updater.shutdown(wait=False, cancel_futures=True)
-    if engine.publish_pool is not None:
-        for buffer in engine.publish_pool.buffers:  # unblock an update waiting for a free buffer
-            engine.publish_pool.release(buffer)
-    engine.updater.shutdown(wait=True)
-    engine.grads.close()
-    engine.schedule.abandon()  # host-side only: a running update finishes, unvalidated work is dropped
-    from lightning_zero_offload.engine.state import full_tensors  # state.py imports this module
-
-    single = engine.layout.world_size == 1
-    with torch.no_grad():
-        if single:
-            masters = full_tensors(engine, engine.master)  # one rank: no collective involved
-        for index, (p, dtype) in enumerate(zip(engine.params, engine._original_dtypes)):
-            p.data = masters[index].to(dtype) if single else p.detach().to(dtype, copy=True)
-    engine.flat_params = engine.flat_params.new_empty(0)
-    engine.failed = True
-    engine._closed = True
-
-
-def refuse_after_failure(engine: OffloadEngine, what: str) -> None:
-    """Raise instead of gathering from peers that a failure may have taken down."""
-    if getattr(engine, "failed", False) and engine.layout.world_size > 1:
-        raise RuntimeError(
-            f"Cannot assemble the {what}: training failed and the engine was closed without gathering it "
-            "from the other ranks (they may be gone). Resume from the last checkpoint instead."
-        )

@@ -471,6 +471,10 @@ class GradientStreamer:
         """(sum of squares, any inf/nan) of this rank's accumulated gradients."""
         return sum(self.bucket_sumsq), any(self.bucket_nonfinite)
 
+    def checks_in_update(self, clips: bool, undoable: Callable[[], bool]) -> bool:
+        """Never: the sums come with the accumulate pass, so the step has them before it updates."""
+        return False
+
     def for_each_grad_range(self, fn: Callable[[torch.Tensor], None]) -> None:
         for bucket in self.layout.buckets:
             if not self._fresh[bucket.index]:

@@ -78,7 +78,7 @@ class InPlaceGradients:
         )
         self._summed[index] = True
 
-    # -- the part of the GradientStreamer interface the engine uses ----------------------------
+    # -- the GradientSource protocol (engine/gradient_source.py) --------------------------------
 
     def begin(self) -> None:
         """A backward pass starts (nothing to prepare: gradients are taken as they come)."""
@@ -103,6 +103,14 @@ class InPlaceGradients:
             if grad is not None and not self._summed[index]:
                 self._sum(index)
         return sum(self._sumsq), any(self._nonfinite)
+
+    def checks_in_update(self, clips: bool, undoable: Callable[[], bool]) -> bool:
+        """Whether the step's kernel may sum the gradients and check them for inf/nan as it reads them
+        (``kernels.adam_step_multi_if_finite``), undoing the update on inf/nan: only without clipping
+        (which needs the norm first), with gradients not summed yet, and where the update can be undone."""
+        checked = not clips and self.sums_pending and undoable()
+        self.eager_sums = clips  # the next window's norm is needed before its step only if it clips
+        return checked
 
     def for_each_grad_range(self, fn: Callable[[torch.Tensor], None]) -> None:
         for grad in self.grads:

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_zero_offload.engine.collectives import gather_host
-from lightning_zero_offload.engine.failures import refuse_after_failure
 
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.engine import OffloadEngine
@@ -47,7 +46,7 @@ def full_tensors(engine: OffloadEngine, shard: torch.Tensor) -> list[torch.Tenso
 
     Copies, unless inside :func:`buffers_shared_for_save` (then views that change with the next step).
     """
-    refuse_after_failure(engine, "full weights and optimizer state")
+    engine.refuse_after_failure("full weights and optimizer state")
     layout = engine.layout
     copy = not getattr(engine, "_share_buffers", False)
     full: list[torch.Tensor | None] = [None] * len(engine.params)

@@ -74,7 +74,7 @@ def test_fp32_on_the_device_matches_torch_adamw():
     engine = train(net, torch.float32)
     for p_ref, master in zip(ref_net.parameters(), engine.master_params()):
         torch.testing.assert_close(master, p_ref.detach().cpu(), rtol=1e-5, atol=1e-6)
-    assert engine.h2d.staged_copies > 0  # the pageable fp32 master went through pinned staging
+    assert engine.publisher.h2d.staged_copies > 0  # the pageable fp32 master went through pinned staging
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -94,7 +94,7 @@ def test_parameters_are_the_master_and_nothing_is_copied():
     engine = OffloadEngine(torch.optim.AdamW(net.parameters(), lr=1e-2), CPU, torch.float32, in_place())
     storage = engine.master.untyped_storage().data_ptr()
     assert all(p.untyped_storage().data_ptr() == storage for p in net.parameters())
-    assert engine.grad is None and engine.flat_params is engine.master
+    assert engine.grad is None and engine.publisher.flat_params is engine.master
     report = engine.memory_report()
     n = sum(p.numel() for p in net.parameters())
     # master + two moments; no gradient buffer, staging or device copy (gradients live where autograd puts them)

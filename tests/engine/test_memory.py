@@ -148,7 +148,7 @@ def test_32_true_and_dpu_pin_only_bucket_sized_buffers(driver, monkeypatch):
         max_shard = max(b.shard_numel for b in engine.layout.buckets)
         assert not memory.is_pinned_here(engine.master)
         assert 0 < report["host_pinned_bytes"] <= 6 * max_shard * 4 < report["host_state_bytes"]
-        assert engine.h2d.staged_copies > 0  # the pageable master / next parameters went through staging
+        assert engine.publisher.h2d.staged_copies > 0  # the pageable master / next parameters went through staging
         results.append(engine.master_params())
     # and the results are the ones an unpinned run gets
     monkeypatch.undo()

@@ -1,0 +1,62 @@
+"""Where a step's gradients come from: the protocol the engine and the schedules drive backward through.
+
+Two sources implement it:
+
+- :class:`~lightning_zero_offload.engine.grads.GradientStreamer` (the offload path): hooks copy each
+  bucket of gradients off the device, [reduce-scatter them], and add them in fp32 into the CPU state's
+  gradient buffer;
+- :class:`~lightning_zero_offload.engine.in_place.InPlaceGradients` (nothing to offload): each gradient
+  stays the tensor autograd made, and the step reads it there.
+
+The engine never asks which one it holds: what differs between them (whether the update itself can
+check the gradients for inf/nan) is a question the source answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from lightning_zero_offload.engine.layout import Bucket
+
+
+class GradientSource(Protocol):
+    """One accumulation window's gradients, from the first backward after a step to the next step."""
+
+    has_grad: list[bool]  # per trainable parameter: it got a gradient in this window (on this rank)
+    # Called with (bucket, final) as a bucket's gradients land (the speculative schedule's hook).
+    on_accumulated: Callable[[Bucket, bool], None] | None
+    device_buffers_live: int
+    device_buffers_peak: int
+
+    def begin(self) -> None:
+        """A backward pass starts."""
+
+    def finish_backward(self) -> None:
+        """The backward pass ended: every gradient it produced is in place for the step (idempotent)."""
+
+    def wait(self) -> None:
+        """Wait for background work on gradients that have arrived."""
+
+    def take_timings(self) -> tuple[float, float]:
+        """(seconds waited for transfers, seconds of transfer) since last asked."""
+
+    def local_summary(self) -> tuple[float, bool]:
+        """(sum of squares, any inf/nan) of this rank's gradients of the window."""
+
+    def for_each_grad_range(self, fn: Callable[[torch.Tensor], None]) -> None:
+        """Call ``fn`` on every stored gradient range of the window, in place."""
+
+    def checks_in_update(self, clips: bool, undoable: Callable[[], bool]) -> bool:
+        """Whether the coming step may take its norm and inf/nan check from the update itself (and undo
+        it on inf/nan) instead of summing first. ``clips``: the step clips (it needs the norm first);
+        ``undoable``: every param group's update can be undone. Also tells the source whether the next
+        window's step will need its sums before the update."""
+
+    def new_window(self) -> None:
+        """The step consumed the window's gradients (or ``zero_grad``): start an empty one."""
+
+    def close(self) -> None:
+        """Remove the hooks and release what the source holds."""
