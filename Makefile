@@ -1,6 +1,8 @@
 # Two entry points for a fresh machine; both set everything up first (a venv in .venv).
 #   make demo   train the embedded demo (byte-level GPT on the Python stdlib sources) with zero_offload
-#   make test   lint + the test suite (what CI runs)
+#   make test   lint + the fast tier of the test suite (every module and public behaviour at small sizes)
+# make test-slow runs the slow tier (tests marked @pytest.mark.slow: ranks and fresh interpreters, the docs'
+# code blocks, models nobody here wrote, big sizes), make test-all both; CI (.ci/run) runs both tiers.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -8,7 +10,7 @@ BIN := $(VENV)/bin
 # machine pip takes the same release from PyPI with CUDA.
 INSTALLED := $(VENV)/.installed
 
-.PHONY: setup demo test test-oldest lint bench clean
+.PHONY: setup demo test test-slow test-all test-oldest lint bench clean
 
 setup: $(INSTALLED)
 
@@ -28,8 +30,15 @@ lint: $(INSTALLED)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+PYTEST := $(BIN)/python -m pytest -q --durations=25
+# pyproject's addopts deselect the slow tier; -m overrides it.
 test: lint
-	$(BIN)/python -m pytest -q --durations=25
+	$(PYTEST)
+
+test-slow: $(INSTALLED)
+	$(PYTEST) -m slow
+
+test-all: test test-slow
 
 # The oldest Lightning that pyproject admits, in a venv of its own, against the Trainer-level tests.
 OLDEST_VENV ?= .venv-oldest
@@ -39,7 +48,8 @@ test-oldest:
 	$(OLDEST_VENV)/bin/python -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(OLDEST_VENV)/bin/python -m pip install --quiet torch==2.13.0 lightning==$(OLDEST_LIGHTNING) \
 		pytorch-lightning==$(OLDEST_LIGHTNING) -e . 'pytest>=7'
-	$(OLDEST_VENV)/bin/python -m pytest -q tests/test_strategy.py tests/test_precision.py tests/test_cli.py
+	$(OLDEST_VENV)/bin/python -m pytest -q -m 'slow or not slow' tests/test_strategy.py tests/test_precision.py \
+		tests/test_cli.py
 
 bench: $(INSTALLED)
 	$(BIN)/python benchmarks/cpu_adam.py
