@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]  # tests/: the rank launcher
 SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU time at ~2 GHz, per delayed copy
 DEADLINE = float("inf")  # this sub-check's own end (time.time()), set by --run from the driver's timeout
 
@@ -398,17 +399,8 @@ def check_fp16_overflow(device: torch.device, tiny: bool, results: Path) -> dict
     }
 
 
-def _rank(rank: int, store: str, device_name: str, tiny: bool, out: str) -> None:
-    import torch.distributed as dist
-
-    # Import Lightning (through the package) before the group exists: imported after it, lightning_fabric
-    # keeps 10 references to the default group (measured with sys.getrefcount), so destroy_process_group
-    # cannot free it and the gloo group is destroyed during interpreter finalization, which aborted
-    # ("terminate called without an active exception", SIGABRT) or hung about one exit in ten.
-    import lightning_zero_offload.demo.model  # noqa: F401
-    import lightning_zero_offload.engine  # noqa: F401
-
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+def _rank(rank: int, device_name: str, tiny: bool) -> torch.Tensor:
+    """One of two gloo ranks sharing one device (tests/ranks.py made the group): its final master weights."""
     device = torch.device(device_name)
     model = gpt(device, tiny)
     engine = engine_for(model, device, torch.bfloat16, bucket_size_mb=0.05)
@@ -417,17 +409,18 @@ def _rank(rank: int, store: str, device_name: str, tiny: bool, out: str) -> None
         step(model, engine, tokens[rank * half : (rank + 1) * half])
     final = master(engine)
     engine.close()
-    if rank == 0:
-        torch.save(final, out)
-    dist.destroy_process_group()
+    return final
 
 
 def check_two_ranks(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
     """Two gloo ranks sharing one GPU against world size 1 on the full batch (same global batch)."""
+    from ranks import run_ranks
+
     with tempfile.TemporaryDirectory() as tmp:
-        out = f"{tmp}/rank0.pt"
-        torch.multiprocessing.spawn(_rank, args=(f"{tmp}/store", str(device), tiny, out), nprocs=2, join=True)
-        two = torch.load(out, weights_only=True)
+        # The package (and with it Lightning) imported before the group exists: see tests/ranks.py.
+        preload = ("lightning_zero_offload.demo.model", "lightning_zero_offload.engine")
+        rank = functools.partial(_rank, device_name=str(device), tiny=tiny)
+        two = run_ranks(rank, 2, tmp, timeout=time_left(), preload=preload)[0]
     model = gpt(device, tiny)
     start = torch.cat([p.detach().float().flatten().cpu() for p in model.parameters()])
     engine = engine_for(model, device, torch.bfloat16, bucket_size_mb=0.05)

@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +49,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_zero_offload import ZeroOffloadStrategy, kernels
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from ranks import launch  # noqa: E402  (the rank launcher of the tests)
+
 START_ENV = dict(os.environ)
 SCHEDULES = ("sync", "speculative", "delayed")
 # name: model family, its config, batch size, sequence length
@@ -412,15 +414,7 @@ def run_ddp_pair(spec: dict[str, Any], warmup: int, steps: int, precision: str, 
         job = Path(tmp) / "job.json"
         out = str(Path(tmp) / "r.json")
         job.write_text(json.dumps({"spec": spec, "warmup": warmup, "steps": steps, "precision": precision, "out": out}))
-        done = subprocess.run(
-            [sys.executable, __file__, "--ddp-worker", str(job)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=clean_env(),
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"ddp ranks failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+        launch([sys.executable, __file__, "--ddp-worker", str(job)], timeout, env=clean_env())
         return json.loads((Path(tmp) / "r.json").read_text())
 
 

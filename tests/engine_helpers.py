@@ -1,6 +1,5 @@
 """Small models, data and option presets for driving the offload engine directly in tests."""
 
-import io
 from dataclasses import replace
 
 import torch
@@ -49,97 +48,6 @@ def options(**kwargs) -> OffloadOptions:
     scaler = kwargs.pop("loss_scaler", None)
     built = make_offload_options(**kwargs)
     return built if scaler is None else replace(built, loss_scaler=scaler)
-
-
-def run_ranks(fn, world: int, tmp_path, timeout: float = 120.0, backend: str = "gloo") -> list:
-    """Run ``fn(rank)`` (a top-level function) in ``world`` processes; returns their results by rank.
-
-    Fails with the rank's traceback and stderr if a rank raises, exits with a non-zero code (a crash, an
-    abort at exit) or sends no result within ``timeout``.
-    """
-    import queue
-    import time
-
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    logs = [tmp_path / f"rank{rank}.stderr" for rank in range(world)]
-    procs = [
-        context.Process(target=_rank_main, args=(fn, rank, world, init, backend, results, str(logs[rank])))
-        for rank in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    gathered: dict[int, bytes | str] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(gathered) < world and time.monotonic() < deadline:
-            try:
-                rank, value = results.get(timeout=0.5)
-                gathered[rank] = value
-            except queue.Empty:
-                if any(proc.exitcode not in (None, 0) for proc in procs):
-                    break  # a rank died: the others may wait for it in a collective forever
-    finally:
-        for proc in procs:
-            proc.join(timeout=30 if len(gathered) == world else 2)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    failures = []
-    for rank, proc in enumerate(procs):
-        value = gathered.get(rank)
-        if isinstance(value, bytes) and proc.exitcode == 0:
-            continue
-        if value is None:
-            why = f"no result within {timeout:.0f} s"
-        elif isinstance(value, str):
-            why = f"raised:\n{value}"
-        else:
-            why = "sent its result"
-        stderr = logs[rank].read_text(errors="replace")[-4000:] if logs[rank].exists() else ""
-        failures.append(f"rank {rank} {why}; exit code {proc.exitcode}; stderr:\n{stderr}")
-    assert not failures, "\n".join(failures)
-    return [torch.load(io.BytesIO(gathered[rank]), weights_only=True) for rank in range(world)]
-
-
-def _rank_main(fn, rank: int, world: int, init: str, backend: str, results, log: str) -> None:
-    import gc
-    import os
-    import traceback
-
-    import torch.distributed as dist
-
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(fd, 2)  # Python's and C++'s (aborts, warnings): the parent puts it in its failure message
-    os.close(fd)
-    torch.set_num_threads(1)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
-    try:
-        result = io.BytesIO()
-        torch.save(fn(rank), result)  # bytes, not tensors: shared tensors would die with this process
-        results.put((rank, result.getvalue()))
-    except Exception:
-        results.put((rank, traceback.format_exc()))
-    finally:
-        gc.collect()  # engines in reference cycles go now, not during interpreter exit after the group
-        dist.destroy_process_group()
-        gc.collect()
-
-
-def exit_on_rank_one(rank: int) -> int:
-    """For the launcher's own test: rank 1 says why on stderr and exits with code 3 without a result."""
-    import os
-    import sys
-
-    if rank == 1:
-        print("rank 1: giving up", file=sys.stderr, flush=True)
-        os._exit(3)
-    return rank
 
 
 class Layers(nn.Module):

@@ -1,5 +1,5 @@
 """Models registered in another order than forward uses them, and what one rank of a run records about
-its device gradient buffers (top-level functions, so ``engine_helpers.run_ranks`` can start them)."""
+its device gradient buffers (top-level functions, so ``ranks.run_ranks`` can start them)."""
 
 import torch
 from engine_helpers import CPU, options

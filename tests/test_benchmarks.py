@@ -25,6 +25,7 @@ def load(name: str):
     return module
 
 
+@pytest.mark.slow  # a fresh interpreter
 @no_gpu
 def test_gpu_check_sh_says_there_is_no_gpu_and_exits_non_zero(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out")}
@@ -36,6 +37,7 @@ def test_gpu_check_sh_says_there_is_no_gpu_and_exits_non_zero(tmp_path):
     assert not (tmp_path / "out").exists()  # refused before installing or building anything
 
 
+@pytest.mark.slow  # a fresh interpreter
 @no_gpu
 def test_gpu_check_py_refuses_cuda_without_a_gpu(tmp_path):
     done = subprocess.run(
@@ -47,6 +49,7 @@ def test_gpu_check_py_refuses_cuda_without_a_gpu(tmp_path):
     assert done.returncode == 2 and "NO GPU" in done.stderr
 
 
+@pytest.mark.slow  # eight training runs
 def test_determinism_check_runs_and_passes_on_the_cpu(tmp_path):
     gpu_check = load("gpu_check")
     result = gpu_check.check_determinism(torch.device("cpu"), True, tmp_path)
@@ -83,6 +86,7 @@ def test_train_step_variant_names():
     assert train_step.available("ddp", torch.device("cpu"), batch=8) is None
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_in_place_step_compares_the_three_loops_and_records_them(tmp_path):
     out = tmp_path / "in_place.json"
     command = [sys.executable, str(ROOT / "benchmarks" / "in_place_step.py"), "--preset", "quick"]

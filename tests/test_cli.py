@@ -250,6 +250,7 @@ def check_tiny_fit(cli, rows, out) -> None:
     assert Path(checkpoint_line.split(": ", 1)[1]).exists()
 
 
+@pytest.mark.slow  # a Trainer run through the CLI
 def test_tiny_fit_with_auto_strategy(tmp_path, capsys):
     cli, rows, out = run_tiny_fit(tmp_path, capsys, "auto")
     check_tiny_fit(cli, rows, out)
@@ -300,6 +301,7 @@ def test_tiny_fit_with_zero_offload_strategy(tmp_path, capsys):
     check_tiny_fit(cli, rows, out)
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_python_dash_m_entry_point(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
@@ -369,6 +371,7 @@ print(type(strategy).__name__, strategy.options.cpu_step, cli.trainer.global_ste
 """
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_class_path_strategy_in_a_plain_lightning_cli_script_without_import(tmp_path):
     """`class_path: lightning_zero_offload.ZeroOffloadStrategy` + `init_args:` works in any LightningCLI."""
     (tmp_path / "config.yaml").write_text(STRATEGY_YAML)
@@ -380,6 +383,7 @@ def test_class_path_strategy_in_a_plain_lightning_cli_script_without_import(tmp_
     assert done.stdout.strip().splitlines()[-1] == "ZeroOffloadStrategy delayed 2"
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_print_config_lists_only_the_strategy_own_options(tmp_path):
     import inspect
 
@@ -413,6 +417,7 @@ class MyModule(BoringModel):
 """
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_console_scripts_import_a_user_module_from_the_current_directory(tmp_path):
     """`zero-offload fit --model mymod.MyModule` next to mymod.py, as LightningCLI users expect (the console
     script's sys.path starts at its bin/ directory, not the current one)."""

@@ -1,10 +1,13 @@
-"""ZeRO-2 across processes (gloo on the CPU), each scenario its own process group via Lightning's launcher.
+"""ZeRO-2 across processes (gloo on the CPU), Lightning's launcher starting the ranks.
 
-tests/scenarios/train.py is run in a subprocess with devices=N; rank 0 writes its final weights.
-The global batch is the same at every world size (192 samples, 48 per step), so runs at different
-world sizes follow the same trajectory up to fp32 reduction order.
+tests/scenarios/train.py runs in a subprocess with devices=N, several runs one after another in the same
+ranks (a launch costs more than a run); rank 0 writes each run's final weights. A checkpoint is always
+resumed in another launch than the one that saved it, as a user's job would. The global batch is the
+same at every world size (192 samples, 48 per step), so runs at different world sizes follow the same
+trajectory up to fp32 reduction order.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -13,58 +16,74 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_clipping_triggered
+from ranks import launch
 
 from lightning_zero_offload import convert_checkpoint_to_fp32_state_dict
 
 SCENARIO = Path(__file__).parent / "scenarios" / "train.py"
+pytestmark = pytest.mark.slow  # every case launches ranks in processes
+CLIP = 0.22  # the norms run 0.18-0.29 here: the clip acts on some steps and not on others
+FORMATS = ("sharded", "full")
 
 
-def launch(tmp: Path, name: str, **kwargs) -> dict:
-    out = tmp / f"{name}.pt"
-    args = [sys.executable, str(SCENARIO), "--out", str(out)]
-    for key, value in kwargs.items():
-        flag = f"--{key.replace('_', '-')}"
-        args += [flag] if value is True else [flag, str(value)]
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE", "NODE_RANK"))
-    }
-    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return torch.load(out, weights_only=True)
+def train(tmp: Path, devices: int, runs: dict[str, dict]) -> dict[str, dict]:
+    """Train ``runs`` (name: options, as tests/scenarios/train.py takes them) one after another in one launch
+    of ``devices`` ranks; what rank 0 wrote for each, by name."""
+    specs = [
+        {**{k: str(v) if isinstance(v, Path) else v for k, v in run.items()}, "out": str(tmp / f"{name}.pt")}
+        for name, run in runs.items()
+    ]
+    listing = tmp / f"{next(iter(runs))}.runs.json"
+    listing.write_text(json.dumps(specs))
+    launch([sys.executable, str(SCENARIO), "--devices", str(devices), "--runs", str(listing)], 300 + 60 * len(runs))
+    return {name: torch.load(tmp / f"{name}.pt", weights_only=True) for name in runs}
 
 
 def max_abs_diff(a: dict, b: dict) -> float:
     return max((a["params"][k] - b["params"][k]).abs().max().item() for k in a["params"])
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every run of this module, in five launches (two at N=1, two at N=2, one at N=3)."""
+    tmp = tmp_path_factory.mktemp("zero2")
+    full, epoch = {"max_epochs": 3, "accumulate": 1}, {"max_epochs": 1, "accumulate": 1}
+    clipped = {"max_steps": 12, "accumulate": 2, "clip": CLIP}
+    dpu = {"precision": "bf16-mixed", "accumulate": 1, "dpu": True}
+    got = {"tmp": tmp}
+    # Uninterrupted runs at N=1 and N=2, and a first epoch saved in each format.
+    got |= train(tmp, 1, {"full1": full, "file1": {**epoch, "format": "full", "save": tmp / "f1.ckpt"}})
+    at2 = {
+        "full2": full,
+        "sharded2": {**epoch, "format": "sharded", "save": tmp / "s2.ckpt"},
+        "file2": {**epoch, "format": "full", "save": tmp / "f2.ckpt"},
+        "resumed_f1_at_2": {**full, "resume": tmp / "f1.ckpt"},
+        "zero2": clipped,
+        "ddp2": {**clipped, "strategy": "ddp"},
+    }
+    for fmt in FORMATS:  # DPU: an uninterrupted run and its first epoch (4 steps: update 4 pending) saved
+        at2[f"dpu_full_{fmt}"] = {**dpu, "format": fmt, "max_epochs": 3}
+        at2[f"dpu_first_{fmt}"] = {**dpu, "format": fmt, "max_epochs": 1, "save": tmp / f"dpu_{fmt}.ckpt"}
+    got |= train(tmp, 2, at2)
+    resumed = {fmt: {**dpu, "format": fmt, "max_epochs": 3, "resume": tmp / f"dpu_{fmt}.ckpt"} for fmt in FORMATS}
+    got |= train(tmp, 2, {f"dpu_resumed_{fmt}": run for fmt, run in resumed.items()})
+    at3 = {"resumed3": {**full, "resume": tmp / "s2.ckpt"}, "zero3": clipped, "ddp3": {**clipped, "strategy": "ddp"}}
+    got |= train(tmp, 3, at3)
+    at1 = {"resumed1": {**full, "resume": tmp / "s2.ckpt"}}
+    got |= train(tmp, 1, at1 | {f"dpu_resumed1_{fmt}": run for fmt, run in resumed.items()})
+    return got
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_zero2_matches_ddp_with_clipping_and_accumulation(tmp_path, world):
-    clip = 0.22  # the norms run 0.18-0.29 here: the clip acts on some steps and not on others
-    steps = {"max_steps": 12, "accumulate": 2, "devices": world, "clip": clip}
-    ours = launch(tmp_path, "zero", **steps)
-    ddp = launch(tmp_path, "ddp", strategy="ddp", **steps)
-    assert_clipping_triggered(ddp["grad_norms"], clip)
+def test_zero2_matches_ddp_with_clipping_and_accumulation(runs, world):
+    ours, ddp = runs[f"zero{world}"], runs[f"ddp{world}"]
+    assert_clipping_triggered(ddp["grad_norms"], CLIP)
     # The norm the engine clipped with is the global one (every rank's shard): observed 5e-8 relative
     # to DDP's at 2 and 3 ranks, margin 20x; one rank's shard alone gives about 1/sqrt(world) of it.
     assert ours["grad_norms"] == pytest.approx(ddp["grad_norms"], rel=1e-6)
     for key, ref in ddp["params"].items():  # fp32 reduction order only: observed 6e-8, margin 16x
         torch.testing.assert_close(ours["params"][key], ref, rtol=0, atol=1e-6, msg=key)
     assert ours["threads"] == max(1, len(os.sched_getaffinity(0)) // world)  # cores per local rank
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Uninterrupted runs at N=1 and N=2, and a first epoch saved in each format."""
-    tmp = tmp_path_factory.mktemp("zero2")
-    epoch = {"max_epochs": 1, "accumulate": 1}
-    return {
-        "tmp": tmp,
-        "full1": launch(tmp, "full1", devices=1, max_epochs=3, accumulate=1),
-        "full2": launch(tmp, "full2", devices=2, max_epochs=3, accumulate=1),
-        "sharded2": launch(tmp, "first_s2", devices=2, format="sharded", save=tmp / "s2.ckpt", **epoch),
-        "file2": launch(tmp, "first_f2", devices=2, format="full", save=tmp / "f2.ckpt", **epoch),
-        "file1": launch(tmp, "first_f1", devices=1, format="full", save=tmp / "f1.ckpt", **epoch),
-    }
 
 
 def test_per_rank_cpu_state_halves_at_two_ranks(runs):
@@ -79,18 +98,14 @@ def test_per_rank_cpu_state_halves_at_two_ranks(runs):
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_sharded_checkpoint_resumes_at_another_world_size(runs, world):
-    resumed = launch(
-        runs["tmp"], f"resumed{world}", devices=world, max_epochs=3, accumulate=1, resume=runs["tmp"] / "s2.ckpt"
-    )
+    resumed = runs[f"resumed{world}"]
     # 8 more steps with a different reduction order than the N=2 run: fp32 rounding only (observed 3e-8
     # at N=1 and N=3, margin 33x).
     assert max_abs_diff(resumed, runs["full2"]) < 1e-6
 
 
 def test_full_checkpoint_from_one_rank_resumes_at_two(runs):
-    resumed = launch(
-        runs["tmp"], "resumed_f1_at_2", devices=2, max_epochs=3, accumulate=1, resume=runs["tmp"] / "f1.ckpt"
-    )
+    resumed = runs["resumed_f1_at_2"]
     assert max_abs_diff(resumed, runs["full1"]) < 1e-6  # fp32 rounding: observed 3e-8, margin 33x
 
 
@@ -115,27 +130,17 @@ def test_sharded_layout_and_fp32_export_equal_the_full_format(runs):
     assert all(torch.equal(cli[k], full_state[k]) for k in full_state)
 
 
-@pytest.mark.parametrize("fmt", ["sharded", "full"])
-def test_dpu_with_weight_prediction_resumes_bitwise_across_ranks(tmp_path, fmt):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dpu_with_weight_prediction_resumes_bitwise_across_ranks(runs, fmt):
     """The pending update's predicted weights are gathered into the checkpoint and re-sharded on load."""
-    dpu = {"devices": 2, "precision": "bf16-mixed", "accumulate": 1, "dpu": True, "format": fmt}
-    full = launch(tmp_path, "full", max_epochs=3, **dpu)
-    launch(tmp_path, "first", max_epochs=1, save=tmp_path / "dpu.ckpt", **dpu)  # 4 steps: update 4 pending
-    ckpt = tmp_path / "dpu.ckpt"
+    full = runs[f"dpu_full_{fmt}"]
+    ckpt = runs["tmp"] / f"dpu_{fmt}.ckpt"  # saved after 4 steps: update 4 pending
     saved = torch.load(ckpt / "v000001" / "meta.pt" if fmt == "sharded" else ckpt, weights_only=True)
     assert "next_params" in saved["zero_offload_engine"]["schedule"]["pending"]
-    resumed = launch(tmp_path, "resumed", max_epochs=3, resume=ckpt, **dpu)
+    resumed = runs[f"dpu_resumed_{fmt}"]
     assert resumed["losses"] == full["losses"][4:]
     assert max_abs_diff(resumed, full) == 0.0
     # At one rank the predicted weights are re-sharded; only the reduction order (bf16 rounding) differs
     # over the 8 steps after the resume: observed 1.3e-4, margin 8x (a one-step-stale resume: 8e-3).
-    single = launch(tmp_path, "resumed1", max_epochs=3, resume=ckpt, **{**dpu, "devices": 1})
+    single = runs[f"dpu_resumed1_{fmt}"]
     assert max_abs_diff(single, full) < 1e-3
-
-
-def test_the_rank_launcher_fails_on_a_rank_that_exits_without_a_result(tmp_path):
-    """tests/engine_helpers.run_ranks checks every child's exit code and reports its stderr."""
-    from engine_helpers import exit_on_rank_one, run_ranks
-
-    with pytest.raises(AssertionError, match=r"(?s)rank 1 no result.*exit code 3.*rank 1: giving up"):
-        run_ranks(exit_on_rank_one, 2, tmp_path, timeout=60)

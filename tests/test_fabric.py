@@ -6,8 +6,7 @@ The loop (tests/scenarios/fabric_train.py) uses two param groups, an LR schedule
 
 from __future__ import annotations
 
-import os
-import subprocess
+import json
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import lightning as L
 import pytest
 import torch
 from engine_helpers import batches, loss_fn, make_net
+from ranks import launch
 from scenarios.fabric_train import train
 
 import lightning_zero_offload  # noqa: F401  (registers strategy="zero_offload" for Fabric)
@@ -154,23 +154,20 @@ def test_litgpt_learns_under_bf16_mixed():
     assert sum(losses[-4:]) < 0.7 * sum(losses[:4])
 
 
-def launch(tmp: Path, name: str, **kwargs) -> dict:
-    out = tmp / f"{name}.pt"
-    args = [sys.executable, str(SCENARIO), "--out", str(out)]
-    for key, value in kwargs.items():
-        args += [f"--{key.replace('_', '-')}", str(value)]
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE", "NODE_RANK"))
-    }
-    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return torch.load(out, weights_only=True)
+def train_at_two_ranks(tmp: Path, runs: dict[str, dict]) -> dict[str, dict]:
+    """``runs`` (name: options, as tests/scenarios/fabric_train.py takes them) one after another in one
+    launch of two ranks; what rank 0 wrote for each, by name."""
+    specs = [{**run, "out": str(tmp / f"{name}.pt")} for name, run in runs.items()]
+    (tmp / "runs.json").write_text(json.dumps(specs))
+    launch([sys.executable, str(SCENARIO), "--devices", "2", "--runs", str(tmp / "runs.json")], 300 + 60 * len(runs))
+    return {name: torch.load(tmp / f"{name}.pt", weights_only=True) for name in runs}
 
 
+@pytest.mark.slow  # two ranks in processes
 def test_two_ranks_match_ddp_and_sharded_checkpoint_resumes_at_one(tmp_path):
-    ddp = launch(tmp_path, "ddp", strategy="ddp", devices=2)
     ckpt = tmp_path / "two.ckpt"
-    ours = launch(tmp_path, "zero", devices=2, format="sharded", save=ckpt, save_at=6)
+    runs = {"ddp": {"strategy": "ddp"}, "zero": {"format": "sharded", "save": str(ckpt), "save_at": 6}}
+    ddp, ours = train_at_two_ranks(tmp_path, runs).values()
     assert_weights_close(ours, ddp, rtol=1e-5, atol=1e-6)
     assert sorted(p.name for p in (ckpt / "v000001").iterdir()) == ["meta.pt", "shard_00000.pt", "shard_00001.pt"]
     resumed = train(fabric(checkpoint_format="sharded"), steps=12, resume=str(ckpt))

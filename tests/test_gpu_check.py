@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +94,7 @@ def test_run_in_group_kills_the_group_on_timeout(tmp_path):
     assert rc == "timeout" and left == []
 
 
+@pytest.mark.slow  # gpu_check.py in a fresh interpreter
 def test_the_driver_writes_the_summary_and_at_most_8_files(tmp_path):
     """The real command line on the CPU, one sub-check: the device tool returns at most 8 files."""
     done = subprocess.run(

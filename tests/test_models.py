@@ -163,6 +163,7 @@ TRACKING = {
 }
 
 
+@pytest.mark.slow  # Trainer runs of models nobody here wrote
 @pytest.mark.parametrize("name", list(MODELS))
 def test_model_trains_in_bf16_mixed_like_amp(name):
     ref = train(name, "auto", "bf16-mixed")
@@ -170,6 +171,7 @@ def test_model_trains_in_bf16_mixed_like_amp(name):
     assert_tracks(ours, ref, rel=TRACKING[name, "bf16-mixed"])
 
 
+@pytest.mark.slow  # Trainer runs of models nobody here wrote
 @pytest.mark.parametrize("name", ["cnn", "gpt2"])
 def test_model_trains_in_16_mixed_like_amp(name):
     ref = train(name, "auto", "16-mixed")

@@ -45,6 +45,7 @@ def as_written_by_0_1_0(checkpoint: dict) -> dict:
     return checkpoint
 
 
+@pytest.mark.slow  # Trainer runs of several epochs
 def test_a_0_1_0_checkpoint_resumes_bitwise(tmp_path):
     """fp16 (loss scaler state) with a delayed update pending (stale device weights) at the save."""
 

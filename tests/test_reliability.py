@@ -4,15 +4,9 @@ Multi-process cases start each rank of tests/scenarios/failures.py as its own pr
 does) under a hard timeout, so a regression fails here instead of hanging CI.
 """
 
-import contextlib
 import math
-import os
 import re
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -23,6 +17,7 @@ import pytest
 import torch
 from engine_helpers import options
 from helpers import QUIET, Classifier, loader
+from ranks import run_script_ranks
 from torch import nn
 
 import lightning_zero_offload  # noqa: F401  (registers "zero_offload")
@@ -37,49 +32,11 @@ RELEASE_S = 10  # how long the healthy rank may take to leave fit after the fail
 EXIT_S = 60  # how long every process may take to be gone (interpreter teardown is slow on a loaded machine)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(*args: str, world: int = 2) -> list[dict]:
-    """Start every rank, wait for all of them (killing all at the hard timeout), return each rank's exit
-    code, output and exit time (``time.time()``, comparable with the scenario's printed stamps)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "MASTER_", "WORLD_SIZE", "NODE_"))}
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world), NODE_RANK="0")
-    with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(world)]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, str(SCENARIO), *args],
-                env={**env, "LOCAL_RANK": str(rank)},
-                stdout=logs[rank],
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,  # its own process group: a timeout kills everything it started
-            )
-            for rank in range(world)
-        ]
-        exited: list[float | None] = [None] * world
-        deadline = time.monotonic() + HARD_TIMEOUT_S
-        while None in exited and time.monotonic() < deadline:
-            for rank, proc in enumerate(procs):
-                if exited[rank] is None and proc.poll() is not None:
-                    exited[rank] = time.time()
-            time.sleep(0.1)
-        outputs = []
-        for proc, log in zip(procs, logs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            log.seek(0)
-            outputs.append(log.read())
-    if None in exited:
-        pytest.fail(
-            f"ranks still running after {HARD_TIMEOUT_S}s (a hang):\n" + "\n-----\n".join(o[-3000:] for o in outputs)
-        )
-    return [{"rc": proc.returncode, "out": out, "exited": t} for proc, out, t in zip(procs, outputs, exited)]
+    """Start every rank of the scenario, wait for all of them (a hang fails at the hard timeout), return each
+    rank's exit code, output and exit time (``time.time()``, comparable with the scenario's printed stamps)."""
+    exits = run_script_ranks([sys.executable, str(SCENARIO), *args], world, timeout=HARD_TIMEOUT_S)
+    return [{"rc": done.returncode, "out": done.output, "exited": done.exited} for done in exits]
 
 
 def stamp(output: str, event: str) -> float:
@@ -94,6 +51,7 @@ def assert_all_failed(results: list[dict]) -> str:
     return "\n".join(r["out"] for r in results)
 
 
+@pytest.mark.slow  # ranks in processes
 @pytest.mark.parametrize("failing_rank", [1, 0])
 def test_a_rank_that_raises_stops_every_rank_within_seconds(failing_rank):
     results = run_ranks("--failure", "raise", "--rank", str(failing_rank))
@@ -105,6 +63,7 @@ def test_a_rank_that_raises_stops_every_rank_within_seconds(failing_rank):
     assert max(r["exited"] for r in results) - failed < EXIT_S
 
 
+@pytest.mark.slow  # ranks in processes
 def test_an_io_error_writing_one_shard_stops_every_rank(tmp_path):
     results = run_ranks("--failure", "shard-io", "--save", str(tmp_path / "step2.ckpt"))
     assert_all_failed(results)
@@ -121,6 +80,7 @@ def test_a_stalled_rank_makes_the_others_give_up_after_the_timeout_option():
     assert "Timed out" in results[0]["out"]
 
 
+@pytest.mark.slow  # ranks in processes
 @pytest.mark.parametrize(
     ("failure", "difference"),
     [

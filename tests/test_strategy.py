@@ -30,6 +30,7 @@ def assert_params_close(a, b, rtol, atol):
         torch.testing.assert_close(q.detach(), p.detach(), rtol=rtol, atol=atol, msg=name)
 
 
+@pytest.mark.slow  # Trainer runs of several epochs
 @pytest.mark.parametrize("in_place", [None, False], ids=["in-place", "offload-path"])
 def test_32_true_matches_plain_lightning_with_groups_scheduler_clipping_accumulation(in_place):
     """On a CPU device 32-true runs in place by default; in_place_on_cpu=False forces the offload path
@@ -137,6 +138,7 @@ def test_fp16_scale_lowered_by_natural_overflows_resumes_bitwise(tmp_path):
     assert trainer.strategy.engine.loss_scale == full_trainer.strategy.engine.loss_scale
 
 
+@pytest.mark.slow  # a fresh interpreter loads the checkpoint
 def test_resume_is_bitwise_identical_and_checkpoint_is_portable(tmp_path):
     clip = 0.5  # the norms run 0.3-0.8 here: clipped steps on both sides of the save
     common = {"precision": "bf16-mixed", "gradient_clip_val": clip, "max_steps": -1}
@@ -295,6 +297,7 @@ def test_unsupported_optimizer_setups_fail_clearly(model, error, message):
         fit(model=model(), max_steps=1)
 
 
+@pytest.mark.slow  # Trainer runs of several epochs
 @pytest.mark.parametrize("prediction", [False, True], ids=["stale", "predicted"])
 def test_delayed_param_update_resumes_bitwise(tmp_path, prediction):
     def dpu():
@@ -361,6 +364,7 @@ def test_optimizer_step_outside_fit_and_mismatched_optimizer_state_fail_clearly(
         trainer.strategy.engine.load_optimizer_state_dict(state)
 
 
+@pytest.mark.slow  # Trainer runs of several epochs
 def test_dpu_through_the_trainer_matches_the_delayed_reference():
     """Two param groups, a step LR scheduler and clipping, against a hand-written one-step-delayed loop."""
     warmup, steps, clip = 4, 20, 0.5  # the norms run 0.3-0.8 here
@@ -396,6 +400,7 @@ def test_dpu_through_the_trainer_matches_the_delayed_reference():
     assert_params_close(reference, ours, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # Trainer runs of several epochs
 @pytest.mark.parametrize("clip", [100.0, 0.3], ids=["clip-not-triggered", "clip-triggers-sometimes"])
 def test_speculative_step_through_the_trainer_is_bitwise_sync(clip):
     """The precision plugin announces the window-ending backward; accumulation, groups, scheduler, clipping."""
@@ -412,6 +417,7 @@ def test_speculative_step_through_the_trainer_is_bitwise_sync(clip):
     assert clip < 1 or engine.last.speculated_fraction > 0  # else the steps really ran during backward
 
 
+@pytest.mark.slow  # Trainer runs of several epochs
 def test_32_true_on_a_cpu_runs_in_place_bitwise_the_offload_path():
     """The CPU device's default skips the offload copies; forcing them back changes no bit."""
     clip = 0.4  # the norms run 0.25-0.6 here: clipped and unclipped steps

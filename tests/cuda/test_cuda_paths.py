@@ -7,7 +7,8 @@ import contextlib
 
 import pytest
 import torch
-from engine_helpers import batches, loss_fn, options, run_ranks, two_gpu_checks
+from engine_helpers import batches, loss_fn, options, two_gpu_checks
+from ranks import run_ranks
 from torch import nn
 
 from lightning_zero_offload.engine import LossScalerConfig, OffloadEngine, grads, memory

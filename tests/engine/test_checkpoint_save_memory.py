@@ -8,6 +8,7 @@ import threading
 import time
 
 import lightning as L
+import pytest
 import torch
 from helpers import QUIET, Classifier, loader
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO as FabricTorchIO
@@ -85,6 +86,7 @@ def test_a_user_checkpoint_io_gets_copies_it_may_keep_or_write_later():
     fit_with(check, checkpoint_io=MyIO())
 
 
+@pytest.mark.slow  # a fresh interpreter loads the file
 def test_the_file_saved_from_the_buffers_loads_without_this_package_and_training_is_unchanged(tmp_path):
     path = tmp_path / "mid.ckpt"
     saved = {}

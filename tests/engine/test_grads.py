@@ -16,10 +16,10 @@ from engine_helpers import (
     loss_fn,
     make_net,
     options,
-    run_ranks,
     two_groups,
     two_rank_checks,
 )
+from ranks import run_ranks
 from torch import nn
 
 from lightning_zero_offload.engine import OffloadEngine, grads, memory
@@ -254,6 +254,7 @@ def test_device_timing_counts_only_the_part_after_backward_as_exposed(monkeypatc
     assert total == pytest.approx(3e-3) and exposed == pytest.approx(1e-3)
 
 
+@pytest.mark.slow  # ranks in processes
 def test_two_ranks_fp16_headroom_and_agreed_launch_order(tmp_path):
     """Two gloo ranks: fp16 gradients that overflow when summed are averaged without overflow, and a
     model with an unused parameter and its head declared first holds at most two buckets after the
@@ -301,6 +302,7 @@ def test_one_rank_stays_within_the_cap_for_any_registration_order():
     check_every_order([every_order(0, 1)], world=1)
 
 
+@pytest.mark.slow  # ranks in processes
 @pytest.mark.parametrize("world", [2, 3])
 def test_several_ranks_stay_within_the_cap_on_the_first_backward(tmp_path, world):
     """gloo ranks, models registered forward, reversed and shuffled: on the first backward the ranks agree

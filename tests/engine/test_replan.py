@@ -6,8 +6,10 @@ torch's to within rounding (observed <= 1e-7 on these runs), 1e-6 leaves a 10x m
 lost the moments or step counts of the layers that stayed differs by > 1e-3.
 """
 
+import pytest
 import torch
-from engine_helpers import run_ranks, unfreeze_reference, unfreeze_training
+from engine_helpers import unfreeze_reference, unfreeze_training
+from ranks import run_ranks
 
 ATOL = 1e-6
 
@@ -32,6 +34,7 @@ def unfreeze_two_ranks(rank: int) -> dict:
     return unfreeze_training(rank, 2)
 
 
+@pytest.mark.slow  # two ranks in processes
 def test_unfreezing_under_zero_2_re_plans_alike_on_every_rank(tmp_path):
     results = run_ranks(unfreeze_two_ranks, 2, tmp_path)
     reference = unfreeze_reference()

@@ -1,14 +1,19 @@
 """A Fabric training loop, launched by Fabric's own launcher (devices=N on the CPU), or run in-process.
 
-Run by tests/test_fabric.py in a subprocess for multi-process runs; rank 0 writes what the test
-compares to --out. Every rank draws its part of the same global batch, so world sizes compare.
+Run by tests/test_fabric.py in a subprocess for multi-process runs, several one after another in the
+same ranks; rank 0 writes what the test compares to each run's ``out``. A run is a dict: ``strategy``
+("zero_offload" or a Fabric strategy name), ``precision``, ``steps``, ``format`` (checkpoint_format),
+``resume``, ``save``, ``save_at``, ``out``. Every rank draws its part of the same global batch, so world
+sizes compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -63,28 +68,33 @@ def train(
     return {"losses": losses, "params": weights}
 
 
+def run(spec: dict, devices: int) -> None:
+    """One run; rank 0 writes what the test compares to ``spec["out"]``."""
+    strategy = spec.get("strategy", "zero_offload")
+    if strategy == "zero_offload":
+        checkpoint_format = spec.get("format", "full")
+        strategy = lightning_zero_offload.ZeroOffloadFabricStrategy(
+            checkpoint_format=checkpoint_format, bucket_size_mb=0.002
+        )
+    fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision=spec.get("precision", "32-true"))
+    fabric.launch()
+    result = train(
+        fabric, spec.get("steps", 12), resume=spec.get("resume"), save=spec.get("save"), save_at=spec.get("save_at")
+    )
+    if fabric.is_global_zero:
+        torch.save(result, spec["out"])
+    fabric.barrier()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--strategy", default="zero_offload")
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--format", default="full")
-    parser.add_argument("--resume", default=None)
-    parser.add_argument("--save", default=None)
-    parser.add_argument("--save-at", type=int, default=None)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--runs", required=True, help="a JSON list of runs, trained one after another")
     args = parser.parse_args()
-
-    strategy = args.strategy
-    if strategy == "zero_offload":
-        strategy = lightning_zero_offload.ZeroOffloadFabricStrategy(checkpoint_format=args.format, bucket_size_mb=0.002)
-    fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy, precision=args.precision)
-    fabric.launch()
-    result = train(fabric, args.steps, resume=args.resume, save=args.save, save_at=args.save_at)
-    if fabric.is_global_zero:
-        torch.save(result, args.out)
-    fabric.barrier()
+    # Every run after the first reuses the ranks and the process group of the first (Fabric's launcher
+    # starts the other ranks once; they run this same list).
+    for spec in json.loads(Path(args.runs).read_text()):
+        run(spec, args.devices)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,19 @@
 """The speculative schedule against sync at two ranks (gloo), driving the engine directly.
 
-Run by tests/engine/test_schedules.py in a subprocess with a hard timeout. Each rank trains on its own
-data; a layer gets a gradient on one rank only on each step; rank 1 alone produces an inf gradient in
-the fp16 case. Every rank checks its own shard and the published device weights; exits non-zero on a
-mismatch.
+Run by tests/engine/test_schedules.py with ``ranks.run_ranks`` (two processes, a hard timeout). Each rank
+trains on its own data; a layer gets a gradient on one rank only on each step; rank 1 alone produces an
+inf gradient in the fp16 case. Every rank checks its own shard and the published device weights; a
+mismatch fails that rank.
 """
 
 import functools
 import os
-import socket
 import sys
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-sys.path[:0] = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) for d in ("", "engine")]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine"))
 from test_schedules import snapshot  # noqa: E402
 from test_schedules import train as train_one_rank  # noqa: E402
 
@@ -27,10 +25,9 @@ def compare(name: str, ours: list[torch.Tensor], ref: list[torch.Tensor], rtol: 
         torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol, msg=name)
 
 
-def worker(rank: int, world: int, port: int) -> None:
+def speculative_against_sync(rank: int) -> None:
+    """One rank of the two (the launcher made the group and set one torch thread)."""
     train = functools.partial(train_one_rank, steps=8, bucket_size_mb=3000 / 2**20)  # three buckets: fewer collectives
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
     # 1. nothing triggers: bitwise
     sync, sync_net, sync_history = train("sync", rank=rank)
     spec, spec_net, history = train("speculative", rank=rank)
@@ -53,16 +50,3 @@ def worker(rank: int, world: int, port: int) -> None:
     assert history[5].rolled_back  # the buckets that were finite on every rank had been speculated
     compare("fp16 overflow", snapshot(spec, spec_net), snapshot(sync, sync_net))
     dist.barrier()
-    dist.destroy_process_group()
-
-
-def main() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(2, port), nprocs=2, join=True)
-    print("ok")
-
-
-if __name__ == "__main__":
-    main()
