@@ -226,6 +226,7 @@ def test_measure_machine_gives_sane_rates():
     assert m.host_memory_gb > 0 and m.cpu_cores >= 1 and m.device_type == "cpu"
 
 
+@pytest.mark.slow  # times the engine against the prediction (seconds, and load-sensitive)
 def test_predictions_match_the_engine_on_this_machine():
     """Three sizes, probes and steps interleaved; a generous bound here (the 25% figures come from
     benchmarks/planner_accuracy.py on a quiet machine: docs/benchmarks.md)."""

@@ -89,6 +89,7 @@ class LoadStateMidFit(L.Callback):
             pl_module.load_state_dict(self.saved)
 
 
+@pytest.mark.slow  # Trainer runs of several seconds
 @pytest.mark.parametrize("options", OFFLOAD_32)
 @pytest.mark.parametrize("callback", [ClampWeights, ClampThroughParameter, ReassignData, LoadStateMidFit])
 def test_parameter_writes_between_steps_match_auto_in_32_true(options, callback):
@@ -117,6 +118,7 @@ class LossesAtWeights(L.Callback):
         self.losses.append(float(outputs["loss"]))
 
 
+@pytest.mark.slow  # Trainer runs of several seconds
 def test_bf16_clamped_run_trains_from_the_written_weights():
     """Each forward after a write sees the written (clamped) bf16 weights, not the master's."""
     a, b = LossesAtWeights(), LossesAtWeights()
@@ -126,6 +128,7 @@ def test_bf16_clamped_run_trains_from_the_written_weights():
     assert max(abs(x - y) for x, y in zip(a.losses[1:], b.losses[1:])) > 1e-3  # the clamp changed training
 
 
+@pytest.mark.slow  # Trainer runs of several seconds
 @pytest.mark.parametrize("options", OFFLOAD_32)
 def test_weight_averaging_ends_with_the_average_as_under_auto(options):
     def averaging():
@@ -138,6 +141,7 @@ def test_weight_averaging_ends_with_the_average_as_under_auto(options):
     assert_same_model(ours, reference)
 
 
+@pytest.mark.slow  # Trainer runs of several seconds
 @pytest.mark.parametrize("options", OFFLOAD_32)
 def test_stochastic_weight_averaging_ends_with_the_average_as_under_auto(options):
     def swa():
@@ -305,6 +309,7 @@ def frozen_backbone() -> Backbone:
     return model
 
 
+@pytest.mark.slow  # Trainer runs of several seconds
 @pytest.mark.parametrize("options", OFFLOAD_32)
 @pytest.mark.parametrize("add_group", [False, True], ids=["requires_grad", "add_param_group"])
 def test_parameters_made_trainable_during_fit_are_trained_as_under_auto(options, add_group):
@@ -324,6 +329,7 @@ def test_parameters_made_trainable_during_fit_are_trained_as_under_auto(options,
     assert_same_model(run(ZeroOffloadStrategy(**options)), reference)
 
 
+@pytest.mark.slow  # Trainer runs of several seconds
 @pytest.mark.parametrize("options", [*OFFLOAD_32[:2], pytest.param(dict(precision="bf16-mixed"), id="bf16-mixed")])
 def test_backbone_finetuning_trains_the_backbone_as_under_auto(options):
     options = dict(options)
@@ -366,6 +372,7 @@ class UnusedAndTwoLosses(Classifier):
         opt.step()
 
 
+@pytest.mark.slow  # Trainer runs of several seconds
 @pytest.mark.parametrize("options", OFFLOAD_32[:2])
 @pytest.mark.parametrize(
     "case",

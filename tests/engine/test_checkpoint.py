@@ -382,6 +382,7 @@ def save_sharded_with_module_state(path) -> dict:
     return ckpt.load_sharded(path)
 
 
+@pytest.mark.slow  # loads the file once per byte
 def test_a_flipped_byte_anywhere_in_meta_pt_is_refused_naming_it_or_harmless(tmp_path):
     """The issue's two silent corruptions (a BatchNorm running_mean, a weight_decay), then every byte."""
     root = tmp_path / "s.ckpt"
