@@ -28,7 +28,7 @@ from lightning_zero_offload.engine.checkpoint import (
     load_checkpoint_file,
     load_sharded,
 )
-from lightning_zero_offload.engine.checkpoint_files import Location
+from lightning_zero_offload.engine.checkpoint_files import Location, StreamedStorages
 
 
 def _is_default(checkpoint_io: CheckpointIO) -> bool:
@@ -45,7 +45,11 @@ def writes_before_returning(checkpoint_io: CheckpointIO) -> bool:
 
 
 def save_full_checkpoint(
-    checkpoint_io: CheckpointIO, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None
+    checkpoint_io: CheckpointIO,
+    checkpoint: dict[str, Any],
+    filepath: Any,
+    storage_options: Any | None,
+    streamed: StreamedStorages | None = None,
 ) -> None:
     if storage_options is not None or not _is_default(checkpoint_io):
         checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -55,7 +59,7 @@ def save_full_checkpoint(
             f"{filepath} is a sharded checkpoint directory; a single-file checkpoint cannot replace it in place. "
             "Delete it or save under another name"
         )
-    atomic_save(checkpoint, filepath)
+    atomic_save(checkpoint, filepath, streamed)
 
 
 def warn_if_custom_io_sharded(checkpoint_io: CheckpointIO) -> None:
@@ -123,7 +127,8 @@ class TrainerCheckpoints(Strategy):
         if self.session is None:
             return self.lightning_module.state_dict()
         # Lightning calls this to save: views of the engine's buffers (as a plain module's state_dict
-        # holds its live parameters), not a second copy, when the writer is done when it returns.
+        # holds its live parameters), not a second copy, when the writer is done when it returns; at
+        # several ranks views of placeholders that save_checkpoint fills as it writes.
         with self.session.shared_buffers(writes_before_returning(self.checkpoint_io)):
             return self.session.module_state_to_save()
 
@@ -143,6 +148,14 @@ class TrainerCheckpoints(Strategy):
         if self.session is not None and self.session.sharded:
             warn_if_custom_io_sharded(self.checkpoint_io)
             self.session.save_sharded(checkpoint, filepath, self.global_rank, self.broadcast)
+        elif self.session is not None and storage_options is None and writes_before_returning(self.checkpoint_io):
+            # Every rank: at several, the buckets stream to rank 0's writer (placeholders in the dict).
+            self.session.save_full(
+                checkpoint,
+                self.global_rank,
+                self.broadcast,
+                lambda ckpt, streamed: save_full_checkpoint(self.checkpoint_io, ckpt, filepath, None, streamed),
+            )
         elif self.is_global_zero:
             save_full_checkpoint(self.checkpoint_io, checkpoint, filepath, storage_options)
 

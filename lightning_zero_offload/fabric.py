@@ -183,6 +183,10 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         if keys["model"] is not None and self.session.sharded:
             meta = sharded_from_fabric_checkpoint(checkpoint)
             self.session.save_sharded(meta, path, self.global_rank, self.broadcast)
+        elif own_writer and self.session is not None:  # every rank: at several, buckets stream to rank 0
+            self.session.save_full(
+                checkpoint, self.global_rank, self.broadcast, lambda ckpt, streamed: atomic_save(ckpt, path, streamed)
+            )
         elif self.is_global_zero:
             if own_writer:
                 atomic_save(checkpoint, path)

@@ -15,6 +15,7 @@ Plain torch and the engine; no Trainer and no Fabric. The Trainer strategy (``st
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import warnings
@@ -29,7 +30,7 @@ from torch import nn
 from lightning_zero_offload.core.options import STRATEGY_DESCRIPTION, resolve_precision
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions, StepStats
 from lightning_zero_offload.engine.checkpoint import FABRIC_KEY, FORMAT_KEY, save_sharded, sharded_layout
-from lightning_zero_offload.engine.checkpoint_files import PathLike
+from lightning_zero_offload.engine.checkpoint_files import PathLike, StreamedStorages
 from lightning_zero_offload.engine.collectives import abandon_process_group, broadcast_tensors_
 from lightning_zero_offload.engine.model_checks import (
     check_param_dtypes,
@@ -37,7 +38,7 @@ from lightning_zero_offload.engine.model_checks import (
     check_unique_params,
     describe_model,
 )
-from lightning_zero_offload.engine.state import buffers_shared_for_save
+from lightning_zero_offload.engine.state import BucketStream, buffers_shared_for_save, serve_full_save
 from lightning_zero_offload.planner import check_host_memory
 
 # The engine's own state (step count, loss scale, a pending schedule state) in a checkpoint: a top-level
@@ -197,6 +198,36 @@ class OffloadSession:
         if self.sharded:
             return {"state": {}, "param_groups": self.engine.param_groups_state()}
         return self.engine.optimizer_state_dict()
+
+    def save_full(
+        self,
+        checkpoint: dict[str, Any],
+        rank: int,
+        broadcast: Callable,
+        write: Callable[[dict[str, Any], StreamedStorages | None], None],
+    ) -> None:
+        """Rank 0 writes ``checkpoint`` with ``write(checkpoint, streamed)``; call it on every rank.
+
+        At several ranks a checkpoint built inside :meth:`shared_buffers` holds placeholders for the
+        gathered buckets of the master weights and moments: while rank 0 writes, every other rank sends
+        its part of each bucket as the file reaches it (one bucket at a time), and every rank raises if
+        rank 0's write failed. ``broadcast(obj)``: rank 0's ``obj`` on every rank.
+        """
+        if self.engine.layout.world_size == 1:
+            if rank == 0:
+                write(checkpoint, None)
+            return
+        if rank != 0:
+            serve_full_save(self.engine, broadcast, "the full-format checkpoint")
+            return
+        stream = BucketStream(self.engine, broadcast)
+        try:
+            write(checkpoint, stream)
+        except BaseException as error:
+            with contextlib.suppress(Exception):  # the write's error is the one to report
+                stream.finish(error)  # the other ranks return and raise too, instead of waiting for buckets
+            raise
+        stream.finish(None)
 
     def save_sharded(self, checkpoint: dict[str, Any], path: PathLike, rank: int, broadcast: Callable) -> None:
         """Every rank writes its shard of the master weights and moments, rank 0 also ``checkpoint`` (with

@@ -14,14 +14,17 @@ second pass; its cost: docs/checkpoints.md), and every read error names the file
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import re
 import secrets
+import sys
 import zipfile
 import zlib
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import torch
 
@@ -153,27 +156,129 @@ class _ChecksumWriter:
         self.f.flush()
 
 
-def _save_into(obj: Any, f: BinaryIO) -> FileRecord:
+class StreamedStorages(Protocol):
+    """Storages of ``obj`` whose bytes are not in memory: placeholders on the meta device, fetched one at a
+    time while the file is written (see ``state.BucketStream``)."""
+
+    def number(self, storage: torch.UntypedStorage) -> int | None:
+        """Which placeholder ``storage`` is; ``None`` for a storage that holds its bytes."""
+
+    def begin(self, order: list[int]) -> None:
+        """Called once, before any record is written: the placeholders in the order they will be fetched."""
+
+    def fetch(self, number: int) -> torch.Tensor:
+        """The bytes of placeholder ``number`` (a CPU tensor, valid until the next call)."""
+
+
+def _save_into(obj: Any, f: BinaryIO, streamed: StreamedStorages | None = None) -> FileRecord:
     writer = _ChecksumWriter(f)
-    torch.save(obj, writer)
+    if streamed is None:
+        torch.save(obj, writer)
+    else:
+        _save_streaming(obj, writer, streamed)
     writer.flush()
     return FileRecord(writer.size, writer.crc)
 
 
-def save_file(obj: Any, target: Location, exclusive: bool = False) -> FileRecord:
+def _save_streaming(obj: Any, f: _ChecksumWriter, streamed: StreamedStorages) -> None:
+    """What ``torch.save(obj, f)`` writes (torch 2.13's records, in its order: the same bytes), where the
+    placeholders' bytes are fetched when their record is written rather than held beforehand.
+
+    torch's own ``_save`` takes every storage's bytes from memory; this is its loop with that one change,
+    and a placeholder tensor pickled as the CPU tensor it stands for.
+    """
+    storages: dict[str, torch.UntypedStorage] = {}
+    keys: dict[int, str] = {}
+    placeholders: dict[str, int] = {}
+    dtypes: dict[int, torch.dtype] = {}
+
+    def persistent_id(item: Any) -> tuple | None:
+        if isinstance(item, torch.storage.TypedStorage):
+            storage, dtype = item._untyped_storage, item.dtype
+            storage_type, numel = getattr(torch, item._pickle_storage_type()), item._size()
+        elif torch.is_storage(item):
+            storage, dtype = item, torch.uint8
+            storage_type, numel = torch.serialization.normalize_storage_type(type(item)), item.nbytes()
+        else:
+            return None
+        number = streamed.number(storage)
+        held = number is None and storage.device.type != "meta" and storage.data_ptr() != 0
+        if held and dtypes.setdefault(storage.data_ptr(), dtype) != dtype:  # as torch.save refuses it
+            raise RuntimeError("Cannot save multiple tensors or storages that view the same data as different types")
+        key = keys.setdefault(storage._cdata, str(len(keys)))
+        storages[key] = storage
+        if number is not None:
+            placeholders[key] = number
+        location = "cpu" if number is not None else torch.serialization.location_tag(storage)
+        return ("storage", storage_type, key, location, numel)
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, item: Any) -> tuple | None:
+            return persistent_id(item)
+
+        def reducer_override(self, item: Any) -> Any:
+            if type(item) is torch.Tensor and item.is_meta and streamed.number(item.untyped_storage()) is not None:
+                return _reduce_as_cpu_tensor(item)
+            return NotImplemented
+
+    pickled = io.BytesIO()
+    Pickler(pickled, protocol=torch.serialization.DEFAULT_PROTOCOL).dump(obj)
+    data = pickled.getvalue()
+    streamed.begin([placeholders[key] for key in storages if key in placeholders])
+    with torch.serialization._open_zipfile_writer(f) as archive:
+        archive.write_record("data.pkl", data, len(data))
+        archive.write_record(".format_version", "1", len("1"))
+        alignment = str(torch.serialization._get_storage_alignment())
+        archive.write_record(".storage_alignment", alignment, len(alignment))
+        archive.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+        for key, storage in storages.items():
+            nbytes = storage.nbytes()
+            if key in placeholders:
+                fetched = streamed.fetch(placeholders[key])
+                source = fetched.untyped_storage()  # its first nbytes are written
+                if fetched.nbytes != nbytes or fetched.data_ptr() != source.data_ptr() or not fetched.is_contiguous():
+                    raise RuntimeError(f"placeholder {placeholders[key]}: got {fetched.nbytes} bytes for {nbytes}")
+                archive.write_record(f"data/{key}", source, nbytes)
+            else:
+                archive.write_record(f"data/{key}", storage if storage.device.type == "cpu" else storage.cpu(), nbytes)
+
+
+def _reduce_as_cpu_tensor(tensor: torch.Tensor) -> tuple:
+    """``Tensor.__reduce_ex__`` of a plain CPU tensor with ``tensor``'s storage, offset, shape and strides."""
+    backward_hooks: OrderedDict = OrderedDict()
+    if tensor.dtype in torch.storage._new_dtypes():
+        storage: Any = tensor.untyped_storage()
+        args: tuple = (storage, tensor.storage_offset(), tuple(tensor.size()), tensor.stride())
+        args += (tensor.requires_grad, backward_hooks, tensor.dtype)
+        rebuild = torch._utils._rebuild_tensor_v3
+    else:
+        storage = torch.storage.TypedStorage(wrap_storage=tensor.untyped_storage(), dtype=tensor.dtype, _internal=True)
+        args = (storage, tensor.storage_offset(), tuple(tensor.size()), tensor.stride())
+        args += (tensor.requires_grad, backward_hooks)
+        rebuild = torch._utils._rebuild_tensor_v2
+    metadata = torch._utils.get_tensor_metadata(tensor)
+    if metadata:
+        args += (metadata,)
+    return (rebuild, args)
+
+
+def save_file(
+    obj: Any, target: Location, exclusive: bool = False, streamed: StreamedStorages | None = None
+) -> FileRecord:
     """Write ``obj`` with ``torch.save`` so that ``target`` never holds a partial file.
 
     Local: a temporary file next to ``target``, fsynced, then renamed over it. ``exclusive=True`` is for
     a fresh name in a directory this save created: the file is created with ``O_EXCL | O_NOFOLLOW`` and
     written in place (a partial file there is caught by its recorded size and checksum). Remote: one object.
+    ``streamed``: ``obj`` holds placeholders whose bytes come from it as the file is written.
     """
     if target.fs is not None:
         with target.fs.open(target.path, "wb") as f:
-            return _save_into(obj, f)
+            return _save_into(obj, f, streamed)
     if exclusive:
         fd = os.open(target.path, _CREATE, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
-            record = _save_into(obj, f)
+            record = _save_into(obj, f, streamed)
             os.fsync(f.fileno())
         return record
     directory = target.parent()
@@ -182,7 +287,7 @@ def save_file(obj: Any, target: Location, exclusive: bool = False) -> FileRecord
     fd, tmp = _create_temporary(directory, f".{target.name}{TEMP_INFIX}")
     try:
         with os.fdopen(fd, "wb") as f:
-            record = _save_into(obj, f)
+            record = _save_into(obj, f, streamed)
             os.fsync(f.fileno())
         os.replace(tmp, target.path)
     except BaseException:
@@ -256,7 +361,9 @@ def _open_read(source: Location) -> BinaryIO:
 def load_file(source: Location, what: str, weights_only: bool = True, mmap: bool = False) -> Any:
     """``torch.load`` that turns every failure into a :class:`CheckpointError` naming the file.
 
-    ``what`` says what the file is (e.g. "checkpoint", "shard 3 of a sharded checkpoint").
+    ``what`` says what the file is (e.g. "checkpoint", "shard 3 of a sharded checkpoint"). ``mmap``: the
+    tensors are views of the file mapped into memory, read only where used (a local file in torch's zip
+    format; any other file is read whole).
     """
     if not source.exists():
         raise CheckpointError(f"{what} {source} does not exist")
@@ -264,6 +371,7 @@ def load_file(source: Location, what: str, weights_only: bool = True, mmap: bool
         raise CheckpointError(f"{what} {source} is a directory, not a checkpoint file")
     try:
         if source.fs is None:
+            mmap = mmap and _is_zip(source)  # torch maps only its zip format, not the legacy one
             return torch.load(source.path, map_location="cpu", weights_only=weights_only, mmap=mmap)
         with source.fs.open(source.path, "rb") as f:
             return torch.load(f, map_location="cpu", weights_only=weights_only)
@@ -301,6 +409,11 @@ def _refused_globals(source: Location, error: Exception) -> list[str]:
     except Exception:  # unreadable as a zip checkpoint: fall back to the error's text
         found = []
     return found or _GLOBAL_IN_MESSAGE.findall(str(error))[:1]
+
+
+def _is_zip(source: Location) -> bool:
+    with _open_read(source) as f:
+        return f.read(4) == b"PK\x03\x04"
 
 
 def _damaged(source: Location, what: str) -> str:

@@ -45,6 +45,34 @@ def gather_host(shard: torch.Tensor, group: dist.ProcessGroup | None, device: to
     return output.cpu()
 
 
+def gather_host_to_first(
+    chunk: torch.Tensor, output: torch.Tensor | None, group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """Concatenate every rank's equal host ``chunk`` into ``output`` on the group's rank 0 only (the others
+    pass ``None``): a streamed checkpoint write, where only the writer needs the bucket.
+
+    Point to point, each chunk received straight into its place: gloo's ``gather`` would receive into a
+    bucket-sized buffer of its own first.
+    """
+    target = comm_device(group, device)
+    world = dist.get_world_size(group)
+
+    def rank_of(r: int) -> int:
+        return dist.get_global_rank(group, r) if group is not None else r
+
+    if output is None:
+        dist.send(chunk.to(target), dst=rank_of(0), group=group)
+        return
+    received = output if target.type == "cpu" else torch.empty_like(output, device=target)
+    parts = received.chunk(world)
+    pending = [dist.irecv(parts[r], src=rank_of(r), group=group) for r in range(1, world)]
+    parts[0].copy_(chunk)
+    for request in pending:
+        request.wait()
+    if received is not output:
+        output.copy_(received)
+
+
 def broadcast_tensors_(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, device: torch.device) -> None:
     """Overwrite ``tensors`` on every rank with rank 0's values (start from identical weights)."""
     target = comm_device(group, device)

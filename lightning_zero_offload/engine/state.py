@@ -1,14 +1,22 @@
-"""The engine's optimizer state in and out: flat CPU shards <-> full per-parameter tensors in torch's format."""
+"""The engine's optimizer state in and out: flat CPU shards <-> full per-parameter tensors in torch's format.
+
+At several ranks a full-format save gathers nothing up front: the checkpoint holds placeholders (tensors
+on the meta device) for the gathered buckets, and the writer on rank 0 receives each bucket from the
+other ranks when it writes that bucket's record (:class:`BucketStream` there, :func:`serve_full_save` on
+the other ranks).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_zero_offload.engine.collectives import gather_host
+from lightning_zero_offload.engine.checkpoint_files import CheckpointError
+from lightning_zero_offload.engine.collectives import all_reduce_sum, gather_host, gather_host_to_first
 
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.engine import OffloadEngine
@@ -29,9 +37,10 @@ def buffers_shared_for_save(engine: OffloadEngine, share: bool = True) -> Iterat
     A full-format save would otherwise hold a second copy of the fp32 weights and both moments (12
     bytes per parameter) while it writes. With one rank the views are of the engine's flat buffers
     (``torch.save`` writes each buffer's storage once, and the file still loads with
-    ``weights_only=True``); with several they are of the gathered buckets, which are then not copied
-    again. Only for a writer that finishes before the next step changes the buffers: an asynchronous
-    ``CheckpointIO`` must get copies (``share=False``).
+    ``weights_only=True``). With several they are views of placeholders on the meta device, one per
+    gathered bucket, whose bytes rank 0's writer gathers as it writes them (:class:`BucketStream`): every
+    rank must then take part in that save. Only for a writer that finishes before the next step changes
+    the buffers: an asynchronous ``CheckpointIO`` must get copies (``share=False``).
     """
     previous = getattr(engine, "_share_buffers", False)
     engine._share_buffers = share or previous
@@ -44,20 +53,154 @@ def buffers_shared_for_save(engine: OffloadEngine, share: bool = True) -> Iterat
 def full_tensors(engine: OffloadEngine, shard: torch.Tensor) -> list[torch.Tensor]:
     """Assemble full per-parameter tensors from every rank's shard (a collective if sharded).
 
-    Copies, unless inside :func:`buffers_shared_for_save` (then views that change with the next step).
+    Copies, unless inside :func:`buffers_shared_for_save` (then views that change with the next step,
+    or at several ranks views of placeholders).
     """
     engine.refuse_after_failure("full weights and optimizer state")
     layout = engine.layout
-    copy = not getattr(engine, "_share_buffers", False)
+    share = getattr(engine, "_share_buffers", False)
     full: list[torch.Tensor | None] = [None] * len(engine.params)
     for bucket in layout.buckets:
         chunk = shard[bucket.shard_range]
-        whole = gather_host(chunk, engine.process_group, engine.device) if layout.world_size > 1 else chunk
+        if layout.world_size == 1:
+            whole = chunk
+        elif share:
+            whole = _placeholders(engine).add(shard, bucket.shard_range, layout.world_size)
+        else:
+            whole = gather_host(chunk, engine.process_group, engine.device)
         for index in bucket.param_indices:
             slot = layout.slots[index]
             view = whole[slot.bucket_offset : slot.bucket_offset + slot.numel].view(slot.shape)
-            full[index] = view.clone() if copy else view
+            full[index] = view if share else view.clone()
     return full  # type: ignore[return-value]
+
+
+class _Placeholders:
+    """The gathered buckets a full save at several ranks will stream, by number and by meta storage.
+
+    Every rank numbers its placeholders in the order :func:`full_tensors` makes them, which is the same
+    on every rank (as the order of collectives is), so rank 0 can name a bucket by its number. An
+    entry lives as long as its placeholder (a checkpoint dict that is dropped unsaved leaves nothing).
+    """
+
+    def __init__(self) -> None:
+        self.sources: dict[int, tuple[torch.Tensor, slice, int]] = {}  # shard, this rank's chunk, gathered numel
+        self.by_storage: dict[int, int] = {}
+        self.count = 0
+
+    def add(self, shard: torch.Tensor, shard_range: slice, world: int) -> torch.Tensor:
+        numel = (shard_range.stop - shard_range.start) * world
+        whole = torch.empty(numel, dtype=shard.dtype, device="meta")
+        number, storage = self.count, whole.untyped_storage()._cdata
+        self.count += 1
+        self.sources[number] = (shard, shard_range, numel)
+        self.by_storage[storage] = number
+        weakref.finalize(whole, self._forget, number, storage)  # views keep ``whole`` alive
+        return whole
+
+    def _forget(self, number: int, storage: int) -> None:
+        self.sources.pop(number, None)
+        if self.by_storage.get(storage) == number:  # the address may be a newer placeholder's by now
+            del self.by_storage[storage]
+
+    def number(self, storage: torch.UntypedStorage) -> int | None:
+        return self.by_storage.get(storage._cdata) if storage.device.type == "meta" else None
+
+
+def _placeholders(engine: OffloadEngine) -> _Placeholders:
+    registry = getattr(engine, "_placeholders", None)
+    if registry is None:
+        registry = engine._placeholders = _Placeholders()
+    return registry
+
+
+class BucketStream:
+    """Rank 0's side of a streamed full save: which storages are placeholders, and their bytes on demand.
+
+    ``begin`` announces the placeholders in the order the file will hold them; each ``fetch`` is then
+    one gather of one bucket into the same reused buffer (valid until the next ``fetch``), so rank 0
+    holds at most the largest bucket beyond its own state, and the others nothing.
+    """
+
+    def __init__(self, engine: OffloadEngine, broadcast: Callable[[Any], Any]) -> None:
+        self.engine, self.broadcast = engine, broadcast
+        self.registry = _placeholders(engine)
+        self.order: list[int] | None = None  # announced and agreed, in file order
+        self.announced = False
+        self.done = 0
+        self.buffer: torch.Tensor | None = None
+
+    def number(self, storage: torch.UntypedStorage) -> int | None:
+        """The placeholder number of ``storage``, ``None`` for a storage that holds its data."""
+        return self.registry.number(storage)
+
+    def begin(self, order: list[int]) -> None:
+        self.announced = True
+        self.broadcast(("plan", order))
+        _check_plan(self.engine, self.registry, order)  # raises on every rank alike: nothing to finish
+        self.order = order
+        if order:  # bytes, viewed as each bucket's dtype
+            self.buffer = torch.empty(max(_nbytes(self.registry, number) for number in order), dtype=torch.uint8)
+
+    def fetch(self, number: int) -> torch.Tensor:
+        """The gathered bucket behind placeholder ``number`` (the next one announced)."""
+        assert self.order is not None and self.order[self.done] == number, "fetched out of the announced order"
+        shard, shard_range, _ = self.registry.sources[number]
+        assert self.buffer is not None
+        whole = self.buffer[: _nbytes(self.registry, number)].view(shard.dtype)
+        gather_host_to_first(shard[shard_range], whole, self.engine.process_group, self.engine.device)
+        self.done += 1
+        return whole
+
+    def finish(self, error: BaseException | None) -> None:
+        """Tell the other ranks how the save ended; after a failure, first take part in the gathers they
+        still wait for (so that every rank returns, and raises the error)."""
+        message = None if error is None else f"{type(error).__name__}: {error}"
+        if not self.announced:
+            self.broadcast(("failed", message or "the save ended before it began"))
+            return
+        if self.order is None:  # the ranks disagreed on the plan and all raised already
+            return
+        if error is not None:
+            for number in self.order[self.done :]:
+                self.fetch(number)
+        self.broadcast(("failed", message) if error is not None else ("done", None))
+        self.buffer = None
+
+
+def serve_full_save(engine: OffloadEngine, broadcast: Callable[[Any], Any], what: str) -> None:
+    """A rank other than 0 in a streamed full save: send this rank's part of each bucket rank 0 asks for.
+
+    Raises the error rank 0's save failed with, naming ``what`` was being saved.
+    """
+    registry = _placeholders(engine)
+    kind, payload = broadcast(None)
+    if kind == "failed":
+        raise CheckpointError(f"saving {what} failed on rank 0: {payload}")
+    _check_plan(engine, registry, payload)
+    for number in payload:
+        shard, shard_range, _ = registry.sources[number]
+        gather_host_to_first(shard[shard_range], None, engine.process_group, engine.device)
+    kind, payload = broadcast(None)
+    if kind == "failed":
+        raise CheckpointError(f"saving {what} failed on rank 0: {payload}")
+
+
+def _nbytes(registry: _Placeholders, number: int) -> int:
+    shard, _, numel = registry.sources[number]
+    return numel * shard.element_size()
+
+
+def _check_plan(engine: OffloadEngine, registry: _Placeholders, order: list[int]) -> None:
+    """Every rank holds every placeholder rank 0 will write (one small all-reduce), or every rank raises."""
+    missing = sum(number not in registry.sources for number in order)
+    total = all_reduce_sum(torch.tensor([float(missing)]), engine.process_group, engine.device)
+    if total.item() > 0:
+        raise CheckpointError(
+            f"the ranks do not hold the same checkpoint: {int(total.item())} of the gathered buckets rank 0 would "
+            "write are not held by the other ranks. Build the checkpoint on every rank and save it on every rank, "
+            "as Trainer.save_checkpoint and fabric.save do"
+        )
 
 
 def param_groups_state(engine: OffloadEngine) -> list[dict[str, Any]]:

@@ -513,3 +513,30 @@ def test_the_python_export_refuses_what_the_cli_refuses_with_the_same_message(tm
     assert torch.equal(torch.load(other, weights_only=True)["w"], torch.ones(5))
     with pytest.raises(CheckpointError, match="the checkpoint itself"):
         convert_checkpoint_to_fp32_state_dict(path, path, overwrite=True)
+
+
+def _mapped_from(tensor: torch.Tensor, path: Path) -> bool:
+    """Whether ``tensor``'s bytes lie in a mapping of the file ``path`` (``/proc/self/maps``)."""
+    address = tensor.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == str(path):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if start <= address < end:
+                    return True
+    return False
+
+
+def test_a_full_checkpoint_loads_memory_mapped_and_a_legacy_file_still_loads(tmp_path):
+    """Each rank of a resume reads the pages it copies (its shard of the moments), not the whole file."""
+    saved = {"state_dict": {"w": torch.randn(64, 64)}, "epoch": 3}
+    ckpt.atomic_save(saved, tmp_path / "new.ckpt")
+    loaded = ckpt.load_checkpoint_file(tmp_path / "new.ckpt")
+    assert torch.equal(loaded["state_dict"]["w"], saved["state_dict"]["w"]) and loaded["epoch"] == 3
+    assert _mapped_from(loaded["state_dict"]["w"], tmp_path / "new.ckpt")
+    # torch maps only its zip format: a file of torch < 1.6's format is read, not reported as damaged.
+    torch.save(saved, tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)
+    legacy = ckpt.load_checkpoint_file(tmp_path / "legacy.ckpt")
+    assert torch.equal(legacy["state_dict"]["w"], saved["state_dict"]["w"])
+    assert not _mapped_from(legacy["state_dict"]["w"], tmp_path / "legacy.ckpt")
