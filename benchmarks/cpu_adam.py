@@ -2,6 +2,7 @@
 
 Rows, at 1 and 2 threads, for N params as one tensor and as 200 tensors of mixed sizes:
   roofline        C probe that reads p, g, m, v and writes p, m, v (28 B/param), the Adam traffic
+                  (benchmarks/roofline.c, compiled on first use)
   torch foreach   torch.optim.AdamW(foreach=True)
   torch fused     torch.optim.AdamW(fused=True)
   deepspeed       DeepSpeedCPUAdam (only if importable)
@@ -56,7 +57,11 @@ import torch
 from lightning_zero_offload import kernels
 from lightning_zero_offload.optim import CPUAdam
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import roofline  # noqa: E402
+
 HP = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
+ADAMW = kernels.AdamArgs(**HP, adamw_mode=True)
 FACTOR = 0.5  # the unscale x clip factor applied to the gradient in the offload rows
 RESULTS = Path(__file__).parent / "results" / "cpu_adam.json"
 
@@ -86,10 +91,10 @@ def build_cases(sizes: list[int], threads: int) -> dict[str, Callable[[], None]]
     # The memory limit does not depend on how the params are split: one flat probe for both layouts.
     probe = [torch.randn(sum(sizes)) for _ in range(4)]
 
-    def roofline() -> None:
-        kernels.bandwidth_probe(*probe, num_threads=threads)
+    def memory_roofline() -> None:
+        roofline.probe(*probe, num_threads=threads)
 
-    cases["roofline"] = roofline
+    cases["roofline"] = memory_roofline
 
     def torch_optimizer(**flags: bool) -> Callable[[], None]:
         params = [torch.nn.Parameter(t) for t in make(sizes)]
@@ -131,10 +136,9 @@ def build_cases(sizes: list[int], threads: int) -> dict[str, Callable[[], None]]
                 grads[0],
                 exp_avg[0],
                 exp_avg_sq[0],
+                hparams=ADAMW,
                 step=counter["step"],
-                adamw_mode=True,
                 num_threads=threads,
-                **HP,
             )
 
         cases["ours fp32"] = ours_fp32
@@ -201,12 +205,11 @@ def build_cases(sizes: list[int], threads: int) -> dict[str, Callable[[], None]]
                 m,
                 v,
                 [step["step"]] * len(sizes),
-                adamw_mode=True,
+                hparams=ADAMW,
                 grad_scale=FACTOR,
                 params_out=out,
                 extrapolate=extrapolate,
                 num_threads=threads,
-                **HP,
             )
 
         return run
@@ -216,16 +219,15 @@ def build_cases(sizes: list[int], threads: int) -> dict[str, Callable[[], None]]
 
     def ours_in_place(checked: bool) -> Callable[[], None]:
         master, m, v = make(sizes), make(sizes, fill="zeros"), make(sizes, fill="zeros")
-        hparams = kernels.AdamHyperparams(**HP, adamw_mode=True)
         steps = [1] * len(sizes)  # a fixed step number: the work per call does not depend on it
 
         def run() -> None:
             if checked:
-                kernels.adam_step_multi_if_finite(master, grads, m, v, steps, hparams=hparams, num_threads=threads)
+                kernels.adam_step_multi_if_finite(master, grads, m, v, steps, hparams=ADAMW, num_threads=threads)
                 return
             for g in grads:
                 kernels.sum_of_squares(g, num_threads=threads)
-            kernels.adam_step_multi(master, grads, m, v, steps, hparams=hparams, num_threads=threads)
+            kernels.adam_step_multi(master, grads, m, v, steps, hparams=ADAMW, num_threads=threads)
 
         return run
 
@@ -259,11 +261,10 @@ def offload_case(n: int, threads: int) -> Callable[[], None]:
             m,
             v,
             [step["step"]],
-            adamw_mode=True,
+            hparams=ADAMW,
             grad_scale=FACTOR,
             params_out=out,
             num_threads=threads,
-            **HP,
         )
 
     return run
@@ -271,7 +272,7 @@ def offload_case(n: int, threads: int) -> Callable[[], None]:
 
 def roofline_case(n: int, threads: int) -> Callable[[], None]:
     probe = [torch.randn(n) for _ in range(4)]
-    return lambda: kernels.bandwidth_probe(*probe, num_threads=threads)
+    return lambda: roofline.probe(*probe, num_threads=threads)
 
 
 class Busy:
@@ -367,8 +368,7 @@ RESULTS_BF16_STATE = Path(__file__).parent / "results" / "cpu_adam_bf16_state.js
 def bf16_state_cases(n: int, threads: int) -> dict[str, Callable[[], None]]:
     """kernels.adam_step_bf16_state against kernels.adam_step on one flat tensor, with the roofline."""
     probe = [torch.randn(n) for _ in range(4)]
-    cases: dict[str, Callable[[], None]] = {"roofline": lambda: kernels.bandwidth_probe(*probe, num_threads=threads)}
-    hparams = kernels.AdamHyperparams(**HP, adamw_mode=True)
+    cases: dict[str, Callable[[], None]] = {"roofline": lambda: roofline.probe(*probe, num_threads=threads)}
     step = 1  # a fixed step number: the work per call does not depend on it
     for name in BF16_STATE_ROWS:
         grad = make([n], torch.bfloat16 if "bf16 grad" in name else torch.float32)[0]
@@ -377,7 +377,7 @@ def bf16_state_cases(n: int, threads: int) -> dict[str, Callable[[], None]]:
 
             def run(p=p, grad=grad, m=m, v=v) -> None:
                 kernels.adam_step_bf16_state(
-                    p, grad, m, v, step=step, seed=1, hparams=hparams, grad_scale=FACTOR, num_threads=threads
+                    p, grad, m, v, hparams=ADAMW, step=step, seed=1, grad_scale=FACTOR, num_threads=threads
                 )
         else:
             p, m, v = make([n])[0], make([n])[0], make([n])[0].abs_()
@@ -385,7 +385,7 @@ def bf16_state_cases(n: int, threads: int) -> dict[str, Callable[[], None]]:
 
             def run(p=p, grad=grad, m=m, v=v, out=out) -> None:
                 kernels.adam_step(
-                    p, grad, m, v, step=step, hparams=hparams, grad_scale=FACTOR, param_out=out, num_threads=threads
+                    p, grad, m, v, hparams=ADAMW, step=step, grad_scale=FACTOR, param_out=out, num_threads=threads
                 )
 
         cases[name] = run

@@ -169,7 +169,7 @@ def check_env(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]
             found[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             found[name] = "missing"
-    openmp = bool(kernels.lib is not None and kernels.lib.lzo_has_openmp())
+    openmp = kernels.has_openmp()
     info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "kernels": kernels.backend()}
     info |= {"kernels_openmp": openmp, **found, "cpu_cores_usable": usable_cores(), "cpu_count": os.cpu_count()}
     info["host_memory_gib"] = psutil.virtual_memory().total / 2**30

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from lightning_zero_offload import kernels
-from lightning_zero_offload.engine.adam import AdamHyperparams
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,14 +54,14 @@ def main() -> None:
     n = args.numel
     param, grad = torch.randn(n, generator=g), torch.randn(n, generator=g)  # the engine's fp32 CPU gradient
     exp_avg, exp_avg_sq = torch.randn(n, generator=g) * 1e-2, torch.rand(n, generator=g) * 1e-4
-    hp = AdamHyperparams(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=True, maximize=False)
+    hp = kernels.AdamArgs(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=True, maximize=False)
     state = (param, exp_avg, exp_avg_sq)
     saved = [t.clone() for t in state]
     step, scale = 10, 1.0 / 1024
 
     def adam() -> None:
         kernels.adam_step(
-            param, grad, exp_avg, exp_avg_sq, step=step, hparams=hp, grad_scale=scale, num_threads=args.threads
+            param, grad, exp_avg, exp_avg_sq, hparams=hp, step=step, grad_scale=scale, num_threads=args.threads
         )
 
     def restore() -> None:

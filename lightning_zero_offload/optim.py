@@ -18,7 +18,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_zero_offload import kernels
-from lightning_zero_offload.kernels import AdamHyperparams
 
 __all__ = ["CPUAdam"]
 
@@ -57,7 +56,7 @@ class CPUAdam(Optimizer):
             "adamw_mode": adamw_mode,
             "maximize": maximize,
         }
-        AdamHyperparams.from_param_group(defaults, adamw_mode)  # bad values fail here, not at the first step
+        _kernel_args(defaults)  # bad values fail here, not at the first step
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -93,9 +92,8 @@ class CPUAdam(Optimizer):
             params, grads, exp_avgs, exp_avg_sqs, steps = self._gather(index, group)
             if not params:
                 continue
-            hparams = AdamHyperparams.from_param_group(group, bool(group["adamw_mode"]))
             # also increments the step counters
-            kernels.adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, steps, hparams=hparams)
+            kernels.adam_step_multi(params, grads, exp_avgs, exp_avg_sqs, steps, hparams=_kernel_args(group))
             # The kernel writes through raw pointers: tell autograd the params changed, as an
             # in-place torch op would, so stale saved tensors are detected instead of reused.
             torch.autograd.graph.increment_version(params)
@@ -127,3 +125,13 @@ class CPUAdam(Optimizer):
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
         return params, grads, exp_avgs, exp_avg_sqs, steps
+
+
+def _kernel_args(group: dict[str, Any]) -> kernels.AdamArgs:
+    """The kernel's record of one of CPUAdam's param groups, read as it is now (LR schedulers change it).
+
+    ``float()`` first, so a tensor learning rate (which torch allows) is read as its value.
+    """
+    beta1, beta2 = group["betas"]
+    numbers = (float(group["lr"]), float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+    return kernels.AdamArgs(*numbers, adamw_mode=bool(group["adamw_mode"]), maximize=group.get("maximize", False))

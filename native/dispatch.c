@@ -351,18 +351,6 @@ double lzo_sum_squares(const void *src, int64_t n, int src_dtype, int num_thread
     return blocked_accumulate(NULL, src, n, src_dtype, 1.0f, LZO_ACC_READ, num_threads);
 }
 
-void lzo_bandwidth_probe(float *p, const float *g, float *m, float *v, int64_t n,
-                         int num_threads)
-{
-    const lzo_kernel_table *k = active;
-    int nt = num_threads > 1 ? num_threads : 1;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1 && n >= PARALLEL_MIN)
-    for (int64_t lo = 0; lo < n; lo += CHUNK) {
-        int64_t len = n - lo < CHUNK ? n - lo : CHUNK;
-        k->probe(p + lo, g + lo, m + lo, v + lo, len);
-    }
-}
-
 void lzo_adam_undo(const lzo_adam_hparams *hp, double grad_scale, double step, float *p,
                    const float *g, float *m, float *v, int64_t n, int num_threads)
 {
@@ -376,7 +364,7 @@ void lzo_adam_undo(const lzo_adam_hparams *hp, double grad_scale, double step, f
     }
 }
 
-/* splitmix64's finalizer: the keys of the bf16-state step's hash (kernels.py _sr_keys mirrors it). */
+/* splitmix64's finalizer: the keys of the bf16-state step's hash (kernels/reference.py _sr_keys mirrors it). */
 static uint64_t mix64(uint64_t z)
 {
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;

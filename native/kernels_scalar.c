@@ -167,16 +167,6 @@ static double accumulate(float *dst, const void *src, int64_t n, int sdt, float 
     }
 }
 
-static void probe(float *restrict p, const float *restrict g, float *restrict m,
-                  float *restrict v, int64_t n)
-{
-    for (int64_t i = 0; i < n; ++i) {
-        p[i] += g[i];
-        m[i] += g[i];
-        v[i] += g[i];
-    }
-}
-
 #define UNDO_TARGET
 #include "undo_body.h"
 
@@ -253,4 +243,4 @@ static void adam_bf16state(const lzo_adam_consts *c, const lzo_sr_keys *k, uint3
     }
 }
 
-const lzo_kernel_table lzo_kernels_scalar = {adam, accumulate, probe, undo, adam_bf16state};
+const lzo_kernel_table lzo_kernels_scalar = {adam, accumulate, undo, adam_bf16state};

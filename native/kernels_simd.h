@@ -105,7 +105,8 @@ INLINE void adam_partial(const lzo_adam_consts *c, float *p, const void *g, floa
 }
 
 /* Software prefetch PREFETCH elements ahead: the division and square root of each vector otherwise
- * keep too few cache misses in flight to saturate memory (the gain: docs/benchmarks.md, "CPU-Adam kernels"). */
+ * keep too few cache misses in flight to saturate memory (the gain, against the roofline of
+ * benchmarks/roofline.c: docs/benchmarks.md, "CPU-Adam kernels"). */
 INLINE void prefetch(const float *p, const void *g, const float *m, const float *v, int64_t i, int gdt)
 {
     _mm_prefetch((const char *)(p + i + PREFETCH), _MM_HINT_T0);
@@ -334,23 +335,7 @@ TARGET static double accumulate(float *dst, const void *src, int64_t n, int sdt,
     }
 }
 
-TARGET static void probe(float *p, const float *g, float *m, float *v, int64_t n)
-{
-    int64_t i = 0;
-    for (; i + W <= n; i += W) {
-        vfloat gi = vf_load(g + i);
-        vf_store(p + i, vf_add(vf_load(p + i), gi));
-        vf_store(m + i, vf_add(vf_load(m + i), gi));
-        vf_store(v + i, vf_add(vf_load(v + i), gi));
-    }
-    for (; i < n; ++i) {
-        p[i] += g[i];
-        m[i] += g[i];
-        v[i] += g[i];
-    }
-}
-
 #define UNDO_TARGET TARGET
 #include "undo_body.h"
 
-const lzo_kernel_table KERNEL_TABLE = {adam, accumulate, probe, undo, adam_bf16state};
+const lzo_kernel_table KERNEL_TABLE = {adam, accumulate, undo, adam_bf16state};

@@ -16,7 +16,7 @@ enum { LZO_NONE = -1, LZO_FLOAT32 = 0, LZO_BFLOAT16 = 1, LZO_FLOAT16 = 2 };
 /* Instruction-set paths. One shared object holds all of them; Python selects one at import. */
 enum { LZO_ISA_SCALAR = 0, LZO_ISA_AVX2 = 1, LZO_ISA_AVX512 = 2 };
 
-/* The hyperparameters of one Adam/AdamW param group: kernels.AdamHyperparams, field for field. */
+/* The hyperparameters of one Adam/AdamW param group: kernels.AdamArgs, field for field. */
 typedef struct {
     double lr, beta1, beta2, eps, weight_decay;
     int adamw_mode, maximize;
@@ -89,10 +89,6 @@ void lzo_adam_step_bf16state(const lzo_adam_hparams *hp, double grad_scale, uint
  * (native/fingerprint.c): tells whether device parameters were written between two points. */
 uint64_t lzo_fingerprint16(const void *src, int64_t n, int num_threads);
 
-/* Memory roofline for an fp32 Adam step: reads p, g, m, v and writes p, m, v (28 B/element). */
-void lzo_bandwidth_probe(float *p, const float *g, float *m, float *v, int64_t n,
-                         int num_threads);
-
 #ifdef LZO_INTERNAL
 /* Per-tensor Adam constants, rounded to float once, the way torch rounds its Python scalars. */
 typedef struct {
@@ -129,7 +125,6 @@ typedef struct {
                  int64_t n, int grad_dtype, int out_dtype);
     double (*accumulate)(float *dst, const void *src, int64_t n, int src_dtype, float scale,
                          int mode, int stream);
-    void (*probe)(float *p, const float *g, float *m, float *v, int64_t n);
     void (*undo)(const lzo_undo_consts *c, float *p, const float *g, float *m, float *v, int64_t n);
     /* n elements whose global indices have the same high 32 bits; `index` is the low 32 of the first */
     void (*adam_bf16state)(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index, uint16_t *p,

@@ -3,9 +3,9 @@
  * constants (lzo_undo_consts) and splits the work over threads.
  *
  * Each line of the Adam step is solved for the old value from the new one and the gradient, in
- * double, in the order of the torch path (kernels._torch_adam_undo), and rounded once: every backend
- * gives the same bits, within about one fp32 ulp of the state before the step. Compute-bound on the
- * double division and square root, hence the per-ISA builds. */
+ * double, in the order of the torch path (kernels/reference.py, TorchBackend.adam_undo), and
+ * rounded once: every backend gives the same bits, within about one fp32 ulp of the state before
+ * the step. Compute-bound on the double division and square root, hence the per-ISA builds. */
 #include <math.h>
 
 UNDO_TARGET static void undo(const lzo_undo_consts *c, float *restrict p, const float *restrict g,

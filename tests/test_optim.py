@@ -1,6 +1,6 @@
 """CPUAdam against torch.optim.AdamW/Adam: same updates, same param_groups semantics, same state_dict.
 
-Tolerance (as in test_kernels.py): the kernel performs torch's fp32 operations in torch's order;
+Tolerance (as in tests/kernel_helpers.py): the kernel performs torch's fp32 operations in torch's order;
 only the rounding of the square root differs (plus separate multiply and add roundings on the
 portable backend without FMA). After S steps: |dp| <= S * (ulp(p) + 2^-21 lr), i.e. rtol = S * 2^-23
 and atol = S * lr * 2^-21; moments get atol = S * 2^-23 * |g|max (exp_avg) or its square (exp_avg_sq).
@@ -206,7 +206,7 @@ def test_rejects_what_it_cannot_do() -> None:
     w = torch.nn.Parameter(torch.randn(4))
     with pytest.raises(ValueError, match="CPUAdam does not implement AMSGrad"):
         CPUAdam([w], amsgrad=True)
-    for kwargs, match in [  # checked at construction by kernels.AdamHyperparams, not at the first step
+    for kwargs, match in [  # checked at construction by kernels.AdamArgs, not at the first step
         ({"lr": -1.0}, "lr must be >= 0"),
         ({"eps": 0.0}, "eps must be > 0"),
         ({"betas": (0.9, 1.0)}, r"beta2 must be in \[0, 1\)"),

@@ -111,20 +111,13 @@ def update_bucket(
             if target is not None:
                 target.copy_(engine.master[window])
             continue
-        hp = run.hparams
         kernels.adam_step(
             engine.master[window],
             grad[window],
             engine.exp_avg[window],
             engine.exp_avg_sq[window],
+            hparams=run.hparams.kernel,
             step=run.step,
-            lr=hp.lr,
-            beta1=hp.beta1,
-            beta2=hp.beta2,
-            eps=hp.eps,
-            weight_decay=hp.weight_decay,
-            adamw_mode=hp.adamw_mode,
-            maximize=hp.maximize,
             grad_scale=run.multiplier,
             param_out=target,
             extrapolate=extrapolate,
@@ -214,7 +207,7 @@ def update_in_place(engine: OffloadEngine, multiplier: float) -> float:
     for group, (p, g, m, v, indices) in in_place_calls(engine).items():
         steps = [engine.steps[i] + 1 for i in indices]
         kernels.adam_step_multi(
-            p, g, m, v, steps, hparams=hparams[group], grad_scale=multiplier, num_threads=engine.num_threads
+            p, g, m, v, steps, hparams=hparams[group].kernel, grad_scale=multiplier, num_threads=engine.num_threads
         )
         for i in indices:
             engine.steps[i] += 1
@@ -237,15 +230,20 @@ def update_in_place_checked(engine: OffloadEngine) -> tuple[bool, float, float]:
         p, g, m, v, indices = call
         steps = [engine.steps[i] + 1 for i in indices]
         group_sumsq, applied = kernels.adam_step_multi_if_finite(
-            p, g, m, v, steps, hparams=hparams[group], num_threads=engine.num_threads
+            p, g, m, v, steps, hparams=hparams[group].kernel, num_threads=engine.num_threads
         )
         if not applied:
             for earlier, applied_call in done:
                 for param, grad, exp_avg, exp_avg_sq, index in zip(*applied_call):
                     step = engine.steps[index] + 1
-                    hp = hparams[earlier]
                     kernels.adam_undo(
-                        param, grad, exp_avg, exp_avg_sq, hparams=hp, step=step, num_threads=engine.num_threads
+                        param,
+                        grad,
+                        exp_avg,
+                        exp_avg_sq,
+                        hparams=hparams[earlier].kernel,
+                        step=step,
+                        num_threads=engine.num_threads,
                     )
             return False, math.inf, time.perf_counter() - t
         sumsq += group_sumsq

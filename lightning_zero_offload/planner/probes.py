@@ -158,11 +158,18 @@ def host_memory_available() -> int:
     return host_memory_limit()[0]
 
 
+ADAM_ARGS = kernels.AdamArgs(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True)
+
+
 def host_bandwidth(threads: int, numel: int = 2**23, repeats: int = 5) -> float:
-    """Bytes/s of an Adam-shaped memory pattern (read 4 fp32 arrays, write 3) with ``threads`` threads."""
+    """Bytes/s of the Adam memory pattern (read 4 fp32 arrays, write 3) with ``threads`` threads: the fp32
+    Adam step, which streams at the memory's rate where the instruction set keeps up (docs/kernels.md)."""
     p, g, m, v = (torch.zeros(numel) for _ in range(4))
-    seconds = median_seconds(lambda: kernels.bandwidth_probe(p, g, m, v, num_threads=threads), repeats)
-    return ADAM_BYTES_PER_PARAM * numel / seconds
+
+    def step() -> None:
+        kernels.adam_step(p, g, m, v, hparams=ADAM_ARGS, step=1, num_threads=threads)
+
+    return ADAM_BYTES_PER_PARAM * numel / median_seconds(step, repeats)
 
 
 def adam_rate(threads: int, numel: int = 2**23, repeats: int = 5) -> float:
@@ -171,10 +178,7 @@ def adam_rate(threads: int, numel: int = 2**23, repeats: int = 5) -> float:
     g, out = torch.zeros(numel, dtype=torch.bfloat16), torch.empty(numel, dtype=torch.bfloat16)
 
     def step() -> None:
-        kernels.adam_step(
-            p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True,
-            param_out=out, num_threads=threads,
-        )  # fmt: skip
+        kernels.adam_step(p, g, m, v, hparams=ADAM_ARGS, step=1, param_out=out, num_threads=threads)
 
     return numel / median_seconds(step, repeats)
 
@@ -184,12 +188,8 @@ def call_overhead(threads: int, repeats: int = 20) -> float:
     p, m, v = (torch.zeros(64) for _ in range(3))
     g = torch.zeros(64, dtype=torch.bfloat16)
     return median_seconds(
-        lambda: kernels.adam_step(
-            p, g, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True,
-            num_threads=threads,
-        ),
-        repeats,
-    )  # fmt: skip
+        lambda: kernels.adam_step(p, g, m, v, hparams=ADAM_ARGS, step=1, num_threads=threads), repeats
+    )
 
 
 def _sync(device: torch.device) -> Callable[[], None]:

@@ -146,7 +146,9 @@ class SpeculativeSchedule(Schedule):
         if not self.armed or not final or engine.grads.bucket_nonfinite[index]:
             return
         runs = plan_bucket(engine, bucket, engine.grads.has_grad, self.multiplier, self.hparams)
-        if self.mode == "undo" and not all(kernels.can_undo(run.hparams) for run in runs if run.hparams is not None):
+        if self.mode == "undo" and not all(
+            kernels.can_undo(run.hparams.kernel) for run in runs if run.hparams is not None
+        ):
             return
         start = time.perf_counter()
         window = bucket.shard_range
@@ -259,7 +261,7 @@ class SpeculativeSchedule(Schedule):
                         engine.grad[run_window],
                         engine.exp_avg[run_window],
                         engine.exp_avg_sq[run_window],
-                        hparams=run.hparams,
+                        hparams=run.hparams.kernel,
                         step=run.step,
                         grad_scale=run.multiplier,
                         num_threads=engine.num_threads,

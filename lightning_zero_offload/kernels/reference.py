@@ -1,0 +1,270 @@
+"""The torch backend: every kernel in torch ops, the reference the native backends are tested against.
+
+Used where the extension is missing, or when ``set_backend("torch")``/``LZO_BACKEND=torch`` asks for
+it. The Adam step is torch's fused CPU Adam with the casts around it (to fp32 rounding of the native
+step); the undo and the bf16-state step repeat the native arithmetic operation for operation, so they
+give the native backends' bits. Arguments arrive checked (kernels/checks.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_zero_offload.kernels.checks import AdamArgs, bad_counter
+
+
+def _f32(x: float) -> float:
+    """Round a double to float32, as the kernels' constants are."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def adamw_decay(hp: AdamArgs) -> float:
+    """AdamW's per-step factor on the params, as the step rounds it (1.0: no decoupled decay)."""
+    return _f32(1.0 - hp.lr * hp.weight_decay) if hp.adamw_mode and hp.weight_decay != 0 else 1.0
+
+
+_UNDO_CHUNK = 1 << 18  # elements per float64 pass: bounds the temporaries (a few MB) whatever the size
+_BF16_STATE_CHUNK = 1 << 16  # elements per pass of the reference: bounds its float64 temporaries
+
+_M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer (native/dispatch.c mix64)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _sr_keys(seed: int, step: int, high: int) -> tuple[int, int]:
+    """The hash keys (p and m, v) of the elements whose global index has these high 32 bits."""
+    z = _mix64((_mix64((_mix64((seed + 0x9E3779B97F4A7C15) & _M64) + step) & _M64) + high) & _M64)
+    return z & _M32, z >> 32
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``x * c mod 2**32`` for int64 x in [0, 2**32), in halves so that no product overflows int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """lowbias32 (native/kernels_simd.h hash32) on int64 tensors holding uint32 values."""
+    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
+    x = _mul32(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sr_bits(seed: int, step: int, offset: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The 16 random bits of p, m and v for elements ``offset .. offset + n - 1`` (int64 tensors)."""
+    index = torch.arange(offset, offset + n, dtype=torch.int64)
+    high, low = index >> 32, index & _M32
+    key_pm, key_v = torch.empty_like(index), torch.empty_like(index)
+    for h in range(offset >> 32, ((offset + n - 1) >> 32) + 1 if n else 0):
+        where = high == h
+        key_pm[where], key_v[where] = _sr_keys(seed, step, h)
+    pm, v = _hash32(low ^ key_pm), _hash32(low ^ key_v)
+    return pm >> 16, pm & 0xFFFF, v >> 16
+
+
+def round_bf16_stochastic(x: Tensor, r: Tensor) -> Tensor:
+    """fp32 -> bf16: add the random bits ``r`` (< 2**16) to the bit pattern and truncate; NaN -> 0x7fc0."""
+    bits = ((x.view(torch.int32).to(torch.int64) & _M32) + r) >> 16
+    bits = torch.where(torch.isnan(x), 0x7FC0, bits)
+    return (bits - ((bits >> 15) << 16)).to(torch.int16).view(torch.bfloat16)
+
+
+def _r32(x: Tensor) -> Tensor:
+    """Round float64 to float32, kept in float64: one correctly rounded fp32 operation after a float64
+    one (+, -, *, / and sqrt of fp32 values in float64 then rounded to fp32 give the fp32 result)."""
+    return x.to(torch.float32).to(torch.float64)
+
+
+def _fma32(a: Tensor | float, b: Tensor, c: Tensor) -> Tensor:
+    """fp32 ``a * b + c`` rounded once (the kernels' fused multiply-add), from fp32 values in float64.
+
+    The product is exact in float64; the sum is rounded to odd (to nearest, then, if inexact and even,
+    one step towards the exact sum, whose error TwoSum gives), and round-to-odd in 53 bits followed by
+    round-to-nearest in 24 is correctly rounded (native/kernels_scalar.c fma_exact does the same).
+    """
+    prod = b * a
+    s = prod + c
+    bb = s - prod
+    err = (prod - (s - bb)) + (c - bb)
+    bits = s.view(torch.int64)
+    inexact_even = ((err > 0) | (err < 0)) & ((bits & 1) == 0)  # NaN err (s not finite): untouched
+    bits = bits + torch.where(inexact_even, torch.where((err > 0) == (s > 0), 1, -1), 0)
+    return _r32(bits.view(torch.float64))
+
+
+class TorchBackend:
+    """The kernels in torch ops; the same methods as :class:`kernels.native.NativeBackend`."""
+
+    name = "torch"
+
+    def activate(self) -> None:
+        pass
+
+    def adam(
+        self,
+        hp: AdamArgs,
+        table: list[tuple[int, ...]],
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        exp_avgs: Sequence[Tensor],
+        exp_avg_sqs: Sequence[Tensor],
+        params_out: Sequence[Tensor] | None,
+        steps: Sequence[int] | Sequence[Tensor],
+        grad_scale: float,
+        extrapolate: float,
+        num_threads: int,
+    ) -> None:
+        """Fallback: cast/scale the grads (temporaries), torch's fused CPU Adam, then the copy-out."""
+        if isinstance(steps[0], Tensor):  # torch-format counters: incremented in place, as torch does
+            bad = next((i for i, s in enumerate(steps) if not float(s) >= 0), None)
+            if bad is not None:
+                raise bad_counter(bad, steps[bad])
+            torch._foreach_add_(list(steps), 1.0)
+            step_tensors = list(steps)
+        else:
+            step_tensors = [torch.tensor(float(s)) for s in steps]
+        if grads[0].dtype != torch.float32 or grad_scale != 1.0:
+            grads = [g.to(torch.float32, copy=True).mul_(grad_scale) for g in grads]
+        before = [p.clone() for p in params] if extrapolate and params_out is not None else None
+        fused = torch._fused_adamw_ if hp.adamw_mode else torch._fused_adam_
+        fused(
+            list(params),
+            list(grads),
+            list(exp_avgs),
+            list(exp_avg_sqs),
+            [],
+            step_tensors,
+            lr=hp.lr,
+            beta1=hp.beta1,
+            beta2=hp.beta2,
+            weight_decay=hp.weight_decay,
+            eps=hp.eps,
+            amsgrad=False,
+            maximize=hp.maximize,
+        )
+        for i, (param, out) in enumerate(zip(params, params_out or ())):
+            out.copy_(param if before is None else torch.add(param, param - before[i], alpha=extrapolate))
+
+    def adam_if_finite(
+        self,
+        hp: AdamArgs,
+        table: list[tuple[int, ...]],
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        exp_avgs: Sequence[Tensor],
+        exp_avg_sqs: Sequence[Tensor],
+        steps: Sequence[int],
+        grad_scale: float,
+        num_threads: int,
+    ) -> tuple[float, bool]:
+        """The norm first, then the step only if it is finite (two passes; the native kernel needs one)."""
+        sumsq = sum(self.sum_of_squares(g, num_threads) for g in grads)
+        if not math.isfinite(sumsq):
+            return math.inf, False
+        self.adam(hp, table, params, grads, exp_avgs, exp_avg_sqs, None, steps, grad_scale, 0.0, num_threads)
+        return sumsq, True
+
+    def adam_undo(
+        self,
+        hp: AdamArgs,
+        param: Tensor,
+        grad: Tensor,
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        step: int,
+        grad_scale: float,
+        num_threads: int,
+    ) -> None:
+        """native/undo_body.h in torch ops: the same float64 arithmetic in the same order, so the same bits."""
+        bc1 = 1.0 - hp.beta1**step
+        bc2_sqrt = _f32((1.0 - hp.beta2**step) ** 0.5)  # pow, as the step computes it
+        neg_step_size = _f32(-(hp.lr / bc1))
+        eps = _f32(hp.eps)
+        decay = adamw_decay(hp)
+        l2 = 0.0 if hp.adamw_mode else _f32(hp.weight_decay)
+        w = _f32(1.0 - hp.beta1)
+        beta2, one_minus_beta2 = _f32(hp.beta2), _f32(1.0 - hp.beta2)
+        scale = torch.tensor(-grad_scale if hp.maximize else grad_scale, dtype=torch.float32)
+        inv_bc2_sqrt, inv_decay = 1.0 / bc2_sqrt, 1.0 / decay
+        inv_one_minus_w = 1.0 / (1.0 - w) if w != 1.0 else 0.0
+        inv_beta2 = 1.0 / beta2 if beta2 != 0 else 0.0
+        for start in range(0, param.numel(), _UNDO_CHUNK):
+            window = slice(start, start + _UNDO_CHUNK)
+            p1, m1, v1 = param[window].double(), exp_avg[window].double(), exp_avg_sq[window].double()
+            p0 = (p1 - neg_step_size * m1 / (v1.sqrt() * inv_bc2_sqrt + eps)) * inv_decay
+            g = (grad[window] * scale).double() + p0 * l2  # the product rounded to fp32, as in the step; Adam's L2
+            param[window] = p0
+            exp_avg[window] = (m1 - w * g) * inv_one_minus_w
+            exp_avg_sq[window] = ((v1 - one_minus_beta2 * g * g) * inv_beta2).clamp_(min=0.0)
+
+    def adam_bf16_state(
+        self,
+        hp: AdamArgs,
+        param: Tensor,
+        grad: Tensor,
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        step: int,
+        seed: int,
+        offset: int,
+        grad_scale: float,
+        num_threads: int,
+    ) -> None:
+        """adam_bf16state (native/kernels_simd.h) in torch ops: every fp32 operation done in float64 and
+        rounded to fp32 (exact: see _r32), the multiply-adds rounded once (_fma32), the same constants as
+        dispatch.c adam_consts and the same hash, so the same bits as every native backend."""
+        bc1, bc2 = 1.0 - hp.beta1**step, 1.0 - hp.beta2**step  # pow, as adam_consts computes them
+        scale = _f32(-grad_scale if hp.maximize else grad_scale)
+        l2 = 0.0 if hp.adamw_mode else _f32(hp.weight_decay)
+        decay = adamw_decay(hp)
+        w = _f32(1.0 - hp.beta1)
+        from_end = not w < 0.5
+        lerp_w = _f32(w - 1.0) if from_end else w
+        beta2, one_minus_beta2 = _f32(hp.beta2), _f32(1.0 - hp.beta2)
+        bc2_sqrt, neg_step_size, eps = _f32(bc2**0.5), _f32(-(hp.lr / bc1)), _f32(hp.eps)
+        for start in range(0, param.numel(), _BF16_STATE_CHUNK):
+            window = slice(start, start + _BF16_STATE_CHUNK)
+            gi = _r32(grad[window].double() * scale)
+            p, m, v = (t[window].double() for t in (param, exp_avg, exp_avg_sq))
+            if l2 != 0.0:
+                gi = _fma32(p, l2, gi)
+            p = _r32(p * decay)
+            m = _fma32(lerp_w, _r32(gi - m), gi if from_end else m)
+            v = _fma32(_r32(one_minus_beta2 * gi), gi, _r32(v * beta2))
+            denom = _r32(_r32(_r32(v.sqrt()) / bc2_sqrt) + eps)
+            p = _r32(p + _r32(_r32(neg_step_size * m) / denom))
+            bits = sr_bits(seed, step, offset + start, p.numel())
+            for t, x, r in zip((param, exp_avg, exp_avg_sq), (p, m, v), bits):
+                t[window] = round_bf16_stochastic(x.float(), r)
+
+    def grad_accumulate(self, dst: Tensor, src: Tensor, scale: float, overwrite: bool, num_threads: int) -> float:
+        """Fallback: the same arithmetic (exact cast, multiply, add) in two passes."""
+        if overwrite:
+            dst.copy_(src)
+            dst.mul_(scale)
+        else:
+            dst.add_(src.to(torch.float32, copy=True).mul_(scale))
+        return float(torch.linalg.vector_norm(dst, dtype=torch.float64)) ** 2
+
+    def sum_of_squares(self, src: Tensor, num_threads: int) -> float:
+        return float(torch.linalg.vector_norm(src, dtype=torch.float64)) ** 2
+
+    def fingerprint16(self, words: Tensor, num_threads: int, width: int = 1024) -> Tensor:
+        # sum x[r*w + c] * (r*w + c + 1) = w * sum_r r * rowsum_r + sum_c (c + 1) * colsum_c, plus the tail
+        flat = words.reshape(-1)
+        rows = flat.numel() // width
+        body = flat[: rows * width].view(rows, width)
+        index = functools.partial(torch.arange, dtype=torch.int64, device=words.device)
+        total = width * (body.sum(1, dtype=torch.int64) * index(rows)).sum()
+        total += (body.sum(0, dtype=torch.int64) * index(1, width + 1)).sum()
+        tail = flat[rows * width :]
+        return total + (tail.to(torch.int64) * index(rows * width + 1, flat.numel() + 1)).sum()
