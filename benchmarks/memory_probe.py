@@ -15,27 +15,36 @@ def rss() -> int:
         return int(f.read().split()[1]) * PAGE
 
 
-class PeakSampler(threading.Thread):
-    """The largest RSS seen, sampled every millisecond (a peak shorter than that can be missed)."""
+def anonymous_rss() -> int:
+    """RSS less its file-backed pages (mapped files such as a memory-mapped checkpoint, code paged in):
+    the memory that only swap or the OOM killer can take back."""
+    with open("/proc/self/statm") as f:
+        _, resident, shared = map(int, f.read().split()[:3])
+    return (resident - shared) * PAGE
 
-    def __init__(self) -> None:
+
+class PeakSampler(threading.Thread):
+    """The largest RSS (or ``measure()``) seen, sampled every millisecond (a shorter peak can be missed)."""
+
+    def __init__(self, measure=rss) -> None:
         super().__init__(daemon=True)
-        self.peak, self.done = rss(), threading.Event()
+        self.measure = measure
+        self.peak, self.done = measure(), threading.Event()
 
     def run(self) -> None:
         while not self.done.is_set():
-            self.peak = max(self.peak, rss())
+            self.peak = max(self.peak, self.measure())
             time.sleep(0.001)
 
     def reset(self) -> int:
-        """The peak so far (including now), and start a new one from the current RSS."""
-        peak, self.peak = max(self.peak, rss()), rss()
+        """The peak so far (including now), and start a new one from the current value."""
+        peak, self.peak = max(self.peak, self.measure()), self.measure()
         return peak
 
     def stop(self) -> int:
         self.done.set()
         self.join()
-        return max(self.peak, rss())
+        return max(self.peak, self.measure())
 
 
 def linear_stack(params: float, width: int):
