@@ -56,7 +56,7 @@ def train_blocks(order: str, bucket_numel: int, rank: int, world: int) -> dict:
     return {
         "buckets": len(engine.layout.buckets),
         "peaks": peaks,
-        "kept": engine.grads._device_buffers.allocated,
+        "kept": engine.grads.device_buffers.allocated,
         "most": engine.grads.device_buffers_allocated,
         "master": engine.master_params(),
     }

@@ -1,23 +1,27 @@
-"""The offload engine: one training step's data path, from device gradients to updated device params.
+"""The offload engine: the orchestrator of one training step, built from parts that own their state.
 
 ```
-backward (device)  -> GradientStreamer: hooks, buckets, [reduce-scatter], fp32 accumulate on CPU
-step()             -> global norm + overflow (from the accumulate pass) -> clip x unscale factor
-                   -> fused CPU Adam per bucket, writing the low-precision copy in the same pass
-                   -> copy back bucket by bucket [all-gather] into the flat device parameter buffer
+backward (device)  -> gradient source (engine/grads.py): hooks, buckets, [reduce-scatter], fp32
+                      accumulate into the CPU state's gradient buffer, with sums and inf/nan flags
+step()             -> global norm + overflow (one all-reduce) -> skip, or clip x unscale factor
+                   -> the schedule runs the plan: fused CPU Adam per bucket on the CPU state
+                      (engine/cpu_state.py), writing the low-precision copy in the same pass
+                   -> the publisher (engine/publisher.py) copies each bucket back [all-gather]
 ```
 
-*When* the CPU Adam of a bucket runs is the schedule's business (engine/schedules/): after backward
-(sync), during it and validated after it (speculative), or behind the next forward (delayed). This
-module is what they share: the layout and buffers, the decisions after backward (norm, overflow,
-clip, skip), publishing to the device, and the state in and out.
+The parts: the CPU state (master, moments, gradient buffer, step counts), the gradient source
+(engine/gradient_source.py: the streamer, or the in-place source), the publisher (or a null one in
+place) and the schedule (engine/schedules/: *when* each bucket's update runs), which gets the parts
+through engine/parts.py's narrow interface, never this class. This module builds them and makes the
+decisions they share (norm, overflow, clip, skip); engine/lifecycle.py holds the rest of the engine's
+life (re-planning, state in and out, teardown, the failure path).
 
 Device parameters are views into one flat low-precision buffer, so a bucket's update lands with a
 single copy (or one all-gather). The CPU holds only this rank's shard: fp32 master, two moments and
 an fp32 gradient buffer (16 bytes per owned parameter) plus a few bucket-sized staging buffers.
 Where nothing would be offloaded (a CPU device, fp32, one process, the sync step) the engine runs in
-place instead (engine/in_place.py): the parameters are views of the fp32 master and gradients stay
-where backward left them.
+place instead (engine/in_place.py): an in-place gradient source and a null publisher, the parameters
+views of the fp32 master and gradients where backward left them.
 Plain torch: no Lightning imports, so it can be driven and tested without a Trainer.
 """
 
@@ -26,7 +30,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from typing import Any
+from collections.abc import Collection
 
 import torch
 import torch.distributed as dist
@@ -34,26 +38,32 @@ import torch.distributed as dist
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine import state as state_io
 from lightning_zero_offload.engine.adam import check_optimizer
-from lightning_zero_offload.engine.collectives import all_reduce_sum
+from lightning_zero_offload.engine.cpu_state import CpuState, ParkedState
 from lightning_zero_offload.engine.failures import NonFinitePolicy
-from lightning_zero_offload.engine.gradient_source import GradientSource
+from lightning_zero_offload.engine.gradient_source import GradientSource, global_summary
 from lightning_zero_offload.engine.grads import GradientStreamer
 from lightning_zero_offload.engine.in_place import InPlaceGradients
 from lightning_zero_offload.engine.layout import Bucket, Layout, build_layout
-from lightning_zero_offload.engine.memory import BufferPool, can_pin, host_zeros, records_allocations, worker_pool
+from lightning_zero_offload.engine.lifecycle import EngineLifecycle
+from lightning_zero_offload.engine.memory import can_pin, records_allocations, worker_pool
 from lightning_zero_offload.engine.optimizer_hooks import has_step_hooks, step_hooks
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
-from lightning_zero_offload.engine.param_writes import ParamWriteWatch
 from lightning_zero_offload.engine.publisher import LOW_PRECISION, NullPublisher, Publisher
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, make_schedule
 from lightning_zero_offload.engine.stats import StepStats
-from lightning_zero_offload.engine.update import read_all_hyperparams, update_in_place_checked
+from lightning_zero_offload.engine.update import (
+    make_plan,
+    read_all_hyperparams,
+    update_and_publish,
+    update_in_place,
+    update_in_place_checked,
+)
 
 __all__ = ["OffloadEngine", "StepStats"]
 
 
-class OffloadEngine:
+class OffloadEngine(EngineLifecycle):
     """Owns the CPU optimizer state of the trainable parameters of ``optimizer`` and updates them.
 
     Args:
@@ -103,8 +113,7 @@ class OffloadEngine:
         self.nonfinite = NonFinitePolicy(options.max_consecutive_skipped_steps, self.scaler)
         self.failed = False  # closed after an exception, without gathering (see _close_after_failure)
         self._closed = False
-        # Moments and step counts of parameters that left the trainable set, kept should they return.
-        self._parked: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._parked = ParkedState()  # moments and step counts of parameters that left the trainable set
         self._build()
         self.last = StepStats(loss_scale=self.loss_scale)
 
@@ -134,13 +143,7 @@ class OffloadEngine:
         self.layout: Layout = build_layout([p.shape for p in self.params], options.bucket_numel(element), world, rank)
         self.in_place = self.resolved.in_place
         self.pin = self.resolved.pin_memory and can_pin(device)
-        shard = self.layout.shard_numel
-        self.master = host_zeros(shard, torch.float32, False)  # model-sized: never pinned (see HostToDevice)
-        self.exp_avg = host_zeros(shard, torch.float32, False)
-        self.exp_avg_sq = host_zeros(shard, torch.float32, False)
-        # The buffer backward accumulates into now (in place: gradients stay in the tensors autograd made).
-        self.grad: torch.Tensor | None = None if self.in_place else host_zeros(shard, torch.float32, False)
-        self.steps = [0] * len(self.params)
+        self.state = CpuState(self.layout, self.group_of, keeps_grad=not self.in_place)
         self._original_dtypes = [p.dtype for p in self.params]
         state_io.load_shard(self, self.master, [p.detach() for p in self.params])
 
@@ -150,18 +153,18 @@ class OffloadEngine:
         if self.in_place:
             self.publisher = NullPublisher(self.layout, self.params, self.master)
             self.grads = InPlaceGradients(self.params, self.num_threads)
-            ranges = [self.layout.slot_range(index) for index in range(len(self.params))]
             # Per-parameter views of master and moments, for the step (fixed: the buffers are never replaced).
-            buffers = (self.master, self.exp_avg, self.exp_avg_sq)
-            self.param_views = tuple([buffer[r] for r in ranges] for buffer in buffers)
+            self.param_views = self.state.param_views()
+            self._update = self._update_in_place
         else:
             self.publisher = Publisher(
                 self.layout, self.params, device, param_dtype, self.pin, self.process_group, self.ledger
             )
+            self._update = self._update_offload
             self.grads = GradientStreamer(
                 self.layout,
                 self.params,
-                self.grad,
+                self.state,
                 device,
                 param_dtype,
                 self.pin,
@@ -170,51 +173,6 @@ class OffloadEngine:
                 self.overlap,
             )
         self.schedule = make_schedule(self.cpu_step, self)
-
-    # -- the trainable set ---------------------------------------------------------------------
-
-    def trainable_signature(self) -> tuple[tuple[int, bool], ...]:
-        """Which parameters each param group holds and which are trainable (cheap: ids and flags)."""
-        return tuple(
-            (id(p), p.requires_grad) if i else (-group_index - 1, True)  # a group boundary
-            for group_index, group in enumerate(self.optimizer.param_groups)
-            for i, p in enumerate([None, *group["params"]])
-        )
-
-    def replan_if_changed(self) -> bool:
-        """Re-plan the layout if parameters became trainable or frozen, or param groups were added.
-
-        Call before a forward (the front ends do, for every training step; ``begin_backward`` too). Every
-        parameter that stays keeps its master weights, moments and step count bitwise; a new one starts
-        from its current value with fresh moments, as torch's AdamW would. Slow (gathers the whole state),
-        and rare. Every rank re-plans at the same step, as every rank changes its trainable set alike.
-        """
-        if self._closed or self.failed or self.trainable_signature() == self._signature:
-            return False
-        check_optimizer(self.optimizer)
-        self.sync()  # an update in flight lands and is published
-        masters = self.master_params()  # settled, writes to the parameters absorbed
-        exp_avgs = state_io.full_tensors(self, self.exp_avg)
-        exp_avg_sqs = state_io.full_tensors(self, self.exp_avg_sq)
-        schedule_state = self.schedule.state_dict()
-        self.schedule.close()
-        self.grads.close()
-        for p, weight, exp_avg, exp_avg_sq, step, dtype in zip(
-            self.params, masters, exp_avgs, exp_avg_sqs, self.steps, self._original_dtypes
-        ):
-            p.data = weight.to(device=self.device, dtype=dtype, copy=True)  # a device tensor of its own again
-            self._parked[id(p)] = (exp_avg.clone(), exp_avg_sq.clone(), step)
-        kept_masters = {id(p): weight for p, weight in zip(self.params, masters)}
-        self._build()
-        state_io.load_shard(self, self.master, [kept_masters.get(id(p), p.detach()).float() for p in self.params])
-        moments = [self._parked.pop(id(p), None) for p in self.params]
-        zeros = [torch.zeros(p.shape) for p in self.params]
-        state_io.load_shard(self, self.exp_avg, [m[0] if m else z for m, z in zip(moments, zeros)])
-        state_io.load_shard(self, self.exp_avg_sq, [m[1] if m else z for m, z in zip(moments, zeros)])
-        self.steps = [m[2] if m else 0 for m in moments]
-        self.refresh_device_params()
-        self.schedule.load_state_dict({"name": self.schedule.name, **schedule_state})
-        return True
 
     # -- training ------------------------------------------------------------------------------
 
@@ -373,19 +331,31 @@ class OffloadEngine:
     def _global_grad_summary(self) -> tuple[float, bool, list[bool]]:
         """(sum of squares, overflow, has_grad per parameter) over all ranks, computed once per window."""
         if self._grad_summary is None:
-            self._grad_summary = self._reduce_grad_summary()
+            world = self.layout.world_size
+            self._grad_summary = global_summary(self.grads, world, self.process_group, self.device)
         return self._grad_summary
 
-    def _reduce_grad_summary(self) -> tuple[float, bool, list[bool]]:
-        sumsq, overflow = self.grads.local_summary()
-        has_grad = list(self.grads.has_grad)
-        if self.layout.world_size > 1:
-            summary = torch.tensor([sumsq, float(overflow), *map(float, has_grad)], dtype=torch.float64)
-            summary = all_reduce_sum(summary, self.process_group, self.device)
-            sumsq, overflow = float(summary[0]), bool(summary[1] > 0)
-            has_grad = (summary[2:] > 0).tolist()
-        overflow = overflow or not math.isfinite(sumsq)
-        return sumsq, overflow, has_grad
+    def update_now(
+        self,
+        has_grad: list[bool],
+        multiplier: float,
+        done: Collection[int] = (),
+        done_out: torch.Tensor | None = None,
+    ) -> tuple[float, float]:
+        """Plan the step (counting it) and update every bucket not in ``done`` now, publishing each one;
+        returns (update, publish) seconds (engine/update.py). In place: one native call per param group,
+        and nothing to publish (the update chosen with the parts, in ``_build``)."""
+        return self._update(has_grad, multiplier, done, done_out)
+
+    def _update_offload(
+        self, has_grad: list[bool], multiplier: float, done: Collection[int], done_out: torch.Tensor | None
+    ) -> tuple[float, float]:
+        return update_and_publish(self, make_plan(self, has_grad, multiplier), done, done_out)
+
+    def _update_in_place(
+        self, has_grad: list[bool], multiplier: float, done: Collection[int], done_out: torch.Tensor | None
+    ) -> tuple[float, float]:
+        return update_in_place(self, multiplier), 0.0  # every parameter's gradient is where autograd left it
 
     def clamp_grads(self, limit: float) -> None:
         """Clip by value on the stored (loss-scaled) gradients of this window."""
@@ -413,16 +383,6 @@ class OffloadEngine:
 
     # -- publishing to the device --------------------------------------------------------------
 
-    @property
-    def publish_pool(self) -> BufferPool | None:
-        """The publisher's pool of low-precision host chunks (None for fp32 parameters)."""
-        return self.publisher.pool
-
-    @property
-    def writes(self) -> ParamWriteWatch:
-        """The publisher's record of what the device parameters were last given."""
-        return self.publisher.writes
-
     def publish(self, bucket: Bucket, out: torch.Tensor | None, pooled: bool = True) -> None:
         """Copy this rank's updated chunk of ``bucket`` to the device and gather the other chunks.
 
@@ -431,156 +391,6 @@ class OffloadEngine:
         """
         source = self.master[bucket.shard_range] if out is None else out[: bucket.shard_numel]
         self.publisher.publish(bucket, source, out, pooled)
-
-    def wait_publish(self) -> None:
-        """Wait for the copies to the device that read host memory about to change."""
-        self.publisher.wait()
-
-    def refresh_device_params(self) -> None:
-        """Write the master weights (rounded to the device dtype) into the device parameters."""
-        self.publisher.refresh(self.master)
-
-    # -- state in and out ----------------------------------------------------------------------
-
-    def _settle(self) -> None:
-        """Before reading or replacing the CPU state: nothing running, nothing unvalidated, copies done."""
-        self.schedule.settle()
-        self.wait_publish()
-        self.absorb_param_writes()
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint needs besides weights and moments to resume bitwise: the step count, the
-        loss scaler and the schedule's state (plain tensors and numbers: ``weights_only`` loads)."""
-        state: dict[str, Any] = {
-            "step_calls": self.step_calls,
-            "skipped_steps": self.skipped_steps,
-            "nonfinite": self.nonfinite.state_dict(),  # a resumed run raises after the same skipped steps
-            "schedule": {"name": self.schedule.name, **self.schedule.state_dict()},
-        }
-        if self.scaler is not None:
-            state["loss_scaler"] = self.scaler.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (after the weights and the optimizer state have been loaded).
-
-        The schedule's state is restored if the checkpoint was written with the same schedule. From
-        another one, a pending delayed update is simply applied: the device already holds the master.
-        """
-        self._settle()
-        self.step_calls = int(state.get("step_calls", 0))
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.nonfinite.load_state_dict(state.get("nonfinite", {}))
-        if state.get("loss_scaler") is not None and self.scaler is not None:
-            self.scaler.load_state_dict(state["loss_scaler"])
-        schedule = state.get("schedule") or {}
-        if schedule.get("name") == self.schedule.name:
-            self.schedule.load_state_dict(schedule)
-
-    def master_params(self) -> list[torch.Tensor]:
-        """Full fp32 master weights, one tensor per trainable parameter (collective when sharded)."""
-        self._settle()
-        return state_io.full_tensors(self, self.master)
-
-    def load_master_params(self, tensors: list[torch.Tensor]) -> None:
-        for p, t in zip(self.params, tensors):
-            if t.shape != p.shape:
-                raise ValueError(f"master weight of shape {tuple(t.shape)} does not fit parameter {tuple(p.shape)}")
-        self._settle()
-        state_io.load_shard(self, self.master, [t.float() for t in tensors])
-        self.refresh_device_params()
-        self.schedule.on_weights_loaded()
-
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        """The optimizer state in ``torch.optim.AdamW``'s format (full tensors, collective when sharded)."""
-        self._settle()
-        return state_io.optimizer_state_dict(self)
-
-    def param_groups_state(self) -> list[dict[str, Any]]:
-        """The optimizer's hyperparameters, numbered as in ``torch.optim.Optimizer.state_dict``."""
-        return state_io.param_groups_state(self)
-
-    def shard_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's flat fp32 master and moments, as stored in a sharded checkpoint."""
-        self.refuse_after_failure("sharded checkpoint")
-        self._settle()
-        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-
-    def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam)."""
-        self._settle()
-        state_io.load_optimizer_state_dict(self, state_dict)
-
-    # -- accounting and teardown ---------------------------------------------------------------
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes held by the engine, as recorded where each buffer was allocated (see memory.MemoryLedger)."""
-        return self.ledger.report(sum(p.numel() for p in self.params))
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def close(self, after_failure: bool = False) -> None:
-        """Detach from the module and hand the parameters back as CPU tensors holding the master weights.
-
-        Each parameter gets its original dtype back, so a module that came in fp32 leaves with the exact
-        fp32 trained weights, not their low-precision device copy. The CPU optimizer state is kept, so
-        the optimizer state can still be saved after training (as with a plain torch optimizer).
-        ``after_failure``: issue no collective (the other ranks may be gone); see ``_close_after_failure``.
-        """
-        if self._closed:
-            return
-        if after_failure:
-            self._close_after_failure()
-            return
-        self._settle()
-        self.schedule.close()
-        self.updater.shutdown(wait=True)
-        self.grads.close()
-        for p, weight, dtype in zip(self.params, self.master_params(), self._original_dtypes):
-            p.data = weight.to(dtype)
-        self.publisher.drop()
-        self._closed = True
-
-    def _close_after_failure(self) -> None:
-        """Detach from the module after an exception, issuing no collective and never blocking on a peer.
-
-        What the module's parameters hold afterwards (each in its original dtype, on the device):
-
-        - one process: the fp32 master weights (as after a normal close; they are complete on this rank);
-        - several ranks: this rank's device copy of the parameters (the low-precision values the last
-          forward used, upcast), because the full master weights are spread over the ranks and gathering
-          them needs peers that may be gone. The engine keeps only this rank's shard of the optimizer
-          state; asking it for the full state raises instead of hanging (:meth:`refuse_after_failure`).
-
-        A failure inside the optimizer step itself can leave some buckets updated and others not; resume
-        from the last checkpoint rather than saving these weights as a training checkpoint.
-        """
-        # Stop the worker threads first: they are not daemons, so one left waiting for a buffer that the
-        # failed main thread will never return would keep the process from exiting (and its peers waiting).
-        self.updater.shutdown(wait=False, cancel_futures=True)
-        self.publisher.release_waiters()  # unblock an update waiting for a free buffer
-        self.updater.shutdown(wait=True)
-        self.grads.close()
-        self.schedule.abandon()  # host-side only: a running update finishes, unvalidated work is dropped
-        single = self.layout.world_size == 1
-        with torch.no_grad():
-            if single:
-                masters = state_io.full_tensors(self, self.master)  # one rank: no collective involved
-            for index, (p, dtype) in enumerate(zip(self.params, self._original_dtypes)):
-                p.data = masters[index].to(dtype) if single else p.detach().to(dtype, copy=True)
-        self.publisher.drop()
-        self.failed = True
-        self._closed = True
-
-    def refuse_after_failure(self, what: str) -> None:
-        """Raise instead of gathering ``what`` from peers that a failure may have taken down."""
-        if self.failed and self.layout.world_size > 1:
-            raise RuntimeError(
-                f"Cannot assemble the {what}: training failed and the engine was closed without gathering it "
-                "from the other ranks (they may be gone). Resume from the last checkpoint instead."
-            )
 
 
 def _check_clip(name: str, value: float | None) -> None:

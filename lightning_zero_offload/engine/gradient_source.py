@@ -14,11 +14,14 @@ check the gradients for inf/nan) is a question the source answers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
+from lightning_zero_offload.engine.collectives import all_reduce_sum
 from lightning_zero_offload.engine.layout import Bucket
 
 
@@ -60,3 +63,18 @@ class GradientSource(Protocol):
 
     def close(self) -> None:
         """Remove the hooks and release what the source holds."""
+
+
+def global_summary(
+    source: GradientSource, world: int, process_group: dist.ProcessGroup | None, device: torch.device
+) -> tuple[float, bool, list[bool]]:
+    """(sum of squares, overflow, has_grad per parameter) of the window over all ranks: one all-reduce."""
+    sumsq, overflow = source.local_summary()
+    has_grad = list(source.has_grad)
+    if world > 1:
+        summary = torch.tensor([sumsq, float(overflow), *map(float, has_grad)], dtype=torch.float64)
+        summary = all_reduce_sum(summary, process_group, device)
+        sumsq, overflow = float(summary[0]), bool(summary[1] > 0)
+        has_grad = (summary[2:] > 0).tolist()
+    overflow = overflow or not math.isfinite(sumsq)
+    return sumsq, overflow, has_grad

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.collectives import all_reduce_sum, broadcast_tensors_, reduce_scatter
+from lightning_zero_offload.engine.cpu_state import CpuState
 from lightning_zero_offload.engine.layout import Bucket, Layout
 from lightning_zero_offload.engine.memory import (
     COLLECTIVE,
@@ -108,7 +109,7 @@ class GradientStreamer:
         self,
         layout: Layout,
         params: list[torch.nn.Parameter],
-        cpu_grad: torch.Tensor,
+        state: CpuState,
         device: torch.device,
         grad_dtype: torch.dtype,
         pin_memory: bool,
@@ -118,7 +119,7 @@ class GradientStreamer:
     ) -> None:
         self.layout = layout
         self.params = params
-        self.cpu_grad = cpu_grad
+        self.state = state  # accumulates into state.grad, the buffer backward fills now (it may swap)
         self.device = device
         self.grad_dtype = grad_dtype
         self.num_threads = num_threads
@@ -135,12 +136,12 @@ class GradientStreamer:
         max_bucket = max((b.padded_numel for b in layout.buckets), default=0)
         max_shard = max((b.shard_numel for b in layout.buckets), default=0)
         self._device_buffer_numel = max_bucket
-        self._device_buffers = DeviceBufferPool(max_bucket, grad_dtype, device, DEVICE_BUFFER_CAP, self.ledger)
+        self.device_buffers = DeviceBufferPool(max_bucket, grad_dtype, device, DEVICE_BUFFER_CAP, self.ledger)
         self._stream = side_stream(device)
         self.device_buffers_live = 0
         self.device_buffers_peak = 0
         self._staging = BufferPool(2, max_shard, grad_dtype, pin_memory, self.ledger)
-        self._worker = worker_pool("zero-offload-grads", device)
+        self.worker = worker_pool("zero-offload-grads", device)
         self._futures: list[Future] = []
         self._failure: BaseException | None = None  # the first error on the worker, raised from then on
 
@@ -209,7 +210,7 @@ class GradientStreamer:
         if buffer is None:
             if make_room:
                 self._make_room()
-            buffer = self._device_buffers.acquire()
+            buffer = self.device_buffers.acquire()
             bucket = self.layout.buckets[bucket_index]
             buffer[bucket.numel : bucket.padded_numel].zero_()
             self._bucket_buffer[bucket_index] = buffer
@@ -300,13 +301,13 @@ class GradientStreamer:
         if started is not None:
             self._device_spans.append((started, copied))
         self._bucket_buffer[bucket.index] = None
-        self._device_buffers.release(buffer, copied, bucket.index)
+        self.device_buffers.release(buffer, copied, bucket.index)
         self._filled[bucket.index] = []
         self._launched[bucket.index] = True
         self._evicted[bucket.index] = evict
         self.device_buffers_live -= 1
         if self.overlap:
-            self._futures.append(self._worker.submit(self._accumulate, bucket, staging, copied, True, final))
+            self._futures.append(self.worker.submit(self._accumulate, bucket, staging, copied, True, final))
         else:  # measured baseline: backward stops while each bucket is accumulated
             self._accumulate(bucket, staging, copied, False, final)
 
@@ -319,7 +320,7 @@ class GradientStreamer:
                 start = time.perf_counter()  # after the wait: the device part is timed on the device
                 overwrite = self._fresh[bucket.index]
                 sumsq, nonfinite = kernels.grad_accumulate(
-                    self.cpu_grad[bucket.shard_range],
+                    self.state.grad[bucket.shard_range],
                     staging[: bucket.shard_numel],
                     scale=self.scale,
                     overwrite=overwrite,
@@ -478,7 +479,7 @@ class GradientStreamer:
     def for_each_grad_range(self, fn: Callable[[torch.Tensor], None]) -> None:
         for bucket in self.layout.buckets:
             if not self._fresh[bucket.index]:
-                fn(self.cpu_grad[bucket.shard_range])
+                fn(self.state.grad[bucket.shard_range])
 
     @property
     def device_buffer_nbytes(self) -> int:
@@ -487,11 +488,11 @@ class GradientStreamer:
     @property
     def device_buffers_allocated(self) -> int:
         """The most device gradient buffers that existed at once (the pool keeps at most the cap)."""
-        return self._device_buffers.peak
+        return self.device_buffers.peak
 
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._worker.shutdown(wait=True)
-        self._device_buffers.clear()
+        self.worker.shutdown(wait=True)
+        self.device_buffers.clear()

@@ -20,7 +20,7 @@ from lightning_zero_offload.engine.adam import AdamHyperparams, read_hyperparams
 from lightning_zero_offload.engine.layout import Bucket
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.engine import OffloadEngine
+    from lightning_zero_offload.engine.parts import EngineParts
 
 
 class Run(NamedTuple):
@@ -36,7 +36,7 @@ class Run(NamedTuple):
 Plan = list[list[Run]]  # per bucket, in layout order
 
 
-def read_all_hyperparams(engine: OffloadEngine) -> list[AdamHyperparams]:
+def read_all_hyperparams(engine: EngineParts) -> list[AdamHyperparams]:
     """The hyperparameters of every param group, read live (LR schedulers change them between steps).
 
     Validated at every step, with the group's index in every error: a callback that switches on a key the
@@ -46,7 +46,7 @@ def read_all_hyperparams(engine: OffloadEngine) -> list[AdamHyperparams]:
     return [read_hyperparams(engine.optimizer, group, index) for index, group in enumerate(groups)]
 
 
-def bucket_runs(engine: OffloadEngine, bucket: Bucket, has_grad: list[bool]) -> list[tuple[int, int, int]]:
+def bucket_runs(engine: EngineParts, bucket: Bucket, has_grad: list[bool]) -> list[tuple[int, int, int]]:
     """Merge this rank's segments of ``bucket`` into maximal runs that one kernel call can update.
 
     Consecutive segments merge when they share param group, step count and gradient presence, which in
@@ -71,7 +71,7 @@ def bucket_runs(engine: OffloadEngine, bucket: Bucket, has_grad: list[bool]) -> 
 
 
 def plan_bucket(
-    engine: OffloadEngine, bucket: Bucket, has_grad: list[bool], multiplier: float, hparams: list[AdamHyperparams]
+    engine: EngineParts, bucket: Bucket, has_grad: list[bool], multiplier: float, hparams: list[AdamHyperparams]
 ) -> list[Run]:
     """One bucket's runs with the step numbers they will get (the current counts + 1)."""
     return [
@@ -80,7 +80,7 @@ def plan_bucket(
     ]
 
 
-def make_plan(engine: OffloadEngine, has_grad: list[bool], multiplier: float) -> Plan:
+def make_plan(engine: EngineParts, has_grad: list[bool], multiplier: float) -> Plan:
     """The whole step's plan; counts the step of every parameter that got a gradient.
 
     Taken on the training thread before any scheduler steps again, so an update that runs later (in
@@ -88,14 +88,12 @@ def make_plan(engine: OffloadEngine, has_grad: list[bool], multiplier: float) ->
     """
     hparams = read_all_hyperparams(engine)
     plan = [plan_bucket(engine, bucket, has_grad, multiplier, hparams) for bucket in engine.layout.buckets]
-    for index, got in enumerate(has_grad):
-        if got:
-            engine.steps[index] += 1
+    engine.state.count_steps(index for index, got in enumerate(has_grad) if got)
     return plan
 
 
 def update_bucket(
-    engine: OffloadEngine,
+    engine: EngineParts,
     bucket: Bucket,
     runs: list[Run],
     grad: torch.Tensor,
@@ -126,7 +124,7 @@ def update_bucket(
 
 
 def update_and_publish(
-    engine: OffloadEngine,
+    engine: EngineParts,
     plan: Plan,
     done: Collection[int] = (),
     done_out: torch.Tensor | None = None,
@@ -179,7 +177,7 @@ def update_and_publish(
     return update_s, publish_s
 
 
-def in_place_calls(engine: OffloadEngine) -> dict[int, tuple[list[torch.Tensor], ...]]:
+def in_place_calls(engine: EngineParts) -> dict[int, tuple[list[torch.Tensor], ...]]:
     """The in-place step's kernel arguments per param group: (params, grads, exp_avgs, exp_avg_sqs), for
     every parameter that got a gradient; its step number is ``engine.steps[i] + 1``."""
     calls: dict[int, tuple[list[torch.Tensor], ...]] = {}
@@ -196,7 +194,7 @@ def in_place_calls(engine: OffloadEngine) -> dict[int, tuple[list[torch.Tensor],
     return calls
 
 
-def update_in_place(engine: OffloadEngine, multiplier: float) -> float:
+def update_in_place(engine: EngineParts, multiplier: float) -> float:
     """The in-place engine's step (engine/in_place.py): one native call per param group; returns seconds.
 
     Per parameter, the kernel sees what the offload path's plan would give it: the group's
@@ -209,12 +207,11 @@ def update_in_place(engine: OffloadEngine, multiplier: float) -> float:
         kernels.adam_step_multi(
             p, g, m, v, steps, hparams=hparams[group].kernel, grad_scale=multiplier, num_threads=engine.num_threads
         )
-        for i in indices:
-            engine.steps[i] += 1
+        engine.state.count_steps(indices)
     return time.perf_counter() - t
 
 
-def update_in_place_checked(engine: OffloadEngine) -> tuple[bool, float, float]:
+def update_in_place_checked(engine: EngineParts) -> tuple[bool, float, float]:
     """The in-place step without clipping, with the norm and inf/nan check inside the update; returns
     (applied, sum of squares of the gradients, seconds).
 
@@ -248,7 +245,5 @@ def update_in_place_checked(engine: OffloadEngine) -> tuple[bool, float, float]:
             return False, math.inf, time.perf_counter() - t
         sumsq += group_sumsq
         done.append((group, call))
-    for _, (*_, indices) in done:
-        for i in indices:
-            engine.steps[i] += 1
+    engine.state.count_steps(i for _, (*_, indices) in done for i in indices)
     return True, sumsq, time.perf_counter() - t

@@ -787,7 +787,7 @@ def host_memory(
     # Model-sized buffers are never pinned: they reach the device through HostToDevice's two pinned buffers.
     buffers["h2d_staging"] = 2 * max_shard * element if pin and pageable_published else 0
     pinned = buffers["grad_staging"] + buffers["publish_pool"] + buffers["h2d_staging"]
-    # Allocated before the module's parameters are replaced by views of the flat buffer (engine.__init__).
+    # Allocated before the module's parameters are replaced by views of the flat buffer (the engine's publisher).
     first = 16 * shard
     if device_type == "cpu":  # the "device" is host memory too
         buffers["device_params"] = layout.flat_numel * element

@@ -94,7 +94,7 @@ def test_results_are_bitwise_the_same_across_overlap_pinning_buckets_and_delays(
 def test_slow_transfers_never_make_backward_wait_for_the_latest_one():
     with slow_side_stream():
         engine = train(deep_net(), torch.bfloat16, bucket_size_mb=0.13)
-    pool = engine.grads._device_buffers
+    pool = engine.grads.device_buffers
     assert len(engine.layout.buckets) > DEVICE_BUFFER_CAP
     assert pool.allocated == DEVICE_BUFFER_CAP and pool.waits
     assert all(waited != latest for waited, latest in pool.waits)
@@ -111,7 +111,7 @@ def test_transfers_overlap_backward_on_a_fast_path():
 def test_worker_threads_run_on_the_engine_device():
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     engine = train(deep_net(), torch.bfloat16, steps=1, device=device)
-    assert engine.grads._worker.submit(torch.cuda.current_device).result() == device.index
+    assert engine.grads.worker.submit(torch.cuda.current_device).result() == device.index
     assert engine.updater.submit(torch.cuda.current_device).result() == device.index
 
 

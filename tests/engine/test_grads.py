@@ -67,7 +67,7 @@ def test_a_transfer_in_flight_is_never_waited_for_by_the_next_bucket(monkeypatch
     waits for the oldest transfer, never the one launched just before."""
     stand_in_events(monkeypatch, done=False)
     engine = bf16_run(make_net(width=64), 2)
-    pool = engine.grads._device_buffers
+    pool = engine.grads.device_buffers
     assert len(engine.layout.buckets) > DEVICE_BUFFER_CAP
     assert pool.allocated == DEVICE_BUFFER_CAP
     assert pool.waits, "with transfers that never finish, the cap must be reached"
@@ -82,7 +82,7 @@ def test_a_transfer_in_flight_is_never_waited_for_by_the_next_bucket(monkeypatch
 def test_completed_transfers_are_reused_oldest_first_without_waiting(monkeypatch):
     stand_in_events(monkeypatch, done=True)
     engine = bf16_run(make_net(width=64), 2)
-    pool = engine.grads._device_buffers
+    pool = engine.grads.device_buffers
     assert pool.waits == [] and pool.allocated <= 2
     assert engine.memory_report()["device_grad_buffers_peak"] == pool.allocated
 

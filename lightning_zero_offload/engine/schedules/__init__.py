@@ -10,12 +10,12 @@ from lightning_zero_offload.engine.schedules.speculative import SpeculativeSched
 from lightning_zero_offload.engine.schedules.sync import SyncSchedule
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.engine import OffloadEngine
+    from lightning_zero_offload.engine.parts import EngineParts
 
 SCHEDULES: dict[str, type[Schedule]] = {s.name: s for s in (SyncSchedule, SpeculativeSchedule, DelayedSchedule)}
 
 
-def make_schedule(name: str, engine: OffloadEngine) -> Schedule:
+def make_schedule(name: str, engine: EngineParts) -> Schedule:
     return SCHEDULES[name](engine)
 
 

@@ -1,9 +1,10 @@
 """What a schedule is: when the CPU step of the planned update runs relative to forward/backward.
 
-The engine owns the data (layout, buffers, publishing, state in/out) and the decisions shared by all
-schedules (global norm, overflow, clip factor, skip). A schedule owns only *when* and *where* the
-update of each bucket runs, and the state that this timing needs (a pending update, speculated
-buckets), including its part of a checkpoint.
+The engine's parts own the data (the CPU state, the gradient source, the publisher) and the engine
+makes the decisions shared by all schedules (global norm, overflow, clip factor, skip). A schedule
+owns only *when* and *where* the update of each bucket runs, and the state that this timing needs (a
+pending update, speculated buckets), including its part of a checkpoint. It gets the parts through
+:class:`~lightning_zero_offload.engine.parts.EngineParts`, never the engine itself.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import torch
 
 from lightning_zero_offload.engine.layout import Bucket
 from lightning_zero_offload.engine.stats import StepStats
-from lightning_zero_offload.engine.update import make_plan, update_and_publish, update_in_place
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.engine import OffloadEngine
+    from lightning_zero_offload.engine.parts import EngineParts
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Schedule:
     rollbacks = 0  # speculated work taken back (only the speculative schedule has any)
     updates_during_backward = False  # the master changes before step() is called
 
-    def __init__(self, engine: OffloadEngine) -> None:
+    def __init__(self, engine: EngineParts) -> None:
         self.engine = engine
 
     def before_forward(self) -> None:
@@ -107,7 +107,7 @@ class Schedule:
 
 
 def apply_now(
-    engine: OffloadEngine,
+    engine: EngineParts,
     inputs: StepInputs,
     stats: StepStats,
     done: Collection[int] = (),
@@ -116,9 +116,5 @@ def apply_now(
     """The synchronous step: clamp, plan, then update (all buckets not in ``done``) and publish."""
     if inputs.clamp_limit is not None:
         engine.clamp_grads(inputs.clamp_limit)
-    if engine.in_place:  # the parameters are the master: nothing to publish
-        stats.cpu_step_s += update_in_place(engine, inputs.multiplier)
-        return
-    plan = make_plan(engine, inputs.has_grad, inputs.multiplier)
-    update_s, stats.copy_back_s = update_and_publish(engine, plan, done, done_out)
+    update_s, stats.copy_back_s = engine.update_now(inputs.has_grad, inputs.multiplier, done, done_out)
     stats.cpu_step_s += update_s

@@ -32,7 +32,7 @@ from lightning_zero_offload.engine.stats import StepStats
 from lightning_zero_offload.engine.update import Plan, Run, make_plan, update_bucket
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.engine import OffloadEngine
+    from lightning_zero_offload.engine.parts import EngineParts
 
 MASTER, NEXT, SAVED = "master", "next", "saved"  # what the device was last given (DelayedSchedule.device_holds)
 
@@ -40,7 +40,7 @@ MASTER, NEXT, SAVED = "master", "next", "saved"  # what the device was last give
 class DelayedSchedule(Schedule):
     name = "delayed"
 
-    def __init__(self, engine: OffloadEngine) -> None:
+    def __init__(self, engine: EngineParts) -> None:
         super().__init__(engine)
         settings = engine.resolved.delayed  # checked by engine/options.resolve (prediction needs bf16/fp16)
         assert settings is not None
@@ -110,8 +110,7 @@ class DelayedSchedule(Schedule):
         grad = engine.grad
         self.next_from_checkpoint = False
         self.deferred = (plan, grad)  # runs from the next training forward on (before_forward)
-        engine.grad = self.spare_grad
-        engine.grads.cpu_grad = engine.grad
+        engine.state.swap_grad(self.spare_grad)  # the next backward fills the other buffer
         stats.cpu_step_s = self.last_update_s  # the update that finished in the background (previous step)
 
     def on_skip(self, stats: StepStats) -> None:

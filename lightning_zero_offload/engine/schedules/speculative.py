@@ -78,7 +78,7 @@ from lightning_zero_offload.engine.update import (
 )
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.engine import OffloadEngine
+    from lightning_zero_offload.engine.parts import EngineParts
 
 
 class SpeculativeSchedule(Schedule):
@@ -88,7 +88,7 @@ class SpeculativeSchedule(Schedule):
     PAUSE_TRIGGERS = 4
     publish_during_backward = True  # see the module docstring; False publishes only after validation
 
-    def __init__(self, engine: OffloadEngine) -> None:
+    def __init__(self, engine: EngineParts) -> None:
         super().__init__(engine)
         shard = engine.layout.shard_numel
         self.mode = engine.resolved.speculation_rollback  # "undo" or "snapshot" (engine/options.resolve)

@@ -1,0 +1,277 @@
+"""The engine's life around the training step: views of its parts, the trainable set, state in and
+out, teardown and the failure path.
+
+:class:`EngineLifecycle` is a base of :class:`~lightning_zero_offload.engine.engine.OffloadEngine`
+(engine/engine.py keeps construction and the step); it holds no state of its own. Every method here
+settles the schedule first where it reads or replaces the CPU state, so what it sees is final.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_zero_offload.engine import state as state_io
+from lightning_zero_offload.engine.adam import check_optimizer
+from lightning_zero_offload.engine.cpu_state import CpuState, ParkedState
+from lightning_zero_offload.engine.failures import NonFinitePolicy
+from lightning_zero_offload.engine.gradient_source import GradientSource
+from lightning_zero_offload.engine.layout import Layout
+from lightning_zero_offload.engine.memory import BufferPool, MemoryLedger
+from lightning_zero_offload.engine.param_writes import ParamWriteWatch
+from lightning_zero_offload.engine.publisher import NullPublisher, Publisher
+from lightning_zero_offload.engine.scaler import DynamicLossScaler
+from lightning_zero_offload.engine.schedules import Schedule
+
+
+class EngineLifecycle:
+    """Re-planning, checkpoints' state, teardown: what the engine does besides the step."""
+
+    # Built by OffloadEngine.__init__/_build.
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    params: list[torch.nn.Parameter]
+    layout: Layout
+    state: CpuState
+    grads: GradientSource
+    publisher: Publisher | NullPublisher
+    schedule: Schedule
+    scaler: DynamicLossScaler | None
+    nonfinite: NonFinitePolicy
+    ledger: MemoryLedger
+    step_calls: int
+    skipped_steps: int
+    failed: bool
+    _closed: bool
+    _signature: tuple[tuple[int, bool], ...]
+    _parked: ParkedState
+    _original_dtypes: list[torch.dtype]
+
+    # OffloadEngine's, used here: _build (lay out and build the parts), sync, absorb_param_writes.
+
+    def wait_publish(self) -> None:
+        """Wait for the copies to the device that read host memory about to change."""
+        self.publisher.wait()
+
+    def refresh_device_params(self) -> None:
+        """Write the master weights (rounded to the device dtype) into the device parameters."""
+        self.publisher.refresh(self.state.master)
+
+    # -- the CPU state (engine/cpu_state.py owns it; read-only views for readers of one rank's shard) --
+
+    @property
+    def master(self) -> torch.Tensor:
+        """This rank's fp32 master weights, flat (owned by :attr:`state`)."""
+        return self.state.master
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self.state.exp_avg
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self.state.exp_avg_sq
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """The fp32 buffer backward accumulates into now (None in place)."""
+        return self.state.grad
+
+    @property
+    def steps(self) -> list[int]:
+        """Each trainable parameter's step count (counted by :meth:`CpuState.count_steps` only)."""
+        return self.state.steps
+
+    @property
+    def publish_pool(self) -> BufferPool | None:
+        """The publisher's pool of low-precision host chunks (None for fp32 parameters)."""
+        return self.publisher.pool
+
+    @property
+    def writes(self) -> ParamWriteWatch:
+        """The publisher's record of what the device parameters were last given."""
+        return self.publisher.writes
+
+    # -- the trainable set ---------------------------------------------------------------------
+
+    def trainable_signature(self) -> tuple[tuple[int, bool], ...]:
+        """Which parameters each param group holds and which are trainable (cheap: ids and flags)."""
+        return tuple(
+            (id(p), p.requires_grad) if i else (-group_index - 1, True)  # a group boundary
+            for group_index, group in enumerate(self.optimizer.param_groups)
+            for i, p in enumerate([None, *group["params"]])
+        )
+
+    def replan_if_changed(self) -> bool:
+        """Re-plan the layout if parameters became trainable or frozen, or param groups were added.
+
+        Call before a forward (the front ends do, for every training step; ``begin_backward`` too). Every
+        parameter that stays keeps its master weights, moments and step count bitwise; a new one starts
+        from its current value with fresh moments, as torch's AdamW would. Slow (gathers the whole state),
+        and rare. Every rank re-plans at the same step, as every rank changes its trainable set alike.
+        """
+        if self._closed or self.failed or self.trainable_signature() == self._signature:
+            return False
+        check_optimizer(self.optimizer)
+        self.sync()  # an update in flight lands and is published
+        masters = self.master_params()  # settled, writes to the parameters absorbed
+        exp_avgs = state_io.full_tensors(self, self.exp_avg)
+        exp_avg_sqs = state_io.full_tensors(self, self.exp_avg_sq)
+        schedule_state = self.schedule.state_dict()
+        self.schedule.close()
+        self.grads.close()
+        for p, weight, dtype in zip(self.params, masters, self._original_dtypes):
+            p.data = weight.to(device=self.device, dtype=dtype, copy=True)  # a device tensor of its own again
+        self._parked.park(self.params, exp_avgs, exp_avg_sqs, self.steps)
+        kept_masters = {id(p): weight for p, weight in zip(self.params, masters)}
+        self._build()
+        state_io.load_shard(self, self.master, [kept_masters.get(id(p), p.detach()).float() for p in self.params])
+        exp_avgs, exp_avg_sqs, self.state.steps = self._parked.unpark(self.params)
+        state_io.load_shard(self, self.exp_avg, exp_avgs)
+        state_io.load_shard(self, self.exp_avg_sq, exp_avg_sqs)
+        self.refresh_device_params()
+        self.schedule.load_state_dict({"name": self.schedule.name, **schedule_state})
+        return True
+
+    # -- state in and out ----------------------------------------------------------------------
+
+    def _settle(self) -> None:
+        """Before reading or replacing the CPU state: nothing running, nothing unvalidated, copies done."""
+        self.schedule.settle()
+        self.wait_publish()
+        self.absorb_param_writes()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint needs besides weights and moments to resume bitwise: the step count, the
+        loss scaler and the schedule's state (plain tensors and numbers: ``weights_only`` loads)."""
+        state: dict[str, Any] = {
+            "step_calls": self.step_calls,
+            "skipped_steps": self.skipped_steps,
+            "nonfinite": self.nonfinite.state_dict(),  # a resumed run raises after the same skipped steps
+            "schedule": {"name": self.schedule.name, **self.schedule.state_dict()},
+        }
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (after the weights and the optimizer state have been loaded).
+
+        The schedule's state is restored if the checkpoint was written with the same schedule. From
+        another one, a pending delayed update is simply applied: the device already holds the master.
+        """
+        self._settle()
+        self.step_calls = int(state.get("step_calls", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.nonfinite.load_state_dict(state.get("nonfinite", {}))
+        if state.get("loss_scaler") is not None and self.scaler is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
+        schedule = state.get("schedule") or {}
+        if schedule.get("name") == self.schedule.name:
+            self.schedule.load_state_dict(schedule)
+
+    def master_params(self) -> list[torch.Tensor]:
+        """Full fp32 master weights, one tensor per trainable parameter (collective when sharded)."""
+        self._settle()
+        return state_io.full_tensors(self, self.master)
+
+    def load_master_params(self, tensors: list[torch.Tensor]) -> None:
+        for p, t in zip(self.params, tensors):
+            if t.shape != p.shape:
+                raise ValueError(f"master weight of shape {tuple(t.shape)} does not fit parameter {tuple(p.shape)}")
+        self._settle()
+        state_io.load_shard(self, self.master, [t.float() for t in tensors])
+        self.refresh_device_params()
+        self.schedule.on_weights_loaded()
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer state in ``torch.optim.AdamW``'s format (full tensors, collective when sharded)."""
+        self._settle()
+        return state_io.optimizer_state_dict(self)
+
+    def param_groups_state(self) -> list[dict[str, Any]]:
+        """The optimizer's hyperparameters, numbered as in ``torch.optim.Optimizer.state_dict``."""
+        return state_io.param_groups_state(self)
+
+    def shard_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's flat fp32 master and moments, as stored in a sharded checkpoint."""
+        self.refuse_after_failure("sharded checkpoint")
+        self._settle()
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam)."""
+        self._settle()
+        state_io.load_optimizer_state_dict(self, state_dict)
+
+    # -- accounting and teardown ---------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes held by the engine, as recorded where each buffer was allocated (see memory.MemoryLedger)."""
+        return self.ledger.report(sum(p.numel() for p in self.params))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self, after_failure: bool = False) -> None:
+        """Detach from the module and hand the parameters back as CPU tensors holding the master weights.
+
+        Each parameter gets its original dtype back, so a module that came in fp32 leaves with the exact
+        fp32 trained weights, not their low-precision device copy. The CPU optimizer state is kept, so
+        the optimizer state can still be saved after training (as with a plain torch optimizer).
+        ``after_failure``: issue no collective (the other ranks may be gone); see ``_close_after_failure``.
+        """
+        if self._closed:
+            return
+        if after_failure:
+            self._close_after_failure()
+            return
+        self._settle()
+        self.schedule.close()
+        self.updater.shutdown(wait=True)
+        self.grads.close()
+        for p, weight, dtype in zip(self.params, self.master_params(), self._original_dtypes):
+            p.data = weight.to(dtype)
+        self.publisher.drop()
+        self._closed = True
+
+    def _close_after_failure(self) -> None:
+        """Detach from the module after an exception, issuing no collective and never blocking on a peer.
+
+        What the module's parameters hold afterwards (each in its original dtype, on the device):
+
+        - one process: the fp32 master weights (as after a normal close; they are complete on this rank);
+        - several ranks: this rank's device copy of the parameters (the low-precision values the last
+          forward used, upcast), because the full master weights are spread over the ranks and gathering
+          them needs peers that may be gone. The engine keeps only this rank's shard of the optimizer
+          state; asking it for the full state raises instead of hanging (:meth:`refuse_after_failure`).
+
+        A failure inside the optimizer step itself can leave some buckets updated and others not; resume
+        from the last checkpoint rather than saving these weights as a training checkpoint.
+        """
+        # Stop the worker threads first: they are not daemons, so one left waiting for a buffer that the
+        # failed main thread will never return would keep the process from exiting (and its peers waiting).
+        self.updater.shutdown(wait=False, cancel_futures=True)
+        self.publisher.release_waiters()  # unblock an update waiting for a free buffer
+        self.updater.shutdown(wait=True)
+        self.grads.close()
+        self.schedule.abandon()  # host-side only: a running update finishes, unvalidated work is dropped
+        single = self.layout.world_size == 1
+        with torch.no_grad():
+            if single:
+                masters = state_io.full_tensors(self, self.master)  # one rank: no collective involved
+            for index, (p, dtype) in enumerate(zip(self.params, self._original_dtypes)):
+                p.data = masters[index].to(dtype) if single else p.detach().to(dtype, copy=True)
+        self.publisher.drop()
+        self.failed = True
+        self._closed = True
+
+    def refuse_after_failure(self, what: str) -> None:
+        """Raise instead of gathering ``what`` from peers that a failure may have taken down."""
+        if self.failed and self.layout.world_size > 1:
+            raise RuntimeError(
+                f"Cannot assemble the {what}: training failed and the engine was closed without gathering it "
+                "from the other ranks (they may be gone). Resume from the last checkpoint instead."
+            )

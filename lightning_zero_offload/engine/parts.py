@@ -1,0 +1,92 @@
+"""The narrow interface a schedule (and the update pipeline, engine/update.py) gets instead of the engine.
+
+A schedule decides *when* each bucket's update runs; what it acts on are the engine's parts: the
+layout, the CPU state (engine/cpu_state.py), the gradient source (engine/gradient_source.py), the
+publisher (engine/publisher.py) and the worker thread, plus the few engine decisions it must follow
+(the loss scale, how many steps were taken, clipping by value, merging writes into the master).
+:class:`OffloadEngine` satisfies this protocol; nothing under engine/schedules/ imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.engine.cpu_state import CpuState
+    from lightning_zero_offload.engine.gradient_source import GradientSource
+    from lightning_zero_offload.engine.layout import Bucket, Layout
+    from lightning_zero_offload.engine.memory import BufferPool
+    from lightning_zero_offload.engine.options import Resolved
+    from lightning_zero_offload.engine.param_writes import ParamWriteWatch
+    from lightning_zero_offload.engine.publisher import NullPublisher, Publisher
+
+
+class EngineParts(Protocol):
+    """The parts a schedule acts on, and the engine callbacks it may call."""
+
+    # the parts
+    layout: Layout
+    state: CpuState
+    grads: GradientSource
+    publisher: Publisher | NullPublisher
+    updater: ThreadPoolExecutor  # the one worker thread updates run on
+    # what the parts were built for
+    optimizer: torch.optim.Optimizer  # hyperparameters are read live from its param groups
+    params: list[torch.nn.Parameter]
+    group_of: list[int]
+    resolved: Resolved
+    device: torch.device
+    param_dtype: torch.dtype
+    num_threads: int
+    overlap: bool
+    step_calls: int
+    # in place only: per-parameter views of (master, exp_avg, exp_avg_sq)
+    param_views: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+
+    @property
+    def loss_scale(self) -> float: ...
+
+    # views of the parts (the CPU state's buffers, the publisher's pool and write watch)
+    @property
+    def master(self) -> torch.Tensor: ...
+
+    @property
+    def exp_avg(self) -> torch.Tensor: ...
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor: ...
+
+    @property
+    def grad(self) -> torch.Tensor | None: ...
+
+    @property
+    def steps(self) -> list[int]: ...
+
+    @property
+    def publish_pool(self) -> BufferPool | None: ...
+
+    @property
+    def writes(self) -> ParamWriteWatch: ...
+
+    # engine callbacks
+    def publish(self, bucket: Bucket, out: torch.Tensor | None, pooled: bool = True) -> None: ...
+
+    def wait_publish(self) -> None: ...
+
+    def refresh_device_params(self) -> None: ...
+
+    def absorb_param_writes(self) -> int: ...
+
+    def clamp_grads(self, limit: float) -> None: ...
+
+    def update_now(
+        self,
+        has_grad: list[bool],
+        multiplier: float,
+        done: Collection[int] = (),
+        done_out: torch.Tensor | None = None,
+    ) -> tuple[float, float]: ...
