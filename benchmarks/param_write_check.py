@@ -37,7 +37,7 @@ def make_loop(spec: dict, dtype: torch.dtype, cpu_step: str, watch: bool):
     options = OffloadOptions(in_place_on_cpu=False, cpu_step=cpu_step)
     engine = OffloadEngine(optimizer, torch.device("cpu"), dtype, options)
     if not watch:
-        engine.writes.checksums = False  # the baseline: no checksum after publish, none before the step
+        engine.publisher.writes.checksums = False  # the baseline: no checksum after publish, none before the step
 
     def step(tokens: torch.Tensor) -> float:
         start = time.perf_counter()

@@ -201,8 +201,8 @@ def test_closing_after_a_failure_never_waits_for_a_blocked_worker():
     """A failed publish leaves the update worker waiting for a buffer: close must not wait for it."""
     net = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
     engine = OffloadEngine(torch.optim.AdamW(net.parameters()), torch.device("cpu"), torch.bfloat16, options())
-    held = [engine.publish_pool.acquire(), engine.publish_pool.acquire()]  # the failed main thread's
-    blocked = engine.updater.submit(engine.publish_pool.acquire)
+    held = [engine.publisher.pool.acquire(), engine.publisher.pool.acquire()]  # the failed main thread's
+    blocked = engine.updater.submit(engine.publisher.pool.acquire)
     queued = engine.updater.submit(time.sleep, 60)
     closer = threading.Thread(target=engine.close, kwargs={"after_failure": True}, daemon=True)
     closer.start()

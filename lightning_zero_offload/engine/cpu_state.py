@@ -46,6 +46,16 @@ class CpuState:
         assert previous is not None, "in place there is no gradient buffer to swap"
         return previous
 
+    def snapshot(self, window: slice, into: list[torch.Tensor]) -> None:
+        """Copy the master and moments of ``window`` into ``into`` (three shard-sized buffers)."""
+        for saved, buffer in zip(into, (self.master, self.exp_avg, self.exp_avg_sq)):
+            saved[window].copy_(buffer[window])
+
+    def restore(self, window: slice, saved: list[torch.Tensor]) -> None:
+        """Undo everything since :meth:`snapshot` of ``window`` (bitwise)."""
+        for kept, buffer in zip(saved, (self.master, self.exp_avg, self.exp_avg_sq)):
+            buffer[window].copy_(kept[window])
+
     def param_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Per-parameter views of (master, exp_avg, exp_avg_sq): one rank holds every parameter whole."""
         ranges = [self.layout.slot_range(index) for index in range(len(self.layout.slots))]

@@ -42,7 +42,7 @@ from lightning_zero_offload.engine.cpu_state import CpuState, ParkedState
 from lightning_zero_offload.engine.failures import NonFinitePolicy
 from lightning_zero_offload.engine.gradient_source import GradientSource, global_summary
 from lightning_zero_offload.engine.grads import GradientStreamer
-from lightning_zero_offload.engine.in_place import InPlaceGradients
+from lightning_zero_offload.engine.in_place import InPlaceGradients, update_in_place, update_in_place_checked
 from lightning_zero_offload.engine.layout import Bucket, Layout, build_layout
 from lightning_zero_offload.engine.lifecycle import EngineLifecycle
 from lightning_zero_offload.engine.memory import can_pin, records_allocations, worker_pool
@@ -52,13 +52,7 @@ from lightning_zero_offload.engine.publisher import LOW_PRECISION, NullPublisher
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, make_schedule
 from lightning_zero_offload.engine.stats import StepStats
-from lightning_zero_offload.engine.update import (
-    make_plan,
-    read_all_hyperparams,
-    update_and_publish,
-    update_in_place,
-    update_in_place_checked,
-)
+from lightning_zero_offload.engine.update import make_plan, read_all_hyperparams, update_and_publish
 
 __all__ = ["OffloadEngine", "StepStats"]
 

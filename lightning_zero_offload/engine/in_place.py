@@ -10,7 +10,7 @@ and host are the same memory (docs/benchmarks.md, "CPU device, default settings"
 Here the engine keeps only what it needs of a gradient stream: each parameter's gradient until the
 step (the tensor autograd made, as plain training keeps it in ``.grad``), its sum of squares and inf/nan
 flag, and accumulation over micro-batches (added in place into the first micro-batch's gradient, in
-fp32, as the offload path does). The step (engine/update.py) is one native Adam call per param group
+fp32, as the offload path does). The step (below) is one native Adam call per param group
 over those tensors, with the kernels seeing exactly the numbers the offload path gives them: results
 are bitwise equal. The sum of squares costs a pass over the gradients only when the step needs the
 norm before it runs (clipping, which plain training pays for too); otherwise the step's kernel sums
@@ -20,12 +20,19 @@ inf/nan gradient is taken back (to within about one fp32 ulp) instead of never s
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.grads import check_gradient, register_grad_hooks
+from lightning_zero_offload.engine.update import read_all_hyperparams
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.engine.parts import EngineParts
 
 
 class InPlaceGradients:
@@ -131,3 +138,78 @@ class InPlaceGradients:
             hook.remove()
         self._hooks = []
         self.new_window()
+
+
+# -- the in-place step (the engine's update when its gradient source is InPlaceGradients) -------
+
+
+def in_place_calls(engine: EngineParts) -> dict[int, tuple[list[torch.Tensor], ...]]:
+    """The in-place step's kernel arguments per param group: (params, grads, exp_avgs, exp_avg_sqs), for
+    every parameter that got a gradient; its step number is ``engine.state.steps[i] + 1``."""
+    calls: dict[int, tuple[list[torch.Tensor], ...]] = {}
+    masters, exp_avgs, exp_avg_sqs = engine.param_views
+    for index, grad in enumerate(engine.grads.grads):
+        if grad is None:  # no gradient this step: torch leaves the parameter alone
+            continue
+        p, g, m, v, indices = calls.setdefault(engine.group_of[index], ([], [], [], [], []))
+        p.append(masters[index])
+        g.append(grad.view(-1))
+        m.append(exp_avgs[index])
+        v.append(exp_avg_sqs[index])
+        indices.append(index)
+    return calls
+
+
+def update_in_place(engine: EngineParts, multiplier: float) -> float:
+    """The in-place engine's step (engine/in_place.py): one native call per param group; returns seconds.
+
+    Per parameter, the kernel sees what the offload path's plan would give it: the group's
+    hyperparameters, the parameter's own step number and the clip x unscale multiplier.
+    """
+    hparams = read_all_hyperparams(engine)
+    t = time.perf_counter()
+    for group, (p, g, m, v, indices) in in_place_calls(engine).items():
+        steps = [engine.state.steps[i] + 1 for i in indices]
+        kernels.adam_step_multi(
+            p, g, m, v, steps, hparams=hparams[group].kernel, grad_scale=multiplier, num_threads=engine.num_threads
+        )
+        engine.state.count_steps(indices)
+    return time.perf_counter() - t
+
+
+def update_in_place_checked(engine: EngineParts) -> tuple[bool, float, float]:
+    """The in-place step without clipping, with the norm and inf/nan check inside the update; returns
+    (applied, sum of squares of the gradients, seconds).
+
+    The gradients were not read since backward (``InPlaceGradients.eager_sums``): a separate pass for
+    their norm would cost 4 of the step's 28 bytes per parameter. If one holds inf/nan, every group
+    already updated is taken back (to within about one fp32 ulp) and nothing counts as a step.
+    """
+    hparams = read_all_hyperparams(engine)
+    t = time.perf_counter()
+    done: list[tuple[int, tuple[list[torch.Tensor], ...]]] = []
+    sumsq = 0.0
+    for group, call in in_place_calls(engine).items():
+        p, g, m, v, indices = call
+        steps = [engine.state.steps[i] + 1 for i in indices]
+        group_sumsq, applied = kernels.adam_step_multi_if_finite(
+            p, g, m, v, steps, hparams=hparams[group].kernel, num_threads=engine.num_threads
+        )
+        if not applied:
+            for earlier, applied_call in done:
+                for param, grad, exp_avg, exp_avg_sq, index in zip(*applied_call):
+                    step = engine.state.steps[index] + 1
+                    kernels.adam_undo(
+                        param,
+                        grad,
+                        exp_avg,
+                        exp_avg_sq,
+                        hparams=hparams[earlier].kernel,
+                        step=step,
+                        num_threads=engine.num_threads,
+                    )
+            return False, math.inf, time.perf_counter() - t
+        sumsq += group_sumsq
+        done.append((group, call))
+    engine.state.count_steps(i for _, (*_, indices) in done for i in indices)
+    return True, sumsq, time.perf_counter() - t

@@ -18,8 +18,7 @@ from lightning_zero_offload.engine.cpu_state import CpuState, ParkedState
 from lightning_zero_offload.engine.failures import NonFinitePolicy
 from lightning_zero_offload.engine.gradient_source import GradientSource
 from lightning_zero_offload.engine.layout import Layout
-from lightning_zero_offload.engine.memory import BufferPool, MemoryLedger
-from lightning_zero_offload.engine.param_writes import ParamWriteWatch
+from lightning_zero_offload.engine.memory import MemoryLedger
 from lightning_zero_offload.engine.publisher import NullPublisher, Publisher
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import Schedule
@@ -82,16 +81,6 @@ class EngineLifecycle:
     def steps(self) -> list[int]:
         """Each trainable parameter's step count (counted by :meth:`CpuState.count_steps` only)."""
         return self.state.steps
-
-    @property
-    def publish_pool(self) -> BufferPool | None:
-        """The publisher's pool of low-precision host chunks (None for fp32 parameters)."""
-        return self.publisher.pool
-
-    @property
-    def writes(self) -> ParamWriteWatch:
-        """The publisher's record of what the device parameters were last given."""
-        return self.publisher.writes
 
     # -- the trainable set ---------------------------------------------------------------------
 

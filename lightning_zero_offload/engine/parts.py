@@ -1,4 +1,5 @@
-"""The narrow interface a schedule (and the update pipeline, engine/update.py) gets instead of the engine.
+"""The narrow interface schedules, the update pipeline (engine/update.py) and the state in and out
+(engine/state.py) get instead of the engine.
 
 A schedule decides *when* each bucket's update runs; what it acts on are the engine's parts: the
 layout, the CPU state (engine/cpu_state.py), the gradient source (engine/gradient_source.py), the
@@ -14,14 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.cpu_state import CpuState
     from lightning_zero_offload.engine.gradient_source import GradientSource
     from lightning_zero_offload.engine.layout import Bucket, Layout
-    from lightning_zero_offload.engine.memory import BufferPool
     from lightning_zero_offload.engine.options import Resolved
-    from lightning_zero_offload.engine.param_writes import ParamWriteWatch
     from lightning_zero_offload.engine.publisher import NullPublisher, Publisher
 
 
@@ -44,33 +44,13 @@ class EngineParts(Protocol):
     num_threads: int
     overlap: bool
     step_calls: int
+    process_group: dist.ProcessGroup | None  # the ranks sharing the state (gathers for checkpoints)
+    torch_index: list[int]  # each trainable parameter's number in the optimizer's state dict
     # in place only: per-parameter views of (master, exp_avg, exp_avg_sq)
     param_views: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
 
     @property
     def loss_scale(self) -> float: ...
-
-    # views of the parts (the CPU state's buffers, the publisher's pool and write watch)
-    @property
-    def master(self) -> torch.Tensor: ...
-
-    @property
-    def exp_avg(self) -> torch.Tensor: ...
-
-    @property
-    def exp_avg_sq(self) -> torch.Tensor: ...
-
-    @property
-    def grad(self) -> torch.Tensor | None: ...
-
-    @property
-    def steps(self) -> list[int]: ...
-
-    @property
-    def publish_pool(self) -> BufferPool | None: ...
-
-    @property
-    def writes(self) -> ParamWriteWatch: ...
 
     # engine callbacks
     def publish(self, bucket: Bucket, out: torch.Tensor | None, pooled: bool = True) -> None: ...
@@ -82,6 +62,8 @@ class EngineParts(Protocol):
     def absorb_param_writes(self) -> int: ...
 
     def clamp_grads(self, limit: float) -> None: ...
+
+    def refuse_after_failure(self, what: str) -> None: ...
 
     def update_now(
         self,

@@ -19,10 +19,10 @@ from lightning_zero_offload.engine.checkpoint_files import CheckpointError
 from lightning_zero_offload.engine.collectives import all_reduce_sum, gather_host, gather_host_to_first
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.engine import OffloadEngine
+    from lightning_zero_offload.engine.parts import EngineParts
 
 
-def load_shard(engine: OffloadEngine, shard: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+def load_shard(engine: EngineParts, shard: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Copy this rank's part of full per-parameter tensors into a flat shard buffer."""
     for bucket in engine.layout.buckets:
         for seg in bucket.segments:
@@ -31,7 +31,7 @@ def load_shard(engine: OffloadEngine, shard: torch.Tensor, tensors: list[torch.T
 
 
 @contextmanager
-def buffers_shared_for_save(engine: OffloadEngine, share: bool = True) -> Iterator[None]:
+def buffers_shared_for_save(engine: EngineParts, share: bool = True) -> Iterator[None]:
     """Inside: :func:`full_tensors` returns views instead of copies, for a save that writes them at once.
 
     A full-format save would otherwise hold a second copy of the fp32 weights and both moments (12
@@ -50,7 +50,7 @@ def buffers_shared_for_save(engine: OffloadEngine, share: bool = True) -> Iterat
         engine._share_buffers = previous
 
 
-def full_tensors(engine: OffloadEngine, shard: torch.Tensor) -> list[torch.Tensor]:
+def full_tensors(engine: EngineParts, shard: torch.Tensor) -> list[torch.Tensor]:
     """Assemble full per-parameter tensors from every rank's shard (a collective if sharded).
 
     Copies, unless inside :func:`buffers_shared_for_save` (then views that change with the next step,
@@ -107,7 +107,7 @@ class _Placeholders:
         return self.by_storage.get(storage._cdata) if storage.device.type == "meta" else None
 
 
-def _placeholders(engine: OffloadEngine) -> _Placeholders:
+def _placeholders(engine: EngineParts) -> _Placeholders:
     registry = getattr(engine, "_placeholders", None)
     if registry is None:
         registry = engine._placeholders = _Placeholders()
@@ -122,7 +122,7 @@ class BucketStream:
     holds at most the largest bucket beyond its own state, and the others nothing.
     """
 
-    def __init__(self, engine: OffloadEngine, broadcast: Callable[[Any], Any]) -> None:
+    def __init__(self, engine: EngineParts, broadcast: Callable[[Any], Any]) -> None:
         self.engine, self.broadcast = engine, broadcast
         self.registry = _placeholders(engine)
         self.order: list[int] | None = None  # announced and agreed, in file order
@@ -168,7 +168,7 @@ class BucketStream:
         self.buffer = None
 
 
-def serve_full_save(engine: OffloadEngine, broadcast: Callable[[Any], Any], what: str) -> None:
+def serve_full_save(engine: EngineParts, broadcast: Callable[[Any], Any], what: str) -> None:
     """A rank other than 0 in a streamed full save: send this rank's part of each bucket rank 0 asks for.
 
     Raises the error rank 0's save failed with, naming ``what`` was being saved.
@@ -191,7 +191,7 @@ def _nbytes(registry: _Placeholders, number: int) -> int:
     return numel * shard.element_size()
 
 
-def _check_plan(engine: OffloadEngine, registry: _Placeholders, order: list[int]) -> None:
+def _check_plan(engine: EngineParts, registry: _Placeholders, order: list[int]) -> None:
     """Every rank holds every placeholder rank 0 will write (one small all-reduce), or every rank raises."""
     missing = sum(number not in registry.sources for number in order)
     total = all_reduce_sum(torch.tensor([float(missing)]), engine.process_group, engine.device)
@@ -203,7 +203,7 @@ def _check_plan(engine: OffloadEngine, registry: _Placeholders, order: list[int]
         )
 
 
-def param_groups_state(engine: OffloadEngine) -> list[dict[str, Any]]:
+def param_groups_state(engine: EngineParts) -> list[dict[str, Any]]:
     """The optimizer's hyperparameters, numbered as in ``torch.optim.Optimizer.state_dict``."""
     groups = []
     counter = 0
@@ -215,22 +215,22 @@ def param_groups_state(engine: OffloadEngine) -> list[dict[str, Any]]:
     return groups
 
 
-def optimizer_state_dict(engine: OffloadEngine) -> dict[str, Any]:
+def optimizer_state_dict(engine: EngineParts) -> dict[str, Any]:
     """The optimizer state in ``torch.optim.AdamW``'s format (full tensors, collective when sharded)."""
-    exp_avg = full_tensors(engine, engine.exp_avg)
-    exp_avg_sq = full_tensors(engine, engine.exp_avg_sq)
+    exp_avg = full_tensors(engine, engine.state.exp_avg)
+    exp_avg_sq = full_tensors(engine, engine.state.exp_avg_sq)
     state: dict[int, dict[str, torch.Tensor]] = {}
     for index, torch_index in enumerate(engine.torch_index):
-        if engine.steps[index] > 0:
+        if engine.state.steps[index] > 0:
             state[torch_index] = {
-                "step": torch.tensor(float(engine.steps[index]), dtype=torch.float32),
+                "step": torch.tensor(float(engine.state.steps[index]), dtype=torch.float32),
                 "exp_avg": exp_avg[index],
                 "exp_avg_sq": exp_avg_sq[index],
             }
     return {"state": state, "param_groups": param_groups_state(engine)}
 
 
-def load_optimizer_state_dict(engine: OffloadEngine, state_dict: dict[str, Any]) -> None:
+def load_optimizer_state_dict(engine: EngineParts, state_dict: dict[str, Any]) -> None:
     """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam)."""
     optimizer = engine.optimizer
     groups = state_dict["param_groups"]
@@ -247,7 +247,7 @@ def load_optimizer_state_dict(engine: OffloadEngine, state_dict: dict[str, Any])
         entry = state.get(torch_index)
         shape = engine.params[index].shape
         if entry is None:
-            engine.steps[index] = 0
+            engine.state.steps[index] = 0
             exp_avg.append(torch.zeros(shape))
             exp_avg_sq.append(torch.zeros(shape))
             continue
@@ -256,10 +256,10 @@ def load_optimizer_state_dict(engine: OffloadEngine, state_dict: dict[str, Any])
                 f"optimizer state for parameter {torch_index} has shape {tuple(entry['exp_avg'].shape)}, "
                 f"the parameter has {tuple(shape)}"
             )
-        engine.steps[index] = int(float(entry["step"]))
+        engine.state.steps[index] = int(float(entry["step"]))
         exp_avg.append(entry["exp_avg"].float())
         exp_avg_sq.append(entry["exp_avg_sq"].float())
-    load_shard(engine, engine.exp_avg, exp_avg)
-    load_shard(engine, engine.exp_avg_sq, exp_avg_sq)
+    load_shard(engine, engine.state.exp_avg, exp_avg)
+    load_shard(engine, engine.state.exp_avg_sq, exp_avg_sq)
     for group, saved in zip(optimizer.param_groups, groups):
         group.update({k: v for k, v in saved.items() if k != "params"})

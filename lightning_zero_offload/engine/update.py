@@ -8,7 +8,6 @@ same inputs, so the schedules differ in timing only.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING, NamedTuple
@@ -61,7 +60,7 @@ def bucket_runs(engine: EngineParts, bucket: Bucket, has_grad: list[bool]) -> li
                 end == seg.shard_start
                 and engine.group_of[i] == engine.group_of[j]
                 and has_grad[i] == has_grad[j]
-                and engine.steps[i] == engine.steps[j]
+                and engine.state.steps[i] == engine.state.steps[j]
             )
             if same:
                 runs[-1] = (start, seg.shard_end, j)
@@ -75,7 +74,7 @@ def plan_bucket(
 ) -> list[Run]:
     """One bucket's runs with the step numbers they will get (the current counts + 1)."""
     return [
-        Run(start, end, hparams[engine.group_of[i]] if has_grad[i] else None, engine.steps[i] + 1, multiplier)
+        Run(start, end, hparams[engine.group_of[i]] if has_grad[i] else None, engine.state.steps[i] + 1, multiplier)
         for start, end, i in bucket_runs(engine, bucket, has_grad)
     ]
 
@@ -107,13 +106,13 @@ def update_bucket(
         target = None if out is None else out[run.start - base : run.end - base]
         if run.hparams is None:  # no gradient this step: torch leaves the parameter alone
             if target is not None:
-                target.copy_(engine.master[window])
+                target.copy_(engine.state.master[window])
             continue
         kernels.adam_step(
-            engine.master[window],
+            engine.state.master[window],
             grad[window],
-            engine.exp_avg[window],
-            engine.exp_avg_sq[window],
+            engine.state.exp_avg[window],
+            engine.state.exp_avg_sq[window],
             hparams=run.hparams.kernel,
             step=run.step,
             grad_scale=run.multiplier,
@@ -139,13 +138,13 @@ def update_and_publish(
     return: ``engine.wait_publish()`` before writing ``done_out`` or the master again. Buckets in
     ``published`` (a subset of ``done``) are on the device already: published during backward.
     """
-    pool = engine.publish_pool
+    pool = engine.publisher.pool
 
     def update(bucket: Bucket, runs: list[Run]) -> tuple[torch.Tensor | None, float]:
         out = pool.acquire() if pool is not None else None
         t = time.perf_counter()
         try:
-            update_bucket(engine, bucket, runs, engine.grad, out)
+            update_bucket(engine, bucket, runs, engine.state.grad, out)
         except BaseException as error:
             if pool is not None:  # the later buckets' updates must not wait for buffers nobody returns
                 pool.release(out)
@@ -175,75 +174,3 @@ def update_and_publish(
         engine.publish(bucket, out)
         publish_s += time.perf_counter() - t
     return update_s, publish_s
-
-
-def in_place_calls(engine: EngineParts) -> dict[int, tuple[list[torch.Tensor], ...]]:
-    """The in-place step's kernel arguments per param group: (params, grads, exp_avgs, exp_avg_sqs), for
-    every parameter that got a gradient; its step number is ``engine.steps[i] + 1``."""
-    calls: dict[int, tuple[list[torch.Tensor], ...]] = {}
-    masters, exp_avgs, exp_avg_sqs = engine.param_views
-    for index, grad in enumerate(engine.grads.grads):
-        if grad is None:  # no gradient this step: torch leaves the parameter alone
-            continue
-        p, g, m, v, indices = calls.setdefault(engine.group_of[index], ([], [], [], [], []))
-        p.append(masters[index])
-        g.append(grad.view(-1))
-        m.append(exp_avgs[index])
-        v.append(exp_avg_sqs[index])
-        indices.append(index)
-    return calls
-
-
-def update_in_place(engine: EngineParts, multiplier: float) -> float:
-    """The in-place engine's step (engine/in_place.py): one native call per param group; returns seconds.
-
-    Per parameter, the kernel sees what the offload path's plan would give it: the group's
-    hyperparameters, the parameter's own step number and the clip x unscale multiplier.
-    """
-    hparams = read_all_hyperparams(engine)
-    t = time.perf_counter()
-    for group, (p, g, m, v, indices) in in_place_calls(engine).items():
-        steps = [engine.steps[i] + 1 for i in indices]
-        kernels.adam_step_multi(
-            p, g, m, v, steps, hparams=hparams[group].kernel, grad_scale=multiplier, num_threads=engine.num_threads
-        )
-        engine.state.count_steps(indices)
-    return time.perf_counter() - t
-
-
-def update_in_place_checked(engine: EngineParts) -> tuple[bool, float, float]:
-    """The in-place step without clipping, with the norm and inf/nan check inside the update; returns
-    (applied, sum of squares of the gradients, seconds).
-
-    The gradients were not read since backward (``InPlaceGradients.eager_sums``): a separate pass for
-    their norm would cost 4 of the step's 28 bytes per parameter. If one holds inf/nan, every group
-    already updated is taken back (to within about one fp32 ulp) and nothing counts as a step.
-    """
-    hparams = read_all_hyperparams(engine)
-    t = time.perf_counter()
-    done: list[tuple[int, tuple[list[torch.Tensor], ...]]] = []
-    sumsq = 0.0
-    for group, call in in_place_calls(engine).items():
-        p, g, m, v, indices = call
-        steps = [engine.steps[i] + 1 for i in indices]
-        group_sumsq, applied = kernels.adam_step_multi_if_finite(
-            p, g, m, v, steps, hparams=hparams[group].kernel, num_threads=engine.num_threads
-        )
-        if not applied:
-            for earlier, applied_call in done:
-                for param, grad, exp_avg, exp_avg_sq, index in zip(*applied_call):
-                    step = engine.steps[index] + 1
-                    kernels.adam_undo(
-                        param,
-                        grad,
-                        exp_avg,
-                        exp_avg_sq,
-                        hparams=hparams[earlier].kernel,
-                        step=step,
-                        num_threads=engine.num_threads,
-                    )
-            return False, math.inf, time.perf_counter() - t
-        sumsq += group_sumsq
-        done.append((group, call))
-    engine.state.count_steps(i for _, (*_, indices) in done for i in indices)
-    return True, sumsq, time.perf_counter() - t

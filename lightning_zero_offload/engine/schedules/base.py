@@ -79,7 +79,7 @@ class Schedule:
 
     def merge_param_writes(self, bucket: Bucket) -> int:
         """Make the elements user code wrote into ``bucket``'s device parameters the master's; returns how many."""
-        return self.engine.writes.merge_into(bucket, self.engine.master, self.published_chunk(bucket))
+        return self.engine.publisher.writes.merge_into(bucket, self.engine.state.master, self.published_chunk(bucket))
 
     def settle(self) -> None:
         """Make the CPU state final and consistent (wait for running work, drop unvalidated work)."""

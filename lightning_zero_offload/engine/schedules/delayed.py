@@ -48,9 +48,9 @@ class DelayedSchedule(Schedule):
         self.extrapolate = 1.0 if settings.weight_prediction else 0.0
         # Two gradient buffers: backward t+1 fills one while the update of step t reads the other.
         shard = engine.layout.shard_numel
-        self.grad_buffers = [engine.grad, host_zeros(shard, torch.float32, False)]
+        self.grad_buffers = [engine.state.grad, host_zeros(shard, torch.float32, False)]
         # The low-precision result waiting to be swapped in (None for fp32 params: the master is published).
-        low_precision = engine.publish_pool is not None
+        low_precision = engine.publisher.pool is not None
         self.next_params = host_zeros(shard, engine.param_dtype, False) if low_precision else None
         self.next_from_checkpoint = False  # next_params holds a loaded prediction (kept if saved again)
         self.deferred: tuple[Plan, torch.Tensor] | None = None  # planned at the step, started before the forward
@@ -72,7 +72,7 @@ class DelayedSchedule(Schedule):
     @property
     def spare_grad(self) -> torch.Tensor:
         """The gradient buffer backward is not filling now (it held the last step's gradient)."""
-        return self.grad_buffers[1] if self.engine.grad is self.grad_buffers[0] else self.grad_buffers[0]
+        return self.grad_buffers[1] if self.engine.state.grad is self.grad_buffers[0] else self.grad_buffers[0]
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -84,7 +84,7 @@ class DelayedSchedule(Schedule):
         self.deferred = None
         engine = self.engine
         overrides: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for index in engine.writes.written_buckets():
+        for index in engine.publisher.writes.written_buckets():
             bucket = engine.layout.buckets[index]
             written, values = self._find_writes(bucket, self._published(bucket))
             if written is not None:
@@ -107,7 +107,7 @@ class DelayedSchedule(Schedule):
         if inputs.clamp_limit is not None:
             engine.clamp_grads(inputs.clamp_limit)
         plan = make_plan(engine, inputs.has_grad, inputs.multiplier)
-        grad = engine.grad
+        grad = engine.state.grad
         self.next_from_checkpoint = False
         self.deferred = (plan, grad)  # runs from the next training forward on (before_forward)
         engine.state.swap_grad(self.spare_grad)  # the next backward fills the other buffer
@@ -141,11 +141,11 @@ class DelayedSchedule(Schedule):
             return self.next_params[window]  # type: ignore[index]
         if self.device_holds == SAVED:
             return self.spare_grad[window].to(self.engine.param_dtype)
-        return self.engine.master[window].to(self.engine.param_dtype)
+        return self.engine.state.master[window].to(self.engine.param_dtype)
 
     def _find_writes(self, bucket: Bucket, published: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(mask, written values) of this rank's chunk of ``bucket``; mask None if nothing was written."""
-        written, device_chunk = self.engine.writes.find_writes(bucket, published)
+        written, device_chunk = self.engine.publisher.writes.find_writes(bucket, published)
         return (written, device_chunk[written]) if bool(written.any()) else (None, device_chunk[:0])
 
     def _update_bucket(
@@ -161,7 +161,7 @@ class DelayedSchedule(Schedule):
         update_bucket(engine, bucket, runs, grad, out, self.extrapolate)
         if override is not None:
             written, values = override
-            engine.master[bucket.shard_range][written] = values.float()
+            engine.state.master[bucket.shard_range][written] = values.float()
             if out is not None:
                 out[written] = values  # the device keeps showing the written value, not a prediction
 
@@ -185,7 +185,7 @@ class DelayedSchedule(Schedule):
         self.deferred = None
         engine = self.engine
         t = time.perf_counter()
-        written = set(engine.writes.written_buckets())
+        written = set(engine.publisher.writes.written_buckets())
         for bucket, runs in zip(engine.layout.buckets, plan):
             override = None
             published = None
@@ -243,7 +243,7 @@ class DelayedSchedule(Schedule):
         if written is None:
             return 0
         window = bucket.shard_range
-        self.engine.master[window][written] = values.float()
+        self.engine.state.master[window][written] = values.float()
         if self.next_params is not None:  # what the next swap-in gives the device
             self.next_params[window][written] = values
         if self.device_holds == SAVED:
@@ -290,10 +290,10 @@ class DelayedSchedule(Schedule):
             if self.next_from_checkpoint:
                 load_shard(self.engine, self.next_params, pending["next_params"])
             else:
-                self.next_params.copy_(self.engine.master)
+                self.next_params.copy_(self.engine.state.master)
         # What the device holds, kept as a run that saved here keeps it (writes before the next step merge).
         load_shard(self.engine, self.spare_grad, [t.float() for t in pending["device_params"]])
-        self.engine.writes.record_all()  # the engine's own write: the device holds the stale weights again
+        self.engine.publisher.writes.record_all()  # the engine's own write: the device holds the stale weights again
         self.device_holds = SAVED
         self.publish_due = True
 

@@ -93,7 +93,7 @@ class SpeculativeSchedule(Schedule):
         shard = engine.layout.shard_numel
         self.mode = engine.resolved.speculation_rollback  # "undo" or "snapshot" (engine/options.resolve)
         # Speculated low-precision results wait here until validated (fp32 params: the master is published).
-        self.out = host_zeros(shard, engine.param_dtype, False) if engine.publish_pool is not None else None
+        self.out = host_zeros(shard, engine.param_dtype, False) if engine.publisher.pool is not None else None
         self.snapshot = [host_zeros(shard, torch.float32, False) for _ in range(3)] if self.mode == "snapshot" else []
         self.bucket_numel = [sum(seg.numel for seg in b.segments) for b in engine.layout.buckets]
         self.armed = False  # the backward running now ends an accumulation window
@@ -152,10 +152,9 @@ class SpeculativeSchedule(Schedule):
             return
         start = time.perf_counter()
         window = bucket.shard_range
-        for saved, state in zip(self.snapshot, (engine.master, engine.exp_avg, engine.exp_avg_sq)):
-            saved[window].copy_(state[window])
+        engine.state.snapshot(window, self.snapshot)
         out = None if self.out is None else self.out[window]
-        update_bucket(engine, bucket, runs, engine.grad, out)
+        update_bucket(engine, bucket, runs, engine.state.grad, out)
         self.speculated[index] = runs
         if self.publishing:
             self._publish_early(bucket, out)
@@ -182,7 +181,8 @@ class SpeculativeSchedule(Schedule):
                 redo = list(self.speculated)
             elif inputs.clamp_limit is not None:
                 buckets = engine.layout.buckets
-                redo = [i for i in self.speculated if _exceeds(engine.grad[buckets[i].shard_range], inputs.clamp_limit)]
+                grad = engine.state.grad
+                redo = [i for i in self.speculated if _exceeds(grad[buckets[i].shard_range], inputs.clamp_limit)]
         triggered = inputs.clip_coef < 1.0 or bool(redo)
         if inputs.clamp_limit is not None and not self.speculated:
             triggered = triggered or inputs.scaled_grad_norm > inputs.clamp_limit
@@ -221,7 +221,8 @@ class SpeculativeSchedule(Schedule):
         written = [index for index in buckets if index in self.speculated]
         kept = {}
         if self.out is None:  # fp32: the device was given the master itself, which the rollback changes
-            kept = {i: engine.master[engine.layout.buckets[i].shard_range].clone() for i in written if i in self.early}
+            master, buckets = engine.state.master, engine.layout.buckets
+            kept = {i: master[buckets[i].shard_range].clone() for i in written if i in self.early}
         if written:
             self._roll_back(written, kept)
 
@@ -235,12 +236,12 @@ class SpeculativeSchedule(Schedule):
 
     def _republish_stale(self) -> None:
         """Give the device the master's rounding of every bucket rolled back after it was published."""
-        engine, pool = self.engine, self.engine.publish_pool
+        engine, pool = self.engine, self.engine.publisher.pool
         for index in sorted(self.stale):
             bucket = engine.layout.buckets[index]
             out = pool.acquire() if pool is not None else None
             if out is not None:
-                out[: bucket.shard_numel].copy_(engine.master[bucket.shard_range])
+                out[: bucket.shard_numel].copy_(engine.state.master[bucket.shard_range])
             engine.publish(bucket, out)
         self.stale = {}
 
@@ -249,18 +250,17 @@ class SpeculativeSchedule(Schedule):
         for index in buckets:
             window = engine.layout.buckets[index].shard_range
             if self.mode == "snapshot":
-                for saved, state in zip(self.snapshot, (engine.master, engine.exp_avg, engine.exp_avg_sq)):
-                    state[window].copy_(saved[window])
+                engine.state.restore(window, self.snapshot)
             else:
                 for run in self.speculated[index]:
                     if run.hparams is None:
                         continue
                     run_window = slice(run.start, run.end)
                     kernels.adam_undo(
-                        engine.master[run_window],
-                        engine.grad[run_window],
-                        engine.exp_avg[run_window],
-                        engine.exp_avg_sq[run_window],
+                        engine.state.master[run_window],
+                        engine.state.grad[run_window],
+                        engine.state.exp_avg[run_window],
+                        engine.state.exp_avg_sq[run_window],
                         hparams=run.hparams.kernel,
                         step=run.step,
                         grad_scale=run.multiplier,
