@@ -299,10 +299,10 @@ def zero_offload_kwargs(schedule: str | None, options: dict[str, Any]) -> dict[s
     kwargs = dict(options)
     if schedule is not None:
         kwargs["cpu_step"] = schedule
-    ZeroOffloadStrategy(**kwargs)  # refuse unknown schedules/options now, not mid-run
-    return kwargs
     if kwargs.get("cpu_step") == "delayed":  # the benchmark's warm-up steps cover DPU's (elsewhere it warns)
         kwargs.setdefault("dpu_warmup_steps", 1)
+    ZeroOffloadStrategy(**kwargs)  # refuse unknown schedules/options now, not mid-run
+    return kwargs
 
 
 def engine_probe(kwargs: dict[str, Any], device: torch.device, dtype: torch.dtype = torch.bfloat16) -> None:

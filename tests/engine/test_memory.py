@@ -3,6 +3,7 @@
 import gc
 import threading
 from collections import deque
+from dataclasses import replace
 
 import pytest
 import torch
@@ -127,7 +128,10 @@ def test_memory_report_accounts_for_every_buffer_the_engine_holds(dpu):
 
 def test_32_true_and_dpu_pin_only_bucket_sized_buffers(driver, monkeypatch):
     """The fp32 master (32-true) and DPU's next parameters stay pageable; what is pinned is a few buckets."""
+    # Pinning as on a CUDA machine: resolve() asks for it only for CUDA devices, can_pin() only where CUDA runs.
     monkeypatch.setattr(engine_module, "can_pin", lambda device: True)
+    resolve = engine_module.resolve
+    monkeypatch.setattr(engine_module, "resolve", lambda *a, **k: replace(resolve(*a, **k), pin_memory=True))
 
     def train(dtype: torch.dtype, dpu: bool) -> OffloadEngine:
         net = make_net()
