@@ -59,6 +59,7 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         overlap: bool | None = None,
         cpu_threads: int | None = None,
         cpu_step: Literal["auto", "sync", "speculative", "delayed"] = "auto",
+        cpu_state: Literal["fp32", "bf16"] = "fp32",
         speculation_rollback: Literal["auto", "undo", "snapshot"] = "auto",
         loss_scale_init: float = 2.0**16,
         loss_scale_growth_interval: int = 1000,

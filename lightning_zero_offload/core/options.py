@@ -122,6 +122,11 @@ OPTIONS_DOC = """\
             after it (clipping, overflow) and corrected if needed; results equal ``"sync"``. ``"delayed"``:
             overlaps the next forward/backward, which sees one-step-stale weights (changes convergence).
             ``"auto"`` (default): ``"speculative"`` on an accelerator, ``"sync"`` on a CPU device.
+        cpu_state: the dtype of the optimizer state on the CPU (docs/compact-state.md). ``"fp32"`` (default):
+            fp32 master weights and moments, exact to torch's AdamW. ``"bf16"``: master weights, moments and
+            gradient buffers in bf16, stochastically rounded (the same expected update as fp32), about half
+            the host memory per parameter and the device copy published as it is. Needs
+            ``precision="bf16-mixed"``; with ``cpu_step="speculative"`` the rollback is a snapshot.
         speculation_rollback: how ``cpu_step="speculative"`` takes a speculated bucket back when clipping
             triggers or a gradient overflows: ``"undo"`` inverts the Adam step algebraically (no extra memory;
             equal to sync within fp32 rounding), ``"snapshot"`` copies the bucket's state before speculating

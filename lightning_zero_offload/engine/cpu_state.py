@@ -1,10 +1,15 @@
 """The CPU state: this rank's shard of the optimizer state, and the only place steps are counted.
 
-It owns the fp32 master weights, the two Adam moments, the fp32 gradient buffer(s) backward
-accumulates into (none in place: there the gradients stay where autograd left them), and each
-parameter's step count. Everything else reads these buffers through it: the gradient source
-accumulates into :attr:`CpuState.grad`, the schedules' updates write the master and moments, the
-publisher copies from the master, and engine/state.py gathers or loads them for checkpoints.
+It owns the master weights, the two Adam moments, the gradient buffer(s) backward accumulates into
+(none in place: there the gradients stay where autograd left them), each parameter's step count, and
+the Adam update of a run of the shard. Everything else reads these buffers through it: the gradient
+source accumulates into :attr:`CpuState.grad`, the schedules' plans run through :meth:`CpuState.update`,
+the publisher copies from the master, and engine/state.py gathers or loads them for checkpoints.
+
+The state is fp32 (``cpu_state="fp32"``: exact to torch's AdamW) or bf16 (``"bf16"``, docs/compact-state.md):
+master, moments and gradient buffers in bf16, the update computed in fp32 and stored with stochastic
+rounding whose random bits are a hash of (seed, step, element), the element numbered by its place among
+all trainable elements (padding left out), so the bits do not depend on the world size or the thread count.
 
 The delayed schedule keeps a second gradient buffer so that backward t+1 can fill one while the
 update of step t reads the other; :meth:`CpuState.swap_grad` is the one place the buffers trade
@@ -16,24 +21,114 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
-from lightning_zero_offload.engine.layout import Layout
+from lightning_zero_offload import kernels
+from lightning_zero_offload.engine.collectives import broadcast_tensors_
+from lightning_zero_offload.engine.layout import Bucket, Layout
 from lightning_zero_offload.engine.memory import host_zeros
 
 
 class CpuState:
-    """This rank's fp32 master, moments, gradient buffer and per-parameter step counts."""
+    """This rank's master, moments, gradient buffer and per-parameter step counts, fp32 or bf16."""
 
-    def __init__(self, layout: Layout, group_of: list[int], keeps_grad: bool) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        group_of: list[int],
+        keeps_grad: bool,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+    ) -> None:
         shard = layout.shard_numel
         self.layout = layout
         self.group_of = group_of  # param group of each trainable parameter, in optimizer order
-        self.master = host_zeros(shard, torch.float32, False)  # model-sized: never pinned (see HostToDevice)
-        self.exp_avg = host_zeros(shard, torch.float32, False)
-        self.exp_avg_sq = host_zeros(shard, torch.float32, False)
+        self.dtype = dtype
+        self.seed = seed  # of the stochastic rounding (bf16 only), the same on every rank
+        self.master = host_zeros(shard, dtype, False)  # model-sized: never pinned (see HostToDevice)
+        self.exp_avg = host_zeros(shard, dtype, False)
+        self.exp_avg_sq = host_zeros(shard, dtype, False)
         # The buffer backward accumulates into now (in place: gradients stay in the tensors autograd made).
-        self.grad: torch.Tensor | None = host_zeros(shard, torch.float32, False) if keeps_grad else None
+        self.grad: torch.Tensor | None = host_zeros(shard, dtype, False) if keeps_grad else None
         self.steps = [0] * len(layout.slots)
+        # Each bucket's shift from this rank's shard positions to the elements' global numbers.
+        self._element_base = []
+        before = 0
+        for bucket in layout.buckets:
+            self._element_base.append(before + layout.rank * bucket.shard_numel - bucket.shard_start)
+            before += bucket.numel
+
+    @property
+    def compact(self) -> bool:
+        """bf16 state, stochastically rounded (``cpu_state="bf16"``)."""
+        return self.dtype == torch.bfloat16
+
+    def new_buffer(self) -> torch.Tensor:
+        """A shard-sized buffer of the state's dtype (a second gradient buffer, a snapshot)."""
+        return host_zeros(self.layout.shard_numel, self.dtype, False)
+
+    def accumulate(
+        self, window: slice, src: torch.Tensor, scale: float, overwrite: bool, num_threads: int
+    ) -> tuple[float, bool]:
+        """``grad[window] (+)= src * scale``; returns the window's new sum of squares and inf/nan flag.
+
+        fp32: one native pass. bf16: the sum rounded to nearest bf16 once per backward pass, as plain bf16
+        training accumulates ``.grad`` (one pass with one micro-batch at one rank, a copy of ``src``).
+        """
+        dst = self.grad[window]  # type: ignore[index]
+        if not self.compact:
+            return kernels.grad_accumulate(dst, src, scale=scale, overwrite=overwrite, num_threads=num_threads)
+        if overwrite and scale == 1.0:
+            dst.copy_(src)
+        elif overwrite:
+            torch.mul(src, scale, out=dst)
+        else:
+            dst.add_(src, alpha=scale)
+        return kernels.sum_of_squares(dst, num_threads=num_threads)
+
+    def update(
+        self,
+        bucket: Bucket,
+        window: slice,
+        hparams: kernels.AdamArgs,
+        step: int,
+        grad_scale: float,
+        grad: torch.Tensor,
+        out: torch.Tensor | None,
+        extrapolate: float,
+        num_threads: int,
+    ) -> None:
+        """The fused Adam step of ``window`` (inside ``bucket``'s shard range), reading ``grad[window]``.
+
+        fp32: the low-precision copy goes to ``out`` in the same pass (None: the master is published).
+        bf16: the master is the copy to publish (``out`` is None, ``extrapolate`` 0).
+        """
+        if self.compact:
+            kernels.adam_step_bf16_state(
+                self.master[window],
+                grad[window],
+                self.exp_avg[window],
+                self.exp_avg_sq[window],
+                hparams=hparams,
+                step=step,
+                seed=self.seed,
+                offset=self._element_base[bucket.index] + window.start,
+                grad_scale=grad_scale,
+                num_threads=num_threads,
+            )
+            return
+        kernels.adam_step(
+            self.master[window],
+            grad[window],
+            self.exp_avg[window],
+            self.exp_avg_sq[window],
+            hparams=hparams,
+            step=step,
+            grad_scale=grad_scale,
+            param_out=out,
+            extrapolate=extrapolate,
+            num_threads=num_threads,
+        )
 
     def count_steps(self, indices: Iterable[int]) -> None:
         """One optimizer step more for each of these parameters (those that got a gradient)."""
@@ -47,7 +142,7 @@ class CpuState:
         return previous
 
     def snapshot(self, window: slice, into: list[torch.Tensor]) -> None:
-        """Copy the master and moments of ``window`` into ``into`` (three shard-sized buffers)."""
+        """Copy the master and moments of ``window`` into ``into`` (three :meth:`new_buffer` buffers)."""
         for saved, buffer in zip(into, (self.master, self.exp_avg, self.exp_avg_sq)):
             saved[window].copy_(buffer[window])
 
@@ -63,6 +158,15 @@ class CpuState:
             [buffer[r] for r in ranges] for buffer in (self.master, self.exp_avg, self.exp_avg_sq)
         )
         return master, exp_avg, exp_avg_sq
+
+
+def rounding_seed(process_group: dist.ProcessGroup | None, device: torch.device, world_size: int) -> int:
+    """The bf16 state's rounding seed: torch's initial seed (``seed_everything`` sets it), rank 0's on every
+    rank (a collective when ``world_size`` > 1), so one run's bits are the same at any world size."""
+    seed = torch.tensor([torch.initial_seed() & (2**63 - 1)], dtype=torch.int64)
+    if world_size > 1:
+        broadcast_tensors_([seed], process_group, device)
+    return int(seed.item())
 
 
 class ParkedState:

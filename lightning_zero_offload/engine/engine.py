@@ -38,7 +38,7 @@ import torch.distributed as dist
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine import state as state_io
 from lightning_zero_offload.engine.adam import check_optimizer
-from lightning_zero_offload.engine.cpu_state import CpuState, ParkedState
+from lightning_zero_offload.engine.cpu_state import CpuState, ParkedState, rounding_seed
 from lightning_zero_offload.engine.failures import NonFinitePolicy
 from lightning_zero_offload.engine.gradient_source import GradientSource, global_summary
 from lightning_zero_offload.engine.grads import GradientStreamer
@@ -108,6 +108,9 @@ class OffloadEngine(EngineLifecycle):
         self.failed = False  # closed after an exception, without gathering (see _close_after_failure)
         self._closed = False
         self._parked = ParkedState()  # moments and step counts of parameters that left the trainable set
+        # bf16 state: the seed of its stochastic rounding, rank 0's on every rank (checkpoints keep it).
+        compact = resolved.state_dtype != torch.float32
+        self._rounding_seed = rounding_seed(process_group if world > 1 else None, device, world) if compact else 0
         self._build()
         self.last = StepStats(loss_scale=self.loss_scale)
 
@@ -137,7 +140,9 @@ class OffloadEngine(EngineLifecycle):
         self.layout: Layout = build_layout([p.shape for p in self.params], options.bucket_numel(element), world, rank)
         self.in_place = self.resolved.in_place
         self.pin = self.resolved.pin_memory and can_pin(device)
-        self.state = CpuState(self.layout, self.group_of, keeps_grad=not self.in_place)
+        self.state = CpuState(
+            self.layout, self.group_of, not self.in_place, self.resolved.state_dtype, self._rounding_seed
+        )
         self._original_dtypes = [p.dtype for p in self.params]
         state_io.load_shard(self, self.master, [p.detach() for p in self.params])
 
@@ -152,7 +157,14 @@ class OffloadEngine(EngineLifecycle):
             self._update = self._update_in_place
         else:
             self.publisher = Publisher(
-                self.layout, self.params, device, param_dtype, self.pin, self.process_group, self.ledger
+                self.layout,
+                self.params,
+                device,
+                param_dtype,
+                self.pin,
+                self.process_group,
+                self.ledger,
+                self.state.dtype,
             )
             self._update = self._update_offload
             self.grads = GradientStreamer(

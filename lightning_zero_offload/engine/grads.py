@@ -47,7 +47,6 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.collectives import all_reduce_sum, broadcast_tensors_, reduce_scatter
 from lightning_zero_offload.engine.cpu_state import CpuState
 from lightning_zero_offload.engine.layout import Bucket, Layout
@@ -319,12 +318,8 @@ class GradientStreamer:
                 wait_event(copied)
                 start = time.perf_counter()  # after the wait: the device part is timed on the device
                 overwrite = self._fresh[bucket.index]
-                sumsq, nonfinite = kernels.grad_accumulate(
-                    self.state.grad[bucket.shard_range],
-                    staging[: bucket.shard_numel],
-                    scale=self.scale,
-                    overwrite=overwrite,
-                    num_threads=self.num_threads,
+                sumsq, nonfinite = self.state.accumulate(
+                    bucket.shard_range, staging[: bucket.shard_numel], self.scale, overwrite, self.num_threads
                 )
             finally:  # also on failure, so no launch waits for a buffer that never comes back
                 self._staging.release(staging)

@@ -23,6 +23,8 @@ CheckpointFormat = Literal["full", "sharded"]
 CpuStep = Literal["auto", "sync", "speculative", "delayed"]
 Schedule = Literal["sync", "speculative", "delayed"]
 SpeculationRollback = Literal["auto", "undo", "snapshot"]
+CpuStateDtype = Literal["fp32", "bf16"]
+CPU_STATES = ("fp32", "bf16")
 CPU_STEPS = ("auto", "sync", "speculative", "delayed")
 SPECULATION_ROLLBACKS = ("auto", "undo", "snapshot")
 
@@ -78,6 +80,7 @@ class OffloadOptions:
     cpu_threads: int | None = None
     loss_scaler: LossScalerConfig = field(default_factory=LossScalerConfig)
     cpu_step: CpuStep = "auto"
+    cpu_state: CpuStateDtype = "fp32"
     delayed: DelayedOptions = field(default_factory=DelayedOptions)
     speculative: SpeculativeOptions = field(default_factory=SpeculativeOptions)
     checkpoint_format: CheckpointFormat = "full"
@@ -94,6 +97,7 @@ class OffloadOptions:
             if not isinstance(getattr(self, name), kind):
                 raise TypeError(f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
         check_choice("cpu_step", self.cpu_step, CPU_STEPS)
+        check_choice("cpu_state", self.cpu_state, CPU_STATES)
         check_choice("checkpoint_format", self.checkpoint_format, ("full", "sharded"))
         check_int("max_consecutive_skipped_steps", self.max_consecutive_skipped_steps, 1, optional=True)
         check_bool("in_place_on_cpu", self.in_place_on_cpu, optional=True)
@@ -109,7 +113,8 @@ class Resolved:
     """What an engine runs with on a given device, dtype and world size: no "auto" left.
 
     ``speculation_rollback`` is set only for the speculative schedule and ``delayed`` only for the delayed
-    one. ``notes`` name each option given that does not apply here (or only in part), and why.
+    one. ``state_dtype`` is the dtype of the CPU state (master, moments, gradient buffers). ``notes`` name
+    each option given that does not apply here (or only in part), and why.
     """
 
     cpu_step: Schedule
@@ -119,6 +124,7 @@ class Resolved:
     pin_memory: bool
     speculation_rollback: Literal["undo", "snapshot"] | None
     delayed: DelayedOptions | None
+    state_dtype: torch.dtype = torch.float32
     notes: tuple[str, ...] = ()
 
     def warn(self) -> None:
@@ -217,10 +223,16 @@ def resolve(
     else:
         overlap = options.overlap if options.overlap is not None else accelerator
 
+    compact = options.cpu_state == "bf16"
+    if compact:
+        _check_compact_state(options, param_dtype, cpu_step)
+
     rollback: Literal["undo", "snapshot"] | None = None
     if cpu_step == "speculative":  # fp16 overflows are routine and must be skipped bitwise as in sync
         chosen = options.speculative.rollback
-        rollback = chosen if chosen != "auto" else ("snapshot" if param_dtype == torch.float16 else "undo")
+        # A stochastically rounded step cannot be inverted: the bf16 state always rolls back from a snapshot.
+        exact = param_dtype == torch.float16 or compact
+        rollback = chosen if chosen != "auto" else ("snapshot" if exact else "undo")
     elif options.speculative != SpeculativeOptions():
         notes.append(
             f"speculation_rollback={options.speculative.rollback!r} has no effect: it applies to "
@@ -248,4 +260,27 @@ def resolve(
         )
 
     pin = options.pin_memory and device.type == "cuda"  # page-locked staging speeds up CUDA copies only
-    return Resolved(cpu_step, overlap, max(1, threads), in_place, pin, rollback, delayed, tuple(notes))
+    state_dtype = torch.bfloat16 if compact else torch.float32
+    return Resolved(cpu_step, overlap, max(1, threads), in_place, pin, rollback, delayed, state_dtype, tuple(notes))
+
+
+def _check_compact_state(options: OffloadOptions, param_dtype: torch.dtype, cpu_step: Schedule) -> None:
+    """Refuse what ``cpu_state="bf16"`` cannot run, naming the fix (docs/compact-state.md)."""
+    if param_dtype != torch.bfloat16:
+        precision = {torch.float16: "'16-mixed'", torch.float32: "'32-true'"}.get(param_dtype, str(param_dtype))
+        raise ValueError(
+            "cpu_state='bf16' keeps the master weights in bf16 and hands them to the device as they are, so the "
+            f"device parameters must be bf16 too, and the precision is {precision}: use precision='bf16-mixed', "
+            "or cpu_state='fp32' (fp32 master weights, exact to torch's AdamW)"
+        )
+    if cpu_step == "speculative" and options.speculative.rollback == "undo":
+        raise ValueError(
+            "speculation_rollback='undo' inverts the Adam step algebraically, which a stochastically rounded bf16 "
+            "step cannot be: with cpu_state='bf16' use speculation_rollback='snapshot' (or 'auto', which takes it)"
+        )
+    if cpu_step == "delayed" and options.delayed.weight_prediction:
+        raise ValueError(
+            "dpu_weight_prediction writes a predicted copy of the weights apart from the master, and "
+            "cpu_state='bf16' hands the device the bf16 master itself: set dpu_weight_prediction=False, or use "
+            "cpu_state='fp32'"
+        )

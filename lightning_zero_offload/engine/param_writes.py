@@ -106,5 +106,5 @@ class ParamWriteWatch:
         written, device_chunk = self.find_writes(bucket, published)
         count = int(written.sum())
         if count:
-            shard[written] = device_chunk[written].float()
+            shard[written] = device_chunk[written].to(shard.dtype)
         return count

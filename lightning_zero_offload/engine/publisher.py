@@ -53,6 +53,7 @@ class Publisher:
         pin: bool,
         process_group: dist.ProcessGroup | None,
         ledger: MemoryLedger,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.layout, self.device, self.dtype = layout, device, dtype
         self.process_group, self.ledger = process_group, ledger
@@ -61,8 +62,10 @@ class Publisher:
         self.writes = ParamWriteWatch(layout, params, self.flat_params, checksums=True)
         self.writes.record_all()
         max_shard = max(b.shard_numel for b in layout.buckets)
-        # Low-precision chunks the updates write into; None for fp32 parameters (the master is published).
-        self.pool = BufferPool(2, max_shard, dtype, pin) if dtype in LOW_PRECISION else None
+        # Low-precision chunks the updates write into; None where the master has the device dtype already
+        # (fp32 parameters, or bf16 state): the master itself is published.
+        rounds = dtype in LOW_PRECISION and master_dtype != dtype
+        self.pool = BufferPool(2, max_shard, dtype, pin) if rounds else None
         self.h2d = HostToDevice(device, max_shard, dtype, pin)  # pageable sources go through pinned staging
         self._pending: list[torch.Event | None] = []
 
@@ -94,7 +97,7 @@ class Publisher:
             wait_event(event)
 
     def refresh(self, master: torch.Tensor) -> None:
-        """Write ``master`` (this rank's fp32 shard, rounded to the device dtype) into the device parameters."""
+        """Write ``master`` (this rank's shard, rounded to the device dtype) into the device parameters."""
         for bucket in self.layout.buckets:
             out = self.pool.acquire() if self.pool is not None else None
             if out is not None:

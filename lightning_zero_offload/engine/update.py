@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.adam import AdamHyperparams, read_hyperparams
 from lightning_zero_offload.engine.layout import Bucket
 
@@ -108,17 +107,8 @@ def update_bucket(
             if target is not None:
                 target.copy_(engine.state.master[window])
             continue
-        kernels.adam_step(
-            engine.state.master[window],
-            grad[window],
-            engine.state.exp_avg[window],
-            engine.state.exp_avg_sq[window],
-            hparams=run.hparams.kernel,
-            step=run.step,
-            grad_scale=run.multiplier,
-            param_out=target,
-            extrapolate=extrapolate,
-            num_threads=engine.num_threads,
+        engine.state.update(
+            bucket, window, run.hparams.kernel, run.step, run.multiplier, grad, target, extrapolate, engine.num_threads
         )
 
 

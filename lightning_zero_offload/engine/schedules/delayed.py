@@ -48,7 +48,7 @@ class DelayedSchedule(Schedule):
         self.extrapolate = 1.0 if settings.weight_prediction else 0.0
         # Two gradient buffers: backward t+1 fills one while the update of step t reads the other.
         shard = engine.layout.shard_numel
-        self.grad_buffers = [engine.state.grad, host_zeros(shard, torch.float32, False)]
+        self.grad_buffers = [engine.state.grad, engine.state.new_buffer()]
         # The low-precision result waiting to be swapped in (None for fp32 params: the master is published).
         low_precision = engine.publisher.pool is not None
         self.next_params = host_zeros(shard, engine.param_dtype, False) if low_precision else None
@@ -161,7 +161,7 @@ class DelayedSchedule(Schedule):
         update_bucket(engine, bucket, runs, grad, out, self.extrapolate)
         if override is not None:
             written, values = override
-            engine.state.master[bucket.shard_range][written] = values.float()
+            engine.state.master[bucket.shard_range][written] = values.to(engine.state.dtype)
             if out is not None:
                 out[written] = values  # the device keeps showing the written value, not a prediction
 
@@ -243,11 +243,11 @@ class DelayedSchedule(Schedule):
         if written is None:
             return 0
         window = bucket.shard_range
-        self.engine.state.master[window][written] = values.float()
+        self.engine.state.master[window][written] = values.to(self.engine.state.dtype)
         if self.next_params is not None:  # what the next swap-in gives the device
             self.next_params[window][written] = values
         if self.device_holds == SAVED:
-            self.spare_grad[window][written] = values.float()
+            self.spare_grad[window][written] = values.to(self.engine.state.dtype)
         return int(written.sum())
 
     def on_weights_loaded(self) -> None:

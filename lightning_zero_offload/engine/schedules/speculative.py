@@ -94,7 +94,7 @@ class SpeculativeSchedule(Schedule):
         self.mode = engine.resolved.speculation_rollback  # "undo" or "snapshot" (engine/options.resolve)
         # Speculated low-precision results wait here until validated (fp32 params: the master is published).
         self.out = host_zeros(shard, engine.param_dtype, False) if engine.publisher.pool is not None else None
-        self.snapshot = [host_zeros(shard, torch.float32, False) for _ in range(3)] if self.mode == "snapshot" else []
+        self.snapshot = [engine.state.new_buffer() for _ in range(3)] if self.mode == "snapshot" else []
         self.bucket_numel = [sum(seg.numel for seg in b.segments) for b in engine.layout.buckets]
         self.armed = False  # the backward running now ends an accumulation window
         self.hparams: list[AdamHyperparams] = []
