@@ -201,12 +201,14 @@ def resolve(
             (f"the parameters are {param_dtype}, not float32 (precision='32-true')", param_dtype != torch.float32),
             (f"there are {world_size} processes, not 1", world_size != 1),
             (f"cpu_step is {cpu_step!r}, not 'sync'", cpu_step != "sync"),
+            ("cpu_state is 'bf16', not 'fp32'", options.cpu_state != "fp32"),
         )
         if fails
     ]
     if options.in_place_on_cpu and unmet:
         raise ValueError(
-            "in_place_on_cpu=True needs a CPU device, precision='32-true', one process and cpu_step='sync', but "
+            "in_place_on_cpu=True needs a CPU device, precision='32-true', one process, cpu_step='sync' and "
+            "cpu_state='fp32', but "
             + "; ".join(unmet)
             + ". Leave in_place_on_cpu unset (None) to use it exactly where it applies."
         )
@@ -266,12 +268,11 @@ def resolve(
 
 def _check_compact_state(options: OffloadOptions, param_dtype: torch.dtype, cpu_step: Schedule) -> None:
     """Refuse what ``cpu_state="bf16"`` cannot run, naming the fix (docs/compact-state.md)."""
-    if param_dtype != torch.bfloat16:
-        precision = {torch.float16: "'16-mixed'", torch.float32: "'32-true'"}.get(param_dtype, str(param_dtype))
+    if param_dtype == torch.float16:
         raise ValueError(
-            "cpu_state='bf16' keeps the master weights in bf16 and hands them to the device as they are, so the "
-            f"device parameters must be bf16 too, and the precision is {precision}: use precision='bf16-mixed', "
-            "or cpu_state='fp32' (fp32 master weights, exact to torch's AdamW)"
+            "cpu_state='bf16' keeps the master weights in bf16, which fp16 device parameters cannot hold (bf16 "
+            "spans fp32's range, fp16 overflows above 65504): use precision='bf16-mixed' with cpu_state='bf16', "
+            "or cpu_state='fp32' with precision='16-mixed'"
         )
     if cpu_step == "speculative" and options.speculative.rollback == "undo":
         raise ValueError(
