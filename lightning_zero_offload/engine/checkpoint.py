@@ -115,7 +115,11 @@ def convert_checkpoint_to_fp32_state_dict(
         model_key = checkpoint.get(FABRIC_KEY, {}).get("model", "state_dict")
     if not isinstance(checkpoint.get(model_key), dict):
         raise CheckpointError(f"{checkpoint_path} is not a Lightning checkpoint (it has no {model_key!r})")
-    state_dict = checkpoint[model_key]
+    # A cpu_state="bf16" run saves its bf16 master weights as they are; the export widens them (exactly).
+    state_dict = {
+        key: value.float() if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 else value
+        for key, value in checkpoint[model_key].items()
+    }
     if output_path is not None:
         atomic_save(state_dict, output_path)
     return state_dict

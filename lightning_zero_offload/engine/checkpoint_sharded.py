@@ -178,7 +178,8 @@ def _remove_version(version: Location) -> None:
 def load_sharded(path: PathLike, with_optimizer: bool = True, weights_only: bool = True) -> dict[str, Any]:
     """Read a sharded checkpoint directory as an ordinary full Lightning checkpoint dict.
 
-    ``state_dict`` gets the fp32 master weights and ``optimizer_states`` a torch AdamW state dict, so
+    ``state_dict`` gets the master weights (fp32, or bf16 as a ``cpu_state="bf16"`` run saved them) and
+    ``optimizer_states`` a torch AdamW state dict, so
     the rest of the loading path is the same as for the full format, whatever the world size now.
     ``weights_only`` applies to ``meta.pt`` (which holds the user's hyperparameters); shards hold tensors only.
     """
@@ -270,7 +271,7 @@ def _assemble(
 ) -> torch.Tensor:
     """Cut one parameter out of a bucket whose chunk ``r`` lives in shard ``r``."""
     chunk, start = bucket["shard_numel"], bucket["shard_start"]
-    out = torch.empty(shape.numel(), dtype=torch.float32)
+    out = torch.empty(shape.numel(), dtype=shards[0][name].dtype)  # fp32, or bf16 from cpu_state="bf16"
     position = 0
     while position < shape.numel():
         global_index = offset + position  # index inside the padded bucket

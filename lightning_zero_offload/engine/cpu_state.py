@@ -28,6 +28,8 @@ from lightning_zero_offload.engine.collectives import broadcast_tensors_
 from lightning_zero_offload.engine.layout import Bucket, Layout
 from lightning_zero_offload.engine.memory import host_zeros
 
+STATE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the cpu_state option's name of each dtype
+
 
 class CpuState:
     """This rank's master, moments, gradient buffer and per-parameter step counts, fp32 or bf16."""

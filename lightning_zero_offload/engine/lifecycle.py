@@ -14,7 +14,7 @@ import torch
 
 from lightning_zero_offload.engine import state as state_io
 from lightning_zero_offload.engine.adam import check_optimizer
-from lightning_zero_offload.engine.cpu_state import CpuState, ParkedState
+from lightning_zero_offload.engine.cpu_state import STATE_NAMES, CpuState, ParkedState
 from lightning_zero_offload.engine.failures import NonFinitePolicy
 from lightning_zero_offload.engine.gradient_source import GradientSource
 from lightning_zero_offload.engine.layout import Layout
@@ -46,6 +46,7 @@ class EngineLifecycle:
     _signature: tuple[tuple[int, bool], ...]
     _parked: ParkedState
     _original_dtypes: list[torch.dtype]
+    _rounding_seed: int
 
     # OffloadEngine's, used here: _build (lay out and build the parts), sync, absorb_param_writes.
 
@@ -139,6 +140,8 @@ class EngineLifecycle:
             "skipped_steps": self.skipped_steps,
             "nonfinite": self.nonfinite.state_dict(),  # a resumed run raises after the same skipped steps
             "schedule": {"name": self.schedule.name, **self.schedule.state_dict()},
+            # bf16 state: the seed of its stochastic rounding, so a resumed run draws the same bits.
+            "cpu_state": {"dtype": STATE_NAMES[self.state.dtype], "seed": self.state.seed},
         }
         if self.scaler is not None:
             state["loss_scaler"] = self.scaler.state_dict()
@@ -159,9 +162,13 @@ class EngineLifecycle:
         schedule = state.get("schedule") or {}
         if schedule.get("name") == self.schedule.name:
             self.schedule.load_state_dict(schedule)
+        saved_state = state.get("cpu_state") or {"dtype": "fp32"}
+        if self.state.compact and saved_state["dtype"] == "bf16":
+            self.state.seed = self._rounding_seed = int(saved_state["seed"])
 
     def master_params(self) -> list[torch.Tensor]:
-        """Full fp32 master weights, one tensor per trainable parameter (collective when sharded)."""
+        """Full master weights, one tensor per trainable parameter, in the state's dtype (fp32, or bf16 with
+        ``cpu_state="bf16"``; collective when sharded)."""
         self._settle()
         return state_io.full_tensors(self, self.master)
 
@@ -184,7 +191,7 @@ class EngineLifecycle:
         return state_io.param_groups_state(self)
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's flat fp32 master and moments, as stored in a sharded checkpoint."""
+        """This rank's flat master and moments (in the state's dtype), as stored in a sharded checkpoint."""
         self.refuse_after_failure("sharded checkpoint")
         self._settle()
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}

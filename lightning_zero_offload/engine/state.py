@@ -8,6 +8,7 @@ the other ranks).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -230,6 +231,21 @@ def optimizer_state_dict(engine: EngineParts) -> dict[str, Any]:
     return {"state": state, "param_groups": param_groups_state(engine)}
 
 
+def _note_conversion(engine: EngineParts, saved: list[torch.dtype]) -> None:
+    """One line when the moments come in another dtype than the state's (a cpu_state change between runs)."""
+    kept = engine.state.dtype
+    other = next((dtype for dtype in saved if dtype != kept), None)
+    if other is None:
+        return
+    how = "rounded to nearest (this resume is not bitwise)" if kept == torch.bfloat16 else "widened exactly"
+    warnings.warn(
+        f"zero_offload: the checkpoint's optimizer state is {other}, this run's cpu_state keeps {kept}: "
+        f"converted, {how}.",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
 def load_optimizer_state_dict(engine: EngineParts, state_dict: dict[str, Any]) -> None:
     """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam)."""
     optimizer = engine.optimizer
@@ -242,6 +258,7 @@ def load_optimizer_state_dict(engine: EngineParts, state_dict: dict[str, Any]) -
             "the one returned by configure_optimizers; build the optimizer the same way as when it was saved"
         )
     state = {int(k): v for k, v in state_dict["state"].items()}
+    _note_conversion(engine, [entry["exp_avg"].dtype for entry in state.values()])
     exp_avg, exp_avg_sq = [], []
     for index, torch_index in enumerate(engine.torch_index):
         entry = state.get(torch_index)
@@ -257,8 +274,8 @@ def load_optimizer_state_dict(engine: EngineParts, state_dict: dict[str, Any]) -
                 f"the parameter has {tuple(shape)}"
             )
         engine.state.steps[index] = int(float(entry["step"]))
-        exp_avg.append(entry["exp_avg"].float())
-        exp_avg_sq.append(entry["exp_avg_sq"].float())
+        exp_avg.append(entry["exp_avg"])
+        exp_avg_sq.append(entry["exp_avg_sq"])
     load_shard(engine, engine.state.exp_avg, exp_avg)
     load_shard(engine, engine.state.exp_avg_sq, exp_avg_sq)
     for group, saved in zip(optimizer.param_groups, groups):
