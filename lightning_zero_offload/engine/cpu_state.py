@@ -69,6 +69,11 @@ class CpuState:
         """A shard-sized buffer of the state's dtype (a second gradient buffer, a snapshot)."""
         return host_zeros(self.layout.shard_numel, self.dtype, False)
 
+    def element_number(self, bucket: Bucket, shard_position: int) -> int:
+        """The global number of the element at ``shard_position`` (in ``bucket``'s shard range): its place
+        among all trainable elements in layout order, the same at every world size (padding is not counted)."""
+        return self._element_base[bucket.index] + shard_position
+
     def accumulate(
         self, window: slice, src: torch.Tensor, scale: float, overwrite: bool, num_threads: int
     ) -> tuple[float, bool]:
@@ -114,7 +119,7 @@ class CpuState:
                 hparams=hparams,
                 step=step,
                 seed=self.seed,
-                offset=self._element_base[bucket.index] + window.start,
+                offset=self.element_number(bucket, window.start),
                 grad_scale=grad_scale,
                 num_threads=num_threads,
             )

@@ -178,6 +178,9 @@ class OffloadEngine(EngineLifecycle):
                 self.process_group,
                 self.overlap,
             )
+        if self.state.dtype != param_dtype and param_dtype == torch.float32:
+            # bf16 state under fp32 parameters: the device computes with the master's (bf16) values from the start.
+            self.publisher.refresh(self.state.master)
         self.schedule = make_schedule(self.cpu_step, self)
 
     # -- training ------------------------------------------------------------------------------
