@@ -118,7 +118,7 @@ def child(fmt: str, params: float, width: int, world: int, out: str) -> None:
 
 def training_bytes_per_param(world: int, precision: str = "bf16-mixed") -> float:
     """The planner's steady host bytes per parameter of training with ``world`` GPUs on one host (all ranks)."""
-    from lightning_zero_offload.planner.model import Machine, plan
+    from lightning_zero_offload.planner import Machine, plan
 
     machine = Machine(
         host_bandwidth_gbs=100.0, cpu_cores=32, host_memory_gb=1e6, device_tflops=100.0, h2d_gbs=25.0, d2h_gbs=25.0

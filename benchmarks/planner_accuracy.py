@@ -58,7 +58,7 @@ def memory_child(name: str, params: float, width: int) -> dict:
     import torch
 
     from lightning_zero_offload import ZeroOffloadStrategy
-    from lightning_zero_offload.planner.model import Machine, plan
+    from lightning_zero_offload.planner import Machine, plan
 
     precision, in_place, fmt = MEMORY_CONFIGS[name]
     Net = linear_stack(params, width)

@@ -24,8 +24,9 @@ from lightning_zero_offload.planner import (
     with_rates,
 )
 from lightning_zero_offload.planner.cli import main
-from lightning_zero_offload.planner.model import LayoutSummary, ModelShape, host_memory
+from lightning_zero_offload.planner.memory import host_memory
 from lightning_zero_offload.planner.preflight import SKIP_CHECK_ENV
+from lightning_zero_offload.planner.shape import LayoutSummary, ModelShape
 from lightning_zero_offload.planner.validate import compare
 
 GPU_BOX = presets.machine("server (2 sockets, 8ch DDR4-3200 each)", "H100 SXM (PCIe 5)")
@@ -379,11 +380,11 @@ def test_plain_training_that_fits_the_device_is_said():
 
 
 def test_only_what_fits_is_recommended(monkeypatch):
-    from lightning_zero_offload.planner import model as planner_model
+    from lightning_zero_offload.planner import memory as planner_memory
 
     # A save that copies 8 B/param (as with a user's CheckpointIO). 1.3B: sync needs 20.8 GB training and
     # 26 GB at setup; delayed 28.6 GB; such a full save 31.2 GB.
-    monkeypatch.setitem(planner_model.CHECKPOINT_SAVE_BYTES_PER_PARAM, "full", (8, 12))
+    monkeypatch.setitem(planner_memory.CHECKPOINT_SAVE_BYTES_PER_PARAM, "full", (8, 12))
     p = h200("1.3B", machine=with_rates(H200_BOX, host_memory_gb=27))
     r = p.recommended
     assert r["checkpoint_format"] == "sharded" and r["cpu_step"] in ("sync", "speculative")
@@ -409,13 +410,13 @@ def test_activations_and_activation_checkpointing():
 
 
 def test_the_save_peak_is_one_constant(monkeypatch):
-    from lightning_zero_offload.planner import model as planner_model
+    from lightning_zero_offload.planner import memory as planner_memory
 
-    assert planner_model.checkpoint_save_bytes(10, "full", 1) == 0  # written from the engine's buffers
-    assert planner_model.checkpoint_save_bytes(10, "full", 2) == 120  # every rank gathers the full state
-    assert planner_model.checkpoint_save_bytes(10, "sharded", 4) == 0
+    assert planner_memory.checkpoint_save_bytes(10, "full", 1) == 0  # written from the engine's buffers
+    assert planner_memory.checkpoint_save_bytes(10, "full", 2) == 120  # every rank gathers the full state
+    assert planner_memory.checkpoint_save_bytes(10, "sharded", 4) == 0
     before = h200("1.3B").host["sync"].save_per_node("full")
-    monkeypatch.setitem(planner_model.CHECKPOINT_SAVE_BYTES_PER_PARAM, "full", (8, 12))  # a save with a copy
+    monkeypatch.setitem(planner_memory.CHECKPOINT_SAVE_BYTES_PER_PARAM, "full", (8, 12))  # a save with a copy
     assert h200("1.3B").host["sync"].save_per_node("full") == pytest.approx(before + 8 * 1.3e9)
 
 

@@ -5,7 +5,10 @@
 :mod:`~lightning_zero_offload.planner.presets` has typical hosts and accelerators.
 """
 
-from lightning_zero_offload.planner.model import Machine, Plan, StepTime, measure_machine, plan, with_rates
+from lightning_zero_offload.planner.machine import Machine, measure_machine, with_rates
+from lightning_zero_offload.planner.model import plan
 from lightning_zero_offload.planner.preflight import check_host_memory
+from lightning_zero_offload.planner.report import Plan
+from lightning_zero_offload.planner.timing import StepTime
 
 __all__ = ["Machine", "Plan", "StepTime", "check_host_memory", "measure_machine", "plan", "with_rates"]

@@ -24,7 +24,9 @@ from dataclasses import fields
 import torch
 
 from lightning_zero_offload.planner import presets
-from lightning_zero_offload.planner.model import CHECKPOINT_FORMATS, DTYPES, Machine, measure_machine, plan, with_rates
+from lightning_zero_offload.planner.machine import Machine, measure_machine, with_rates
+from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS
+from lightning_zero_offload.planner.model import DTYPES, plan
 
 EXIT_FITS = 0
 EXIT_USAGE = 2  # argparse's own

@@ -2,7 +2,7 @@
 
 Runs in the strategy's setup (Trainer and Fabric), before any rank builds its engine (all ranks compute
 the same numbers from the same node, so they fail together). The checks are the planner's own verdict
-(:func:`~lightning_zero_offload.planner.model.host_checks`): training's steady state, the setup peak and
+(:func:`~lightning_zero_offload.planner.verdicts.host_checks`): training's steady state, the setup peak and
 the configured checkpoint format's save, against the memory this process can still get (MemAvailable or
 a cgroup limit, whichever is less: :func:`~lightning_zero_offload.planner.probes.host_memory_limit`).
 ``LZO_SKIP_MEMORY_CHECK=1`` skips it.
@@ -18,14 +18,10 @@ from torch import nn
 
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
 from lightning_zero_offload.planner import probes
-from lightning_zero_offload.planner.model import (
-    STATE_BYTES_PER_PARAM,
-    ModelShape,
-    _gb,
-    _layout,
-    host_checks,
-    host_memory,
-)
+from lightning_zero_offload.planner.machine import format_gb
+from lightning_zero_offload.planner.memory import STATE_BYTES_PER_PARAM, host_memory
+from lightning_zero_offload.planner.shape import ModelShape, layout_summary
+from lightning_zero_offload.planner.verdicts import host_checks
 
 SKIP_CHECK_ENV = "LZO_SKIP_MEMORY_CHECK"
 
@@ -57,7 +53,7 @@ def check_host_memory(
     if os.environ.get(SKIP_CHECK_ENV, "") not in ("", "0"):
         return
     shape = ModelShape.of(model)
-    layout = _layout(shape, options.bucket_size_mb, param_dtype, world_size)
+    layout = layout_summary(shape, options.bucket_size_mb, param_dtype, world_size)
     config = resolve(options, device, param_dtype, world_size, local_world_size)  # what the engine will run
     schedule = config.cpu_step
     resident = _resident_bytes(model)
@@ -81,22 +77,23 @@ def check_host_memory(
         )
     fixes.append("fewer trainable parameters (freeze some: frozen parameters get no CPU state) or a smaller model")
     if schedule == "delayed":
-        fixes.append(f"a schedule other than delayed saves {_gb(need.per_rank['grad_second'] * local_world_size)}")
+        fixes.append(
+            f"a schedule other than delayed saves {format_gb(need.per_rank['grad_second'] * local_world_size)}"
+        )
     if schedule == "speculative" and need.per_rank.get("snapshot"):
-        fixes.append(f'speculation_rollback="undo" saves {_gb(need.per_rank["snapshot"] * local_world_size)}')
+        fixes.append(f'speculation_rollback="undo" saves {format_gb(need.per_rank["snapshot"] * local_world_size)}')
     if options.checkpoint_format == "full":
         fixes.append(
             f'checkpoint_format="sharded": a full checkpoint also gathers '
-            f"{_gb(need.checkpoint_save_per_rank['full'] * local_world_size)} on this node while it is saved"
+            f"{format_gb(need.checkpoint_save_per_rank['full'] * local_world_size)} on this node while it is saved"
         )
     if module and param_dtype != torch.float32 and any(c.name.startswith("host RAM, setup") for c in failed):
         fixes.append("build the module in bf16/fp16 (2 B/param until setup; the master weights stay fp32)")
-    checks = "; ".join(f"{c.name}: {_gb(c.need)}" for c in failed)
+    checks = "; ".join(f"{c.name}: {format_gb(c.need)}" for c in failed)
     raise MemoryError(
-        f"zero_offload needs about {_gb(worst.need)} of host RAM on this node ({checks}; {local_world_size} "
-        f"rank(s), optimizer state {_gb(per_node_state)} for {shape.params / 1e6:.1f}M trainable params over "
-        f"{world_size} rank(s), the module as built {_gb(module)}), but only {_gb(budget)} is available "
-        f"({source}: {_gb(available)} now, plus the module's own {_gb(module)} that setup releases). Options: "
-        + "; ".join(fixes)
-        + f". Set {SKIP_CHECK_ENV}=1 to skip this check."
+        f"zero_offload needs about {format_gb(worst.need)} of host RAM on this node ({checks}; {local_world_size} "
+        f"rank(s), optimizer state {format_gb(per_node_state)} for {shape.params / 1e6:.1f}M trainable params over "
+        f"{world_size} rank(s), the module as built {format_gb(module)}), but only {format_gb(budget)} is available "
+        f"({source}: {format_gb(available)} now, plus the module's own {format_gb(module)} that setup releases). "
+        "Options: " + "; ".join(fixes) + f". Set {SKIP_CHECK_ENV}=1 to skip this check."
     )

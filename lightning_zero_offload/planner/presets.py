@@ -11,7 +11,7 @@ differ by tens of percent, so measure it (``measure_machine()`` on that machine)
 
 from __future__ import annotations
 
-from lightning_zero_offload.planner.model import Machine
+from lightning_zero_offload.planner.machine import Machine
 
 MFU = 0.45
 

@@ -1,13 +1,69 @@
-"""The plan as text: what fits (first, when nothing does), where the step's time goes, what to set."""
+"""What :func:`~lightning_zero_offload.planner.plan` returns, and the plan as text: what fits (first, when
+nothing does), where the step's time goes, what to set."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field
 
-from lightning_zero_offload.planner.model import CHECKPOINT_FORMATS, GB, SCHEDULES, _gb
+from lightning_zero_offload.engine.options import Resolved
+from lightning_zero_offload.planner.machine import GB, Machine, format_gb
+from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS, SCHEDULES, Activations, HostMemory
+from lightning_zero_offload.planner.timing import StepTime
+from lightning_zero_offload.planner.verdicts import Check, Verdict
 
-if TYPE_CHECKING:
-    from lightning_zero_offload.planner.model import Check, Plan, Verdict
+
+@dataclass
+class Plan:
+    params: int
+    shard_params: int
+    world_size: int
+    ranks_per_node: int
+    tokens_per_step: int
+    machine: Machine
+    host: dict[str, HostMemory]
+    device_bytes: dict[str, int]
+    steps: dict[str, StepTime]
+    bucket_size_mb: float
+    cpu_threads: int
+    recommended: dict[str, object] = field(default_factory=dict)
+    # What the engine runs with under each schedule (engine/options.resolve): in place or not, the rollback.
+    resolved: dict[str, Resolved] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    checkpoint_format: str = "full"
+    activations: Activations | None = None
+    device_total: int = 0  # model states + frozen parameters + activations, per device
+    verdicts: dict[str, Verdict] = field(default_factory=dict)  # "schedule/format" -> verdict
+    plain_device_bytes: int | None = None  # plain training without offload (16 B/param + activations)
+    fixes: list[str] = field(default_factory=list)  # the smallest changes that would fit, when nothing does
+
+    @property
+    def fits(self) -> bool:
+        """Whether some configuration fits host and device memory (then ``recommended`` names one)."""
+        return any(v.fits for v in self.verdicts.values())
+
+    @property
+    def plain_fits_device(self) -> bool | None:
+        m = self.machine
+        if self.plain_device_bytes is None or m.device_memory_gb is None or m.device_type == "cpu":
+            return None
+        return self.plain_device_bytes <= m.device_memory_gb * GB
+
+    def verdict(self, schedule: str, checkpoint_format: str | None = None) -> Verdict:
+        return self.verdicts[f"{schedule}/{checkpoint_format or self.checkpoint_format}"]
+
+    def to_dict(self) -> dict:
+        """The plan as JSON-ready data (dtypes as their names, e.g. "bfloat16")."""
+        out = asdict(self)
+        out["fits"] = self.fits
+        out["plain_fits_device"] = self.plain_fits_device
+        for key, verdict in self.verdicts.items():
+            out["verdicts"][key]["fits"] = verdict.fits
+        for key, resolved in self.resolved.items():
+            out["resolved"][key]["state_dtype"] = str(resolved.state_dtype).removeprefix("torch.")
+        return out
+
+    def __str__(self) -> str:
+        return format_plan(self)
 
 
 def _ms(seconds: float) -> str:
@@ -89,7 +145,7 @@ def _plain(p: Plan) -> list[str]:
     line = (
         "plain training without offload (16 B/param on each GPU"
         + (" + activations" if p.activations else "")
-        + f"): {_gb(p.plain_device_bytes)} of {p.machine.device_memory_gb:.1f} GB per GPU: {verdict}"
+        + f"): {format_gb(p.plain_device_bytes)} of {p.machine.device_memory_gb:.1f} GB per GPU: {verdict}"
     )
     if fits:
         line += "; zero_offload is not needed for memory, and plain training has no CPU step to wait for"
@@ -115,19 +171,19 @@ def _memory_table(p: Plan) -> list[str]:
     for name in names:
         values = [p.host[s].per_rank.get(name, 0) for s in SCHEDULES]
         if any(values):
-            lines.append(f"  {name:<22}" + " / ".join(_gb(v) for v in values))
+            lines.append(f"  {name:<22}" + " / ".join(format_gb(v) for v in values))
     sync = p.host["sync"]
     lines.append(
-        f"  of which pinned per rank: {_gb(sync.pinned_per_rank)}; the module as built stays on the host until "
-        f"setup: {_gb(sync.transient_model_per_rank)} per rank; a save adds "
-        + ", ".join(f'{_gb(v)} ("{f}")' for f, v in sync.checkpoint_save_per_rank.items())
+        f"  of which pinned per rank: {format_gb(sync.pinned_per_rank)}; the module as built stays on the host until "
+        f"setup: {format_gb(sync.transient_model_per_rank)} per rank; a save adds "
+        + ", ".join(f'{format_gb(v)} ("{f}")' for f, v in sync.checkpoint_save_per_rank.items())
         + " per rank"
     )
     lines.append(
         "device memory per GPU: "
-        + ", ".join(f"{k} {_gb(v)}" for k, v in p.device_bytes.items())
-        + (f", activations {_gb(p.activations.bytes)}" if p.activations else "")
-        + f" = {_gb(p.device_total)} (ZeRO-2: every GPU holds all parameters, whatever the number of nodes)"
+        + ", ".join(f"{k} {format_gb(v)}" for k, v in p.device_bytes.items())
+        + (f", activations {format_gb(p.activations.bytes)}" if p.activations else "")
+        + f" = {format_gb(p.device_total)} (ZeRO-2: every GPU holds all parameters, whatever the number of nodes)"
     )
     if p.activations:
         lines.append(f"  activations estimated as {p.activations.formula}")

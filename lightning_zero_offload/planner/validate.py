@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions
-from lightning_zero_offload.planner.model import DTYPES, ModelShape, measure_machine, plan
+from lightning_zero_offload.planner.machine import measure_machine
+from lightning_zero_offload.planner.model import DTYPES, plan
+from lightning_zero_offload.planner.shape import ModelShape
 
 
 @dataclass

@@ -1,0 +1,185 @@
+"""Memory of one configuration in bytes: the engine's host buffers, the device's model states, the
+activations, and what a checkpoint save adds; mirrored from engine/cpu_state.py, engine/publisher.py,
+engine/grads.py and the schedules buffer by buffer (tests/test_planner.py compares them with the engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_zero_offload.engine.options import Resolved
+from lightning_zero_offload.planner.shape import LayoutSummary
+
+SCHEDULES = ("sync", "speculative", "delayed")
+STATE_BYTES_PER_PARAM = 16  # fp32 master, exp_avg, exp_avg_sq and the fp32 gradient buffer
+CHECKPOINT_FORMATS = ("full", "sharded")
+# Host bytes per trainable parameter that saving a checkpoint adds on each rank on top of training's own
+# buffers, by format: (one rank, several ranks). Owned by the checkpoint code (docs/checkpoints.md): update
+# these when a save holds less. "full" at one rank: none, the file is written from the engine's own buffers
+# (checked: docs/benchmarks.md, "Checkpoint save memory"; a user's CheckpointIO gets copies, +12); with
+# several ranks every rank gathers the full fp32 master and both moments (12 B/param). "sharded": each rank
+# writes its own shard through the file object, no copy.
+CHECKPOINT_SAVE_BYTES_PER_PARAM: dict[str, tuple[int, int]] = {"full": (0, 12), "sharded": (0, 0)}
+# Plain mixed-precision Adam on the device, no offload: fp32 weights, fp32 gradients, two fp32 moments.
+PLAIN_DEVICE_BYTES_PER_PARAM = 16
+# Activations kept for backward per layer, in bytes per (token x hidden) at 16-bit: 34 for a transformer
+# layer without recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+# Transformer Models", eq. 1 without its 5as/h attention-score term: PyTorch's SDPA/flash attention does
+# not keep the scores). With activation checkpointing each layer keeps only its 16-bit input (2), and one
+# layer at a time is recomputed in full during backward (34 once).
+ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
+CHECKPOINTED_BYTES_PER_TOKEN_HIDDEN = 2
+
+
+def checkpoint_save_bytes(params: int, checkpoint_format: str, world_size: int) -> int:
+    """Host bytes one rank holds on top of training's buffers while a checkpoint is saved."""
+    if checkpoint_format not in CHECKPOINT_SAVE_BYTES_PER_PARAM:
+        raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
+    one_rank, gathered = CHECKPOINT_SAVE_BYTES_PER_PARAM[checkpoint_format]
+    return (one_rank if world_size == 1 else gathered) * params
+
+
+@dataclass
+class HostMemory:
+    """Host bytes per rank by buffer (what the engine allocates), and per node."""
+
+    per_rank: dict[str, int]
+    pinned_per_rank: int
+    per_node: int
+    transient_model_per_rank: int  # the module's own weights, on the host until the engine takes them
+    checkpoint_full_per_rank: int  # extra while a checkpoint_format="full" checkpoint is assembled
+    setup_per_rank: int = 0  # peak while the engine is built: its first buffers next to the module as built
+    checkpoint_save_per_rank: dict[str, int] = field(default_factory=dict)  # format -> extra while saving
+    ranks_per_node: int = 1
+
+    @property
+    def steady_per_node(self) -> int:
+        return self.per_node
+
+    @property
+    def setup_per_node(self) -> int:
+        return self.setup_per_rank * self.ranks_per_node
+
+    def save_per_node(self, checkpoint_format: str) -> int:
+        """Peak per node while a checkpoint of this format is saved (training's buffers stay allocated)."""
+        return self.per_node + self.checkpoint_save_per_rank[checkpoint_format] * self.ranks_per_node
+
+
+@dataclass
+class Activations:
+    """Device bytes one micro-batch's activations keep for backward: an estimate, ``formula`` says which."""
+
+    bytes: int
+    checkpointing: bool
+    formula: str
+
+
+def activation_estimate(
+    batch_size: int, seq_len: int, hidden: int, n_layer: int, dtype: torch.dtype, checkpointing: bool
+) -> Activations:
+    """Transformer activations (see ACTIVATION_BYTES_PER_TOKEN_HIDDEN): 16-bit under bf16/fp16 autocast,
+    twice that in fp32."""
+    scale = 2 if dtype == torch.float32 else 1
+    unit = batch_size * seq_len * hidden * scale  # one byte per token and hidden unit, per 16-bit-equivalent
+    one_layer = ACTIVATION_BYTES_PER_TOKEN_HIDDEN * unit
+    if checkpointing:
+        total = n_layer * CHECKPOINTED_BYTES_PER_TOKEN_HIDDEN * unit + one_layer
+        formula = (
+            f"with activation checkpointing: {n_layer} layers x {CHECKPOINTED_BYTES_PER_TOKEN_HIDDEN} B x batch x "
+            f"seq x hidden (each layer's input) + one layer recomputed ({ACTIVATION_BYTES_PER_TOKEN_HIDDEN} B x "
+            "batch x seq x hidden)"
+        )
+    else:
+        total = n_layer * one_layer
+        formula = (
+            f"{n_layer} layers x {ACTIVATION_BYTES_PER_TOKEN_HIDDEN} B x batch x seq x hidden (Korthikanti et al. "
+            "2022; attention scores not kept, as with SDPA/flash attention)"
+        )
+    formula += f" with batch {batch_size}, seq {seq_len}, hidden {hidden}" + (", x2 for fp32" if scale == 2 else "")
+    return Activations(int(total), checkpointing, formula + "; logits and loss not included")
+
+
+def host_memory(
+    layout: LayoutSummary,
+    dtype: torch.dtype,
+    config: Resolved,
+    ranks_per_node: int,
+    device_type: str,
+    params: int,
+    *,
+    module_bytes: int | None = None,
+) -> HostMemory:
+    """The engine's host allocations for one rank, buffer by buffer (see OffloadEngine.__init__), and the
+    transient peaks: the engine's first buffers next to the module as built (``module_bytes``, default fp32),
+    and each checkpoint format's save. ``config`` is what the engine runs with
+    (:func:`~lightning_zero_offload.engine.options.resolve`: the schedule, in place or not, the rollback)."""
+    shard, element = layout.shard_numel, dtype.itemsize
+    max_shard, max_bucket = layout.max_shard, layout.max_bucket
+    low = dtype != torch.float32
+    pin, schedule = config.pin_memory, config.cpu_step
+    module = 4 * params if module_bytes is None else module_bytes
+    saves = {f: checkpoint_save_bytes(params, f, layout.world_size) for f in CHECKPOINT_FORMATS}
+    if config.in_place:
+        # In place (engine/in_place.py): the parameters are the master; gradients are autograd's own tensors.
+        buffers = {"master": 4 * shard, "exp_avg": 4 * shard, "exp_avg_sq": 4 * shard, "autograd_grads": 4 * shard}
+        return HostMemory(
+            per_rank=buffers,
+            pinned_per_rank=0,
+            per_node=sum(buffers.values()) * ranks_per_node,
+            transient_model_per_rank=module,
+            checkpoint_full_per_rank=saves["full"],
+            setup_per_rank=12 * shard + module,  # master and moments are built while the module still holds its own
+            checkpoint_save_per_rank=saves,
+            ranks_per_node=ranks_per_node,
+        )
+    buffers = {
+        "master": 4 * shard,
+        "exp_avg": 4 * shard,
+        "exp_avg_sq": 4 * shard,
+        "grad": 4 * shard,
+        "grad_staging": 2 * max_shard * element,  # GradientStreamer's pool of two
+        "publish_pool": 2 * max_shard * element if low else 0,
+    }
+    pageable_published = not low  # the fp32 master itself is copied to the device
+    if schedule == "delayed":
+        buffers["grad_second"] = 4 * shard  # backward t+1 fills one while the update of t reads the other
+        buffers["next_params"] = shard * element if low else 0
+        pageable_published = True
+    if schedule == "speculative":
+        # Speculated low-precision results wait for validation; "snapshot" (fp16's default) keeps a copy
+        # of master and moments to take a step back bitwise.
+        buffers["speculated_out"] = shard * element if low else 0
+        buffers["snapshot"] = 12 * shard if config.speculation_rollback == "snapshot" else 0
+    # Model-sized buffers are never pinned: they reach the device through HostToDevice's two pinned buffers.
+    buffers["h2d_staging"] = 2 * max_shard * element if pin and pageable_published else 0
+    pinned = buffers["grad_staging"] + buffers["publish_pool"] + buffers["h2d_staging"]
+    # Allocated before the module's parameters are replaced by views of the flat buffer (the engine's publisher).
+    first = 16 * shard
+    if device_type == "cpu":  # the "device" is host memory too
+        buffers["device_params"] = layout.flat_numel * element
+        buffers["device_grad_buckets"] = 2 * max_bucket * element
+        first += buffers["device_params"]
+    if not pin:
+        pinned = 0
+    per_rank = sum(buffers.values())
+    return HostMemory(
+        per_rank=buffers,
+        pinned_per_rank=pinned,
+        per_node=per_rank * ranks_per_node,
+        transient_model_per_rank=module,
+        checkpoint_full_per_rank=saves["full"],
+        setup_per_rank=first + module,
+        checkpoint_save_per_rank=saves,
+        ranks_per_node=ranks_per_node,
+    )
+
+
+def device_memory(layout: LayoutSummary, dtype: torch.dtype) -> dict[str, int]:
+    """Device bytes of the model states (activations are the model's own and not included)."""
+    element = dtype.itemsize
+    max_bucket, max_shard = layout.max_bucket, layout.max_shard
+    states = {"params": layout.flat_numel * element, "grad_buckets": 2 * max_bucket * element}
+    if layout.world_size > 1:
+        states["collective_chunks"] = 2 * max_shard * element  # reduce-scatter out, all-gather in
+    return states

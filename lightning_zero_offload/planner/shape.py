@@ -1,0 +1,118 @@
+"""What a plan knows about a model: its trainable shapes, its matmuls, and the engine's layout of it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_zero_offload.engine.layout import Layout, build_layout
+from lightning_zero_offload.engine.options import OffloadOptions
+
+
+@dataclass
+class ModelShape:
+    """What the plan needs to know about a model: trainable parameter shapes and matmul FLOPs per token."""
+
+    shapes: list[torch.Size] | None  # None: only the count is known
+    matmul_params: int  # weights used in a matmul per token, counted per use (a tied head counts again)
+    linear_shapes: dict[tuple[int, int], int]  # (in, out) of the matmuls -> how many
+    hidden: int  # the most common matmul input width (the attention term's width)
+    count: int = 0
+    frozen: int = 0  # parameters without requires_grad: no CPU state, but on the host until setup and on the device
+    module_bytes: int = 0  # the module's parameters as built (0: assume fp32, 4 B each)
+
+    @property
+    def params(self) -> int:
+        return self.count if self.shapes is None else sum(s.numel() for s in self.shapes)
+
+    @classmethod
+    def of(cls, model: nn.Module | int | float) -> ModelShape:
+        if isinstance(model, float) and model.is_integer():  # 7e9
+            model = int(model)
+        if isinstance(model, int):
+            if model < 1:
+                raise ValueError(f"the parameter count must be >= 1, got {model}")
+            hidden = max(64, min(8192, 64 * round(math.sqrt(model / 12 / 32) / 64)))  # a 32-layer-ish guess
+            return cls(None, model, {(hidden, 4 * hidden): 1}, hidden, count=model)
+        seen: set[int] = set()
+        shapes = []
+        frozen = module_bytes = 0
+        for p in model.parameters():  # unique: a tied weight has one optimizer state
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            module_bytes += p.numel() * p.element_size()
+            if p.requires_grad:
+                shapes.append(p.shape)
+            else:
+                frozen += p.numel()
+        if not shapes:
+            raise ValueError("the model has no parameter with requires_grad=True: nothing to train")
+        widths: dict[int, int] = {}
+        linear: dict[tuple[int, int], int] = {}
+        matmul = 0
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                matmul += module.weight.numel()
+                widths[module.in_features] = widths.get(module.in_features, 0) + module.weight.numel()
+                key = (module.in_features, module.out_features)
+                linear[key] = linear.get(key, 0) + 1
+        hidden = max(widths, key=widths.get) if widths else 1024
+        matmul = matmul or sum(s.numel() for s in shapes)
+        linear = linear or {(hidden, 4 * hidden): 1}
+        return cls(shapes, matmul, linear, hidden, frozen=frozen, module_bytes=module_bytes)
+
+    @property
+    def built_bytes(self) -> int:
+        """Host bytes of the module's parameters as built (a parameter count: fp32)."""
+        return self.module_bytes or 4 * (self.params + self.frozen)
+
+
+def width_for(params: int, n_layer: int) -> int:
+    """A transformer's hidden size from its parameter count: about 12 x hidden^2 per layer."""
+    return max(64, 64 * round(math.sqrt(params / (12 * n_layer)) / 64))
+
+
+def scaled(shape: ModelShape, params: int, n_layer: int | None) -> ModelShape:
+    """A model of ``params`` parameters of ``shape``'s family: the same depth, its width from
+    :func:`width_for` (a built model keeps its width), the same matmul shapes, nothing frozen."""
+    width = width_for(params, n_layer) if n_layer and shape.shapes is None else shape.hidden
+    return ModelShape(None, params, shape.linear_shapes, width, params)
+
+
+@dataclass(frozen=True)
+class LayoutSummary:
+    """The sizes of the engine's layout that memory and time depend on (engine/layout.py)."""
+
+    world_size: int
+    shard_numel: int  # this rank's flat CPU buffers
+    flat_numel: int  # the flat device buffer, padded
+    buckets: int
+    max_bucket: int  # padded elements of the largest bucket
+    max_shard: int  # this rank's chunk of it
+
+    @classmethod
+    def of(cls, layout: Layout) -> LayoutSummary:
+        return cls(
+            layout.world_size,
+            layout.shard_numel,
+            layout.flat_numel,
+            len(layout.buckets),
+            max(b.padded_numel for b in layout.buckets),
+            max(b.shard_numel for b in layout.buckets),
+        )
+
+
+def layout_summary(shape: ModelShape, bucket_size_mb: float, dtype: torch.dtype, world: int) -> LayoutSummary:
+    """The layout the engine would build for ``shape`` (a bare count: buckets of exactly the bucket size)."""
+    bucket_numel = OffloadOptions(bucket_size_mb=bucket_size_mb).bucket_numel(dtype.itemsize)
+    if shape.shapes is None:  # a bare parameter count: buckets of exactly the bucket size
+        full, rest = divmod(shape.params, bucket_numel)
+        padded, padded_rest = (-(-n // world) * world for n in (bucket_numel, rest))
+        flat = full * padded + padded_rest
+        largest = padded if full else padded_rest
+        return LayoutSummary(world, flat // world, flat, full + (rest > 0), largest, largest // world)
+    return LayoutSummary.of(build_layout(shape.shapes, bucket_numel, world, 0))

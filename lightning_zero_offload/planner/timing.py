@@ -1,0 +1,79 @@
+"""One optimizer step's time under each schedule, from the machine's rates (docs/planning.md, "Step time")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_zero_offload.planner.machine import GB, Machine
+from lightning_zero_offload.planner.probes import ADAM_BYTES_PER_PARAM
+from lightning_zero_offload.planner.shape import LayoutSummary
+
+
+@dataclass
+class StepTime:
+    """Seconds per optimizer step; ``transfer``, ``cpu_step`` and ``copy_back`` are the work, ``exposed``
+    what of it the step waits for (the rest overlaps forward/backward)."""
+
+    forward_backward: float
+    transfer: float
+    cpu_step: float
+    copy_back: float
+    exposed: float
+    total: float
+    bound_by: str
+
+
+def step_time(
+    layout: LayoutSummary,
+    dtype: torch.dtype,
+    schedule: str,
+    m: Machine,
+    threads: int,
+    ranks_per_node: int,
+    flops: float,
+    micro: int,
+) -> StepTime:
+    """One optimizer step's time under ``schedule`` (see docs/planning.md for the model)."""
+    shard, element, world = layout.shard_numel, dtype.itemsize, layout.world_size
+    buckets = layout.buckets
+    bandwidth = m.rank_bandwidth(threads, ranks_per_node)
+    forward_backward = flops / (m.device_tflops * 1e12)
+    backward = forward_backward * 2 / 3
+    collective = 0.0
+    if world > 1 and m.interconnect_gbs:
+        collective = element * layout.flat_numel * (world - 1) / world / (m.interconnect_gbs * GB)
+    # per micro-batch: the gradient chunk crosses the bus, then is added into the fp32 buffer
+    # (overwrite: read 2-4 B, write 4 B; later micro-batches also read the buffer)
+    accumulate_bytes = (element + 4) * shard + (micro - 1) * (element + 8) * shard
+    accumulate = accumulate_bytes / bandwidth + micro * buckets * m.call_overhead_s
+    device_to_host = micro * (element * shard / (m.d2h_gbs * GB) + collective + buckets * m.link_latency_s)
+    cpu_step = shard * ADAM_BYTES_PER_PARAM / (bandwidth * m.adam_efficiency) + buckets * m.call_overhead_s
+    copy_back = element * shard / (m.h2d_gbs * GB) + collective + buckets * m.link_latency_s
+    transfer = device_to_host + accumulate
+    if m.device_type == "cpu":
+        # Forward/backward, copies and the CPU step all run on the same cores: nothing overlaps.
+        exposed = transfer + cpu_step + copy_back
+        total = forward_backward + exposed
+    else:
+        per_bucket = 1 / max(1, buckets)
+        # Buckets stream during backward; what does not fit behind it, and the last bucket, is waited for.
+        pipe = max(device_to_host, accumulate)
+        tail = max(0.0, pipe - backward) + pipe * per_bucket
+        if schedule == "sync":  # update bucket k+1 while bucket k is copied back
+            exposed = tail + max(cpu_step, copy_back) + min(cpu_step, copy_back) * per_bucket
+        elif schedule == "speculative":  # each bucket is updated as soon as its gradients are final
+            host = accumulate + cpu_step  # what is left of it after backward overlaps the copy-back
+            left = max(0.0, max(device_to_host, host) - backward) + host * per_bucket
+            exposed = max(left, copy_back) + min(left, copy_back) * per_bucket
+        else:  # delayed: step t's update runs during forward/backward of t+1; its result is swapped in
+            exposed = tail + max(0.0, cpu_step - forward_backward) + copy_back
+        total = forward_backward + exposed
+    work = {
+        "device compute": forward_backward,
+        "host memory bandwidth": accumulate + cpu_step,
+        "host-device link": device_to_host + copy_back - 2 * micro * collective,
+        "interconnect": (micro + 1) * collective,
+    }
+    return StepTime(forward_backward, transfer, cpu_step, copy_back, exposed, total, max(work, key=work.get))

@@ -1,0 +1,135 @@
+"""Whether a configuration fits: each memory requirement checked against what the machine has, for
+every schedule and checkpoint format, with the configuration the engine would resolve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from lightning_zero_offload.engine.options import OffloadOptions, Resolved, resolve
+from lightning_zero_offload.planner.machine import GB, Machine
+from lightning_zero_offload.planner.memory import (
+    CHECKPOINT_FORMATS,
+    SCHEDULES,
+    Activations,
+    HostMemory,
+    activation_estimate,
+    device_memory,
+    host_memory,
+)
+from lightning_zero_offload.planner.shape import LayoutSummary, ModelShape, layout_summary
+
+EXACT_SCHEDULES = ("sync", "speculative")  # same result as a plain optimizer step; delayed uses stale weights
+
+
+@dataclass
+class Check:
+    """One memory requirement against what the machine has (``available`` None: not known, not checked)."""
+
+    name: str
+    need: int
+    available: int | None
+
+    @property
+    def fits(self) -> bool:
+        return self.available is None or self.need <= self.available
+
+
+@dataclass
+class Verdict:
+    """Whether one configuration (CPU-step schedule and checkpoint format) fits host and device memory."""
+
+    schedule: str
+    checkpoint_format: str
+    checks: list[Check]
+
+    @property
+    def fits(self) -> bool:
+        return all(c.fits for c in self.checks)
+
+    @property
+    def failed(self) -> list[Check]:
+        return [c for c in self.checks if not c.fits]
+
+
+def host_checks(host: HostMemory, checkpoint_format: str, available: int | None, schedule: str = "") -> list[Check]:
+    """Host RAM per node at each moment of a run: steady state, engine setup, checkpoint save."""
+    steady = "host RAM, training" + (" (with delayed's second gradient buffer)" if schedule == "delayed" else "")
+    return [
+        Check(steady, host.steady_per_node, available),
+        Check("host RAM, setup (the module as built + the engine's state)", host.setup_per_node, available),
+        Check(f'host RAM, saving a "{checkpoint_format}" checkpoint', host.save_per_node(checkpoint_format), available),
+    ]
+
+
+@dataclass
+class Evaluation:
+    """Memory of one configuration of nodes, model size, micro-batch and activation checkpointing."""
+
+    layout: LayoutSummary
+    host: dict[str, HostMemory]
+    device_states: dict[str, int]
+    device_total: int
+    activations: Activations | None
+    verdicts: dict[str, Verdict]
+    resolved: dict[str, Resolved]
+
+    @property
+    def fits(self) -> bool:
+        return any(v.fits for v in self.verdicts.values())
+
+
+def resolve_for(options: OffloadOptions, machine: Machine, dtype: torch.dtype, world: int, ranks: int) -> Resolved:
+    """What the engine would run with on ``machine`` (its cores, not this process's)."""
+    cores = machine.cpu_cores
+    device = torch.device(machine.device_type)
+    return resolve(options, device, dtype, world, ranks, cores=cores, torch_threads=machine.torch_threads or cores)
+
+
+def schedule_options(options: OffloadOptions, schedule: str) -> OffloadOptions:
+    """``options`` with ``cpu_step=schedule``, as the planner evaluates each schedule. ``in_place_on_cpu=True``
+    requires the sync schedule in place; the others, which never run in place, are planned without it."""
+    in_place = None if options.in_place_on_cpu and schedule != "sync" else options.in_place_on_cpu
+    return replace(options, cpu_step=schedule, in_place_on_cpu=in_place)
+
+
+def evaluate(
+    shape: ModelShape,
+    dtype: torch.dtype,
+    machine: Machine,
+    devices: int,
+    num_nodes: int,
+    options: OffloadOptions,
+    batch_size: int,
+    seq_len: int,
+    n_layer: int | None,
+    checkpointing: bool,
+) -> Evaluation:
+    world = devices * num_nodes
+    layout = layout_summary(shape, options.bucket_size_mb, dtype, world)
+    configs = {s: resolve_for(schedule_options(options, s), machine, dtype, world, devices) for s in SCHEDULES}
+    host = {
+        s: host_memory(
+            layout, dtype, configs[s], devices, machine.device_type, shape.params, module_bytes=shape.built_bytes
+        )
+        for s in SCHEDULES
+    }
+    states = device_memory(layout, dtype)
+    activations = None
+    if n_layer:
+        activations = activation_estimate(batch_size, seq_len, shape.hidden, n_layer, dtype, checkpointing)
+    # Frozen parameters go to the device as they are (fp32 assumed); activations come on top.
+    total = sum(states.values()) + 4 * shape.frozen + (activations.bytes if activations else 0)
+    host_gb = machine.host_memory_gb * GB
+    device_gb = None
+    if machine.device_type != "cpu" and machine.device_memory_gb is not None:  # a CPU device is host memory
+        device_gb = int(machine.device_memory_gb * GB)
+    verdicts = {}
+    for schedule in SCHEDULES:
+        for checkpoint_format in CHECKPOINT_FORMATS:
+            checks = host_checks(host[schedule], checkpoint_format, int(host_gb), schedule)
+            what = "model states" + (" + activations" if activations else "")
+            checks.append(Check(f"device memory per GPU ({what})", total, device_gb))
+            verdicts[f"{schedule}/{checkpoint_format}"] = Verdict(schedule, checkpoint_format, checks)
+    return Evaluation(layout, host, states, total, activations, verdicts, configs)
