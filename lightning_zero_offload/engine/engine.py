@@ -44,14 +44,16 @@ from lightning_zero_offload.engine.gradient_source import GradientSource, global
 from lightning_zero_offload.engine.grads import GradientStreamer
 from lightning_zero_offload.engine.in_place import InPlaceGradients, update_in_place, update_in_place_checked
 from lightning_zero_offload.engine.layout import Bucket, Layout, build_layout
+from lightning_zero_offload.engine.ledger import records_allocations
 from lightning_zero_offload.engine.lifecycle import EngineLifecycle
-from lightning_zero_offload.engine.memory import can_pin, records_allocations, worker_pool
+from lightning_zero_offload.engine.memory import can_pin
 from lightning_zero_offload.engine.optimizer_hooks import has_step_hooks, step_hooks
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
 from lightning_zero_offload.engine.publisher import LOW_PRECISION, NullPublisher, Publisher
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, make_schedule
 from lightning_zero_offload.engine.stats import StepStats
+from lightning_zero_offload.engine.streams import worker_pool
 from lightning_zero_offload.engine.update import make_plan, read_all_hyperparams, update_and_publish
 
 __all__ = ["OffloadEngine", "StepStats"]

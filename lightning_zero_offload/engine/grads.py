@@ -29,19 +29,9 @@ from lightning_zero_offload.engine.collectives import reduce_scatter
 from lightning_zero_offload.engine.cpu_state import CpuState
 from lightning_zero_offload.engine.launch_order import LaunchOrder
 from lightning_zero_offload.engine.layout import Bucket, Layout
-from lightning_zero_offload.engine.memory import (
-    COLLECTIVE,
-    BufferPool,
-    DeviceBufferPool,
-    MemoryLedger,
-    current_ledger,
-    device_empty,
-    on_stream,
-    record_event,
-    side_stream,
-    wait_event,
-    worker_pool,
-)
+from lightning_zero_offload.engine.ledger import COLLECTIVE, MemoryLedger, current_ledger
+from lightning_zero_offload.engine.memory import BufferPool, DeviceBufferPool, device_empty
+from lightning_zero_offload.engine.streams import on_stream, record_event, side_stream, wait_event, worker_pool
 
 # Device gradient buffers: one filling while up to two transfers are in flight.
 DEVICE_BUFFER_CAP = 3

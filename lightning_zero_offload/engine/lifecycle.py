@@ -18,7 +18,7 @@ from lightning_zero_offload.engine.cpu_state import STATE_NAMES, CpuState, Parke
 from lightning_zero_offload.engine.failures import NonFinitePolicy
 from lightning_zero_offload.engine.gradient_source import GradientSource
 from lightning_zero_offload.engine.layout import Layout
-from lightning_zero_offload.engine.memory import MemoryLedger
+from lightning_zero_offload.engine.ledger import MemoryLedger
 from lightning_zero_offload.engine.publisher import NullPublisher, Publisher
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import Schedule
@@ -204,7 +204,7 @@ class EngineLifecycle:
     # -- accounting and teardown ---------------------------------------------------------------
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes held by the engine, as recorded where each buffer was allocated (see memory.MemoryLedger)."""
+        """Bytes held by the engine, as recorded where each buffer was allocated (see ledger.MemoryLedger)."""
         return self.ledger.report(sum(p.numel() for p in self.params))
 
     @property

@@ -1,4 +1,4 @@
-"""Buffers, streams, events and worker threads: the only place that knows about pinned memory and devices.
+"""Host and device buffers: the only place that knows about pinned memory.
 
 Pinned memory is allocated by registering an ordinary allocation with the driver, not through torch's
 caching host allocator, which rounds every block up to a power of two (a 1.1 GB buffer would pin
@@ -7,110 +7,33 @@ buffers (master weights, moments, gradients, DPU's next parameters) stay pageabl
 device through a pinned bucket-sized staging buffer (:class:`HostToDevice`). A pin the OS refuses
 falls back to pageable memory with a warning.
 
-Every buffer made here is recorded in the :class:`MemoryLedger` that is current where it is made, so
-``memory_report`` is read off the allocations themselves and a new buffer cannot be left out of it.
+Every buffer made here is recorded in the current memory ledger (engine/ledger.py); the streams and
+events that order their reuse are engine/streams.py's.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import queue
-import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import Callable, Hashable
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, nullcontext
-from contextvars import ContextVar
-from typing import Any, TypeVar
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 
-# -- accounting --------------------------------------------------------------------------------
-
-HOST, HOST_PINNED, DEVICE = "host", "host_pinned", "device"
-COLLECTIVE = "collective temporaries"  # transient device buffers: counted with their largest size
-
-
-class MemoryLedger:
-    """Bytes the engine holds, by place (host, host_pinned, device) and purpose, recorded at allocation.
-
-    Long-lived buffers add up; transient ones (collective temporaries) count with their largest size,
-    since each is freed before the next of its kind is made.
-    """
-
-    def __init__(self) -> None:
-        self._bytes: dict[tuple[str, str], int] = {}
-        self._count: dict[tuple[str, str], int] = {}
-        self._lock = threading.Lock()
-
-    def add(self, place: str, kind: str, nbytes: int) -> None:
-        with self._lock:
-            self._bytes[place, kind] = self._bytes.get((place, kind), 0) + nbytes
-            self._count[place, kind] = self._count.get((place, kind), 0) + 1
-
-    def transient(self, place: str, kind: str, nbytes: int) -> None:
-        with self._lock:
-            self._bytes[place, kind] = max(self._bytes.get((place, kind), 0), nbytes)
-            self._count[place, kind] = 1
-
-    def bytes(self, place: str | None = None, kind: str | None = None) -> int:
-        return sum(n for (p, k), n in self._bytes.items() if place in (None, p) and kind in (None, k))
-
-    def count(self, place: str | None = None, kind: str | None = None) -> int:
-        return sum(n for (p, k), n in self._count.items() if place in (None, p) and kind in (None, k))
-
-    def report(self, params: int) -> dict[str, int]:
-        """``OffloadEngine.memory_report``: totals per place plus the figures the summary prints."""
-        grad_buffers = self.count(DEVICE, "gradient buckets")
-        return {
-            "params": params,
-            "host_state_bytes": self.bytes(HOST, "state") + self.bytes(HOST_PINNED, "state"),
-            "host_staging_bytes": self.bytes(HOST, "staging") + self.bytes(HOST_PINNED, "staging"),
-            "host_pinned_bytes": self.bytes(HOST_PINNED),
-            "host_total_bytes": self.bytes(HOST) + self.bytes(HOST_PINNED),
-            "device_param_bytes": self.bytes(DEVICE, "params"),
-            "device_grad_buffer_bytes": self.bytes(DEVICE, "gradient buckets") // max(1, grad_buffers),
-            "device_grad_buffers_peak": grad_buffers,
-            "device_collective_bytes": self.bytes(DEVICE, COLLECTIVE),
-            "device_total_bytes": self.bytes(DEVICE),
-        }
-
-
-_current_ledger: ContextVar[MemoryLedger | None] = ContextVar("zero_offload_ledger", default=None)
-
-
-def current_ledger() -> MemoryLedger | None:
-    """The ledger of the engine being constructed (None outside a constructor)."""
-    return _current_ledger.get()
-
-
-_Init = TypeVar("_Init", bound=Callable[..., None])
-
-
-def records_allocations(init: _Init) -> _Init:
-    """Decorate a constructor: it gets ``self.ledger``, and every buffer made while it runs is recorded there."""
-
-    @functools.wraps(init)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> None:
-        self.ledger = MemoryLedger()
-        token = _current_ledger.set(self.ledger)
-        try:
-            init(self, *args, **kwargs)
-        finally:
-            _current_ledger.reset(token)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _record(ledger: MemoryLedger | None, place: str, kind: str, tensor: torch.Tensor) -> None:
-    ledger = ledger or current_ledger()
-    if ledger is not None:
-        ledger.add(place, kind, tensor.numel() * tensor.element_size())
-
+from lightning_zero_offload.engine.ledger import (
+    COLLECTIVE,
+    DEVICE,
+    HOST,
+    HOST_PINNED,
+    MemoryLedger,
+    current_ledger,
+    record_allocation,
+)
+from lightning_zero_offload.engine.streams import record_event, stream_wait_event, wait_event
 
 # -- host buffers ------------------------------------------------------------------------------
 
@@ -128,7 +51,7 @@ def host_empty(
     """An uninitialised CPU tensor, page-locked with its exact size when ``pin`` is true (and the OS agrees)."""
     tensor = torch.empty(numel, dtype=dtype)
     pinned = pin and tensor.numel() > 0 and _register_pinned(tensor)
-    _record(ledger, HOST_PINNED if pinned else HOST, kind, tensor)
+    record_allocation(ledger, HOST_PINNED if pinned else HOST, kind, tensor)
     return tensor
 
 
@@ -342,7 +265,7 @@ class DeviceBufferPool:
         buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         if self.allocated > self.peak:  # recorded once per high-water mark: freed extras come back as the same bytes
             self.peak = self.allocated
-            _record(self._ledger, DEVICE, "gradient buckets", buffer)
+            record_allocation(self._ledger, DEVICE, "gradient buckets", buffer)
         return buffer
 
     def release(self, buffer: torch.Tensor, event: torch.Event | None, tag: Hashable) -> None:
@@ -361,82 +284,3 @@ class DeviceBufferPool:
     def clear(self) -> None:
         self._free.clear()
         self._retiring.clear()
-
-
-# -- streams, events, threads ------------------------------------------------------------------
-
-
-def side_stream(device: torch.device) -> torch.Stream | None:
-    """A second stream for transfers, so they overlap compute; None where copies are synchronous (CPU)."""
-    return None if device.type == "cpu" else torch.Stream(device=device)
-
-
-def on_stream(stream: torch.Stream | None) -> AbstractContextManager:
-    """Make ``stream`` current (after it has waited for the work queued so far on the current one)."""
-    if stream is None:
-        return nullcontext()
-    stream.wait_stream(torch.accelerator.current_stream(stream.device))
-    return stream
-
-
-def new_event(device: torch.device, timing: bool = False) -> torch.Event | None:
-    """An event for ``device``; None where copies are synchronous (CPU).
-
-    On CUDA a blocking-sync event, so a host thread waiting for it sleeps instead of spinning a core
-    that CPU Adam needs (``torch.Event`` accepts ``blocking`` but ignores it).
-    """
-    if device.type == "cpu":
-        return None
-    if device.type == "cuda":
-        return torch.cuda.Event(enable_timing=timing, blocking=True)
-    return torch.Event(device=device, enable_timing=timing)
-
-
-def current_stream(device: torch.device) -> Any:
-    """``device``'s current stream in this thread (even when another device is the current one); None on the CPU."""
-    if device.type == "cpu":
-        return None
-    if device.type == "cuda":  # torch.cuda.Event takes only torch.cuda streams
-        return torch.cuda.current_stream(device)
-    return torch.accelerator.current_stream(device)
-
-
-def record_event(device: torch.device, timing: bool = False) -> torch.Event | None:
-    """An event marking the work queued so far on ``device``'s current stream; None where copies are synchronous."""
-    event = new_event(device, timing)
-    if event is not None:
-        event.record(current_stream(device))
-    return event
-
-
-def stream_wait_event(event: torch.Event | None, device: torch.device) -> None:
-    """Queue a wait for ``event`` on ``device``'s current stream (no host blocking)."""
-    if event is not None:
-        event.wait(current_stream(device))
-
-
-def wait_event(event: torch.Event | None) -> None:
-    """Block the calling host thread until ``event`` has completed (no-op for synchronous devices)."""
-    if event is not None:
-        event.synchronize()
-
-
-def resolve_device(device: torch.device) -> torch.device:
-    """``device`` with its index filled in from the calling thread ("cuda" -> "cuda:<current>")."""
-    if device.type == "cpu" or device.index is not None:
-        return device
-    return torch.device(device.type, torch.accelerator.current_device_index())
-
-
-def set_thread_device(device: torch.device) -> None:
-    """Make ``device`` current in this thread. A new thread's current device is 0, so without this its
-    event waits and event destruction would create a context on GPU 0 (about 0.5 GiB per rank)."""
-    if device.type != "cpu" and device.index is not None:
-        torch.accelerator.set_device_index(device.index)
-
-
-def worker_pool(name: str, device: torch.device) -> ThreadPoolExecutor:
-    """A one-thread executor whose thread runs with ``device`` current."""
-    return ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix=name, initializer=set_thread_device, initargs=(resolve_device(device),)
-    )

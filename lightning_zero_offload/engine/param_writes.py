@@ -21,7 +21,7 @@ import torch
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.layout import Bucket, Layout
-from lightning_zero_offload.engine.memory import DEVICE, current_ledger
+from lightning_zero_offload.engine.ledger import DEVICE, current_ledger
 
 _WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 

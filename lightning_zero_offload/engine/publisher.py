@@ -17,17 +17,10 @@ import torch.distributed as dist
 
 from lightning_zero_offload.engine.collectives import all_gather
 from lightning_zero_offload.engine.layout import Bucket, Layout
-from lightning_zero_offload.engine.memory import (
-    COLLECTIVE,
-    BufferPool,
-    HostToDevice,
-    MemoryLedger,
-    device_empty,
-    device_zeros,
-    record_event,
-    wait_event,
-)
+from lightning_zero_offload.engine.ledger import COLLECTIVE, MemoryLedger
+from lightning_zero_offload.engine.memory import BufferPool, HostToDevice, device_empty, device_zeros
 from lightning_zero_offload.engine.param_writes import ParamWriteWatch
+from lightning_zero_offload.engine.streams import record_event, wait_event
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 

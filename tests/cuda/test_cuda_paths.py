@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_zero_offload.engine import LossScalerConfig, OffloadEngine, grads, memory
 from lightning_zero_offload.engine.grads import DEVICE_BUFFER_CAP
+from lightning_zero_offload.engine.ledger import HOST_PINNED, MemoryLedger
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -59,10 +60,10 @@ def slow_side_stream(cycles: int = 2_000_000):
 
 
 def test_pinned_buffers_are_page_locked_at_their_exact_size():
-    ledger = memory.MemoryLedger()
+    ledger = MemoryLedger()
     tensor = memory.host_empty(3 * 2**20 + 5, torch.bfloat16, pin=True, ledger=ledger)
     assert tensor.is_pinned() and memory.is_pinned_here(tensor[7:])
-    assert ledger.bytes(memory.HOST_PINNED) == tensor.numel() * 2
+    assert ledger.bytes(HOST_PINNED) == tensor.numel() * 2
 
 
 def test_fp32_on_the_device_matches_torch_adamw():
@@ -175,13 +176,13 @@ SANITIZED_RUN = """
 import sys, time
 sys.path[:0] = [{tests!r}, {cuda_tests!r}]
 import torch
-from lightning_zero_offload.engine import grads, memory
+from lightning_zero_offload.engine import grads, streams
 from lightning_zero_offload.engine.grads import DEVICE_BUFFER_CAP
 from test_cuda_paths import deep_net, train
 
 # The worker synchronises with each transfer late, so the training thread finds completed transfers
 # whose buffers no host wait has ordered yet: only the pool's own stream wait orders their reuse.
-grads.wait_event = lambda event: (time.sleep(0.02), memory.wait_event(event))
+grads.wait_event = lambda event: (time.sleep(0.02), streams.wait_event(event))
 engine = train(deep_net(), torch.bfloat16, steps=2, bucket_size_mb=0.05)
 assert len(engine.layout.buckets) > DEVICE_BUFFER_CAP, len(engine.layout.buckets)
 print("sanitized run done")

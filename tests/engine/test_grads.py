@@ -22,7 +22,7 @@ from engine_helpers import (
 from ranks import run_ranks
 from torch import nn
 
-from lightning_zero_offload.engine import OffloadEngine, grads, memory
+from lightning_zero_offload.engine import OffloadEngine, grads, memory, streams
 from lightning_zero_offload.engine.grads import DEVICE_BUFFER_CAP, hidden_fraction
 
 
@@ -195,7 +195,7 @@ def test_a_gradient_arriving_after_its_bucket_left_is_still_added():
 def test_worker_threads_make_the_engine_device_current(monkeypatch):
     seen = []
     monkeypatch.setattr(
-        memory, "set_thread_device", lambda device: seen.append((threading.current_thread().name, device))
+        streams, "set_thread_device", lambda device: seen.append((threading.current_thread().name, device))
     )
     engine = bf16_run(make_net(), 1)
     names = {name.rsplit("_", 1)[0] for name, _ in seen}
@@ -207,10 +207,10 @@ def test_worker_threads_make_the_engine_device_current(monkeypatch):
 def test_set_thread_device_selects_the_index(monkeypatch):
     selected = []
     monkeypatch.setattr(torch.accelerator, "set_device_index", selected.append)
-    pool = memory.worker_pool("probe", torch.device("cuda", 1))
+    pool = streams.worker_pool("probe", torch.device("cuda", 1))
     pool.submit(lambda: None).result()
     pool.shutdown()
-    memory.set_thread_device(CPU)  # nothing to select on the CPU
+    streams.set_thread_device(CPU)  # nothing to select on the CPU
     assert selected == [1]
 
 

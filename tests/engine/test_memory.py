@@ -11,7 +11,7 @@ from engine_helpers import CPU, batches, loss_fn, make_net, options, two_groups
 
 from lightning_zero_offload.engine import OffloadEngine, memory
 from lightning_zero_offload.engine import engine as engine_module
-from lightning_zero_offload.engine.memory import HOST, HOST_PINNED, MemoryLedger
+from lightning_zero_offload.engine.ledger import COLLECTIVE, HOST, HOST_PINNED, MemoryLedger
 
 
 class StandInDriver:
@@ -163,7 +163,7 @@ def test_32_true_and_dpu_pin_only_bucket_sized_buffers(driver, monkeypatch):
 def test_ledger_counts_transients_at_their_largest():
     ledger = MemoryLedger()
     for numel in (10, 30, 20):
-        memory.device_empty(numel, torch.float32, CPU, memory.COLLECTIVE, ledger)
+        memory.device_empty(numel, torch.float32, CPU, COLLECTIVE, ledger)
     memory.device_empty(5, torch.float32, CPU, "gradient buckets", ledger)
     memory.device_empty(5, torch.float32, CPU, "gradient buckets", ledger)
     report = ledger.report(params=1)

@@ -65,9 +65,10 @@ import torch
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.adam import AdamHyperparams
 from lightning_zero_offload.engine.layout import Bucket
-from lightning_zero_offload.engine.memory import host_zeros, on_stream, side_stream
+from lightning_zero_offload.engine.memory import host_zeros
 from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs
 from lightning_zero_offload.engine.stats import StepStats
+from lightning_zero_offload.engine.streams import on_stream, side_stream
 from lightning_zero_offload.engine.update import (
     Run,
     make_plan,
