@@ -28,7 +28,8 @@ from lightning_zero_offload.engine.checkpoint import (
     load_checkpoint_file,
     load_sharded,
 )
-from lightning_zero_offload.engine.checkpoint_files import Location, StreamedStorages
+from lightning_zero_offload.engine.checkpoint_files import Location
+from lightning_zero_offload.engine.checkpoint_writer import StreamedStorages
 
 
 def _is_default(checkpoint_io: CheckpointIO) -> bool:

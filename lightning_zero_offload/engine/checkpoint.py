@@ -17,7 +17,6 @@ from lightning_zero_offload.engine.checkpoint_files import (
     CheckpointError,
     Location,
     PathLike,
-    StreamedStorages,
     load_file,
     save_file,
 )
@@ -30,6 +29,7 @@ from lightning_zero_offload.engine.checkpoint_sharded import (
     save_sharded,
     shard_file,
 )
+from lightning_zero_offload.engine.checkpoint_writer import StreamedStorages
 from lightning_zero_offload.engine.engine import OffloadEngine
 
 # Fabric checkpoints name their entries freely: this entry says which one holds the model's state dict

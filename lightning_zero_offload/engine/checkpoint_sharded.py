@@ -33,7 +33,6 @@ import torch
 
 from lightning_zero_offload.engine.checkpoint_files import (
     CheckpointError,
-    FileRecord,
     Location,
     PathLike,
     check_zip_checksums,
@@ -43,6 +42,7 @@ from lightning_zero_offload.engine.checkpoint_files import (
     remove_stale_temporaries,
     save_file,
 )
+from lightning_zero_offload.engine.checkpoint_writer import FileRecord
 
 FORMAT_KEY = "zero_offload"
 META_FILE = "meta.pt"

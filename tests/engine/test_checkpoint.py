@@ -15,7 +15,7 @@ from helpers import QUIET, Classifier, loader
 
 from lightning_zero_offload import ZeroOffloadStrategy, convert_checkpoint_to_fp32_state_dict
 from lightning_zero_offload.engine import checkpoint as ckpt
-from lightning_zero_offload.engine import checkpoint_files, checkpoint_sharded
+from lightning_zero_offload.engine import checkpoint_files, checkpoint_sharded, checkpoint_writer
 from lightning_zero_offload.engine.checkpoint import FORMAT_KEY, META_FILE, CheckpointError
 
 
@@ -133,7 +133,7 @@ def test_atomic_save_never_leaves_a_half_written_file(tmp_path, monkeypatch):
         f.write(b"partial bytes")
         raise KeyboardInterrupt  # interrupted mid-write
 
-    monkeypatch.setattr(checkpoint_files.torch, "save", crash)
+    monkeypatch.setattr(checkpoint_writer.torch, "save", crash)
     with pytest.raises(KeyboardInterrupt):
         ckpt.atomic_save({"w": torch.zeros(3)}, path)
     monkeypatch.undo()
