@@ -45,6 +45,7 @@ INLINE vint vi_or(vint a, vint b) { return _mm256_or_si256(a, b); }
 INLINE vint vi_shl16(vint a) { return _mm256_slli_epi32(a, 16); }
 INLINE vint vi_shr16(vint a) { return _mm256_srli_epi32(a, 16); }
 INLINE vint vi_shr15(vint a) { return _mm256_srli_epi32(a, 15); }
+INLINE vint vi_shr1(vint a) { return _mm256_srli_epi32(a, 1); }
 INLINE vint vi_xor(vint a, vint b) { return _mm256_xor_si256(a, b); }
 INLINE vint vi_mullo(vint a, vint b) { return _mm256_mullo_epi32(a, b); }
 INLINE vint vi_load(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
@@ -57,6 +58,17 @@ INLINE vint vi_nan_select(vfloat x, vint if_nan, vint otherwise)
 INLINE vhalf vi_narrow_u16(vint a)
 {
     return _mm_packus_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+}
+
+INLINE vint vi_load_words(const uint16_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+INLINE void vi_store_words(uint16_t *p, vint a) { _mm256_storeu_si256((__m256i *)p, a); }
+INLINE vint vi_merge_high(vint a, vint b) { return _mm256_blend_epi16(_mm256_srli_epi32(a, 16), b, 0xaa); }
+/* in-lane shuffles after one 128-bit swap: [a0..3 b0..3 | a4..7 b4..7] -> evens and odds */
+INLINE void vf_even_odd(vfloat a, vfloat b, vfloat *even, vfloat *odd)
+{
+    vfloat lo = _mm256_permute2f128_ps(a, b, 0x20), hi = _mm256_permute2f128_ps(a, b, 0x31);
+    *even = _mm256_shuffle_ps(lo, hi, 0x88);
+    *odd = _mm256_shuffle_ps(lo, hi, 0xdd);
 }
 
 INLINE void vh_store(uint16_t *p, vhalf h) { _mm_storeu_si128((__m128i *)p, h); }

@@ -45,6 +45,7 @@ INLINE vint vi_or(vint a, vint b) { return _mm512_or_si512(a, b); }
 INLINE vint vi_shl16(vint a) { return _mm512_slli_epi32(a, 16); }
 INLINE vint vi_shr16(vint a) { return _mm512_srli_epi32(a, 16); }
 INLINE vint vi_shr15(vint a) { return _mm512_srli_epi32(a, 15); }
+INLINE vint vi_shr1(vint a) { return _mm512_srli_epi32(a, 1); }
 INLINE vint vi_xor(vint a, vint b) { return _mm512_xor_si512(a, b); }
 INLINE vint vi_mullo(vint a, vint b) { return _mm512_mullo_epi32(a, b); }
 INLINE vint vi_load(const int32_t *p) { return _mm512_loadu_si512(p); }
@@ -53,6 +54,20 @@ INLINE vint vi_nan_select(vfloat x, vint if_nan, vint otherwise)
     return _mm512_mask_mov_epi32(otherwise, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), if_nan);
 }
 INLINE vhalf vi_narrow_u16(vint a) { return _mm512_cvtepi32_epi16(a); }
+
+INLINE vint vi_load_words(const uint16_t *p) { return _mm512_loadu_si512(p); }
+INLINE void vi_store_words(uint16_t *p, vint a) { _mm512_storeu_si512(p, a); }
+/* (a >> 16) | (b & 0xffff0000) in one ternary-logic op (AVX-512F has no 16-bit blend) */
+INLINE vint vi_merge_high(vint a, vint b)
+{
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(a, 16), b, _mm512_set1_epi32((int)0xffff0000u), 0xf8);
+}
+INLINE void vf_even_odd(vfloat a, vfloat b, vfloat *even, vfloat *odd)
+{
+    const __m512i e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    *even = _mm512_permutex2var_ps(a, e, b);
+    *odd = _mm512_permutex2var_ps(a, _mm512_add_epi32(e, _mm512_set1_epi32(1)), b);
+}
 
 INLINE void vh_store(uint16_t *p, vhalf h) { _mm256_storeu_si256((__m256i *)p, h); }
 INLINE void vh_stream(uint16_t *p, vhalf h) { _mm256_stream_si256((__m256i *)p, h); }

@@ -221,10 +221,10 @@ adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index, u
         float vi = FMA_EXACT(c->one_minus_beta2 * gi, gi, bf16_to_f32(v[i]) * c->beta2);
         float denom = sqrtf(vi) / c->bc2_sqrt + c->eps;
         pi = pi + c->neg_step_size * mi / denom;
-        uint32_t idx = index + (uint32_t)i, hpm = hash32(idx ^ k->pm), hv = hash32(idx ^ k->v);
+        uint32_t idx = index + (uint32_t)i, hpm = hash32(idx ^ k->pm), hv = hash32((idx >> 1) ^ k->v);
         p[i] = bf16_stochastic(pi, hpm >> 16);
         m[i] = bf16_stochastic(mi, hpm & 0xffffu);
-        v[i] = bf16_stochastic(vi, hv >> 16);
+        v[i] = bf16_stochastic(vi, idx & 1u ? hv & 0xffffu : hv >> 16); /* a pair shares one v hash */
     }
 }
 

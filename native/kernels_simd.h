@@ -5,10 +5,14 @@
  * the lzo_kernel_table to define) and these types and inline functions:
  *   vfloat  W floats:       vf_load vf_store vf_stream vf_set1 vf_add vf_sub vf_mul vf_div vf_sqrt
  *                           vf_fmadd(a, b, c) = a * b + c rounded once; vf_load_f16 (W halves)
+ *                           vf_even_odd(a, b, &even, &odd) (the even and the odd elements of the 2W
+ *                           elements a, b, in order)
  *   vint    W int32 lanes:  vi_load_u16 (W uint16, zero-extended) vi_from_bits vf_from_bits vi_set1
  *                           vi_add vi_and vi_or vi_xor vi_mullo (low 32 bits of the product)
- *                           vi_shl16 vi_shr16 vi_shr15 vi_load (W int32) vi_nan_select(x, a, b) (a
- *                           where x is NaN, else b) vi_narrow_u16 (each lane is <= 0xffff)
+ *                           vi_shl16 vi_shr16 vi_shr15 vi_shr1 vi_load (W int32) vi_nan_select(x, a,
+ *                           b) (a where x is NaN, else b) vi_narrow_u16 (each lane is <= 0xffff)
+ *                           vi_load_words vi_store_words (2W uint16 as W 32-bit words)
+ *                           vi_merge_high(a, b) (each word: a's high half low, b's high half high)
  *   vhalf   W 16-bit lanes: vh_store vh_stream vh_from_f32_f16 (round to nearest even)
  *   vdouble W/2 doubles:    vd_zero vd_from_low vd_from_high (half of a vfloat each) vd_add
  *                           vd_fmadd vd_sum (horizontal, in the instruction set's fixed order)
@@ -163,7 +167,11 @@ TARGET static void adam(const lzo_adam_consts *c, float *p, const void *g, float
 
 /* ---- bf16 state: p, m, v stored as bf16, stochastically rounded (lzo_adam_step_bf16state) ---- */
 
-static const int32_t LANE_INDEX[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+/* A block is 2W elements, one vector of W 32-bit words per bf16 stream: word k holds element 2k in its
+ * low half and 2k + 1 in its high half. Even and odd elements widen in place (a shift, a mask) and
+ * narrow back with one merge, with no shuffles across lanes; the arithmetic runs on the even vector
+ * and on the odd one. Lane k of the even vector is element 2k. */
+static const int32_t LANE_EVEN[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
 
 /* lowbias32 (C. Wellons' 32-bit integer mix): a bijection with full avalanche, two multiplies. */
 INLINE vint hash32(vint x)
@@ -173,58 +181,82 @@ INLINE vint hash32(vint x)
     return vi_xor(x, vi_shr16(x));
 }
 
-INLINE vfloat load_bf16(const uint16_t *h) { return vf_from_bits(vi_shl16(vi_load_u16(h))); }
-
-/* Stochastic rounding: add r (16 random bits, < 2^16) below the kept mantissa and truncate. Sign and
- * magnitude are separate, so this rounds the magnitude up with probability (dropped bits) / 2^16,
- * for either sign; a carry out of the mantissa moves to the next binade (or from the largest finite
- * value to inf), and inf (dropped bits 0) stays inf. NaN would carry into the sign: it is stored as
- * the one quiet NaN 0x7fc0 instead, which also makes its bits independent of the backend. */
-INLINE vhalf bf16_stochastic(vfloat x, vint r)
+/* Stochastic rounding: add r (16 random bits, < 2^16) below the kept mantissa; the high half of the
+ * result is the bf16 (the caller's merge truncates). Sign and magnitude are separate, so this rounds
+ * the magnitude up with probability (dropped bits) / 2^16, for either sign; a carry out of the mantissa
+ * moves to the next binade (or from the largest finite value to inf), and inf (dropped bits 0) stays
+ * inf. NaN would carry into the sign: it becomes the one quiet NaN 0x7fc0 instead, which also makes
+ * its bits independent of the backend. */
+INLINE vint bf16_stochastic(vfloat x, vint r)
 {
-    vint t = vi_shr16(vi_add(vi_from_bits(x), r));
-    return vi_narrow_u16(vi_nan_select(x, vi_set1(0x7fc0), t));
+    return vi_nan_select(x, vi_set1(0x7fc00000), vi_add(vi_from_bits(x), r));
 }
 
-/* adam_vec's operations in adam_vec's order on the widened state; `index` is the low 32 bits of
- * element i's global index (lanes add their position). */
-INLINE void adam_bf16_vec(const lzo_adam_consts *c, vint kpm, vint kv, uint32_t index, uint16_t *p,
-                          const void *g, uint16_t *m, uint16_t *v, int64_t i, int gdt)
+/* adam_vec's operations in adam_vec's order on widened values (even or odd elements of a block). */
+INLINE void adam_bf16_half(const lzo_adam_consts *c, vfloat gi, vfloat *p, vfloat *m, vfloat *v)
 {
-    vfloat gi = vf_mul(load_as_f32(g, i, gdt), vf_set1(c->grad_scale));
-    vfloat pi = load_bf16(p + i);
+    vfloat pi = *p, mi = *m;
+    gi = vf_mul(gi, vf_set1(c->grad_scale));
     if (c->l2 != 0.0f)
         gi = vf_fmadd(pi, vf_set1(c->l2), gi);
     pi = vf_mul(pi, vf_set1(c->decay));
-    vfloat mi = load_bf16(m + i);
     vfloat d = vf_sub(gi, mi);
     mi = vf_fmadd(vf_set1(c->lerp_w), d, c->lerp_from_end ? gi : mi);
-    vfloat vi = vf_mul(load_bf16(v + i), vf_set1(c->beta2));
+    vfloat vi = vf_mul(*v, vf_set1(c->beta2));
     vi = vf_fmadd(vf_mul(vf_set1(c->one_minus_beta2), gi), gi, vi);
     vfloat denom = vf_add(vf_div(vf_sqrt(vi), vf_set1(c->bc2_sqrt)), vf_set1(c->eps));
-    pi = vf_add(pi, vf_div(vf_mul(vf_set1(c->neg_step_size), mi), denom));
-    vint idx = vi_add(vi_set1((int)index), vi_load(LANE_INDEX));
-    vint hpm = hash32(vi_xor(idx, kpm)), hv = hash32(vi_xor(idx, kv));
-    vh_store(p + i, bf16_stochastic(pi, vi_shr16(hpm)));
-    vh_store(m + i, bf16_stochastic(mi, vi_and(hpm, vi_set1(0xffff))));
-    vh_store(v + i, bf16_stochastic(vi, vi_shr16(hv)));
+    *p = vf_add(pi, vf_div(vf_mul(vf_set1(c->neg_step_size), mi), denom));
+    *m = mi;
+    *v = vi;
 }
 
-/* Fewer than W elements, through zero-padded buffers: the same arithmetic and bits as full vectors. */
+INLINE vfloat even_f32(vint words) { return vf_from_bits(vi_shl16(words)); }
+INLINE vfloat odd_f32(vint words) { return vf_from_bits(vi_and(words, vi_set1((int)0xffff0000u))); }
+
+/* One block of 2W elements at i; `index` is the low 32 bits of element i's global index, even. The
+ * random bits of element j (kernels/reference.py sr_bits): p the high and m the low half of
+ * hash32(j ^ pm); v one half of hash32((j >> 1) ^ v), shared by the pair 2k, 2k + 1 (the high half for
+ * the even element): 48 bits per element from one and a half hashes. */
+INLINE void adam_bf16_block(const lzo_adam_consts *c, vint kpm, vint kv, uint32_t index, uint16_t *p,
+                            const void *g, uint16_t *m, uint16_t *v, int64_t i, int gdt)
+{
+    vint pw = vi_load_words(p + i), mw = vi_load_words(m + i), vw = vi_load_words(v + i);
+    vfloat ge, go;
+    if (gdt == LZO_BFLOAT16) {
+        vint gw = vi_load_words((const uint16_t *)g + i);
+        ge = even_f32(gw);
+        go = odd_f32(gw);
+    } else {
+        vf_even_odd(load_as_f32(g, i, gdt), load_as_f32(g, i + W, gdt), &ge, &go);
+    }
+    vfloat pe = even_f32(pw), me = even_f32(mw), ve = even_f32(vw);
+    vfloat po = odd_f32(pw), mo = odd_f32(mw), vo = odd_f32(vw);
+    adam_bf16_half(c, ge, &pe, &me, &ve);
+    adam_bf16_half(c, go, &po, &mo, &vo);
+    vint je = vi_add(vi_set1((int)index), vi_load(LANE_EVEN)), jo = vi_add(je, vi_set1(1));
+    vint he = hash32(vi_xor(je, kpm)), ho = hash32(vi_xor(jo, kpm)), hv = hash32(vi_xor(vi_shr1(je), kv));
+    vint low = vi_set1(0xffff);
+    vi_store_words(p + i, vi_merge_high(bf16_stochastic(pe, vi_shr16(he)), bf16_stochastic(po, vi_shr16(ho))));
+    vi_store_words(m + i, vi_merge_high(bf16_stochastic(me, vi_and(he, low)), bf16_stochastic(mo, vi_and(ho, low))));
+    vi_store_words(v + i, vi_merge_high(bf16_stochastic(ve, vi_shr16(hv)), bf16_stochastic(vo, vi_and(hv, low))));
+}
+
+/* Fewer than 2W elements (r + (index & 1) <= 2W), through zero-padded buffers: an odd first index sits
+ * at lane 1 of a block that starts one element earlier, so every element gets the bits of its index. */
 INLINE void adam_bf16_partial(const lzo_adam_consts *c, vint kpm, vint kv, uint32_t index, uint16_t *p,
                               const void *g, uint16_t *m, uint16_t *v, int64_t n, int gdt)
 {
-    size_t r = (size_t)n, gsz = gdt == LZO_FLOAT32 ? 4 : 2;
-    uint16_t pb[W] = {0}, mb[W] = {0}, vb[W] = {0};
-    float gb[W] = {0};
-    memcpy(pb, p, r * 2);
-    memcpy(gb, g, r * gsz);
-    memcpy(mb, m, r * 2);
-    memcpy(vb, v, r * 2);
-    adam_bf16_vec(c, kpm, kv, index, pb, gb, mb, vb, 0, gdt);
-    memcpy(p, pb, r * 2);
-    memcpy(m, mb, r * 2);
-    memcpy(v, vb, r * 2);
+    size_t r = (size_t)n, s = index & 1u, gsz = gdt == LZO_FLOAT32 ? 4 : 2;
+    uint16_t pb[2 * W] = {0}, mb[2 * W] = {0}, vb[2 * W] = {0};
+    float gb[2 * W] = {0};
+    memcpy(pb + s, p, r * 2);
+    memcpy((char *)gb + s * gsz, g, r * gsz);
+    memcpy(mb + s, m, r * 2);
+    memcpy(vb + s, v, r * 2);
+    adam_bf16_block(c, kpm, kv, index - (uint32_t)s, pb, gb, mb, vb, 0, gdt);
+    memcpy(p, pb + s, r * 2);
+    memcpy(m, mb + s, r * 2);
+    memcpy(v, vb + s, r * 2);
 }
 
 #define BF16_LINE 32 /* bf16 elements per 64-byte cache line */
@@ -234,6 +266,10 @@ INLINE void adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint3
 {
     vint kpm = vi_set1((int)k->pm), kv = vi_set1((int)k->v);
     int64_t i = 0, gsz = gdt == LZO_FLOAT32 ? 4 : 2;
+    if (index & 1u) { /* blocks start at even indices: the pairs share their v bits */
+        adam_bf16_partial(c, kpm, kv, index, p, g, m, v, 1, gdt);
+        i = 1;
+    }
     for (; i + BF16_LINE <= n; i += BF16_LINE) { /* one cache line of each bf16 stream */
         _mm_prefetch((const char *)(p + i + PREFETCH), _MM_HINT_T0);
         _mm_prefetch((const char *)(m + i + PREFETCH), _MM_HINT_T0);
@@ -241,11 +277,11 @@ INLINE void adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint3
         _mm_prefetch((const char *)g + (i + PREFETCH) * gsz, _MM_HINT_T0);
         if (gsz == 4)
             _mm_prefetch((const char *)g + (i + PREFETCH) * 4 + 64, _MM_HINT_T0);
-        for (int j = 0; j < BF16_LINE; j += W)
-            adam_bf16_vec(c, kpm, kv, index + (uint32_t)(i + j), p, g, m, v, i + j, gdt);
+        for (int j = 0; j < BF16_LINE; j += 2 * W)
+            adam_bf16_block(c, kpm, kv, index + (uint32_t)(i + j), p, g, m, v, i + j, gdt);
     }
-    for (; i + W <= n; i += W)
-        adam_bf16_vec(c, kpm, kv, index + (uint32_t)i, p, g, m, v, i, gdt);
+    for (; i + 2 * W <= n; i += 2 * W)
+        adam_bf16_block(c, kpm, kv, index + (uint32_t)i, p, g, m, v, i, gdt);
     if (i < n)
         adam_bf16_partial(c, kpm, kv, index + (uint32_t)i, p + i, (const char *)g + i * gsz, m + i, v + i,
                           n - i, gdt);

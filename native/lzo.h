@@ -109,8 +109,9 @@ typedef struct {
 } lzo_undo_consts;
 
 /* The hash keys of one piece of a bf16-state step (from seed, step and the high 32 bits of the
- * global element index): the p and m bits come from hash32(index ^ pm), the v bits from
- * hash32(index ^ v). */
+ * global element index): the p and m bits are the two halves of hash32(index ^ pm), the v bits one
+ * half of hash32((index >> 1) ^ v), which elements 2k and 2k + 1 share (the high half for the even
+ * one). */
 typedef struct {
     uint32_t pm, v;
 } lzo_sr_keys;

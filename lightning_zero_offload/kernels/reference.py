@@ -67,8 +67,8 @@ def sr_bits(seed: int, step: int, offset: int, n: int) -> tuple[Tensor, Tensor, 
     for h in range(offset >> 32, ((offset + n - 1) >> 32) + 1 if n else 0):
         where = high == h
         key_pm[where], key_v[where] = _sr_keys(seed, step, h)
-    pm, v = _hash32(low ^ key_pm), _hash32(low ^ key_v)
-    return pm >> 16, pm & 0xFFFF, v >> 16
+    pm, v = _hash32(low ^ key_pm), _hash32((low >> 1) ^ key_v)  # elements 2k, 2k + 1 share one v hash
+    return pm >> 16, pm & 0xFFFF, torch.where((low & 1) == 1, v & 0xFFFF, v >> 16)
 
 
 def round_bf16_stochastic(x: Tensor, r: Tensor) -> Tensor:

@@ -180,7 +180,9 @@ def test_bf16state_same_seed_and_step_reproduce_other_seeds_and_steps_differ(bac
 
 def test_bf16state_random_bits_are_uniform_and_the_streams_independent() -> None:
     """The hash's 16-bit outputs: uniform (chi-square over 256 bins of the top 8 bits), and the p, m
-    and v streams, other steps and other seeds uncorrelated (|r| < 5 / sqrt(n))."""
+    and v streams, other steps and other seeds uncorrelated (|r| < 5 / sqrt(n)); within each stream,
+    neighbours uncorrelated, and the v bits of a pair (2k, 2k + 1: the two halves of one hash) jointly
+    uniform (chi-square over 256 bins of their top 4 bits each)."""
     n = 2**18
     for offset in (0, 2**32 - n // 2):  # one side of the high-word change and both
         streams = list(reference.sr_bits(3, 1, offset, n)) + [reference.sr_bits(3, 2, offset, n)[0]]
@@ -193,8 +195,15 @@ def test_bf16state_random_bits_are_uniform_and_the_streams_independent() -> None
         for i, a in enumerate(streams):
             for b in streams[i + 1 :]:
                 assert abs(float(torch.corrcoef(torch.stack([a, b]).double())[0, 1])) < 5 / math.sqrt(n)
-        neighbours = torch.corrcoef(torch.stack([streams[0][:-1], streams[0][1:]]).double())[0, 1]
-        assert abs(float(neighbours)) < 5 / math.sqrt(n)  # consecutive elements
+        for r in streams[:3]:
+            for first in (0, 1):  # within a pair (2k, 2k + 1) and across pairs (2k + 1, 2k + 2)
+                a, b = r[first:-1:2], r[first + 1 :: 2]
+                neighbours = float(torch.corrcoef(torch.stack([a, b]).double())[0, 1])
+                assert abs(neighbours) < 5 / math.sqrt(n // 2), f"neighbours correlated: r = {neighbours:.4f}"
+        v = streams[2]
+        counts = torch.bincount((v[0::2] >> 12) * 16 + (v[1::2] >> 12), minlength=256).double()
+        chi2 = float(((counts - n / 512) ** 2 / (n / 512)).sum())
+        assert chi2 < 255 + 5 * math.sqrt(2 * 255), f"v pairs: chi-square {chi2:.0f} with 255 degrees of freedom"
 
 
 def test_bf16state_follows_the_fp32_step_in_expectation(backend: str) -> None:
