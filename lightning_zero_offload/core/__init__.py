@@ -2,9 +2,17 @@
 
 :mod:`.options` holds what they take (options, precision, timeout, validated once); :mod:`.session`
 what they do (build the engine, the master-weight state dict, saving and loading, the pending clip,
-``zero_grad``). ``strategy.py``/``precision.py`` and ``fabric.py`` translate Lightning's hooks into it.
+``zero_grad``); :mod:`.optimizer` the optimizer for a loop that steps itself; :mod:`.teardown` the end
+of a run; :mod:`.fabric_checkpoints` Fabric's checkpoint layout. ``strategy.py``/``precision.py`` and
+``fabric.py`` translate Lightning's hooks into it.
 """
 
+from lightning_zero_offload.core.fabric_checkpoints import (
+    fabric_checkpoint_from_sharded,
+    restore_objects,
+    sharded_from_fabric_checkpoint,
+)
+from lightning_zero_offload.core.optimizer import OffloadedOptimizer
 from lightning_zero_offload.core.options import (
     OPTION_NAMES,
     OPTIONS_DOC,
@@ -16,17 +24,12 @@ from lightning_zero_offload.core.options import (
 )
 from lightning_zero_offload.core.session import (
     ENGINE_STATE_KEY,
-    OffloadedOptimizer,
     OffloadSession,
     SessionStrategy,
     all_gather_objects,
-    fabric_checkpoint_from_sharded,
     move_untrained_to,
-    release_after_failure,
-    release_process_group,
-    restore_objects,
-    sharded_from_fabric_checkpoint,
 )
+from lightning_zero_offload.core.teardown import release_after_failure, release_process_group
 
 __all__ = [
     "ENGINE_STATE_KEY",

@@ -5,20 +5,22 @@ Plain torch and the engine; no Trainer and no Fabric. The Trainer strategy (``st
 :class:`OffloadSession`, as Lightning's own ``pytorch/strategies/fsdp.py`` imports its helpers from
 ``fabric/strategies/fsdp.py``:
 
-- setup: :meth:`OffloadSession.start` (model checks, host-memory pre-flight, the engine);
-- training: re-planning before a training forward, the pending clip, the step, ``zero_grad``, and
-  :class:`OffloadedOptimizer`, the optimizer to hand to a loop that calls ``step()`` itself;
-- checkpoints: the master-weight state dict, the optimizer state to save, the sharded save, loading
-  weights back;
-- the end: :meth:`OffloadSession.close`, or :func:`release_after_failure` without a collective.
+- setup: :func:`move_untrained_to`, then :meth:`OffloadSession.start` (model checks, host-memory
+  pre-flight, the engine);
+- training: re-planning before a training forward, the pending clip, the step, ``zero_grad``;
+- checkpoints: the master-weight state dict, the optimizer state to save, the full save (streamed to
+  rank 0 at several ranks), the sharded save, loading weights back;
+- the end: :meth:`OffloadSession.close`.
+
+Around it: the optimizer for a loop that calls ``step()`` itself (``core/optimizer.py``), the end of a
+run after a failure or at exit (``core/teardown.py``) and Fabric's checkpoint layout
+(``core/fabric_checkpoints.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -29,9 +31,10 @@ from torch import nn
 
 from lightning_zero_offload.core.options import STRATEGY_DESCRIPTION, resolve_precision
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions, StepStats
-from lightning_zero_offload.engine.checkpoint import FABRIC_KEY, FORMAT_KEY, save_sharded, sharded_layout
-from lightning_zero_offload.engine.checkpoint_files import PathLike, StreamedStorages
-from lightning_zero_offload.engine.collectives import abandon_process_group, broadcast_tensors_
+from lightning_zero_offload.engine.checkpoint import FORMAT_KEY, save_sharded, sharded_layout
+from lightning_zero_offload.engine.checkpoint_files import PathLike
+from lightning_zero_offload.engine.checkpoint_writer import StreamedStorages
+from lightning_zero_offload.engine.collectives import broadcast_tensors_
 from lightning_zero_offload.engine.model_checks import (
     check_param_dtypes,
     check_same_on_all_ranks,
@@ -274,89 +277,6 @@ class SessionStrategy:
         strategy_registry.register(cls.strategy_name, cls, description=STRATEGY_DESCRIPTION, override=True)
 
 
-class OffloadedOptimizer:
-    """The user's optimizer with its step taken by the session: ``step``, ``zero_grad`` and the state go
-    through it, for a loop that calls them itself (Fabric's, or a plain torch one).
-
-    Imitates the wrapped optimizer's class (as Fabric's own wrapper does), so ``isinstance`` checks and
-    LR schedulers work; ``param_groups`` are the wrapped optimizer's, which the engine reads live.
-    ``state_dict()`` is what a checkpoint saves: torch AdamW's format (sharded: the param groups only,
-    the moments are in the shards) plus the engine's state under :data:`ENGINE_STATE_KEY`.
-    """
-
-    def __init__(self, session: OffloadSession) -> None:
-        self._session = session
-        self._optimizer = session.engine.optimizer
-        self.__class__ = type(
-            "ZeroOffload" + self._optimizer.__class__.__name__, (OffloadedOptimizer, self._optimizer.__class__), {}
-        )
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self._optimizer
-
-    def step(self, closure: Callable[[], Any] | None = None) -> StepStats:
-        if closure is not None:
-            raise ValueError("zero_offload's optimizer.step() takes no closure: call backward before step()")
-        self._training_engine()
-        return self._session.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._session.zero_grad()
-        self._optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        state = self._session.optimizer_state_to_save()
-        state[ENGINE_STATE_KEY] = self._session.engine.state_dict()
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        engine = self._training_engine()
-        engine.load_optimizer_state_dict(state_dict)
-        if ENGINE_STATE_KEY in state_dict:
-            engine.load_state_dict(state_dict[ENGINE_STATE_KEY])
-
-    def _training_engine(self) -> OffloadEngine:
-        if not self._session.training:
-            raise RuntimeError("The offload engine is closed: training with this optimizer has ended")
-        return self._session.engine
-
-    def __getattr__(self, item: str) -> Any:
-        if item == "_optimizer":  # not set yet (copy/unpickle): do not recurse
-            raise AttributeError(item)
-        return getattr(self._optimizer, item)
-
-
-def release_after_failure(session: OffloadSession | None, distributed: bool) -> None:
-    """This rank failed: release the process group and the engine without a collective. Never raises.
-
-    The other ranks may be blocked in a collective or already gone, so gathering anything now would
-    hang. Tearing the process group down makes their pending collectives fail at once, so every rank
-    exits within seconds instead of at the collective timeout. The group goes first: aborting NCCL also
-    ends device work still waiting for a peer, which the engine's workers may be waiting for.
-    """
-    releases: list[Callable[[], None]] = [abandon_process_group] if distributed else []
-    if session is not None:
-        releases.append(lambda: session.engine.close(after_failure=True))
-    for release in releases:
-        try:
-            release()
-        except Exception as error:  # noqa: BLE001 -- the caller would report this error instead of the real one
-            warnings.warn(f"zero_offload: cleaning up after the failure also failed: {error!r}", stacklevel=2)
-
-
-def release_process_group() -> None:
-    """Destroy the process group, then collect garbage while the interpreter is fully alive.
-
-    A gloo group still referenced from a reference cycle (Lightning's trainer, strategy and module form
-    many) would otherwise be destroyed during interpreter finalization, which can abort the process
-    (docs/benchmarks.md, "Exit with a gloo group"). Registered with ``atexit`` by both front ends.
-    """
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()
-
-
 def all_gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank (``[obj]`` without a process group)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -377,62 +297,6 @@ def move_untrained_to(module: nn.Module, device: torch.device) -> None:
             for name, buffer in sub._buffers.items():
                 if buffer is not None:
                     sub._buffers[name] = buffer.to(device)
-
-
-# A Fabric checkpoint names its entries freely; FABRIC_KEY says which hold the model and the optimizer. Its
-# sharded meta.pt is in the Trainer's layout ("state_dict", "optimizer_states"), so that load_sharded and the
-# fp32 export read both alike.
-
-
-def sharded_from_fabric_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """The Fabric checkpoint dict (with its ``FABRIC_KEY`` entry) in the Trainer's layout, in place."""
-    keys = checkpoint[FABRIC_KEY]
-    checkpoint["state_dict"] = checkpoint.pop(keys["model"])
-    if keys["optimizer"] is not None:
-        checkpoint["optimizer_states"] = [checkpoint.pop(keys["optimizer"])]
-    return checkpoint
-
-
-def fabric_checkpoint_from_sharded(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """A loaded sharded checkpoint of Fabric's back under the names the Fabric run gave its entries, in place."""
-    keys = checkpoint.pop(FABRIC_KEY)
-    checkpoint.pop(FORMAT_KEY)
-    checkpoint[keys["model"]] = checkpoint.pop("state_dict")
-    if keys["optimizer"] is not None:
-        checkpoint[keys["optimizer"]] = checkpoint.pop("optimizer_states")[0]
-    return checkpoint
-
-
-def restore_objects(
-    state: nn.Module | torch.optim.Optimizer | dict[str, Any] | None,
-    checkpoint: dict[str, Any],
-    load_module: Callable[[nn.Module, dict[str, Any]], None],
-) -> dict[str, Any]:
-    """Restore ``state`` from a loaded ``checkpoint`` and return what is left of it (Fabric's ``load``).
-
-    ``state`` is one module, one optimizer, or a dict of named objects: modules load through
-    ``load_module``, objects with a ``state_dict``/``load_state_dict`` load their entry, other values
-    are replaced in ``state``. Modules load first, whatever the dict's order: a pending delayed update,
-    restored with the optimizer state, puts device parameters over the weights.
-    """
-    if not state:
-        return checkpoint
-    if isinstance(state, nn.Module):
-        load_module(state, checkpoint)
-        return {}
-    if isinstance(state, torch.optim.Optimizer):
-        state.load_state_dict(checkpoint)
-        return {}
-    names = sorted((name for name in state if name in checkpoint), key=lambda n: not isinstance(state[n], nn.Module))
-    for name in names:
-        obj = state[name]
-        if isinstance(obj, nn.Module):
-            load_module(obj, checkpoint.pop(name))
-        elif hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"):
-            obj.load_state_dict(checkpoint.pop(name))
-        else:
-            state[name] = checkpoint.pop(name)
-    return checkpoint
 
 
 def _check_model(
@@ -471,13 +335,7 @@ def _state_dict_keys(module: nn.Module, params: list[torch.nn.Parameter]) -> lis
 __all__ = [
     "ENGINE_STATE_KEY",
     "OffloadSession",
-    "OffloadedOptimizer",
     "SessionStrategy",
     "all_gather_objects",
-    "fabric_checkpoint_from_sharded",
     "move_untrained_to",
-    "release_after_failure",
-    "release_process_group",
-    "restore_objects",
-    "sharded_from_fabric_checkpoint",
 ]
