@@ -171,9 +171,14 @@ def resolve(
     cores = usable_cores() if cores is None else cores
     accelerator = device.type != "cpu"
     notes = []
+    compact = options.cpu_state == "bf16"
     if options.cpu_step == "auto":
-        cpu_step: Schedule = "speculative" if accelerator else "sync"
-        step_said = f"cpu_step='auto' runs {cpu_step!r} on a {device.type} device"
+        # bf16 state is chosen for memory: speculating it needs a snapshot of the state (6 more B/param, a
+        # stochastically rounded step cannot be undone), so "auto" keeps it at its 8 B/param with sync.
+        cpu_step: Schedule = "speculative" if accelerator and not compact else "sync"
+        step_said = f"cpu_step='auto' runs {cpu_step!r} on a {device.type} device" + (
+            " with cpu_state='bf16'" if compact else ""
+        )
     else:
         cpu_step = options.cpu_step
         step_said = f"cpu_step is {cpu_step!r}"
@@ -225,7 +230,6 @@ def resolve(
     else:
         overlap = options.overlap if options.overlap is not None else accelerator
 
-    compact = options.cpu_state == "bf16"
     if compact:
         _check_compact_state(options, param_dtype, cpu_step)
 

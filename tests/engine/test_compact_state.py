@@ -275,3 +275,12 @@ def test_elements_keep_their_numbers_at_any_world_size(world):
                 for k in range(seg.numel):
                     number = shard.element_number(bucket, seg.shard_start + k)
                     assert number == one_rank[seg.param_index, seg.param_start + k]
+
+
+def test_auto_keeps_compact_state_at_8_bytes_with_sync_on_an_accelerator():
+    """Speculating a bf16 state needs its snapshot (6 B/param more); "auto" is for memory there, fp32 speculates."""
+    from lightning_zero_offload.engine.options import resolve
+
+    cuda = torch.device("cuda")
+    assert resolve(options(cpu_state="bf16", cpu_step="auto"), cuda, torch.bfloat16).cpu_step == "sync"
+    assert resolve(options(cpu_state="fp32", cpu_step="auto"), cuda, torch.bfloat16).cpu_step == "speculative"
