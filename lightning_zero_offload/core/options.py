@@ -121,16 +121,18 @@ OPTIONS_DOC = """\
             critical path. ``"speculative"``: each gradient bucket's step runs during backward, is validated
             after it (clipping, overflow) and corrected if needed; results equal ``"sync"``. ``"delayed"``:
             overlaps the next forward/backward, which sees one-step-stale weights (changes convergence).
-            ``"auto"`` (default): ``"speculative"`` on an accelerator, ``"sync"`` on a CPU device.
+            ``"auto"`` (default): ``"speculative"`` on an accelerator, ``"sync"`` on a CPU device and with
+            ``cpu_state="bf16"`` (speculating it takes 6 more bytes of host memory per parameter).
         cpu_state: the dtype of the optimizer state on the CPU (docs/compact-state.md). ``"fp32"`` (default):
             fp32 master weights and moments, exact to torch's AdamW. ``"bf16"``: master weights, moments and
-            gradient buffers in bf16, stochastically rounded (the same expected update as fp32), about half
-            the host memory per parameter and the device copy published as it is. Needs
-            ``precision="bf16-mixed"``; with ``cpu_step="speculative"`` the rollback is a snapshot.
+            gradient buffers in bf16, stochastically rounded (the same expected update as fp32), half the
+            host memory per parameter and the device copy published as it is. Needs ``precision="bf16-mixed"``
+            or ``"32-true"``; with ``cpu_step="speculative"`` the rollback is a snapshot.
         speculation_rollback: how ``cpu_step="speculative"`` takes a speculated bucket back when clipping
             triggers or a gradient overflows: ``"undo"`` inverts the Adam step algebraically (no extra memory;
             equal to sync within fp32 rounding), ``"snapshot"`` copies the bucket's state before speculating
-            (bitwise equal to sync; 12 bytes of host memory per parameter). ``"auto"``: snapshot for fp16
+            (bitwise equal to sync; 12 bytes of host memory per parameter, 6 with ``cpu_state="bf16"``, where
+            it is the only rollback). ``"auto"``: snapshot for fp16
             (overflows are routine there), undo otherwise.
         loss_scale_init: fp16 only: initial dynamic loss scale.
         loss_scale_growth_interval: fp16 only: overflow-free steps before the scale grows.
