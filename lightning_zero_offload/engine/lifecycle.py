@@ -79,9 +79,9 @@ class EngineLifecycle:
         return self.state.grad
 
     @property
-    def steps(self) -> list[int]:
-        """Each trainable parameter's step count (counted by :meth:`CpuState.count_steps` only)."""
-        return self.state.steps
+    def steps(self) -> tuple[int, ...]:
+        """Each trainable parameter's step count, as of now (counted by :meth:`CpuState.count_steps` only)."""
+        return tuple(self.state.steps)
 
     # -- the trainable set ---------------------------------------------------------------------
 
