@@ -118,7 +118,7 @@ class GradientStreamer:
         self.launch_order = LaunchOrder(
             layout, process_group, device, DEVICE_BUFFER_CAP, self._launch, lambda: self.device_buffers_live
         )
-        self._seen = [False] * len(params)
+        self._seen = [False] * len(params)  # got a gradient in this pass (a second one is refused)
         self._open = False  # a backward pass has produced gradients that finish_backward has not flushed
         # Across an accumulation window: which params got a gradient, whether a bucket was written yet.
         self.has_grad = [False] * len(params)
@@ -134,7 +134,7 @@ class GradientStreamer:
         self._transfer_s = 0.0
         self._hidden_s = 0.0
         # Called on the worker once a bucket's gradient is in the CPU buffer (the speculative step's cue),
-        # with whether that launch was the bucket's last of this backward pass (see _launch).
+        # with whether that launch was the bucket's last of this backward pass (LaunchOrder.contents).
         self.on_accumulated: Callable[[Bucket, bool], None] | None = None
         self._hooks = register_grad_hooks(params, self._on_grad)
 
