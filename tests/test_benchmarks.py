@@ -97,3 +97,32 @@ def test_in_place_step_compares_the_three_loops_and_records_them(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"plain", "in place", "offload path"}
     assert all(rows[k]["step_time_ratio_to_plain"] > 0 for k in ("in place", "offload path"))
+
+
+def test_compact_state_control_rounds_to_nearest_and_loses_what_stochastic_rounding_keeps():
+    # The convergence control's premise: at an lr whose update is below half a bf16 ulp, round-to-nearest
+    # leaves every weight where it was, while the real bf16-state kernel moves them by the update on average.
+    from lightning_zero_offload import kernels
+
+    control = load("compact_state_convergence")
+    n, lr = 1 << 16, 1e-4  # at 1.0 the update lr is 1/39 of the 2^-8 ulp below it
+    hp = kernels.AdamArgs(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True)
+    grad = torch.full((n,), 0.5)
+    states = {}
+    for name, step_fn in (("nearest", control.nearest_bf16_state_step), ("stochastic", kernels.adam_step_bf16_state)):
+        p, m, v = (
+            torch.ones(n, dtype=torch.bfloat16),
+            torch.zeros(n, dtype=torch.bfloat16),
+            torch.zeros(n, dtype=torch.bfloat16),
+        )
+        step_fn(p, grad, m, v, hparams=hp, step=1, seed=7)
+        states[name] = (p, m, v)
+    p32, m32, v32 = torch.ones(n), torch.zeros(n), torch.zeros(n)
+    kernels.adam_step(p32, grad, m32, v32, hparams=hp, step=1)
+    nearest, stochastic = states["nearest"], states["stochastic"]
+    assert torch.equal(nearest[0], torch.ones(n, dtype=torch.bfloat16))  # every update lost
+    for got, want in zip(nearest, (p32, m32, v32)):
+        assert torch.equal(got, want.to(torch.bfloat16))  # the fp32 step, rounded to nearest
+    # Stochastic rounding keeps the mean update: the count of elements rounded down to 1 - 2^-8 is
+    # binomial (n/39 = 1678 expected, relative sd 2.4%), so 10% of lr is a 4-sigma margin.
+    assert abs((1.0 - stochastic[0].double().mean().item()) - lr) < 0.1 * lr

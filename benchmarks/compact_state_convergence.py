@@ -1,0 +1,306 @@
+"""Does ``cpu_state="bf16"`` converge like ``"fp32"``? One arm of issue 19's convergence cases per call.
+
+Each call trains one arm (``--case``, ``--state``) with the same seed and data order as every other arm and
+writes its per-step train loss and its periodic validation loss to ``--out/<case>_<state>.json``;
+``--report`` reads those files, prints the table (final validation loss per arm, relative difference
+against fp32, pass/fail against the issue's bar) and draws the curves.
+
+Cases: ``demo`` (configs/cpu_demo.yaml's GPT and data, 600 steps), ``llama`` (a ~20M-parameter Hugging
+Face ``LlamaForCausalLM`` from config on the same byte corpus, lr 1e-3) and ``llama-low-lr`` (lr 1e-4).
+States: ``fp32``, ``bf16`` (stochastic rounding) and ``bf16-nearest``, the control: bf16 state stored
+with round-to-nearest, done here by replacing ``kernels.adam_step_bf16_state`` for the run.
+
+Every arm runs ``precision="32-true"`` on the CPU on the offload path (``in_place_on_cpu=False``): forward
+and backward are fp32 in every arm, which differ only in the optimizer state's precision (the bf16 arms'
+forward sees bf16-valued weights, the fp32 arm's full fp32 weights).
+
+    python benchmarks/compact_state_convergence.py --case llama --state bf16
+    python benchmarks/compact_state_convergence.py --case llama --state fp32 --steps 3   # a smoke run
+    python benchmarks/compact_state_convergence.py --report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "compact_state"
+FIGURE = ROOT / "docs" / "figures" / "compact_state_convergence.png"
+CASES = ("demo", "llama", "llama-low-lr")
+STATES = ("fp32", "bf16", "bf16-nearest")
+BAR = {"demo": 0.005, "llama": 0.005, "llama-low-lr": 0.01}  # issue 19's bars on the final val loss
+SEED = 1234
+DEFAULT_STEPS = {"demo": 600, "llama": 1000, "llama-low-lr": 1000}
+LLAMA_LR = {"llama": 1e-3, "llama-low-lr": 1e-4}
+
+
+def nearest_bf16_state_step(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    hparams: Any,
+    step: int,
+    seed: int,
+    offset: int = 0,
+    grad_scale: float = 1.0,
+    num_threads: int | None = None,
+) -> None:
+    """``adam_step_bf16_state`` with round-to-nearest stores: the same fp32 arithmetic (``adam_step``)."""
+    from lightning_zero_offload import kernels
+
+    p32, m32, v32 = param.float(), exp_avg.float(), exp_avg_sq.float()
+    kernels.adam_step(p32, grad, m32, v32, hparams=hparams, step=step, grad_scale=grad_scale, num_threads=num_threads)
+    param.copy_(p32)
+    exp_avg.copy_(m32)
+    exp_avg_sq.copy_(v32)
+
+
+def build_llama(lr: float, steps: int):
+    import lightning.pytorch as pl
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_zero_offload.demo.data import VOCAB_SIZE
+
+    class LlamaLM(pl.LightningModule):
+        """A Hugging Face Llama from config, AdamW with linear warm-up then cosine to 0.1 x lr."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            config = LlamaConfig(
+                vocab_size=VOCAB_SIZE,
+                hidden_size=512,
+                intermediate_size=1376,
+                num_hidden_layers=6,
+                num_attention_heads=8,
+                num_key_value_heads=8,
+                max_position_embeddings=128,
+                tie_word_embeddings=False,
+            )
+            self.model = LlamaForCausalLM(config)
+            self.val_sum = 0.0
+            self.val_count = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(input_ids=x).logits
+
+        def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            logits = self(x)
+            return torch.nn.functional.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = self.loss(*batch)
+            self.log("train_loss", loss)
+            return loss
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.val_sum += float(self.loss(x, y)) * y.numel()
+            self.val_count += y.numel()
+
+        def on_validation_epoch_end(self) -> None:
+            self.log("val_loss", self.val_sum / self.val_count)
+            self.val_sum, self.val_count = 0.0, 0
+
+        def configure_optimizers(self) -> dict[str, Any]:
+            decay = [p for p in self.parameters() if p.ndim >= 2]
+            no_decay = [p for p in self.parameters() if p.ndim < 2]
+            groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+            optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+            warmup = min(100, steps // 10)  # a tenth of a shortened run
+
+            def fn(step: int) -> float:
+                if step < warmup:
+                    return (step + 1) / (warmup + 1)
+                progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+                return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    return LlamaLM()
+
+
+def build(case: str, steps: int):
+    """The module, the datamodule and the validation interval of ``case``."""
+    from lightning_zero_offload.demo import GPT, StdlibCorpusDataModule
+
+    if case == "demo":  # configs/cpu_demo.yaml's model and data
+        model = GPT(n_layer=4, n_head=4, n_embd=256, dropout=0.0, lr=0.002, weight_decay=0.1, warmup_steps=50)
+        data = StdlibCorpusDataModule(
+            block_size=128, batch_size=32, max_bytes=8_000_000, val_fraction=0.05, val_samples=256
+        )
+        return model, data, 100
+    model = build_llama(LLAMA_LR[case], steps)
+    data = StdlibCorpusDataModule(block_size=64, batch_size=4, max_bytes=8_000_000, val_fraction=0.05, val_samples=64)
+    return model, data, 50
+
+
+def train(case: str, state: str, steps: int, threads: int, out: Path) -> Path:
+    import lightning.pytorch as pl
+
+    from lightning_zero_offload import ZeroOffloadStrategy, kernels
+
+    # Lightning's launcher sets torch's thread count to the machine's cores unless OMP_NUM_THREADS is set.
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    if state == "bf16-nearest":
+        kernels.adam_step_bf16_state = nearest_bf16_state_step  # cpu_state.py calls it through the module
+    pl.seed_everything(SEED, workers=True)
+    model, data, val_every = build(case, steps)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{case}: {n_params} parameters", flush=True)
+
+    record: dict[str, Any] = {"train": [], "val": [], "batch_sums": [], "seconds_at": []}
+
+    class Recorder(pl.Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+            step = trainer.global_step
+            record["train"].append([step, float(outputs["loss"])])
+            record["seconds_at"].append(round(time.time() - start, 2))
+            record["batch_sums"].append(int(batch[0].sum()))  # the data order, checked by --report
+            if step == 1:
+                assert torch.get_num_threads() == threads, torch.get_num_threads()
+            if step % 50 == 0:
+                print(f"step {step} loss {float(outputs['loss']):.4f} {time.time() - start:.0f} s", flush=True)
+
+        def on_validation_end(self, trainer, module) -> None:
+            if trainer.sanity_checking:
+                return
+            val = float(trainer.callback_metrics["val_loss"])
+            record["val"].append([trainer.global_step, val])
+            print(f"val step {trainer.global_step} loss {val:.4f}", flush=True)
+
+    strategy = ZeroOffloadStrategy(
+        cpu_state="fp32" if state == "fp32" else "bf16", cpu_threads=threads, in_place_on_cpu=False, metrics=False
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        precision="32-true",
+        max_steps=steps,
+        val_check_interval=min(val_every, steps),
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Recorder()],
+    )
+    start = time.time()
+    trainer.fit(model, datamodule=data)
+    if not record["val"] or record["val"][-1][0] != trainer.global_step:
+        trainer.validate(model, datamodule=data, verbose=False)  # the final val loss is at the last step
+        record["val"].append([trainer.global_step, float(trainer.callback_metrics["val_loss"])])
+    record.update(
+        case=case,
+        state=state,
+        steps=steps,
+        parameters=n_params,
+        threads=threads,
+        seconds=round(time.time() - start, 1),
+        torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{case}_{state}.json"
+    path.write_text(json.dumps(record) + "\n")
+    print(f"wrote {path} ({record['seconds']} s)", flush=True)
+    return path
+
+
+def report(out: Path, figure: Path) -> None:
+    runs = {}
+    for case in CASES:
+        for state in STATES:
+            path = out / f"{case}_{state}.json"
+            if path.exists():
+                runs[case, state] = json.loads(path.read_text())
+    header = f"{'case':<13} {'state':<13} {'steps':>5} {'final val':>10} {'vs fp32':>9} {'bar':>6}  result   data order"
+    print(header)
+    print("-" * len(header))
+    for case in CASES:
+        base = runs.get((case, "fp32"))
+        for state in STATES:
+            run = runs.get((case, state))
+            if run is None:
+                continue
+            final = run["val"][-1][1]
+            if base is None or state == "fp32":
+                rel, verdict, order = "", "", ""
+            else:
+                diff = (final - base["val"][-1][1]) / base["val"][-1][1]
+                rel = f"{100 * diff:+.2f}%"
+                verdict = "pass" if abs(diff) <= BAR[case] else "FAIL"
+                n = min(len(run["batch_sums"]), len(base["batch_sums"]))
+                order = "same" if run["batch_sums"][:n] == base["batch_sums"][:n] else "DIFFERENT"
+            bar = f"{100 * BAR[case]:.1f}%"
+            print(f"{case:<13} {state:<13} {run['steps']:>5} {final:>10.4f} {rel:>9} {bar:>6}  {verdict:<8} {order}")
+    if not runs:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = [c for c in CASES if any(k[0] == c for k in runs)]
+    fig, axes = plt.subplots(2, len(cases), figsize=(5 * len(cases), 7), squeeze=False)
+    colors = {"fp32": "black", "bf16": "tab:blue", "bf16-nearest": "tab:red"}
+    for col, case in enumerate(cases):
+        for state in STATES:
+            run = runs.get((case, state))
+            if run is None:
+                continue
+            steps, losses = zip(*run["train"])
+            window = 25  # a running mean: the per-step loss is noisy
+            smooth = [
+                sum(losses[max(0, i - window + 1) : i + 1]) / (i + 1 - max(0, i - window + 1))
+                for i in range(len(losses))
+            ]
+            axes[0][col].plot(steps, smooth, color=colors[state], label=state, lw=1)
+            vs, vl = zip(*run["val"])
+            axes[1][col].plot(vs, vl, "o-", color=colors[state], label=state, ms=3)
+        axes[0][col].set_title(f"{case}: train loss (running mean of {window})")
+        axes[1][col].set_title(f"{case}: validation loss")
+        axes[1][col].set_xlabel("step")
+        for row in (0, 1):
+            axes[row][col].legend()
+            axes[row][col].grid(alpha=0.3)
+    fig.tight_layout()
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(figure, dpi=110)
+    print(f"wrote {figure}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=CASES)
+    parser.add_argument("--state", choices=STATES)
+    parser.add_argument("--steps", type=int, help="default: 600 (demo), 1000 (llama cases)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--report", action="store_true", help="print the table of --out's arms, draw --figure")
+    parser.add_argument("--figure", type=Path, default=FIGURE)
+    args = parser.parse_args()
+    if args.report:
+        report(args.out, args.figure)
+        return
+    if args.case is None or args.state is None:
+        parser.error("--case and --state are required (or --report)")
+    train(args.case, args.state, args.steps or DEFAULT_STEPS[args.case], args.threads, args.out)
+
+
+if __name__ == "__main__":
+    main()
