@@ -1,13 +1,16 @@
 import json
 import math
 import os
+import re
 import warnings
+from dataclasses import replace
 from functools import partial
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
+from planner_ranks import host_tensor_bytes, ledger_at_two_ranks
 
 from lightning_zero_offload import ZeroOffloadStrategy
 from lightning_zero_offload.core import make_offload_options
@@ -36,39 +39,17 @@ CPU_BOX = Machine(
 )  # fmt: skip
 
 
-def host_tensor_bytes(root: object) -> int:
-    """Bytes of every distinct CPU storage reachable from the engine's own objects (what it really holds)."""
-    storages: dict[int, int] = {}
-    seen: set[int] = set()
-
-    def visit(obj: object) -> None:
-        if id(obj) in seen or isinstance(obj, torch.optim.Optimizer):
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type == "cpu" and obj.numel():
-                storage = obj.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(obj, list | tuple):
-            for item in obj:
-                visit(item)
-        elif isinstance(obj, dict):
-            for item in obj.values():
-                visit(item)
-        elif type(obj).__module__.startswith("lightning_zero_offload") and hasattr(obj, "__dict__"):
-            for item in vars(obj).values():
-                visit(item)
-
-    visit(root)
-    return sum(storages.values())
-
-
+@pytest.mark.parametrize("cpu_state", ["fp32", "bf16"])
 @pytest.mark.parametrize("schedule", ["sync", "speculative", "delayed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_host_memory_is_what_the_engine_allocates(schedule, dtype):
+def test_host_memory_is_what_the_engine_allocates(schedule, dtype, cpu_state):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.ReLU(), torch.nn.Linear(200, 70))
-    options = OffloadOptions(bucket_size_mb=0.1, cpu_threads=1, cpu_step=schedule)
+    options = OffloadOptions(bucket_size_mb=0.1, cpu_threads=1, cpu_step=schedule, cpu_state=cpu_state)
+    if cpu_state == "bf16" and dtype == torch.float16:  # refused by the engine, so by the planner too
+        with pytest.raises(ValueError, match="cpu_state='bf16'"):
+            plan(10_000, batch_size=1, seq_len=8, precision="16-mixed", cpu_state="bf16", machine=CPU_BOX)
+        return
     engine = OffloadEngine(torch.optim.AdamW(model.parameters()), torch.device("cpu"), dtype, options)
     try:
         predicted = host_memory(
@@ -85,9 +66,45 @@ def test_host_memory_is_what_the_engine_allocates(schedule, dtype):
         assert ("autograd_grads" in predicted.per_rank) == engine.in_place
         # exact up to bookkeeping scalars (a few bytes each); the smallest modelled buffer is 1000x larger
         assert expected <= host_tensor_bytes(engine) <= expected + 256
+        assert predicted.state_per_rank == engine.memory_report()["host_state_bytes"]  # the ledger, exactly
         assert len(engine.layout.buckets) > 1
     finally:
         engine.close()
+
+
+# Host state bytes per trainable parameter, one rank (no padding), as the engine's ledger reports them
+# (memory_report()["host_state_bytes"] / params, measured with the engine on tiny models): docs/planning.md.
+STATE_BYTES = {
+    ("bf16-mixed", "fp32"): {"sync": 16, "speculative": 18, "delayed": 22},  # undo rollback; e copies to publish
+    ("bf16-mixed", "bf16"): {"sync": 8, "speculative": 14, "delayed": 10},  # snapshot rollback; the master published
+    ("32-true", "fp32"): {"sync": 16, "speculative": 16, "delayed": 20},
+    ("32-true", "bf16"): {"sync": 8, "speculative": 14, "delayed": 10},
+}
+
+
+@pytest.mark.parametrize(("precision", "cpu_state"), list(STATE_BYTES))
+def test_host_state_bytes_per_parameter_of_each_cpu_state(precision, cpu_state):
+    p = plan(2**20, batch_size=1, seq_len=8, precision=precision, cpu_state=cpu_state, machine=GPU_BOX)
+    assert {s: p.host[s].state_per_rank / p.params for s in p.host} == STATE_BYTES[precision, cpu_state]
+    sync = STATE_BYTES[precision, cpu_state]["sync"]
+    assert f"shard with cpu_state={cpu_state!r}: sync {sync}.0 B," in str(p)
+    assert p.to_dict()["resolved"]["sync"]["state_dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[cpu_state]
+    # A full save at several ranks gathers master and moments in the state's dtype (12 or 6 B/param).
+    two = plan(2**20, batch_size=1, seq_len=8, devices=2, precision=precision, cpu_state=cpu_state, machine=GPU_BOX)
+    assert two.host["sync"].checkpoint_save_per_rank["full"] == {"fp32": 12, "bf16": 6}[cpu_state] * 2**20
+
+
+@pytest.mark.slow
+def test_host_memory_is_what_the_engine_allocates_at_two_ranks(tmp_path):
+    from ranks import run_ranks
+
+    for rows in run_ranks(ledger_at_two_ranks, 2, tmp_path, timeout=300):
+        assert len(rows) == 15
+        for dtype, cpu_state, schedule, planned, ledger, held, really, shard in rows:
+            assert planned == ledger, (dtype, cpu_state, schedule)
+            assert held <= really <= held + 256, (dtype, cpu_state, schedule)
+            per_param = {"fp32": 4, "bf16": 2}[cpu_state]
+            assert planned >= 4 * per_param * shard  # master, moments, gradient buffer: half of 16 or 8 B/param
 
 
 PLANNED_OPTIONS = [
@@ -315,6 +332,35 @@ def test_preflight_counts_delayed_and_snapshot_buffers(monkeypatch):
         )
 
 
+def test_preflight_names_bf16_state_when_only_it_fits(monkeypatch):
+    with torch.device("meta"):  # 200.2M params in 10M tensors: 3.2 GB of fp32 state with the sync step, 1.6 of bf16
+        model = torch.nn.Sequential(*[torch.nn.Linear(1000, 10_000) for _ in range(20)])
+    one_rank = (torch.bfloat16, 1, 1, torch.device("cuda"))
+    sync = OffloadOptions(cpu_step="sync")
+    fake_limit(monkeypatch, 2 * 10**9)
+    with pytest.raises(MemoryError) as info:
+        check_host_memory(model, sync, *one_rank)
+    message = str(info.value)
+    assert "optimizer state 3.20 GB" in message
+    assert 'cpu_state="bf16"' in message and "8 B/param of state instead of 16" in message
+    assert re.search(r"needs about 1\.6\d GB instead of 3\.2\d GB", message)  # + staging buffers of a bucket
+    check_host_memory(model, replace(sync, cpu_state="bf16"), *one_rank)  # which is so
+    # The speculative step: 18 B/param (undo) -> 14 (bf16 state rolls back from a snapshot).
+    fake_limit(monkeypatch, 3 * 10**9)
+    with pytest.raises(MemoryError, match="14 B/param of state instead of 18"):
+        check_host_memory(model, OffloadOptions(cpu_step="speculative"), *one_rank)
+    with pytest.raises(MemoryError) as info:  # fp16 parameters need fp32 state: not offered
+        check_host_memory(model, sync, torch.float16, 1, 1, torch.device("cuda"))
+    assert "cpu_state" not in str(info.value)
+    fake_limit(monkeypatch, 10**9)  # bf16 state does not fit either: not offered
+    with pytest.raises(MemoryError) as info:
+        check_host_memory(model, sync, *one_rank)
+    assert "cpu_state" not in str(info.value)
+    with pytest.raises(MemoryError, match="optimizer state 1.60 GB") as info:  # bf16 state's own figures
+        check_host_memory(model, replace(sync, cpu_state="bf16"), *one_rank)
+    assert "8 B x params / nodes" in str(info.value)
+
+
 def test_strategy_refuses_before_the_engine_allocates(monkeypatch, tmp_path):
     fake_limit(monkeypatch, 100)
 
@@ -359,6 +405,17 @@ def test_7b_on_the_h200_box_does_not_fit_and_says_why_first():
     assert text.index("DOES NOT FIT") < text.index("step time") and "recommended: nothing" in text
     assert any(f.startswith("2 nodes") and "sharded" in f for f in p.fixes)
     assert any(f.startswith("build the module in bfloat16") for f in p.fixes)
+
+
+def test_bf16_state_is_offered_when_fp32_state_does_not_fit_the_host():
+    fix = next(f for f in h200("7B").fixes if f.startswith('cpu_state="bf16"'))
+    # setup: 16 -> 8 B/param of state next to the fp32 module as built (4 B/param); the sync step's peak
+    assert "host RAM per node at its peak 140.00 GB -> 84.00 GB with the sync step (16 -> 8 B/param" in fix
+    compact = h200("7B", cpu_state="bf16")
+    assert compact.fits and compact.recommended["cpu_step"] in ("sync", "speculative")
+    assert not any(f.startswith("cpu_state=") for f in h200("7B", precision="16-mixed").fixes)  # fp16: fp32 state
+    with pytest.raises(ValueError, match="speculation_rollback='snapshot'"):
+        h200("7B", cpu_state="bf16", speculation_rollback="undo")
 
 
 def test_70b_does_not_fit_the_device_and_more_nodes_are_not_offered():

@@ -25,7 +25,7 @@ import torch
 
 from lightning_zero_offload.planner import presets
 from lightning_zero_offload.planner.machine import Machine, measure_machine, with_rates
-from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS
+from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS, CPU_STATES
 from lightning_zero_offload.planner.model import DTYPES, plan
 
 EXIT_FITS = 0
@@ -76,6 +76,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-threads", type=int, help="per rank (default: cores / ranks per node)")
     p.add_argument("--accumulate-grad-batches", type=int, default=1)
     p.add_argument("--checkpoint-format", default="full", choices=list(CHECKPOINT_FORMATS))
+    p.add_argument(
+        "--cpu-state", default="fp32", choices=list(CPU_STATES), help="dtype of master, moments and gradient buffers"
+    )
     p.add_argument("--host", choices=sorted(presets.HOSTS), help="a typical host instead of measuring this one")
     p.add_argument("--device", choices=sorted(presets.DEVICES), help="a typical accelerator (needs --host)")
     p.add_argument("--measure-device", help="device to measure on (default: cuda if available, else cpu)")
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_format=args.checkpoint_format,
         activation_checkpointing=args.activation_checkpointing,
         hidden=args.hidden,
+        cpu_state=args.cpu_state,
     )
     print(json.dumps(result.to_dict(), indent=1) if args.json else result)
     return EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT

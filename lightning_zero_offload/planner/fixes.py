@@ -7,7 +7,7 @@ from dataclasses import replace
 import torch
 
 from lightning_zero_offload.planner.machine import GB, format_gb
-from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS
+from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS, CPU_STATES, state_bytes_per_param
 from lightning_zero_offload.planner.shape import ModelShape, scaled
 from lightning_zero_offload.planner.verdicts import EXACT_SCHEDULES, Evaluation, evaluate
 
@@ -27,10 +27,24 @@ def fixes_for(shape: ModelShape, args: tuple, memory: Evaluation, asked: str) ->
         return "" if checkpoint_format == asked else f' and checkpoint_format="{checkpoint_format}"'
 
     fixes = []
+    per_param = state_bytes_per_param(CPU_STATES[options.cpu_state])
     if fitting_format(memory) not in (None, asked):
-        fixes.append(f'checkpoint_format="{fitting_format(memory)}" (a save then gathers no copy of the fp32 state)')
+        fixes.append(f'checkpoint_format="{fitting_format(memory)}" (a save then gathers no copy of the state)')
     failed = {c.name.split(",")[0].split(" per ")[0] for v in memory.verdicts.values() for c in v.failed}
     device_fails = "device memory" in failed
+    if "host RAM" in failed and options.cpu_state == "fp32" and dtype != torch.float16:  # fp16 needs fp32 state
+        compact = evaluate(shape, dtype, machine, devices, num_nodes, replace(options, cpu_state="bf16"), *args[5:])
+        found = fitting_format(compact)
+        if found:
+
+            def peak(m: Evaluation) -> int:  # the sync step's highest host RAM need (training, setup, save)
+                return max(c.need for c in m.verdicts[f"sync/{found}"].checks if c.name.startswith("host"))
+
+            fixes.append(
+                f'cpu_state="bf16": host RAM per node at its peak {format_gb(peak(memory))} -> '
+                f"{format_gb(peak(compact))} with the sync step ({per_param} -> 8 B/param of state: master, moments "
+                "and gradient buffer in bf16, stochastically rounded, docs/compact-state.md)" + also(found)
+            )
     if dtype != torch.float32 and shape.built_bytes > 2 * (shape.params + shape.frozen):
         bf16 = replace(shape, module_bytes=2 * (shape.params + shape.frozen))
         found = fitting_format(evaluate(bf16, *args))
@@ -38,8 +52,8 @@ def fixes_for(shape: ModelShape, args: tuple, memory: Evaluation, asked: str) ->
             fixes.append(
                 f"build the module in {str(dtype).split('.')[-1]} (module.to(torch.{str(dtype).split('.')[-1]}) "
                 f"before fit): {format_gb(bf16.built_bytes)} instead of {format_gb(shape.built_bytes)} on the host "
-                "until setup; the master weights and Adam state stay fp32, initialised from the rounded values"
-                + also(found)
+                "until setup; the master weights and Adam state keep cpu_state's dtype, initialised from the rounded "
+                "values" + also(found)
             )
     if n_layer and not checkpointing and device_fails:
         again = evaluate(shape, dtype, machine, devices, num_nodes, options, batch, seq_len, n_layer, True)
@@ -62,8 +76,8 @@ def fixes_for(shape: ModelShape, args: tuple, memory: Evaluation, asked: str) ->
             found = fitting_format(more)
             if found:
                 fixes.append(
-                    f"{nodes} nodes (num_nodes={nodes}): the CPU state per node is 16 B x params / nodes; the module "
-                    "as built is not sharded" + also(found)
+                    f"{nodes} nodes (num_nodes={nodes}): the CPU state per node is {per_param} B x params / nodes; "
+                    "the module as built is not sharded" + also(found)
                 )
                 break
             if more.host["sync"].transient_model_per_rank * devices >= machine.host_memory_gb * GB:
@@ -80,6 +94,6 @@ def fixes_for(shape: ModelShape, args: tuple, memory: Evaluation, asked: str) ->
         found = fitting_format(evaluate(scaled(shape, low, n_layer), *args))
         fixes.append(
             f"a model of at most {low / 1e9:.2f}B parameters" + also(found) + " (freezing parameters removes their "
-            "16 B/param of CPU state, but not their memory while the module is built nor on the device)"
+            f"{per_param} B/param of CPU state, but not their memory while the module is built nor on the device)"
         )
     return fixes

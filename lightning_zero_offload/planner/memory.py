@@ -12,14 +12,17 @@ from lightning_zero_offload.engine.options import Resolved
 from lightning_zero_offload.planner.shape import LayoutSummary
 
 SCHEDULES = ("sync", "speculative", "delayed")
-STATE_BYTES_PER_PARAM = 16  # fp32 master, exp_avg, exp_avg_sq and the fp32 gradient buffer
+CPU_STATES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the cpu_state option -> the state's dtype
 CHECKPOINT_FORMATS = ("full", "sharded")
+# The buffers the engine's ledger counts as state (memory_report()["host_state_bytes"]); the others are
+# bucket-sized staging, or the device's own memory on a CPU device, or autograd's gradients in place.
+STATE_BUFFERS = ("master", "exp_avg", "exp_avg_sq", "grad", "grad_second", "next_params", "speculated_out", "snapshot")
 # Host bytes per trainable parameter that saving a checkpoint adds on each rank on top of training's own
-# buffers, by format: (one rank, several ranks). Owned by the checkpoint code (docs/checkpoints.md): update
-# these when a save holds less. "full" at one rank: none, the file is written from the engine's own buffers
-# (checked: docs/benchmarks.md, "Checkpoint save memory"; a user's CheckpointIO gets copies, +12); with
-# several ranks every rank gathers the full fp32 master and both moments (12 B/param). "sharded": each rank
-# writes its own shard through the file object, no copy.
+# buffers, by format: (one rank, several ranks), for fp32 state (bf16 state: half, the same tensors in bf16).
+# Owned by the checkpoint code (docs/checkpoints.md): update these when a save holds less. "full" at one
+# rank: none, the file is written from the engine's own buffers (checked: docs/benchmarks.md, "Checkpoint
+# save memory"; a user's CheckpointIO gets copies, +12); with several ranks every rank gathers the full
+# master and both moments (12 B/param). "sharded": each rank writes its own shard through the file object.
 CHECKPOINT_SAVE_BYTES_PER_PARAM: dict[str, tuple[int, int]] = {"full": (0, 12), "sharded": (0, 0)}
 # Plain mixed-precision Adam on the device, no offload: fp32 weights, fp32 gradients, two fp32 moments.
 PLAIN_DEVICE_BYTES_PER_PARAM = 16
@@ -32,12 +35,21 @@ ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
 CHECKPOINTED_BYTES_PER_TOKEN_HIDDEN = 2
 
 
-def checkpoint_save_bytes(params: int, checkpoint_format: str, world_size: int) -> int:
-    """Host bytes one rank holds on top of training's buffers while a checkpoint is saved."""
+def state_bytes_per_param(state_dtype: torch.dtype = torch.float32) -> int:
+    """Host bytes of CPU state per trainable parameter with the sync schedule: master, exp_avg, exp_avg_sq
+    and the gradient buffer, each of the state's dtype (16 for cpu_state="fp32", 8 for "bf16")."""
+    return 4 * state_dtype.itemsize
+
+
+def checkpoint_save_bytes(
+    params: int, checkpoint_format: str, world_size: int, state_dtype: torch.dtype = torch.float32
+) -> int:
+    """Host bytes one rank holds on top of training's buffers while a checkpoint is saved: the gathered
+    master and moments are tensors of the state's dtype."""
     if checkpoint_format not in CHECKPOINT_SAVE_BYTES_PER_PARAM:
         raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
     one_rank, gathered = CHECKPOINT_SAVE_BYTES_PER_PARAM[checkpoint_format]
-    return (one_rank if world_size == 1 else gathered) * params
+    return (one_rank if world_size == 1 else gathered) * params * state_dtype.itemsize // 4
 
 
 @dataclass
@@ -52,6 +64,11 @@ class HostMemory:
     setup_per_rank: int = 0  # peak while the engine is built: its first buffers next to the module as built
     checkpoint_save_per_rank: dict[str, int] = field(default_factory=dict)  # format -> extra while saving
     ranks_per_node: int = 1
+
+    @property
+    def state_per_rank(self) -> int:
+        """What the engine's ledger reports as ``host_state_bytes`` (see STATE_BUFFERS)."""
+        return sum(self.per_rank.get(name, 0) for name in STATE_BUFFERS)
 
     @property
     def steady_per_node(self) -> int:
@@ -113,15 +130,20 @@ def host_memory(
     """The engine's host allocations for one rank, buffer by buffer (see OffloadEngine.__init__), and the
     transient peaks: the engine's first buffers next to the module as built (``module_bytes``, default fp32),
     and each checkpoint format's save. ``config`` is what the engine runs with
-    (:func:`~lightning_zero_offload.engine.options.resolve`: the schedule, in place or not, the rollback)."""
+    (:func:`~lightning_zero_offload.engine.options.resolve`: the schedule, in place or not, the rollback,
+    the state's dtype)."""
     shard, element = layout.shard_numel, dtype.itemsize
     max_shard, max_bucket = layout.max_shard, layout.max_bucket
-    low = dtype != torch.float32
+    state = config.state_dtype.itemsize  # master, moments and every gradient buffer (engine/cpu_state.py)
+    # The updates write a low-precision copy to publish, unless the master has the device's dtype already
+    # (fp32 parameters, or bf16 state): then the master itself is published (engine/publisher.py).
+    rounds = dtype != torch.float32 and config.state_dtype != dtype
     pin, schedule = config.pin_memory, config.cpu_step
     module = 4 * params if module_bytes is None else module_bytes
-    saves = {f: checkpoint_save_bytes(params, f, layout.world_size) for f in CHECKPOINT_FORMATS}
+    saves = {f: checkpoint_save_bytes(params, f, layout.world_size, config.state_dtype) for f in CHECKPOINT_FORMATS}
     if config.in_place:
-        # In place (engine/in_place.py): the parameters are the master; gradients are autograd's own tensors.
+        # In place (engine/in_place.py, fp32 state only): the parameters are the master; gradients are
+        # autograd's own tensors.
         buffers = {"master": 4 * shard, "exp_avg": 4 * shard, "exp_avg_sq": 4 * shard, "autograd_grads": 4 * shard}
         return HostMemory(
             per_rank=buffers,
@@ -134,28 +156,28 @@ def host_memory(
             ranks_per_node=ranks_per_node,
         )
     buffers = {
-        "master": 4 * shard,
-        "exp_avg": 4 * shard,
-        "exp_avg_sq": 4 * shard,
-        "grad": 4 * shard,
+        "master": state * shard,
+        "exp_avg": state * shard,
+        "exp_avg_sq": state * shard,
+        "grad": state * shard,
         "grad_staging": 2 * max_shard * element,  # GradientStreamer's pool of two
-        "publish_pool": 2 * max_shard * element if low else 0,
+        "publish_pool": 2 * max_shard * element if rounds else 0,
     }
-    pageable_published = not low  # the fp32 master itself is copied to the device
+    pageable_published = not rounds  # the master itself is copied to the device
     if schedule == "delayed":
-        buffers["grad_second"] = 4 * shard  # backward t+1 fills one while the update of t reads the other
-        buffers["next_params"] = shard * element if low else 0
+        buffers["grad_second"] = state * shard  # backward t+1 fills one while the update of t reads the other
+        buffers["next_params"] = shard * element if rounds else 0
         pageable_published = True
     if schedule == "speculative":
-        # Speculated low-precision results wait for validation; "snapshot" (fp16's default) keeps a copy
-        # of master and moments to take a step back bitwise.
-        buffers["speculated_out"] = shard * element if low else 0
-        buffers["snapshot"] = 12 * shard if config.speculation_rollback == "snapshot" else 0
+        # Speculated low-precision results wait for validation; "snapshot" (fp16's and bf16 state's default)
+        # keeps a copy of master and moments to take a step back bitwise.
+        buffers["speculated_out"] = shard * element if rounds else 0
+        buffers["snapshot"] = 3 * state * shard if config.speculation_rollback == "snapshot" else 0
     # Model-sized buffers are never pinned: they reach the device through HostToDevice's two pinned buffers.
     buffers["h2d_staging"] = 2 * max_shard * element if pin and pageable_published else 0
     pinned = buffers["grad_staging"] + buffers["publish_pool"] + buffers["h2d_staging"]
     # Allocated before the module's parameters are replaced by views of the flat buffer (the engine's publisher).
-    first = 16 * shard
+    first = 4 * state * shard
     if device_type == "cpu":  # the "device" is host memory too
         buffers["device_params"] = layout.flat_numel * element
         buffers["device_grad_buckets"] = 2 * max_bucket * element

@@ -50,6 +50,7 @@ def plan(
     hidden: int | None = None,
     in_place_on_cpu: bool | None = None,
     speculation_rollback: str = "auto",
+    cpu_state: str = "fp32",
 ) -> Plan:
     """Predict memory and step time of training ``model`` with zero_offload, and recommend settings.
 
@@ -65,9 +66,11 @@ def plan(
             scale with ``batch_size * seq_len`` tokens).
         devices, num_nodes: ranks per node and nodes (as in ``Trainer(devices=, num_nodes=)``).
         precision: ``"bf16-mixed"``, ``"16-mixed"`` or ``"32-true"``.
-        bucket_size_mb, cpu_threads, in_place_on_cpu, speculation_rollback: the strategy options to evaluate,
-            resolved as the engine resolves them (``Plan.resolved``); ``in_place_on_cpu=True`` applies to the
-            sync schedule, the only one that runs in place, and ``speculation_rollback`` to the speculative one.
+        bucket_size_mb, cpu_threads, in_place_on_cpu, speculation_rollback, cpu_state: the strategy options to
+            evaluate, resolved as the engine resolves them (``Plan.resolved``); ``in_place_on_cpu=True`` applies
+            to the sync schedule, the only one that runs in place, and ``speculation_rollback`` to the
+            speculative one. ``cpu_state="bf16"`` holds master, moments and gradient buffers in bf16
+            (docs/compact-state.md): half the host bytes of ``"fp32"``.
         n_layer: transformer layers; adds attention's 12 x layers x hidden x seq FLOPs/token and the
             activation estimate to device memory.
         machine: the rates to use; None measures this machine (:func:`measure_machine`).
@@ -89,6 +92,7 @@ def plan(
         checkpoint_format=checkpoint_format,  # type: ignore[arg-type]
         in_place_on_cpu=in_place_on_cpu,
         speculative=SpeculativeOptions(speculation_rollback),  # type: ignore[arg-type]
+        cpu_state=cpu_state,  # type: ignore[arg-type]
     )
     if n_layer is not None and n_layer < 1:
         raise ValueError(f"n_layer must be >= 1, got {n_layer}")
@@ -106,9 +110,11 @@ def plan(
     memory = evaluate(shape, *args)
     threads = memory.resolved["sync"].cpu_threads  # the thread rule does not depend on the schedule
     layout = memory.layout
+    state_dtype = memory.resolved["sync"].state_dtype
     flops = accumulate_grad_batches * tokens * (6 * shape.matmul_params + 12 * (n_layer or 0) * shape.hidden * seq_len)
     steps = {
-        s: step_time(layout, dtype, s, machine, threads, devices, flops, accumulate_grad_batches) for s in SCHEDULES
+        s: step_time(layout, dtype, s, machine, threads, devices, flops, accumulate_grad_batches, state_dtype)
+        for s in SCHEDULES
     }
     plain = None
     if machine.device_type != "cpu":
@@ -132,12 +138,13 @@ def plan(
         verdicts=memory.verdicts,
         plain_device_bytes=plain,
         resolved=memory.resolved,
+        cpu_state=cpu_state,
     )
     chosen = _chosen_format(memory.verdicts, checkpoint_format)
     if chosen is not None:
         allowed = [s for s in SCHEDULES if memory.verdicts[f"{s}/{chosen}"].fits]
         result.recommended = recommend(
-            shape, dtype, machine, devices, world, flops, accumulate_grad_batches, allowed=allowed
+            shape, dtype, machine, devices, world, flops, accumulate_grad_batches, allowed=allowed, options=options
         )
         result.recommended["checkpoint_format"] = chosen
     if not memory.verdicts[f"sync/{checkpoint_format}"].fits or chosen is None:
@@ -163,6 +170,7 @@ def recommend(
     flops: float,
     micro: int,
     allowed: list[str] | tuple[str, ...] = SCHEDULES,
+    options: OffloadOptions | None = None,
 ) -> dict[str, object]:
     """Threads, bucket size and schedule with the shortest predicted step, among the ``allowed`` schedules
     (those that fit in memory; none allowed: an empty dict).
@@ -170,12 +178,16 @@ def recommend(
     Threads: the fewest that pull the rank's share of the node's bandwidth (the others stay free for the
     data loader); buckets: the smallest size within 1% of the fastest (less device memory, earlier
     start); schedule: the fastest exact one (delayed is reported, not recommended: it changes the
-    optimizer's result, docs/dpu.md).
+    optimizer's result, docs/dpu.md). ``options``: the ones planned (their ``cpu_state`` sets the bytes the
+    CPU step moves; default: the strategy's defaults).
     """
     exact = [s for s in EXACT_SCHEDULES if s in allowed]
     if not exact:
         return {}
-    cores = resolve_for(OffloadOptions(), machine, dtype, world, ranks_per_node).cpu_threads  # the engine's default
+    # The engine's default thread count; the state's dtype as planned.
+    planned = OffloadOptions(cpu_state=options.cpu_state) if options else OffloadOptions()
+    default = resolve_for(planned, machine, dtype, world, ranks_per_node)
+    cores, state_dtype = default.cpu_threads, default.state_dtype
     threads = cores
     if machine.device_type != "cpu" and machine.host_bandwidth_per_thread_gbs:
         share = machine.host_bandwidth_gbs / ranks_per_node
@@ -186,7 +198,12 @@ def recommend(
         totals = []
         for mb, layout in layouts.items():
             totals.append(
-                (step_time(layout, dtype, schedule, machine, threads, ranks_per_node, flops, micro).total, mb)
+                (
+                    step_time(
+                        layout, dtype, schedule, machine, threads, ranks_per_node, flops, micro, state_dtype
+                    ).total,
+                    mb,
+                )
             )
         fastest = min(t for t, _ in totals)
         best[schedule] = next((t, mb) for t, mb in totals if t <= 1.01 * fastest)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -19,8 +20,8 @@ from torch import nn
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
 from lightning_zero_offload.planner import probes
 from lightning_zero_offload.planner.machine import format_gb
-from lightning_zero_offload.planner.memory import STATE_BYTES_PER_PARAM, host_memory
-from lightning_zero_offload.planner.shape import ModelShape, layout_summary
+from lightning_zero_offload.planner.memory import HostMemory, host_memory, state_bytes_per_param
+from lightning_zero_offload.planner.shape import LayoutSummary, ModelShape, layout_summary
 from lightning_zero_offload.planner.verdicts import host_checks
 
 SKIP_CHECK_ENV = "LZO_SKIP_MEMORY_CHECK"
@@ -66,14 +67,26 @@ def check_host_memory(
         return
     worst = max(failed, key=lambda c: c.need)
     nodes = world_size // local_world_size
-    per_node_state = STATE_BYTES_PER_PARAM * shape.params * local_world_size / world_size
+    per_param = state_bytes_per_param(config.state_dtype)
+    per_node_state = per_param * shape.params * local_world_size / world_size
     module = resident * local_world_size
     fixes = []
+    shard = max(1, layout.shard_numel)
+    compact = _compact_state(options, device, param_dtype, world_size, local_world_size, layout, shape, resident)
+    if compact is not None:
+        peak = max(c.need for c in host_checks(compact, options.checkpoint_format, budget, schedule))
+        if peak <= budget:
+            fixes.append(
+                f'cpu_state="bf16": master, moments and gradient buffer in bf16 (stochastically rounded, '
+                f"docs/compact-state.md), {compact.state_per_rank / shard:.0f} B/param of state instead of "
+                f"{need.state_per_rank / shard:.0f}, so this node needs about {format_gb(peak)} instead of "
+                f"{format_gb(worst.need)}"
+            )
     if module < 0.9 * budget:
         nodes_needed = math.ceil(nodes * (worst.need - module) / (0.9 * budget - module))
         fixes.append(
-            f"more nodes: the optimizer state per node is 16 B x params / nodes (more ranks per node do not "
-            f"help), so about {max(nodes + 1, nodes_needed)} nodes fit"
+            f"more nodes: the optimizer state per node is {per_param} B x params / nodes (more ranks per node do "
+            f"not help), so about {max(nodes + 1, nodes_needed)} nodes fit"
         )
     fixes.append("fewer trainable parameters (freeze some: frozen parameters get no CPU state) or a smaller model")
     if schedule == "delayed":
@@ -88,7 +101,7 @@ def check_host_memory(
             f"{format_gb(need.checkpoint_save_per_rank['full'] * local_world_size)} on this node while it is saved"
         )
     if module and param_dtype != torch.float32 and any(c.name.startswith("host RAM, setup") for c in failed):
-        fixes.append("build the module in bf16/fp16 (2 B/param until setup; the master weights stay fp32)")
+        fixes.append("build the module in bf16/fp16 (2 B/param until setup; the master weights keep cpu_state's dtype)")
     checks = "; ".join(f"{c.name}: {format_gb(c.need)}" for c in failed)
     raise MemoryError(
         f"zero_offload needs about {format_gb(worst.need)} of host RAM on this node ({checks}; {local_world_size} "
@@ -97,3 +110,24 @@ def check_host_memory(
         f"({source}: {format_gb(available)} now, plus the module's own {format_gb(module)} that setup releases). "
         "Options: " + "; ".join(fixes) + f". Set {SKIP_CHECK_ENV}=1 to skip this check."
     )
+
+
+def _compact_state(
+    options: OffloadOptions,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    world_size: int,
+    local_world_size: int,
+    layout: LayoutSummary,
+    shape: ModelShape,
+    resident: int,
+) -> HostMemory | None:
+    """The host memory with ``cpu_state="bf16"`` instead of fp32 state; None where bf16 state does not apply
+    (already bf16, or a combination it refuses: fp16 parameters, the undo rollback, weight prediction)."""
+    if options.cpu_state != "fp32":
+        return None
+    try:
+        config = resolve(replace(options, cpu_state="bf16"), device, param_dtype, world_size, local_world_size)
+    except ValueError:
+        return None
+    return host_memory(layout, param_dtype, config, local_world_size, device.type, shape.params, module_bytes=resident)

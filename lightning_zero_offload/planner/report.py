@@ -35,6 +35,7 @@ class Plan:
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # "schedule/format" -> verdict
     plain_device_bytes: int | None = None  # plain training without offload (16 B/param + activations)
     fixes: list[str] = field(default_factory=list)  # the smallest changes that would fit, when nothing does
+    cpu_state: str = "fp32"  # the option planned: the dtype of master, moments and gradient buffers on the host
 
     @property
     def fits(self) -> bool:
@@ -172,6 +173,11 @@ def _memory_table(p: Plan) -> list[str]:
         values = [p.host[s].per_rank.get(name, 0) for s in SCHEDULES]
         if any(values):
             lines.append(f"  {name:<22}" + " / ".join(format_gb(v) for v in values))
+    lines.append(
+        f"  host state per parameter of the rank's shard with cpu_state={p.cpu_state!r}: "
+        + ", ".join(f"{s} {p.host[s].state_per_rank / max(1, p.shard_params):.1f} B" for s in SCHEDULES)
+        + " (master, moments, gradient buffers and the schedule's own)"
+    )
     sync = p.host["sync"]
     lines.append(
         f"  of which pinned per rank: {format_gb(sync.pinned_per_rank)}; the module as built stays on the host until "

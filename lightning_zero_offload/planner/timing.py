@@ -1,4 +1,4 @@
-"""One optimizer step's time under each schedule, from the machine's rates (docs/planning.md, "Step time")."""
+"""One optimizer step's time under each schedule, from the machine's rates (docs/planning.md, "The model")."""
 
 from __future__ import annotations
 
@@ -34,9 +34,13 @@ def step_time(
     ranks_per_node: int,
     flops: float,
     micro: int,
+    state_dtype: torch.dtype = torch.float32,
 ) -> StepTime:
-    """One optimizer step's time under ``schedule`` (see docs/planning.md for the model)."""
+    """One optimizer step's time under ``schedule`` (see docs/planning.md for the model). ``state_dtype``:
+    the CPU state's; the Adam step and the gradient buffer move bytes of its size (bf16 state: half of fp32's,
+    at the efficiency measured for the fp32 kernel)."""
     shard, element, world = layout.shard_numel, dtype.itemsize, layout.world_size
+    state = state_dtype.itemsize
     buckets = layout.buckets
     bandwidth = m.rank_bandwidth(threads, ranks_per_node)
     forward_backward = flops / (m.device_tflops * 1e12)
@@ -44,12 +48,13 @@ def step_time(
     collective = 0.0
     if world > 1 and m.interconnect_gbs:
         collective = element * layout.flat_numel * (world - 1) / world / (m.interconnect_gbs * GB)
-    # per micro-batch: the gradient chunk crosses the bus, then is added into the fp32 buffer
-    # (overwrite: read 2-4 B, write 4 B; later micro-batches also read the buffer)
-    accumulate_bytes = (element + 4) * shard + (micro - 1) * (element + 8) * shard
+    # per micro-batch: the gradient chunk crosses the bus, then is added into the gradient buffer
+    # (overwrite: read 2-4 B, write the state's 2-4 B; later micro-batches also read the buffer)
+    accumulate_bytes = (element + state) * shard + (micro - 1) * (element + 2 * state) * shard
     accumulate = accumulate_bytes / bandwidth + micro * buckets * m.call_overhead_s
     device_to_host = micro * (element * shard / (m.d2h_gbs * GB) + collective + buckets * m.link_latency_s)
-    cpu_step = shard * ADAM_BYTES_PER_PARAM / (bandwidth * m.adam_efficiency) + buckets * m.call_overhead_s
+    adam_bytes = ADAM_BYTES_PER_PARAM * state // 4  # read 4 state arrays, write 3
+    cpu_step = shard * adam_bytes / (bandwidth * m.adam_efficiency) + buckets * m.call_overhead_s
     copy_back = element * shard / (m.h2d_gbs * GB) + collective + buckets * m.link_latency_s
     transfer = device_to_host + accumulate
     if m.device_type == "cpu":
