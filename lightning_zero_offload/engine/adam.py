@@ -10,7 +10,6 @@ silently train as its base class).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,53 +18,27 @@ from torch.optim import Optimizer
 from lightning_zero_offload import kernels
 from lightning_zero_offload.optim import CPUAdam
 
-__all__ = ["SUPPORTED", "AdamHyperparams", "check_optimizer", "overridden_update_methods", "read_hyperparams"]
+__all__ = ["SUPPORTED", "adam_args", "check_optimizer", "overridden_update_methods", "read_hyperparams"]
 
 
-@dataclass(frozen=True, slots=True)
-class AdamHyperparams:
-    """The hyperparameters of one Adam/AdamW param group, as the optimizer holds them at this step.
+def adam_args(group: Mapping[str, Any], adamw_mode: bool) -> kernels.AdamArgs:
+    """The kernels' checked hyperparameter record of a torch Adam/AdamW/CPUAdam param group (``lr``,
+    ``betas``, ``eps``, ...): one per group and step, passed to the kernel call of every bucket the
+    group's parameters lie in.
 
-    ``adamw_mode`` selects decoupled decay (AdamW) over the L2 term (Adam). ``kernel`` is the same
-    numbers as the CPU kernels' argument record, built (and so checked: finite, ``lr >= 0``,
-    ``0 <= beta < 1``, ``eps > 0``, ``weight_decay >= 0``) once with this record, and passed to the
-    kernel call of every bucket that the group's parameters lie in.
+    ``adamw_mode`` comes from the caller, who knows which optimizer owns the group. ``float()`` first,
+    so a tensor learning rate (which torch allows) is read as its value.
     """
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    adamw_mode: bool
-    maximize: bool = False
-    kernel: kernels.AdamArgs = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        args = kernels.AdamArgs(
-            self.lr, self.beta1, self.beta2, self.eps, self.weight_decay, self.adamw_mode, self.maximize
-        )
-        for name in ("lr", "beta1", "beta2", "eps", "weight_decay", "adamw_mode", "maximize"):
-            object.__setattr__(self, name, getattr(args, name))  # the numbers as checked and converted
-        object.__setattr__(self, "kernel", args)
-
-    @classmethod
-    def from_param_group(cls, group: Mapping[str, Any], adamw_mode: bool) -> AdamHyperparams:
-        """The record of a torch Adam/AdamW/CPUAdam param group (``lr``, ``betas``, ``eps``, ...).
-
-        ``adamw_mode`` comes from the caller, who knows which optimizer owns the group. ``float()``
-        first, so a tensor learning rate (which torch allows) is read as its value.
-        """
-        beta1, beta2 = group["betas"]
-        return cls(
-            lr=float(group["lr"]),
-            beta1=float(beta1),
-            beta2=float(beta2),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-            adamw_mode=adamw_mode,
-            maximize=group.get("maximize", False),
-        )
+    beta1, beta2 = group["betas"]
+    return kernels.AdamArgs(
+        lr=float(group["lr"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(group["eps"]),
+        weight_decay=float(group["weight_decay"]),
+        adamw_mode=adamw_mode,
+        maximize=group.get("maximize", False),
+    )
 
 
 SUPPORTED = "torch.optim.AdamW, torch.optim.Adam or lightning_zero_offload.CPUAdam"
@@ -176,7 +149,7 @@ _TORCH_WRAPPERS = _torch_wrappers()
 
 def read_hyperparams(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], index: int | None = None
-) -> AdamHyperparams:
+) -> kernels.AdamArgs:
     """The validated hyperparameters of one of the optimizer's param groups, as they are now.
 
     Called at setup and at every step (a callback or scheduler may change a group between steps), so a
@@ -192,7 +165,7 @@ def read_hyperparams(
         else:
             # AdamW subclasses Adam in recent torch: the group flag, not isinstance, says which decay runs.
             adamw_mode = bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))
-        return AdamHyperparams.from_param_group(group, adamw_mode)
+        return adam_args(group, adamw_mode)
     except (TypeError, ValueError) as err:
         if index is None:
             raise

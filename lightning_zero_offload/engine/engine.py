@@ -293,7 +293,7 @@ class OffloadEngine(EngineLifecycle):
         return stats
 
     def _undoable(self) -> bool:
-        return all(kernels.can_undo(hp.kernel) for hp in read_all_hyperparams(self))
+        return all(kernels.can_undo(hp) for hp in read_all_hyperparams(self))
 
     def _step_checked(self, stats: StepStats) -> None:
         """The in-place step without clipping: applied only if the gradients are finite, as the others."""

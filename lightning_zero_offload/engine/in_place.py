@@ -171,7 +171,7 @@ def update_in_place(engine: EngineParts, multiplier: float) -> float:
     for group, (p, g, m, v, indices) in in_place_calls(engine).items():
         steps = [engine.state.steps[i] + 1 for i in indices]
         kernels.adam_step_multi(
-            p, g, m, v, steps, hparams=hparams[group].kernel, grad_scale=multiplier, num_threads=engine.num_threads
+            p, g, m, v, steps, hparams=hparams[group], grad_scale=multiplier, num_threads=engine.num_threads
         )
         engine.state.count_steps(indices)
     return time.perf_counter() - t
@@ -193,7 +193,7 @@ def update_in_place_checked(engine: EngineParts) -> tuple[bool, float, float]:
         p, g, m, v, indices = call
         steps = [engine.state.steps[i] + 1 for i in indices]
         group_sumsq, applied = kernels.adam_step_multi_if_finite(
-            p, g, m, v, steps, hparams=hparams[group].kernel, num_threads=engine.num_threads
+            p, g, m, v, steps, hparams=hparams[group], num_threads=engine.num_threads
         )
         if not applied:
             for earlier, applied_call in done:
@@ -204,7 +204,7 @@ def update_in_place_checked(engine: EngineParts) -> tuple[bool, float, float]:
                         grad,
                         exp_avg,
                         exp_avg_sq,
-                        hparams=hparams[earlier].kernel,
+                        hparams=hparams[earlier],
                         step=step,
                         num_threads=engine.num_threads,
                     )

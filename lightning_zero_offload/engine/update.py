@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from lightning_zero_offload.engine.adam import AdamHyperparams, read_hyperparams
+from lightning_zero_offload import kernels
+from lightning_zero_offload.engine.adam import read_hyperparams
 from lightning_zero_offload.engine.layout import Bucket
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ class Run(NamedTuple):
 
     start: int
     end: int
-    hparams: AdamHyperparams | None  # None: the parameter got no gradient, leave it alone
+    hparams: kernels.AdamArgs | None  # None: the parameter got no gradient, leave it alone
     step: int
     multiplier: float
 
@@ -34,7 +35,7 @@ class Run(NamedTuple):
 Plan = list[list[Run]]  # per bucket, in layout order
 
 
-def read_all_hyperparams(engine: EngineParts) -> list[AdamHyperparams]:
+def read_all_hyperparams(engine: EngineParts) -> list[kernels.AdamArgs]:
     """The hyperparameters of every param group, read live (LR schedulers change them between steps).
 
     Validated at every step, with the group's index in every error: a callback that switches on a key the
@@ -69,7 +70,7 @@ def bucket_runs(engine: EngineParts, bucket: Bucket, has_grad: list[bool]) -> li
 
 
 def plan_bucket(
-    engine: EngineParts, bucket: Bucket, has_grad: list[bool], multiplier: float, hparams: list[AdamHyperparams]
+    engine: EngineParts, bucket: Bucket, has_grad: list[bool], multiplier: float, hparams: list[kernels.AdamArgs]
 ) -> list[Run]:
     """One bucket's runs with the step numbers they will get (the current counts + 1)."""
     return [
@@ -108,7 +109,7 @@ def update_bucket(
                 target.copy_(engine.state.master[window])
             continue
         engine.state.update(
-            bucket, window, run.hparams.kernel, run.step, run.multiplier, grad, target, extrapolate, engine.num_threads
+            bucket, window, run.hparams, run.step, run.multiplier, grad, target, extrapolate, engine.num_threads
         )
 
 

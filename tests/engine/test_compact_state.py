@@ -76,7 +76,7 @@ class CompactReference:
         coef = 1.0 if clip is None else min(1.0, clip / (math.sqrt(sumsq) + 1e-6))
         self.steps += 1
         for group_index, group in enumerate(self.optimizer.param_groups):
-            hparams = read_hyperparams(self.optimizer, group, group_index).kernel
+            hparams = read_hyperparams(self.optimizer, group, group_index)
             for p in group["params"]:
                 i = next(j for j, q in enumerate(self.params) if q is p)
                 kernels.adam_step_bf16_state(

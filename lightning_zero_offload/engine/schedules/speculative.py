@@ -63,7 +63,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_zero_offload import kernels
-from lightning_zero_offload.engine.adam import AdamHyperparams
 from lightning_zero_offload.engine.layout import Bucket
 from lightning_zero_offload.engine.memory import host_zeros
 from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs
@@ -98,7 +97,7 @@ class SpeculativeSchedule(Schedule):
         self.snapshot = [engine.state.new_buffer() for _ in range(3)] if self.mode == "snapshot" else []
         self.bucket_numel = [sum(seg.numel for seg in b.segments) for b in engine.layout.buckets]
         self.armed = False  # the backward running now ends an accumulation window
-        self.hparams: list[AdamHyperparams] = []
+        self.hparams: list[kernels.AdamArgs] = []
         self.multiplier = 1.0
         self.speculated: dict[int, list[Run]] = {}  # bucket index -> the runs its step used (worker writes)
         self.speculate_s = 0.0
@@ -147,9 +146,7 @@ class SpeculativeSchedule(Schedule):
         if not self.armed or not final or engine.grads.bucket_nonfinite[index]:
             return
         runs = plan_bucket(engine, bucket, engine.grads.has_grad, self.multiplier, self.hparams)
-        if self.mode == "undo" and not all(
-            kernels.can_undo(run.hparams.kernel) for run in runs if run.hparams is not None
-        ):
+        if self.mode == "undo" and not all(kernels.can_undo(run.hparams) for run in runs if run.hparams is not None):
             return
         start = time.perf_counter()
         window = bucket.shard_range
@@ -262,7 +259,7 @@ class SpeculativeSchedule(Schedule):
                         engine.state.grad[run_window],
                         engine.state.exp_avg[run_window],
                         engine.state.exp_avg_sq[run_window],
-                        hparams=run.hparams.kernel,
+                        hparams=run.hparams,
                         step=run.step,
                         grad_scale=run.multiplier,
                         num_threads=engine.num_threads,
