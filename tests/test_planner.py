@@ -20,6 +20,7 @@ from lightning_zero_offload.engine.options import resolve
 from lightning_zero_offload.planner import (
     Machine,
     check_host_memory,
+    largest_models,
     measure_machine,
     plan,
     presets,
@@ -477,6 +478,31 @@ def test_the_save_peak_is_one_constant(monkeypatch):
     assert h200("1.3B").host["sync"].save_per_node("full") == pytest.approx(before + 8 * 1.3e9)
 
 
+def test_the_largest_model_per_way_of_training_on_the_h200_box():
+    answer = largest_models(H200_BOX)  # 32 layers, micro-batch 1 x 2048, no activation checkpointing
+    rows = {r.name: r for r in answer.rows}
+    plain = rows["plain training (AdamW on the GPU)"]
+    fp32, bf16 = rows['zero_offload, cpu_state="fp32"'], rows['zero_offload, cpu_state="bf16"']
+    assert plain.binds == ["GPU memory (16 B/param + activations)"] and 8.0e9 < plain.params < 8.3e9
+    # Host RAM at setup binds zero_offload: the fp32 module as built (4 B/param) next to 16 or 8 B/param of state.
+    for row, per_param in ((fp32, 20), (bf16, 12)):
+        assert row.binds == ["host RAM, setup (the module as built + the engine's state)"]
+        assert row.params == pytest.approx(128e9 / per_param, rel=2e-3)
+        assert row.cpu_step == "sync"  # speculative's 2 or 6 B/param more do not fit at that size
+        # plan() agrees: the size fits and recommends that schedule; 0.3% more has no exact schedule that fits
+        args = dict(batch_size=1, seq_len=2048, n_layer=32, machine=H200_BOX, cpu_state=row.setup)
+        assert plan(row.params, **args).recommended["cpu_step"] == row.cpu_step
+        assert plan(int(row.params * 1.003), **args).recommended == {}
+    assert rows['zero_offload, cpu_state="bf16", built in bf16'].params == pytest.approx(128e9 / 10, rel=2e-3)
+    text = " ".join(str(answer).split())  # the assumptions are wrapped
+    assert "micro-batch 1 x 2048 tokens" in text and "activation checkpointing off" in text
+    assert 'cpu_state="bf16" 10.66B sync 128.0 33.1 host RAM, setup' in text
+    refused = largest_models(H200_BOX, precision="16-mixed").rows
+    assert [r.refused != "" for r in refused] == [False, False, True, False, True]  # bf16 state with fp16 params
+    with pytest.raises(ValueError, match="device_memory_gb"):
+        largest_models(CPU_BOX)
+
+
 # -- command line ------------------------------------------------------------------------------
 
 
@@ -502,6 +528,23 @@ def test_cli_errors(capsys):
 
 
 H200_ARGS = ["--host", "server (1 socket, 8ch DDR4-3200)", "--device", "H200 SXM (PCIe 5)", "--host-memory-gb", "128"]
+
+
+def test_cli_largest(capsys):
+    box = [*H200_ARGS, "--device-memory-gb", "141", "--cpu-cores", "16"]
+    assert main(["--largest", *box]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("largest model that trains on") and "micro-batch 1 x 2048 tokens" in " ".join(out.split())
+    assert str(largest_models(H200_BOX)) in out  # the same machine as H200_BOX
+    assert main(["--largest", *box, "--seq-len", "4096", "--activation-checkpointing", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert "micro-batch 1 x 4096 tokens, activation checkpointing on" in data["assumptions"]
+    assert [r["setup"] for r in data["rows"]][:3] == ["plain", "fp32", "bf16"]
+    tiny = ["--host-memory-gb", "1", "--device-memory-gb", "1"]  # nothing of 32 layers x 2048 tokens fits
+    assert main(["--largest", *H200_ARGS, *tiny, "--n-layer", "32", "--batch-size", "64"]) == 3
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="--largest needs a GPU"):
+        main(["--largest", *H200_ARGS, "--device-type", "cpu"])
 
 
 @pytest.mark.slow  # the CLI in a fresh interpreter

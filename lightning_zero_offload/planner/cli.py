@@ -7,9 +7,11 @@ Examples::
         --seq-len 256 --n-layer 6
     zero-offload-plan --params 7e9 --batch-size 4 --seq-len 2048 --n-layer 32 --devices 8 \\
         --host "server (2 sockets, 8ch DDR4-3200 each)" --device "H100 SXM (PCIe 5)"
+    zero-offload-plan --largest --host "server (1 socket, 8ch DDR4-3200)" --device "H200 SXM (PCIe 5)" \\
+        --host-memory-gb 128 --device-memory-gb 141          # the largest model plain / fp32 / bf16 state
 
-Exit status (docs/planning.md): 0 when a configuration fits (it is recommended), 3 when none fits
-(the report says why and what would), 2 for a usage error.
+Exit status (docs/planning.md): 0 when a configuration fits (it is recommended; --largest: some model
+trains with zero_offload), 3 when none fits (the report says why and what would), 2 for a usage error.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import importlib
 import json
 import os
 import sys
-from dataclasses import fields
+from dataclasses import asdict, fields
 
 import torch
 
 from lightning_zero_offload.planner import presets
+from lightning_zero_offload.planner.largest import PLAIN, largest_models
 from lightning_zero_offload.planner.machine import Machine, measure_machine, with_rates
 from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS, CPU_STATES
 from lightning_zero_offload.planner.model import DTYPES, plan
@@ -31,6 +34,7 @@ from lightning_zero_offload.planner.model import DTYPES, plan
 EXIT_FITS = 0
 EXIT_USAGE = 2  # argparse's own
 EXIT_DOES_NOT_FIT = 3
+LARGEST_DEFAULTS = {"batch_size": 1, "seq_len": 2048, "n_layer": 32}  # --largest's model when not given
 
 
 def importable_cwd() -> None:
@@ -61,9 +65,16 @@ def parser() -> argparse.ArgumentParser:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=float, help="trainable parameters (e.g. 1.3e9)")
     what.add_argument("--model", help="dotted path of an nn.Module class, built on the meta device")
+    what.add_argument(
+        "--largest",
+        action="store_true",
+        help="the largest model that trains on the machine: plain training, zero_offload with cpu_state fp32 and "
+        f"bf16 (a transformer of --n-layer layers, default {LARGEST_DEFAULTS['n_layer']}, widened; "
+        f"--batch-size default {LARGEST_DEFAULTS['batch_size']}, --seq-len {LARGEST_DEFAULTS['seq_len']})",
+    )
     p.add_argument("--model-args", type=json.loads, default={}, help="JSON keyword arguments for --model")
-    p.add_argument("--batch-size", type=int, required=True, help="micro-batch per rank, as the run will use it")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sample, as the run will use them")
+    p.add_argument("--batch-size", type=int, help="micro-batch per rank, as the run will use it (required)")
+    p.add_argument("--seq-len", type=int, help="tokens per sample, as the run will use them (required)")
     p.add_argument("--n-layer", type=int, help="transformer layers (adds attention FLOPs and the activation estimate)")
     p.add_argument("--hidden", type=int, help="model width (default: from the model, or sqrt(params / 12 / n-layer))")
     p.add_argument(
@@ -92,10 +103,16 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the plan; the exit status says whether anything fits (EXIT_FITS / EXIT_DOES_NOT_FIT)."""
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if (args.host is None) != (args.device is None):
         raise SystemExit("--host and --device go together (or give neither, to measure this machine)")
-    model = int(args.params) if args.params is not None else build_model(args.model, args.model_args)
+    for name, default in LARGEST_DEFAULTS.items():
+        if getattr(args, name) is None and args.largest:
+            setattr(args, name, default)
+    missing = [f"--{n.replace('_', '-')}" for n in ("batch_size", "seq_len") if getattr(args, n) is None]
+    if missing:
+        p.error(f"the following arguments are required: {', '.join(missing)}")
     overrides = {
         f.name: int(v) if f.name in ("cpu_cores", "torch_threads") else v
         for f in fields(Machine)
@@ -105,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         machine = presets.machine(args.host, args.device)
     else:
         machine = measure_machine(args.measure_device, threads=args.cpu_threads)
+    machine = with_rates(machine, **overrides) if overrides else machine
+    if args.largest:
+        return _largest(args, machine)
+    model = int(args.params) if args.params is not None else build_model(args.model, args.model_args)
     result = plan(
         model,
         batch_size=args.batch_size,
@@ -116,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_threads=args.cpu_threads,
         accumulate_grad_batches=args.accumulate_grad_batches,
         n_layer=args.n_layer,
-        machine=with_rates(machine, **overrides) if overrides else machine,
+        machine=machine,
         checkpoint_format=args.checkpoint_format,
         activation_checkpointing=args.activation_checkpointing,
         hidden=args.hidden,
@@ -124,3 +145,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(json.dumps(result.to_dict(), indent=1) if args.json else result)
     return EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT
+
+
+def _largest(args: argparse.Namespace, machine: Machine) -> int:
+    """``--largest``: print the largest model of each way to train; fits when zero_offload trains some model."""
+    if machine.device_type == "cpu" or machine.device_memory_gb is None:
+        raise SystemExit(
+            "--largest needs a GPU: give --host and --device (e.g. --device 'H200 SXM (PCIe 5)'), or --device-type "
+            "cuda and --device-memory-gb, and --host-memory-gb for the host"
+        )
+    result = largest_models(
+        machine,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        n_layer=args.n_layer,
+        devices=args.devices,
+        num_nodes=args.nodes,
+        precision=args.precision,
+        activation_checkpointing=args.activation_checkpointing,
+        checkpoint_format=args.checkpoint_format,
+        bucket_size_mb=args.bucket_size_mb,
+    )
+    print(json.dumps(asdict(result), indent=1) if args.json else result)
+    return EXIT_FITS if any(r.params for r in result.rows if r.setup != PLAIN) else EXIT_DOES_NOT_FIT

@@ -111,7 +111,7 @@ def plan(
     threads = memory.resolved["sync"].cpu_threads  # the thread rule does not depend on the schedule
     layout = memory.layout
     state_dtype = memory.resolved["sync"].state_dtype
-    flops = accumulate_grad_batches * tokens * (6 * shape.matmul_params + 12 * (n_layer or 0) * shape.hidden * seq_len)
+    flops = step_flops(shape, tokens * accumulate_grad_batches, seq_len, n_layer)
     steps = {
         s: step_time(layout, dtype, s, machine, threads, devices, flops, accumulate_grad_batches, state_dtype)
         for s in SCHEDULES
@@ -159,6 +159,12 @@ def _chosen_format(verdicts: dict[str, Verdict], asked: str) -> str | None:
         if any(verdicts[f"{s}/{checkpoint_format}"].fits for s in SCHEDULES):
             return checkpoint_format
     return None
+
+
+def step_flops(shape: ModelShape, tokens: int, seq_len: int, n_layer: int | None) -> float:
+    """Forward+backward FLOPs of ``tokens`` per rank: 6 per matmul weight, and attention's 12 x layers x
+    hidden x seq (without ``n_layer``: none)."""
+    return tokens * (6 * shape.matmul_params + 12 * (n_layer or 0) * shape.hidden * seq_len)
 
 
 def recommend(

@@ -1,0 +1,184 @@
+"""The largest model that trains on a machine: plain training on the GPU, and zero_offload with each cpu_state.
+
+The models are the planner's family for a parameter count (a transformer of ``n_layer`` layers whose width
+follows from the count, :func:`~lightning_zero_offload.planner.shape.width_for`), built on the host in fp32
+as a module usually is; for each way to train, the largest count whose every memory requirement fits is
+found by bisection, and what a larger model runs out of first is named.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+
+from lightning_zero_offload.engine.options import OffloadOptions
+from lightning_zero_offload.planner.machine import GB, Machine
+from lightning_zero_offload.planner.memory import PLAIN_DEVICE_BYTES_PER_PARAM, SCHEDULES, activation_estimate
+from lightning_zero_offload.planner.model import DTYPES, recommend, step_flops
+from lightning_zero_offload.planner.shape import ModelShape, width_for
+from lightning_zero_offload.planner.verdicts import EXACT_SCHEDULES, Check, evaluate
+
+PLAIN = "plain"  # no offload: the strategy Lightning picks by itself, AdamW on the GPU
+CPU_STATE_SETUPS = ("fp32", "bf16")
+
+
+@dataclass
+class Largest:
+    """The largest model one way of training fits: ``params`` (0: not even a small one) and, at that size,
+    the schedule the planner recommends, the peak host RAM per node and the memory per GPU; ``binds``
+    names the requirements a 0.1% larger model fails."""
+
+    setup: str  # PLAIN or a cpu_state
+    params: int
+    cpu_step: str | None  # None for plain training
+    host_need: int  # per node, the peak of training, setup and the save
+    device_need: int  # per GPU
+    binds: list[str]
+    built: str = "fp32"  # the module's dtype as built, on the host until setup
+    refused: str = ""  # why this setup cannot run with these options at all
+
+    @property
+    def name(self) -> str:
+        if self.setup == PLAIN:
+            return "plain training (AdamW on the GPU)"
+        return f'zero_offload, cpu_state="{self.setup}"' + (f", built in {self.built}" if self.built != "fp32" else "")
+
+
+@dataclass
+class LargestModels:
+    """:func:`largest_models`' answer, one row per way of training, with the assumptions it rests on."""
+
+    rows: list[Largest]
+    machine: Machine
+    assumptions: str
+
+    def __str__(self) -> str:
+        m = self.machine
+        lines = [
+            f"largest model that trains on {m.name}: host RAM {m.host_memory_gb:.0f} GB per node, "
+            f"{m.device_memory_gb:.0f} GB per GPU",
+            *textwrap.wrap(f"assuming {self.assumptions}", 118),
+            "",
+            f"  {'how':<46} {'params':>8}  {'cpu_step':<12} {'host GB':>8} {'GPU GB':>7}  a larger model runs out of",
+        ]
+        for row in self.rows:
+            if row.refused:
+                lines.append(f"  {row.name:<46} {'-':>8}  refused: {row.refused}")
+                continue
+            lines.append(
+                f"  {row.name:<46} {row.params / 1e9:>7.2f}B  {row.cpu_step or '-':<12} {row.host_need / GB:>8.1f}"
+                f" {row.device_need / GB:>7.1f}  {'; '.join(row.binds)}"
+            )
+        return "\n".join(lines)
+
+
+def largest_models(
+    machine: Machine,
+    *,
+    batch_size: int = 1,
+    seq_len: int = 2048,
+    n_layer: int = 32,
+    devices: int = 1,
+    num_nodes: int = 1,
+    precision: str = "bf16-mixed",
+    activation_checkpointing: bool = False,
+    checkpoint_format: str = "full",
+    bucket_size_mb: float = 25.0,
+) -> LargestModels:
+    """The largest model of the planner's family that trains on ``machine`` (its ``host_memory_gb`` and
+    ``device_memory_gb``) without offload and with zero_offload under each cpu_state, with the given
+    micro-batch, sequence length, depth and activation checkpointing. zero_offload needs an exact schedule
+    (sync or speculative) that fits with ``checkpoint_format``'s save; the row names the one :func:`plan`
+    recommends at that size."""
+    if machine.device_type == "cpu" or machine.device_memory_gb is None:
+        raise ValueError("the largest model needs a GPU's memory: give device_memory_gb (--device-memory-gb)")
+    dtype = DTYPES[precision]
+    host, device = int(machine.host_memory_gb * GB), int(machine.device_memory_gb * GB)
+    never = device // dtype.itemsize + 1  # every rank holds all parameters on its GPU: this count never fits
+
+    def plain_checks(params: int) -> list[Check]:
+        activations = activation_estimate(
+            batch_size, seq_len, width_for(params, n_layer), n_layer, dtype, activation_checkpointing
+        ).bytes
+        return [
+            Check("host RAM, the module as built (fp32, one per GPU)", 4 * params * devices, host),
+            Check("GPU memory (16 B/param + activations)", PLAIN_DEVICE_BYTES_PER_PARAM * params + activations, device),
+        ]
+
+    params, binds = _largest(plain_checks, never)
+    host_need, device_need = (c.need for c in plain_checks(max(1, params)))
+    rows = [Largest(PLAIN, params, None, host_need, device_need, binds)]
+    # A module built in the 16-bit dtype of the run halves what it holds until setup (the planner's fix).
+    for built in ("fp32",) if dtype == torch.float32 else ("fp32", "bf16" if dtype == torch.bfloat16 else "fp16"):
+        for cpu_state in CPU_STATE_SETUPS:
+            options = OffloadOptions(
+                bucket_size_mb=bucket_size_mb,
+                checkpoint_format=checkpoint_format,  # type: ignore[arg-type]
+                cpu_state=cpu_state,  # type: ignore[arg-type]
+            )
+            args = (dtype, machine, devices, num_nodes, options, batch_size, seq_len, n_layer, activation_checkpointing)
+            shape_of = partial(_shape, n_layer, 4 if built == "fp32" else 2)
+            checks = partial(_offload_checks, shape_of, args, checkpoint_format)
+            try:
+                params, binds = _largest(checks, never)
+            except ValueError as refusal:  # a combination the engine refuses (bf16 state with fp16 parameters)
+                rows.append(Largest(cpu_state, 0, None, 0, 0, [], built, refused=str(refusal)))
+                continue
+            row = Largest(cpu_state, params, None, 0, 0, binds, built)
+            if params:
+                shape = shape_of(params)
+                verdicts = evaluate(shape, *args).verdicts
+                fitting = [s for s in SCHEDULES if verdicts[f"{s}/{checkpoint_format}"].fits]
+                flops = step_flops(shape, batch_size * seq_len, seq_len, n_layer)
+                world = devices * num_nodes
+                chosen = recommend(shape, dtype, machine, devices, world, flops, 1, allowed=fitting, options=options)
+                row.cpu_step = str(chosen["cpu_step"])
+                at = verdicts[f"{row.cpu_step}/{checkpoint_format}"].checks
+                row.host_need = max(c.need for c in at if c.name.startswith("host"))
+                row.device_need = max(c.need for c in at if c.name.startswith("device"))
+            rows.append(row)
+    assumptions = (
+        f"a {n_layer}-layer transformer of width sqrt(params / (12 x {n_layer})), {precision}, micro-batch "
+        f"{batch_size} x {seq_len} tokens, activation checkpointing {'on' if activation_checkpointing else 'off'} "
+        "(activations by the planner's estimate, logits not included), the module built on the host in fp32 "
+        "(4 B/param until setup; 'built in bf16': module.to(torch.bfloat16) before fit, 2 B/param: the master "
+        "weights start from the rounded values), "
+        f"{devices} GPU(s) per node x {num_nodes} node(s), "
+        f'checkpoint_format="{checkpoint_format}"; plain training keeps fp32 weights, gradients and AdamW '
+        "moments on the GPU (16 B/param)"
+    )
+    return LargestModels(rows, machine, assumptions)
+
+
+def _shape(n_layer: int, built_bytes_per_param: int, params: int) -> ModelShape:
+    """The planner's model of ``params`` parameters (width from the count), built with these bytes/param."""
+    return replace(
+        ModelShape.of(params), hidden=width_for(params, n_layer), module_bytes=built_bytes_per_param * params
+    )
+
+
+def _offload_checks(
+    shape_of: Callable[[int], ModelShape], args: tuple, checkpoint_format: str, params: int
+) -> list[Check]:
+    """zero_offload's checks for a model of ``params``: those of the first exact schedule that fits, else
+    sync's (the smallest)."""
+    verdicts = evaluate(shape_of(params), *args).verdicts
+    exact = [verdicts[f"{s}/{checkpoint_format}"] for s in EXACT_SCHEDULES]
+    return next((v.checks for v in exact if v.fits), exact[0].checks)
+
+
+def _largest(checks_of: Callable[[int], list[Check]], never: int) -> tuple[int, list[str]]:
+    """The largest count below ``never`` whose checks all pass, to 0.1% (0: not even one parameter), and the
+    requirements the next larger count fails."""
+    low, high = 0, never
+    while high - low > max(1, low // 1000):
+        mid = (low + high) // 2
+        if all(c.fits for c in checks_of(mid)):
+            low = mid
+        else:
+            high = mid
+    return low, [c.name for c in checks_of(high) if not c.fits]
