@@ -33,9 +33,14 @@ for the threads an accelerator run keeps busy (launch thread, autograd thread):
 bf16 state (``--bf16-state``, issue 19): kernels.adam_step_bf16_state (bf16 p, m, v, stochastically
 rounded; fp32 or bf16 grad) beside the fp32-state step that publishes the same bf16 params, on one flat
 tensor, every row interleaved in one measurement per (threads, N), with each row's byte count and its
-fraction of the roofline for that byte count; writes results/cpu_adam_bf16_state.json:
+fraction of the roofline for that byte count, the per-repetition ratios' quartiles (each repetition
+runs every row back to back, so a ratio within one repetition shares the machine's load), and the
+compute cost per element of each row in cache (one thread, fastest of many calls at 2^14 elements
+minus the fastest at 64: the call overhead cancels); writes results/cpu_adam_bf16_state.json:
 
     python benchmarks/cpu_adam.py --bf16-state
+    # beside another build's kernel, e.g. a worktree at an older commit built with setup.py build_ext --inplace:
+    python benchmarks/cpu_adam.py --bf16-state --baseline-native /tmp/old/lightning_zero_offload/_native.abi3.so
 """
 
 from __future__ import annotations
@@ -363,6 +368,39 @@ BF16_STATE_PAIRS = [  # (bf16 state, the fp32-state step publishing the same bf1
     ("bf16 state, bf16 grad", "fp32 state, bf16 grad, bf16 out"),
 ]
 RESULTS_BF16_STATE = Path(__file__).parent / "results" / "cpu_adam_bf16_state.json"
+BASELINE_ROWS = {"baseline bf16 state, fp32 grad": 16, "baseline bf16 state, bf16 grad": 12}
+BASELINE_PAIRS = [(k[len("baseline ") :], k) for k in BASELINE_ROWS]  # (this build, the baseline build)
+baseline = None  # --baseline-native: (ffi, lib) of another build of the extension
+
+
+def load_baseline(path: Path) -> None:
+    """Load another build's ``_native`` shared object (e.g. a worktree at an older commit) beside this one,
+    on the same instruction set, so its bf16-state kernel runs interleaved with this build's rows."""
+    global baseline
+    import importlib.util
+
+    from lightning_zero_offload.kernels._native import ISAS
+
+    spec = importlib.util.spec_from_file_location("lzo_baseline._native", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if module.lib.lzo_set_isa(ISAS[kernels.backend()]) != 0:
+        raise SystemExit(f"--baseline-native {path}: cannot run the {kernels.backend()} backend")
+    baseline = (module.ffi, module.lib)
+
+
+def state_rows() -> dict[str, int]:
+    """The bf16-state rows and their bytes per param, with the baseline build's if one is loaded."""
+    return BF16_STATE_ROWS | (BASELINE_ROWS if baseline else {})
+
+
+def state_pairs() -> list[tuple[str, str]]:
+    return BF16_STATE_PAIRS + (BASELINE_PAIRS if baseline else [])
+
+
+def quartiles(xs: list[float]) -> list[float]:
+    q = statistics.quantiles(xs, n=4)
+    return [q[0], statistics.median(xs), q[2]]
 
 
 def bf16_state_cases(n: int, threads: int) -> dict[str, Callable[[], None]]:
@@ -370,9 +408,19 @@ def bf16_state_cases(n: int, threads: int) -> dict[str, Callable[[], None]]:
     probe = [torch.randn(n) for _ in range(4)]
     cases: dict[str, Callable[[], None]] = {"roofline": lambda: roofline.probe(*probe, num_threads=threads)}
     step = 1  # a fixed step number: the work per call does not depend on it
-    for name in BF16_STATE_ROWS:
+    for name in state_rows():
         grad = make([n], torch.bfloat16 if "bf16 grad" in name else torch.float32)[0]
-        if name.startswith("bf16 state"):
+        if name.startswith("baseline"):
+            ffi, lib = baseline
+            p, m, v = make([n], torch.bfloat16)[0], make([n], torch.bfloat16)[0], make([n], torch.bfloat16)[0].abs_()
+            hp = ffi.new("lzo_adam_hparams *", dict(HP, adamw_mode=1, maximize=0))
+            code = lib.LZO_BFLOAT16 if grad.dtype == torch.bfloat16 else lib.LZO_FLOAT32
+
+            def run(p=p, grad=grad, m=m, v=v, hp=hp, code=code, ffi=ffi, lib=lib) -> None:
+                words = [ffi.cast("uint16_t *", t.data_ptr()) for t in (p, m, v)]
+                g = ffi.cast("void *", grad.data_ptr())
+                lib.lzo_adam_step_bf16state(hp, FACTOR, 1, step, 0, words[0], g, *words[1:], n, code, threads)
+        elif name.startswith("bf16 state"):
             p, m, v = make([n], torch.bfloat16)[0], make([n], torch.bfloat16)[0], make([n], torch.bfloat16)[0].abs_()
 
             def run(p=p, grad=grad, m=m, v=v) -> None:
@@ -426,37 +474,61 @@ def bf16_state_rows(threads: list[int], sizes_n: list[int], reps: int) -> list[d
                 "n": n,
                 "load_average_1min": load,
                 "roofline_gb_per_s": gb_s,
-                "bytes_per_param": BF16_STATE_ROWS,
+                "bytes_per_param": state_rows(),
                 "seconds": medians,
                 "mparam_per_s": {k: n / s / 1e6 for k, s in medians.items()},
                 "percent_of_roofline": {
-                    k: 100 * n * BF16_STATE_ROWS[k] / medians[k] / 1e9 / gb_s for k in BF16_STATE_ROWS
+                    k: 100 * n * size / medians[k] / 1e9 / gb_s for k, size in state_rows().items()
                 },
-                "ratios": {f"{a} / {b}": medians[b] / medians[a] for a, b in BF16_STATE_PAIRS},
+                "ratios": {f"{a} / {b}": medians[b] / medians[a] for a, b in state_pairs()},
+                # the ratio within each repetition (rows run back to back), its quartiles: the spread
+                "ratio_quartiles": {
+                    f"{a} / {b}": quartiles([tb / ta for ta, tb in zip(samples[a], samples[b])])
+                    for a, b in state_pairs()
+                },
+                "seconds_quartiles": {k: quartiles(ts) for k, ts in samples.items()},
                 # the fastest repetition: what the kernels do when the shared machine lets them run
                 "best_seconds": best,
-                "best_ratios": {f"{a} / {b}": best[b] / best[a] for a, b in BF16_STATE_PAIRS},
+                "best_ratios": {f"{a} / {b}": best[b] / best[a] for a, b in state_pairs()},
                 "best_percent_of_roofline": {
-                    k: 100 * BF16_STATE_ROWS[k] / best[k] * best["roofline"] / 28 for k in BF16_STATE_ROWS
+                    k: 100 * size / best[k] * best["roofline"] / 28 for k, size in state_rows().items()
                 },
             }
             rows.append(row)
             for name, s in medians.items():
-                size = BF16_STATE_ROWS.get(name, 28)
+                size = state_rows().get(name, 28)
                 pct = 100 * n * size / s / 1e9 / gb_s
                 label = f"2^{n.bit_length() - 1}"
                 print(f"{t:>7} {label:>5} {name:<32} {size:>7} {s * 1e3:8.2f} {n / s / 1e6:9.0f} {pct:6.1f}%")
-            ratios = "  ".join(f"{k}: {v:.2f}x" for k, v in row["ratios"].items())
-            print(f"{'':>7} ratios  {ratios}  (roofline {gb_s:.1f} GB/s, load average {load:.1f})")
+            ratios = "  ".join(
+                f"{k}: {v:.2f}x [{q[0]:.2f}-{q[2]:.2f}]"
+                for (k, v), q in zip(row["ratios"].items(), row["ratio_quartiles"].values())
+            )
+            print(f"{'':>7} ratios [quartiles]  {ratios}  (roofline {gb_s:.1f} GB/s, load average {load:.1f})")
             best_gb_s = 28 * n / best["roofline"] / 1e9
             cells = "  ".join(
-                f"{k}: {n / best[k] / 1e6:.0f} Mparam/s {row['best_percent_of_roofline'][k]:.0f}%"
-                for k in BF16_STATE_ROWS
+                f"{k}: {n / best[k] / 1e6:.0f} Mparam/s {row['best_percent_of_roofline'][k]:.0f}%" for k in state_rows()
             )
             ratios = "  ".join(f"{k}: {v:.2f}x" for k, v in row["best_ratios"].items())
             print(f"{'':>7} fastest repetitions  {cells}  (roofline {best_gb_s:.1f} GB/s)  ratios  {ratios}")
             del cases
     return rows
+
+
+def bf16_state_compute(reps: int, big: int = 1 << 14, small: int = 64) -> dict[str, object]:
+    """Each row's compute cost per element, one thread, in cache: the fastest of ``reps`` calls at ``big``
+    elements minus the fastest at ``small`` (what a call costs besides its elements), per element."""
+    cases = {f"{name} @{n}": fn for n in (big, small) for name, fn in bf16_state_cases(n, 1).items()}
+    del cases[f"roofline @{big}"], cases[f"roofline @{small}"]
+    load = os.getloadavg()[0]
+    best = {k: min(ts) for k, ts in measure_samples(cases, reps=reps, warmup=20).items()}
+    ns = {name: 1e9 * (best[f"{name} @{big}"] - best[f"{name} @{small}"]) / (big - small) for name in state_rows()}
+    print(
+        f"compute per element in cache (1 thread, N 2^{big.bit_length() - 1}, fastest of {reps},"
+        f" load average {load:.1f}):"
+    )
+    print("  " + "  ".join(f"{name}: {v:.2f} ns" for name, v in ns.items()))
+    return {"n": big, "n_overhead": small, "reps": reps, "load_average_1min": load, "ns_per_element": ns}
 
 
 def machine_info() -> dict[str, object]:
@@ -488,6 +560,12 @@ def main() -> None:
     parser.add_argument(
         "--bf16-state", action="store_true", help=f"only the bf16-state rows (issue 19), to {RESULTS_BF16_STATE.name}"
     )
+    parser.add_argument(
+        "--baseline-native",
+        type=Path,
+        default=None,
+        help="--bf16-state: another build's lightning_zero_offload/_native*.so, whose bf16-state kernel runs beside",
+    )
     parser.add_argument("--out", type=Path, default=None, help=f"JSON report (default: {RESULTS}; --quick: none)")
     args = parser.parse_args()
     args.threads = [thread_count(t) for t in args.threads]
@@ -502,10 +580,20 @@ def main() -> None:
             args.out.write_text(json.dumps(report, indent=2) + "\n")
         return
     if args.bf16_state:
+        if args.baseline_native is not None:
+            load_baseline(args.baseline_native)
         report = {
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine_info(),
-            "config": {"sizes": sizes_n, "reps": reps, "warmup": 3, "hparams": HP, "grad_factor": FACTOR},
+            "config": {
+                "sizes": sizes_n,
+                "reps": reps,
+                "warmup": 3,
+                "hparams": HP,
+                "grad_factor": FACTOR,
+                "baseline_native": str(args.baseline_native) if args.baseline_native else None,
+            },
+            "compute_in_cache": bf16_state_compute(reps=20 * reps),
             "rows": bf16_state_rows(args.threads, sizes_n, reps),
         }
         out = args.out or (None if args.quick else RESULTS_BF16_STATE)
