@@ -18,7 +18,7 @@ roles, so there is a single owner of "the buffer backward fills now".
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -190,7 +190,7 @@ class ParkedState:
         params: list[torch.nn.Parameter],
         exp_avgs: list[torch.Tensor],
         exp_avg_sqs: list[torch.Tensor],
-        steps: list[int],
+        steps: Sequence[int],
     ) -> None:
         for p, exp_avg, exp_avg_sq, step in zip(params, exp_avgs, exp_avg_sqs, steps):
             self._parked[id(p)] = (exp_avg.clone(), exp_avg_sq.clone(), step)

@@ -50,6 +50,7 @@ from lightning_zero_offload.engine.memory import can_pin
 from lightning_zero_offload.engine.optimizer_hooks import has_step_hooks, step_hooks
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
 from lightning_zero_offload.engine.publisher import LOW_PRECISION, NullPublisher, Publisher
+from lightning_zero_offload.engine.save_sharing import SaveSharing
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, make_schedule
 from lightning_zero_offload.engine.stats import StepStats
@@ -110,6 +111,7 @@ class OffloadEngine(EngineLifecycle):
         self.failed = False  # closed after an exception, without gathering (see _close_after_failure)
         self._closed = False
         self._parked = ParkedState()  # moments and step counts of parameters that left the trainable set
+        self.save_sharing = SaveSharing()  # how a full save takes the state (engine/state.py)
         # bf16 state: the seed of its stochastic rounding, rank 0's on every rank (checkpoints keep it).
         compact = resolved.state_dtype != torch.float32
         self._rounding_seed = rounding_seed(process_group if world > 1 else None, device, world) if compact else 0

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from lightning_zero_offload.engine.layout import Bucket, Layout
     from lightning_zero_offload.engine.options import Resolved
     from lightning_zero_offload.engine.publisher import NullPublisher, Publisher
+    from lightning_zero_offload.engine.save_sharing import SaveSharing
 
 
 class EngineParts(Protocol):
@@ -46,6 +47,7 @@ class EngineParts(Protocol):
     step_calls: int
     process_group: dist.ProcessGroup | None  # the ranks sharing the state (gathers for checkpoints)
     torch_index: list[int]  # each trainable parameter's number in the optimizer's state dict
+    save_sharing: SaveSharing  # views or placeholders for a full save (engine/state.py)
     # in place only: per-parameter views of (master, exp_avg, exp_avg_sq)
     param_views: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
 

@@ -9,7 +9,6 @@ the other ranks).
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -18,6 +17,7 @@ import torch
 
 from lightning_zero_offload.engine.checkpoint_files import CheckpointError
 from lightning_zero_offload.engine.collectives import all_reduce_sum, gather_host, gather_host_to_first
+from lightning_zero_offload.engine.save_sharing import Placeholders
 
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.parts import EngineParts
@@ -43,12 +43,13 @@ def buffers_shared_for_save(engine: EngineParts, share: bool = True) -> Iterator
     rank must then take part in that save. Only for a writer that finishes before the next step changes
     the buffers: an asynchronous ``CheckpointIO`` must get copies (``share=False``).
     """
-    previous = getattr(engine, "_share_buffers", False)
-    engine._share_buffers = share or previous
+    sharing = engine.save_sharing
+    previous = sharing.share
+    sharing.share = share or previous
     try:
         yield
     finally:
-        engine._share_buffers = previous
+        sharing.share = previous
 
 
 def full_tensors(engine: EngineParts, shard: torch.Tensor) -> list[torch.Tensor]:
@@ -59,14 +60,14 @@ def full_tensors(engine: EngineParts, shard: torch.Tensor) -> list[torch.Tensor]
     """
     engine.refuse_after_failure("full weights and optimizer state")
     layout = engine.layout
-    share = getattr(engine, "_share_buffers", False)
+    share = engine.save_sharing.share
     full: list[torch.Tensor | None] = [None] * len(engine.params)
     for bucket in layout.buckets:
         chunk = shard[bucket.shard_range]
         if layout.world_size == 1:
             whole = chunk
         elif share:
-            whole = _placeholders(engine).add(shard, bucket.shard_range, layout.world_size)
+            whole = engine.save_sharing.placeholders.add(shard, bucket.shard_range, layout.world_size)
         else:
             whole = gather_host(chunk, engine.process_group, engine.device)
         for index in bucket.param_indices:
@@ -74,45 +75,6 @@ def full_tensors(engine: EngineParts, shard: torch.Tensor) -> list[torch.Tensor]
             view = whole[slot.bucket_offset : slot.bucket_offset + slot.numel].view(slot.shape)
             full[index] = view if share else view.clone()
     return full  # type: ignore[return-value]
-
-
-class _Placeholders:
-    """The gathered buckets a full save at several ranks will stream, by number and by meta storage.
-
-    Every rank numbers its placeholders in the order :func:`full_tensors` makes them, which is the same
-    on every rank (as the order of collectives is), so rank 0 can name a bucket by its number. An
-    entry lives as long as its placeholder (a checkpoint dict that is dropped unsaved leaves nothing).
-    """
-
-    def __init__(self) -> None:
-        self.sources: dict[int, tuple[torch.Tensor, slice, int]] = {}  # shard, this rank's chunk, gathered numel
-        self.by_storage: dict[int, int] = {}
-        self.count = 0
-
-    def add(self, shard: torch.Tensor, shard_range: slice, world: int) -> torch.Tensor:
-        numel = (shard_range.stop - shard_range.start) * world
-        whole = torch.empty(numel, dtype=shard.dtype, device="meta")
-        number, storage = self.count, whole.untyped_storage()._cdata
-        self.count += 1
-        self.sources[number] = (shard, shard_range, numel)
-        self.by_storage[storage] = number
-        weakref.finalize(whole, self._forget, number, storage)  # views keep ``whole`` alive
-        return whole
-
-    def _forget(self, number: int, storage: int) -> None:
-        self.sources.pop(number, None)
-        if self.by_storage.get(storage) == number:  # the address may be a newer placeholder's by now
-            del self.by_storage[storage]
-
-    def number(self, storage: torch.UntypedStorage) -> int | None:
-        return self.by_storage.get(storage._cdata) if storage.device.type == "meta" else None
-
-
-def _placeholders(engine: EngineParts) -> _Placeholders:
-    registry = getattr(engine, "_placeholders", None)
-    if registry is None:
-        registry = engine._placeholders = _Placeholders()
-    return registry
 
 
 class BucketStream:
@@ -125,7 +87,7 @@ class BucketStream:
 
     def __init__(self, engine: EngineParts, broadcast: Callable[[Any], Any]) -> None:
         self.engine, self.broadcast = engine, broadcast
-        self.registry = _placeholders(engine)
+        self.registry = engine.save_sharing.placeholders
         self.order: list[int] | None = None  # announced and agreed, in file order
         self.announced = False
         self.done = 0
@@ -174,7 +136,7 @@ def serve_full_save(engine: EngineParts, broadcast: Callable[[Any], Any], what: 
 
     Raises the error rank 0's save failed with, naming ``what`` was being saved.
     """
-    registry = _placeholders(engine)
+    registry = engine.save_sharing.placeholders
     kind, payload = broadcast(None)
     if kind == "failed":
         raise CheckpointError(f"saving {what} failed on rank 0: {payload}")
@@ -187,12 +149,12 @@ def serve_full_save(engine: EngineParts, broadcast: Callable[[Any], Any], what: 
         raise CheckpointError(f"saving {what} failed on rank 0: {payload}")
 
 
-def _nbytes(registry: _Placeholders, number: int) -> int:
+def _nbytes(registry: Placeholders, number: int) -> int:
     shard, _, numel = registry.sources[number]
     return numel * shard.element_size()
 
 
-def _check_plan(engine: EngineParts, registry: _Placeholders, order: list[int]) -> None:
+def _check_plan(engine: EngineParts, registry: Placeholders, order: list[int]) -> None:
     """Every rank holds every placeholder rank 0 will write (one small all-reduce), or every rank raises."""
     missing = sum(number not in registry.sources for number in order)
     total = all_reduce_sum(torch.tensor([float(missing)]), engine.process_group, engine.device)
