@@ -160,15 +160,9 @@ class OffloadEngine(EngineLifecycle):
             self.param_views = self.state.param_views()
             self._update = self._update_in_place
         else:
+            group, ledger = self.process_group, self.ledger
             self.publisher = Publisher(
-                self.layout,
-                self.params,
-                device,
-                param_dtype,
-                self.pin,
-                self.process_group,
-                self.ledger,
-                self.state.dtype,
+                self.layout, self.params, device, param_dtype, self.pin, group, ledger, self.state.dtype
             )
             self._update = self._update_offload
             self.grads = GradientStreamer(
