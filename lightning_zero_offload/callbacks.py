@@ -143,7 +143,8 @@ def format_summary(engine: OffloadEngine, totals: dict[str, float], steps: int) 
             f"  device, model states: {device_param:.1f} B/param (parameters) + {buckets / 2**20:.1f} MiB of gradient "
             f"buckets, vs {PLAIN_MIXED_ADAM_DEVICE_BYTES} B/param for plain mixed-precision Adam "
             f"({PLAIN_MIXED_ADAM_DEVICE_BYTES / device_param:.0f}x less)",
-            f"  CPU, this rank: {report['host_state_bytes'] / 2**20:.1f} MiB optimizer state "
+            f"  CPU, this rank: {report['host_state_bytes'] / 2**20:.1f} MiB optimizer state in "
+            f"{str(engine.resolved.state_dtype).removeprefix('torch.')} "
             f"({report['host_state_bytes'] * world / n:.1f} B/param over all ranks) + "
             f"{report['host_staging_bytes'] / 2**20:.1f} MiB staging "
             f"({report['host_pinned_bytes'] / 2**20:.1f} MiB of host memory pinned)",
