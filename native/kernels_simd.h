@@ -266,7 +266,7 @@ INLINE void adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint3
 {
     vint kpm = vi_set1((int)k->pm), kv = vi_set1((int)k->v);
     int64_t i = 0, gsz = gdt == LZO_FLOAT32 ? 4 : 2;
-    if (index & 1u) { /* blocks start at even indices: the pairs share their v bits */
+    if ((index & 1u) && n > 0) { /* blocks start at even indices: the pairs share their v bits */
         adam_bf16_partial(c, kpm, kv, index, p, g, m, v, 1, gdt);
         i = 1;
     }
