@@ -173,12 +173,14 @@ TARGET static void adam(const lzo_adam_consts *c, float *p, const void *g, float
  * and on the odd one. Lane k of the even vector is element 2k. */
 static const int32_t LANE_EVEN[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
 
-/* lowbias32 (C. Wellons' 32-bit integer mix): a bijection with full avalanche, two multiplies. */
-INLINE vint hash32(vint x)
+/* lowbias32 (C. Wellons' 32-bit integer mix): a bijection with full avalanche, two multiplies. Its last
+ * step x ^ (x >> 16) leaves the high half as it is, so *high = hash >> 16 comes with no extra shift. */
+INLINE vint hash32(vint x, vint *high)
 {
     x = vi_mullo(vi_xor(x, vi_shr16(x)), vi_set1(0x7feb352d));
     x = vi_mullo(vi_xor(x, vi_shr15(x)), vi_set1((int)0x846ca68bu));
-    return vi_xor(x, vi_shr16(x));
+    *high = vi_shr16(x);
+    return vi_xor(x, *high);
 }
 
 /* Stochastic rounding: add r (16 random bits, < 2^16) below the kept mantissa; the high half of the
@@ -234,11 +236,13 @@ INLINE void adam_bf16_block(const lzo_adam_consts *c, vint kpm, vint kv, uint32_
     adam_bf16_half(c, ge, &pe, &me, &ve);
     adam_bf16_half(c, go, &po, &mo, &vo);
     vint je = vi_add(vi_set1((int)index), vi_load(LANE_EVEN)), jo = vi_add(je, vi_set1(1));
-    vint he = hash32(vi_xor(je, kpm)), ho = hash32(vi_xor(jo, kpm)), hv = hash32(vi_xor(vi_shr1(je), kv));
+    vint he_hi, ho_hi, hv_hi;
+    vint he = hash32(vi_xor(je, kpm), &he_hi), ho = hash32(vi_xor(jo, kpm), &ho_hi);
+    vint hv = hash32(vi_xor(vi_shr1(je), kv), &hv_hi);
     vint low = vi_set1(0xffff);
-    vi_store_words(p + i, vi_merge_high(bf16_stochastic(pe, vi_shr16(he)), bf16_stochastic(po, vi_shr16(ho))));
+    vi_store_words(p + i, vi_merge_high(bf16_stochastic(pe, he_hi), bf16_stochastic(po, ho_hi)));
     vi_store_words(m + i, vi_merge_high(bf16_stochastic(me, vi_and(he, low)), bf16_stochastic(mo, vi_and(ho, low))));
-    vi_store_words(v + i, vi_merge_high(bf16_stochastic(ve, vi_shr16(hv)), bf16_stochastic(vo, vi_and(hv, low))));
+    vi_store_words(v + i, vi_merge_high(bf16_stochastic(ve, hv_hi), bf16_stochastic(vo, vi_and(hv, low))));
 }
 
 /* Fewer than 2W elements (r + (index & 1) <= 2W), through zero-padded buffers: an odd first index sits
