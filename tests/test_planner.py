@@ -116,6 +116,7 @@ PLANNED_OPTIONS = [
     {"speculation_rollback": "undo"},
     {"cpu_threads": 1},
     {"cpu_threads": 10_000},
+    {"cpu_state": "bf16"},
 ]
 
 
@@ -138,6 +139,12 @@ def test_the_planner_resolves_options_exactly_as_the_engine(device_type):
                     with pytest.raises(ValueError, match="in_place_on_cpu=True needs"):
                         plan(10_000, machine=here, **planned_args, **given)
                     continue
+                if given.get("cpu_state") == "bf16" and dtype == torch.float16:  # refused by both
+                    with pytest.raises(ValueError, match="fp16 device parameters cannot hold"):
+                        plan(10_000, machine=here, **planned_args, **given)
+                    with pytest.raises(ValueError, match="fp16 device parameters cannot hold"):
+                        resolve(make_offload_options(**given), torch.device(device_type), dtype, devices * nodes)
+                    continue
                 planned = plan(10_000, machine=here, **planned_args, **given).resolved
                 for schedule in ("sync", "speculative", "delayed"):
                     if given.get("in_place_on_cpu") and schedule != "sync":
@@ -155,8 +162,9 @@ def test_the_planner_resolves_options_exactly_as_the_engine(device_type):
                         engine.close()
                         assert engine.resolved == planned[schedule], (precision, given, schedule)
                         built += 1
-    assert compared == 9 * 6 * 3 + (device_type == "cpu")  # in place required: runs only on the CPU, fp32, 1 rank
-    assert built == (3 * 6 * 3 + 1 if device_type == "cpu" or torch.cuda.is_available() else 0)
+    # in place required: runs only on the CPU, fp32, 1 rank; bf16 state: not with fp16 parameters
+    assert compared == 9 * 6 * 3 + (device_type == "cpu") + 3 * 2 * 3
+    assert built == (3 * 6 * 3 + 1 + 2 * 3 if device_type == "cpu" or torch.cuda.is_available() else 0)
 
 
 def test_state_is_16_bytes_per_param_spread_over_the_ranks():
