@@ -341,6 +341,39 @@ def check_determinism(device: torch.device, tiny: bool, results: Path) -> dict[s
     return {"ok": not differ, "configs": list(runs), "differ_from_first": differ}
 
 
+def check_compact_state(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
+    """cpu_state="bf16" on the device: 8 B/param of host state, bitwise the same across overlap and pinning
+    (the bf16 master goes through pinned staging to the device), speculative (snapshot rollback) == sync,
+    and it trains (the loss falls over 30 steps of learnable data)."""
+    runs = {}
+    for key, options in {
+        "sync": {"cpu_step": "sync"},
+        "sync,overlap=False,pin=False": {"cpu_step": "sync", "overlap": False, "pin_memory": False},
+        "speculative": {"cpu_step": "speculative"},
+    }.items():
+        runs[key] = train(device, tiny, cpu_state="bf16", **options)
+    reference = runs["sync"]
+    differ = [k for k, r in runs.items() if not same(r, reference)]
+    report = reference["engine"].memory_report()
+    per_param = report["host_state_bytes"] / report["params"]
+    model = gpt(device, tiny)
+    engine = engine_for(model, device, torch.bfloat16, cpu_state="bf16")
+    tokens = learnable_tokens(30 * 2, 65 if tiny else 257).to(device)
+    losses = []
+    for i in range(30):
+        batch = tokens[2 * i : 2 * i + 2]
+        losses.append(float(F.cross_entropy(model(batch[:, :-1]).float().flatten(0, 1), batch[:, 1:].flatten())))
+        step(model, engine, batch)
+    engine.close()
+    learned = statistics.mean(losses[-5:]) < 0.9 * statistics.mean(losses[:5])
+    return {
+        "ok": not differ and per_param == 8.0 and learned,
+        "differ_from_sync": differ,
+        "host_state_bytes_per_param": per_param,
+        "losses": losses,
+    }
+
+
 def check_sanitizer(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
     """Under TORCH_CUDA_SANITIZER=1 (set by the driver), with every side-stream copy and copy-back held back:
     the same results, for the speculative schedule (the GPU default; bitwise the synchronous step's
@@ -804,6 +837,7 @@ CHECKS: dict[str, tuple[Callable[..., dict[str, Any]], int, dict[str, str]]] = {
     "throughput": (check_throughput, 230, {}),
     "sanitizer": (check_sanitizer, 40, {"TORCH_CUDA_SANITIZER": "1"}),
     "determinism": (check_determinism, 35, {}),
+    "compact_state": (check_compact_state, 25, {}),
     "fit_resume": (check_fit_resume, 40, {}),
     "fp16_overflow": (check_fp16_overflow, 20, {}),
     "dpu_reads": (check_dpu_reads, 25, {}),
