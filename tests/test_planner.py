@@ -569,3 +569,10 @@ def test_a_configuration_that_does_not_fit_exits_non_zero():
     assert done.stdout.splitlines()[3].startswith("DOES NOT FIT") and "device memory per GPU" in done.stdout
     fits = ["--params", "1.3e9", "--n-layer", "24", "--batch-size", "1", "--seq-len", "2048"]
     assert main([*fits, *H200_ARGS]) == 0
+
+
+def test_the_bf16_state_fix_is_offered_when_the_user_asked_for_the_undo_rollback():
+    """The fix is bf16 state with its own (snapshot) rollback: asking for "undo" must not make planning fail."""
+    p = h200("7B", speculation_rollback="undo")
+    assert not p.fits
+    assert any(f.startswith('cpu_state="bf16"') for f in p.fixes)

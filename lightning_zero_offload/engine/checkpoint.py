@@ -65,7 +65,7 @@ def load_checkpoint_file(path: PathLike, weights_only: bool = True) -> dict[str,
     """Load a full-format checkpoint file; any failure is a :class:`CheckpointError` naming the file.
 
     A local file is memory-mapped: each rank reads the weights it copies and only its own shard of the
-    moments, not 12 bytes per parameter of fp32 state into memory of its own.
+    moments, not 12 bytes per parameter of fp32 state (6 of bf16 state) into memory of its own.
     """
     checkpoint = load_file(Location.of(path), "checkpoint", weights_only=weights_only, mmap=True)
     if not isinstance(checkpoint, dict):

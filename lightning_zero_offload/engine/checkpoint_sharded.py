@@ -3,7 +3,7 @@
 ```
 epoch=3-step=400.ckpt/          never removed or renamed while a checkpoint lives there
   v000007/                      one directory per save, a fresh name each time
-    shard_00000.pt              rank r: its flat fp32 master, exp_avg and exp_avg_sq (1/world of each)
+    shard_00000.pt              rank r: its flat master, exp_avg and exp_avg_sq (1/world of each; fp32 or bf16)
     shard_00001.pt
     meta.pt                     rank 0, written last: the Lightning checkpoint minus the sharded tensors,
                                 plus the layout, the save id and each shard's size and CRC-32

@@ -27,8 +27,9 @@ from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.collectives import broadcast_tensors_
 from lightning_zero_offload.engine.layout import Bucket, Layout
 from lightning_zero_offload.engine.memory import host_zeros
+from lightning_zero_offload.engine.options import STATE_DTYPES
 
-STATE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the cpu_state option's name of each dtype
+STATE_NAMES = {dtype: name for name, dtype in STATE_DTYPES.items()}  # the cpu_state option's name of each dtype
 
 
 class CpuState:

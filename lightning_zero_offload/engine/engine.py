@@ -1,11 +1,12 @@
 """The offload engine: the orchestrator of one training step, built from parts that own their state.
 
 ```
-backward (device)  -> gradient source (engine/grads.py): hooks, buckets, [reduce-scatter], fp32
+backward (device)  -> gradient source (engine/grads.py): hooks, buckets, [reduce-scatter],
                       accumulate into the CPU state's gradient buffer, with sums and inf/nan flags
 step()             -> global norm + overflow (one all-reduce) -> skip, or clip x unscale factor
                    -> the schedule runs the plan: fused CPU Adam per bucket on the CPU state
                       (engine/cpu_state.py), writing the low-precision copy in the same pass
+                      (bf16 state: the master is that copy)
                    -> the publisher (engine/publisher.py) copies each bucket back [all-gather]
 ```
 
@@ -17,8 +18,9 @@ decisions they share (norm, overflow, clip, skip); engine/lifecycle.py holds the
 life (re-planning, state in and out, teardown, the failure path).
 
 Device parameters are views into one flat low-precision buffer, so a bucket's update lands with a
-single copy (or one all-gather). The CPU holds only this rank's shard: fp32 master, two moments and
-an fp32 gradient buffer (16 bytes per owned parameter) plus a few bucket-sized staging buffers.
+single copy (or one all-gather). The CPU holds only this rank's shard: master, two moments and a
+gradient buffer, fp32 (16 bytes per owned parameter) or bf16 with ``cpu_state="bf16"`` (8), plus a few
+bucket-sized staging buffers.
 Where nothing would be offloaded (a CPU device, fp32, one process, the sync step) the engine runs in
 place instead (engine/in_place.py): an in-place gradient source and a null publisher, the parameters
 views of the fp32 master and gradients where backward left them.
@@ -393,7 +395,7 @@ class OffloadEngine(EngineLifecycle):
     def publish(self, bucket: Bucket, out: torch.Tensor | None, pooled: bool = True) -> None:
         """Copy this rank's updated chunk of ``bucket`` to the device and gather the other chunks.
 
-        ``out`` holds the low-precision chunk (None: copy the fp32 master itself); ``pooled``: it came
+        ``out`` holds the low-precision chunk (None: copy the master itself); ``pooled``: it came
         from ``publish_pool`` and goes back to it once copied.
         """
         source = self.master[bucket.shard_range] if out is None else out[: bucket.shard_numel]

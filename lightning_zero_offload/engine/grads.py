@@ -3,7 +3,7 @@
 For each parameter a post-accumulate-grad hook copies the final ``.grad`` into its bucket's device
 buffer and frees it. A full bucket is launched: reduce-scattered across ranks (each rank keeps its
 chunk), copied into a host staging buffer, and handed to a worker thread that adds it into the
-rank's fp32 gradient buffer with the native accumulate kernel. That same pass returns the bucket's
+rank's gradient buffer (``CpuState.accumulate``: the native kernel into fp32 state). That returns the bucket's
 sum of squares and an inf/nan flag, so the global norm and the fp16 overflow check cost no extra
 pass over memory.
 
@@ -123,7 +123,7 @@ class GradientStreamer:
         # Across an accumulation window: which params got a gradient, whether a bucket was written yet.
         self.has_grad = [False] * len(params)
         self._fresh = [True] * n_buckets
-        # Sum of squares and inf/nan flag of the fp32 buffer's current content, per bucket.
+        # Sum of squares and inf/nan flag of the gradient buffer's current content, per bucket.
         self.bucket_sumsq = [0.0] * n_buckets
         self.bucket_nonfinite = [False] * n_buckets
         # Timing: host accumulate intervals (start, end, could overlap backward) and device transfers

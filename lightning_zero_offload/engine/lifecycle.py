@@ -62,7 +62,7 @@ class EngineLifecycle:
 
     @property
     def master(self) -> torch.Tensor:
-        """This rank's fp32 master weights, flat (owned by :attr:`state`)."""
+        """This rank's master weights (fp32, or bf16 with ``cpu_state="bf16"``), flat (owned by :attr:`state`)."""
         return self.state.master
 
     @property
@@ -75,7 +75,7 @@ class EngineLifecycle:
 
     @property
     def grad(self) -> torch.Tensor | None:
-        """The fp32 buffer backward accumulates into now (None in place)."""
+        """The buffer backward accumulates into now, in the state's dtype (None in place)."""
         return self.state.grad
 
     @property
@@ -116,7 +116,7 @@ class EngineLifecycle:
         self._parked.park(self.params, exp_avgs, exp_avg_sqs, self.steps)
         kept_masters = {id(p): weight for p, weight in zip(self.params, masters)}
         self._build()
-        state_io.load_shard(self, self.master, [kept_masters.get(id(p), p.detach()).float() for p in self.params])
+        state_io.load_shard(self, self.master, [kept_masters.get(id(p), p.detach()) for p in self.params])
         exp_avgs, exp_avg_sqs, self.state.steps = self._parked.unpark(self.params)
         state_io.load_shard(self, self.exp_avg, exp_avgs)
         state_io.load_shard(self, self.exp_avg_sq, exp_avg_sqs)
@@ -177,7 +177,7 @@ class EngineLifecycle:
             if t.shape != p.shape:
                 raise ValueError(f"master weight of shape {tuple(t.shape)} does not fit parameter {tuple(p.shape)}")
         self._settle()
-        state_io.load_shard(self, self.master, [t.float() for t in tensors])
+        state_io.load_shard(self, self.master, list(tensors))  # converted segment by segment: no full copy
         self.refresh_device_params()
         self.schedule.on_weights_loaded()
 
@@ -238,7 +238,7 @@ class EngineLifecycle:
 
         What the module's parameters hold afterwards (each in its original dtype, on the device):
 
-        - one process: the fp32 master weights (as after a normal close; they are complete on this rank);
+        - one process: the master weights (as after a normal close; they are complete on this rank);
         - several ranks: this rank's device copy of the parameters (the low-precision values the last
           forward used, upcast), because the full master weights are spread over the ranks and gathering
           them needs peers that may be gone. The engine keeps only this rank's shard of the optimizer

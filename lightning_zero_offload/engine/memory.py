@@ -163,7 +163,7 @@ class BufferPool:
 class HostToDevice:
     """Host-to-device copies that never need a model-sized pinned buffer.
 
-    A source already pinned by :func:`host_empty` is copied directly; a pageable one (the fp32 master in
+    A source already pinned by :func:`host_empty` is copied directly; a pageable one (the master in
     ``32-true``, DPU's next parameters) first goes into one of two pinned buffers of ``numel`` elements,
     so the copy stays asynchronous while pinned memory stays bucket-sized. The buffers are made on first
     use, so runs that never copy pageable memory pin nothing extra.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 import torch
@@ -24,7 +24,8 @@ CpuStep = Literal["auto", "sync", "speculative", "delayed"]
 Schedule = Literal["sync", "speculative", "delayed"]
 SpeculationRollback = Literal["auto", "undo", "snapshot"]
 CpuStateDtype = Literal["fp32", "bf16"]
-CPU_STATES = ("fp32", "bf16")
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the cpu_state option -> the state's dtype
+CPU_STATES = tuple(STATE_DTYPES)
 CPU_STEPS = ("auto", "sync", "speculative", "delayed")
 SPECULATION_ROLLBACKS = ("auto", "undo", "snapshot")
 
@@ -266,8 +267,15 @@ def resolve(
         )
 
     pin = options.pin_memory and device.type == "cuda"  # page-locked staging speeds up CUDA copies only
-    state_dtype = torch.bfloat16 if compact else torch.float32
+    state_dtype = STATE_DTYPES[options.cpu_state]
     return Resolved(cpu_step, overlap, max(1, threads), in_place, pin, rollback, delayed, state_dtype, tuple(notes))
+
+
+def with_compact_state(options: OffloadOptions) -> OffloadOptions:
+    """``options`` with ``cpu_state="bf16"``, as a fix to suggest: the rollback left to "auto" (bf16 state
+    refuses "undo"); :func:`resolve` still refuses what bf16 state cannot run (fp16, weight prediction)."""
+    speculative = SpeculativeOptions() if options.speculative.rollback == "undo" else options.speculative
+    return replace(options, cpu_state="bf16", speculative=speculative)
 
 
 def _check_compact_state(options: OffloadOptions, param_dtype: torch.dtype, cpu_step: Schedule) -> None:

@@ -29,8 +29,19 @@ _WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32
 class ParamWriteWatch:
     """Knows what the engine last wrote into the device parameters, and finds writes made since."""
 
-    def __init__(self, layout: Layout, params: list[torch.nn.Parameter], flat_params: torch.Tensor, checksums: bool):
+    def __init__(
+        self,
+        layout: Layout,
+        params: list[torch.nn.Parameter],
+        flat_params: torch.Tensor,
+        checksums: bool,
+        master_dtype: torch.dtype | None = None,
+    ):
         self.layout = layout
+        # A master narrower than the device copy (bf16 state under fp32 parameters) keeps a written value
+        # rounded: the device takes the same rounding, so forward, checkpoints and resumes agree.
+        narrower = master_dtype is not None and master_dtype.itemsize < flat_params.dtype.itemsize
+        self._rounding = master_dtype if narrower else None
         self.params = params
         self.flat_params = flat_params
         self.checksums = checksums  # False in place: the parameters are the master, only reassignment matters
@@ -86,6 +97,9 @@ class ParamWriteWatch:
     def find_writes(self, bucket: Bucket, published: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where this rank's chunk of ``bucket`` on the device differs from ``published`` (the chunk the
         device was given, in its dtype): (written mask, the device chunk on the host). Records the bucket."""
+        if self._rounding is not None:  # every rank rounds the whole bucket alike: no collective needed
+            whole = self.flat_params[bucket.flat_start : bucket.flat_start + bucket.padded_numel]
+            whole.copy_(whole.to(self._rounding))
         rank_start = bucket.flat_start + self.layout.rank * bucket.shard_numel
         device_chunk = self.flat_params[rank_start : rank_start + bucket.shard_numel].cpu()
         words = _WORDS[device_chunk.dtype]

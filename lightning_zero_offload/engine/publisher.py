@@ -52,7 +52,7 @@ class Publisher:
         self.process_group, self.ledger = process_group, ledger
         self.flat_params = device_zeros(layout.flat_numel, dtype, device, "params")
         _attach(layout, params, self.flat_params, copy=True)
-        self.writes = ParamWriteWatch(layout, params, self.flat_params, checksums=True)
+        self.writes = ParamWriteWatch(layout, params, self.flat_params, checksums=True, master_dtype=master_dtype)
         self.writes.record_all()
         max_shard = max(b.shard_numel for b in layout.buckets)
         # Low-precision chunks the updates write into; None where the master has the device dtype already

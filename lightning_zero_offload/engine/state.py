@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def load_shard(engine: EngineParts, shard: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    """Copy this rank's part of full per-parameter tensors into a flat shard buffer."""
+    """Copy this rank's part of full per-parameter tensors into a flat shard buffer (converted to its dtype)."""
     for bucket in engine.layout.buckets:
         for seg in bucket.segments:
             flat = tensors[seg.param_index].reshape(-1)
@@ -35,8 +35,8 @@ def load_shard(engine: EngineParts, shard: torch.Tensor, tensors: list[torch.Ten
 def buffers_shared_for_save(engine: EngineParts, share: bool = True) -> Iterator[None]:
     """Inside: :func:`full_tensors` returns views instead of copies, for a save that writes them at once.
 
-    A full-format save would otherwise hold a second copy of the fp32 weights and both moments (12
-    bytes per parameter) while it writes. With one rank the views are of the engine's flat buffers
+    A full-format save would otherwise hold a second copy of the weights and both moments (12 bytes
+    per parameter of fp32 state, 6 of bf16) while it writes. With one rank the views are of the engine's flat buffers
     (``torch.save`` writes each buffer's storage once, and the file still loads with
     ``weights_only=True``). With several they are views of placeholders on the meta device, one per
     gathered bucket, whose bytes rank 0's writer gathers as it writes them (:class:`BucketStream`): every
@@ -227,8 +227,8 @@ def load_optimizer_state_dict(engine: EngineParts, state_dict: dict[str, Any]) -
         shape = engine.params[index].shape
         if entry is None:
             engine.state.steps[index] = 0
-            exp_avg.append(torch.zeros(shape))
-            exp_avg_sq.append(torch.zeros(shape))
+            exp_avg.append(torch.zeros(shape, dtype=engine.state.dtype))
+            exp_avg_sq.append(torch.zeros(shape, dtype=engine.state.dtype))
             continue
         if entry["exp_avg"].shape != shape:
             raise ValueError(

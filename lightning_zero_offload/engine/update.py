@@ -125,7 +125,7 @@ def update_and_publish(
 
     Pipelined: the worker updates bucket k+1 while bucket k is published. Buckets in ``done`` were
     already updated (speculatively, during backward); their low-precision copy waits in ``done_out``
-    (this rank's shard; None: publish the fp32 master itself). Their copies may still be running on
+    (this rank's shard; None: publish the master itself). Their copies may still be running on
     return: ``engine.wait_publish()`` before writing ``done_out`` or the master again. Buckets in
     ``published`` (a subset of ``done``) are on the device already: published during backward.
     """

@@ -25,10 +25,11 @@ from dataclasses import asdict, fields
 
 import torch
 
+from lightning_zero_offload.engine.options import STATE_DTYPES
 from lightning_zero_offload.planner import presets
 from lightning_zero_offload.planner.largest import PLAIN, largest_models
 from lightning_zero_offload.planner.machine import Machine, measure_machine, with_rates
-from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS, CPU_STATES
+from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS
 from lightning_zero_offload.planner.model import DTYPES, plan
 
 EXIT_FITS = 0
@@ -88,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--accumulate-grad-batches", type=int, default=1)
     p.add_argument("--checkpoint-format", default="full", choices=list(CHECKPOINT_FORMATS))
     p.add_argument(
-        "--cpu-state", default="fp32", choices=list(CPU_STATES), help="dtype of master, moments and gradient buffers"
+        "--cpu-state", default="fp32", choices=list(STATE_DTYPES), help="dtype of master, moments and gradient buffers"
     )
     p.add_argument("--host", choices=sorted(presets.HOSTS), help="a typical host instead of measuring this one")
     p.add_argument("--device", choices=sorted(presets.DEVICES), help="a typical accelerator (needs --host)")

@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import torch
 
+from lightning_zero_offload.engine.options import STATE_DTYPES, with_compact_state
 from lightning_zero_offload.planner.machine import GB, format_gb
-from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS, CPU_STATES, state_bytes_per_param
+from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS, state_bytes_per_param
 from lightning_zero_offload.planner.shape import ModelShape, scaled
 from lightning_zero_offload.planner.verdicts import EXACT_SCHEDULES, Evaluation, evaluate
 
@@ -27,14 +28,17 @@ def fixes_for(shape: ModelShape, args: tuple, memory: Evaluation, asked: str) ->
         return "" if checkpoint_format == asked else f' and checkpoint_format="{checkpoint_format}"'
 
     fixes = []
-    per_param = state_bytes_per_param(CPU_STATES[options.cpu_state])
+    per_param = state_bytes_per_param(STATE_DTYPES[options.cpu_state])
     if fitting_format(memory) not in (None, asked):
         fixes.append(f'checkpoint_format="{fitting_format(memory)}" (a save then gathers no copy of the state)')
     failed = {c.name.split(",")[0].split(" per ")[0] for v in memory.verdicts.values() for c in v.failed}
     device_fails = "device memory" in failed
     if "host RAM" in failed and options.cpu_state == "fp32" and dtype != torch.float16:  # fp16 needs fp32 state
-        compact = evaluate(shape, dtype, machine, devices, num_nodes, replace(options, cpu_state="bf16"), *args[5:])
-        found = fitting_format(compact)
+        try:
+            compact = evaluate(shape, dtype, machine, devices, num_nodes, with_compact_state(options), *args[5:])
+        except ValueError:  # a combination bf16 state refuses (dpu_weight_prediction): not a fix to offer
+            compact = None
+        found = fitting_format(compact) if compact is not None else None
         if found:
 
             def peak(m: Evaluation) -> int:  # the sync step's highest host RAM need (training, setup, save)

@@ -12,7 +12,6 @@ from lightning_zero_offload.engine.options import Resolved
 from lightning_zero_offload.planner.shape import LayoutSummary
 
 SCHEDULES = ("sync", "speculative", "delayed")
-CPU_STATES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the cpu_state option -> the state's dtype
 CHECKPOINT_FORMATS = ("full", "sharded")
 # The buffers the engine's ledger counts as state (memory_report()["host_state_bytes"]); the others are
 # bucket-sized staging, or the device's own memory on a CPU device, or autograd's gradients in place.

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import replace
 
 import torch
 from torch import nn
 
-from lightning_zero_offload.engine.options import OffloadOptions, resolve
+from lightning_zero_offload.engine.options import OffloadOptions, resolve, with_compact_state
 from lightning_zero_offload.planner import probes
 from lightning_zero_offload.planner.machine import format_gb
 from lightning_zero_offload.planner.memory import HostMemory, host_memory, state_bytes_per_param
@@ -94,7 +93,10 @@ def check_host_memory(
             f"a schedule other than delayed saves {format_gb(need.per_rank['grad_second'] * local_world_size)}"
         )
     if schedule == "speculative" and need.per_rank.get("snapshot"):
-        fixes.append(f'speculation_rollback="undo" saves {format_gb(need.per_rank["snapshot"] * local_world_size)}')
+        saved = format_gb(need.per_rank["snapshot"] * local_world_size)
+        # bf16 state rolls back from its snapshot only (a stochastically rounded step cannot be undone)
+        fix = 'speculation_rollback="undo"' if options.cpu_state == "fp32" else 'cpu_step="sync"'
+        fixes.append(f"{fix} saves {saved}")
     if options.checkpoint_format == "full":
         fixes.append(
             f'checkpoint_format="sharded": a full checkpoint also gathers '
@@ -123,11 +125,11 @@ def _compact_state(
     resident: int,
 ) -> HostMemory | None:
     """The host memory with ``cpu_state="bf16"`` instead of fp32 state; None where bf16 state does not apply
-    (already bf16, or a combination it refuses: fp16 parameters, the undo rollback, weight prediction)."""
+    (already bf16, or a combination it refuses: fp16 parameters, weight prediction)."""
     if options.cpu_state != "fp32":
         return None
     try:
-        config = resolve(replace(options, cpu_state="bf16"), device, param_dtype, world_size, local_world_size)
+        config = resolve(with_compact_state(options), device, param_dtype, world_size, local_world_size)
     except ValueError:
         return None
     return host_memory(layout, param_dtype, config, local_world_size, device.type, shape.params, module_bytes=resident)

@@ -49,7 +49,8 @@ class DelayedSchedule(Schedule):
         # Two gradient buffers: backward t+1 fills one while the update of step t reads the other.
         shard = engine.layout.shard_numel
         self.grad_buffers = [engine.state.grad, engine.state.new_buffer()]
-        # The low-precision result waiting to be swapped in (None for fp32 params: the master is published).
+        # The low-precision result waiting to be swapped in (None where the master has the device dtype:
+        # the master is published).
         low_precision = engine.publisher.pool is not None
         self.next_params = host_zeros(shard, engine.param_dtype, False) if low_precision else None
         self.next_from_checkpoint = False  # next_params holds a loaded prediction (kept if saved again)
@@ -292,7 +293,7 @@ class DelayedSchedule(Schedule):
             else:
                 self.next_params.copy_(self.engine.state.master)
         # What the device holds, kept as a run that saved here keeps it (writes before the next step merge).
-        load_shard(self.engine, self.spare_grad, [t.float() for t in pending["device_params"]])
+        load_shard(self.engine, self.spare_grad, pending["device_params"])
         self.engine.publisher.writes.record_all()  # the engine's own write: the device holds the stale weights again
         self.device_holds = SAVED
         self.publish_due = True

@@ -18,7 +18,8 @@ After backward the engine validates:
 Rolling back is ``"undo"`` (the step inverted algebraically by :func:`kernels.adam_undo`: no memory,
 one pass over the step's memory, equal to sync within fp32 rounding; its cost: docs/benchmarks.md,
 "Rolling a speculated step back") or ``"snapshot"`` (the bucket's
-state copied before the step: bitwise, 12 bytes of host memory per parameter and that much extra
+state copied before the step: bitwise, 12 bytes of host memory per parameter (6 with bf16 state, where
+it is the only rollback) and that much extra
 traffic on every speculated step, on the worker). ``"auto"``
 takes the snapshot for fp16, where overflows are routine and the skipped step must leave the state
 exactly as sync does, and undo otherwise (a non-finite bf16/fp32 gradient is an error condition,
@@ -92,7 +93,8 @@ class SpeculativeSchedule(Schedule):
         super().__init__(engine)
         shard = engine.layout.shard_numel
         self.mode = engine.resolved.speculation_rollback  # "undo" or "snapshot" (engine/options.resolve)
-        # Speculated low-precision results wait here until validated (fp32 params: the master is published).
+        # Speculated low-precision results wait here until validated (None where the master has the device
+        # dtype: the master is published).
         self.out = host_zeros(shard, engine.param_dtype, False) if engine.publisher.pool is not None else None
         self.snapshot = [engine.state.new_buffer() for _ in range(3)] if self.mode == "snapshot" else []
         self.bucket_numel = [sum(seg.numel for seg in b.segments) for b in engine.layout.buckets]
@@ -218,7 +220,7 @@ class SpeculativeSchedule(Schedule):
         engine.grads.wait()
         written = [index for index in buckets if index in self.speculated]
         kept = {}
-        if self.out is None:  # fp32: the device was given the master itself, which the rollback changes
+        if self.out is None:  # the device was given the master itself, which the rollback changes
             master, buckets = engine.state.master, engine.layout.buckets
             kept = {i: master[buckets[i].shard_range].clone() for i in written if i in self.early}
         if written:
