@@ -145,7 +145,21 @@ def build(case: str, steps: int):
     return model, data, 50
 
 
-def train(case: str, state: str, steps: int, threads: int, out: Path) -> Path:
+def code_version() -> dict[str, str]:
+    """The commit (``-dirty`` with uncommitted changes) and a hash of the native library the run loaded."""
+    import hashlib
+    import subprocess
+
+    describe = ["git", "-C", str(ROOT), "describe", "--always", "--dirty"]
+    commit = subprocess.run(describe, capture_output=True, text=True).stdout.strip()
+    try:
+        import lightning_zero_offload._native as native
+    except ImportError:  # no native build: the torch reference kernels run
+        return {"commit": commit, "native_sha256": "none"}
+    return {"commit": commit, "native_sha256": hashlib.sha256(Path(native.__file__).read_bytes()).hexdigest()[:16]}
+
+
+def train(case: str, state: str, steps: int, threads: int, out: Path, val_every: int | None = None) -> Path:
     import lightning.pytorch as pl
 
     from lightning_zero_offload import ZeroOffloadStrategy, kernels
@@ -155,8 +169,10 @@ def train(case: str, state: str, steps: int, threads: int, out: Path) -> Path:
     torch.set_num_threads(threads)
     if state == "bf16-nearest":
         kernels.adam_step_bf16_state = nearest_bf16_state_step  # cpu_state.py calls it through the module
+    version = code_version()  # at the start: the tree may change while the arm runs
     pl.seed_everything(SEED, workers=True)
-    model, data, val_every = build(case, steps)
+    model, data, default_val_every = build(case, steps)
+    val_every = val_every or default_val_every
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{case}: {n_params} parameters", flush=True)
 
@@ -212,6 +228,7 @@ def train(case: str, state: str, steps: int, threads: int, out: Path) -> Path:
         threads=threads,
         seconds=round(time.time() - start, 1),
         torch=torch.__version__,
+        **version,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     )
     out.mkdir(parents=True, exist_ok=True)
@@ -221,6 +238,12 @@ def train(case: str, state: str, steps: int, threads: int, out: Path) -> Path:
     return path
 
 
+def late_train_loss(run: dict[str, Any], last: int = 50) -> float:
+    """The mean train loss of the last ``last`` steps (one step's loss is one noisy batch)."""
+    losses = [loss for _, loss in run["train"][-last:]]
+    return sum(losses) / len(losses)
+
+
 def report(out: Path, figure: Path) -> None:
     runs = {}
     for case in CASES:
@@ -228,7 +251,10 @@ def report(out: Path, figure: Path) -> None:
             path = out / f"{case}_{state}.json"
             if path.exists():
                 runs[case, state] = json.loads(path.read_text())
-    header = f"{'case':<13} {'state':<13} {'steps':>5} {'final val':>10} {'vs fp32':>9} {'bar':>6}  result   data order"
+    header = (
+        f"{'case':<13} {'state':<13} {'steps':>5} {'final val':>10} {'vs fp32':>9} {'bar':>6}  {'result':<6} "
+        f"{'max |val diff|':>14} {'train, last 50':>14} {'vs fp32':>8}  data order"
+    )
     print(header)
     print("-" * len(header))
     for case in CASES:
@@ -237,17 +263,25 @@ def report(out: Path, figure: Path) -> None:
             run = runs.get((case, state))
             if run is None:
                 continue
-            final = run["val"][-1][1]
+            final, tail = run["val"][-1][1], late_train_loss(run)
             if base is None or state == "fp32":
-                rel, verdict, order = "", "", ""
+                rel, verdict, worst, tail_rel, order = "", "", "", "", ""
             else:
                 diff = (final - base["val"][-1][1]) / base["val"][-1][1]
                 rel = f"{100 * diff:+.2f}%"
                 verdict = "pass" if abs(diff) <= BAR[case] else "FAIL"
+                # Every validation point, not only the last: the largest relative gap along the curve.
+                points = dict(base["val"])
+                worst = max(abs(v - points[s]) / points[s] for s, v in run["val"] if s in points)
+                worst = f"{100 * worst:.2f}%"
+                tail_rel = f"{100 * (tail - late_train_loss(base)) / late_train_loss(base):+.2f}%"
                 n = min(len(run["batch_sums"]), len(base["batch_sums"]))
                 order = "same" if run["batch_sums"][:n] == base["batch_sums"][:n] else "DIFFERENT"
             bar = f"{100 * BAR[case]:.1f}%"
-            print(f"{case:<13} {state:<13} {run['steps']:>5} {final:>10.4f} {rel:>9} {bar:>6}  {verdict:<8} {order}")
+            print(
+                f"{case:<13} {state:<13} {run['steps']:>5} {final:>10.4f} {rel:>9} {bar:>6}  {verdict:<6} "
+                f"{worst:>14} {tail:>14.4f} {tail_rel:>8}  {order}"
+            )
     if not runs:
         return
     import matplotlib
@@ -289,6 +323,7 @@ def main() -> None:
     parser.add_argument("--case", choices=CASES)
     parser.add_argument("--state", choices=STATES)
     parser.add_argument("--steps", type=int, help="default: 600 (demo), 1000 (llama cases)")
+    parser.add_argument("--val-every", type=int, help="steps between validations; default: 100 (demo), 50 (llama)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--report", action="store_true", help="print the table of --out's arms, draw --figure")
@@ -299,7 +334,7 @@ def main() -> None:
         return
     if args.case is None or args.state is None:
         parser.error("--case and --state are required (or --report)")
-    train(args.case, args.state, args.steps or DEFAULT_STEPS[args.case], args.threads, args.out)
+    train(args.case, args.state, args.steps or DEFAULT_STEPS[args.case], args.threads, args.out, args.val_every)
 
 
 if __name__ == "__main__":

@@ -126,3 +126,20 @@ def test_compact_state_control_rounds_to_nearest_and_loses_what_stochastic_round
     # Stochastic rounding keeps the mean update: the count of elements rounded down to 1 - 2^-8 is
     # binomial (n/39 = 1678 expected, relative sd 2.4%), so 10% of lr is a 4-sigma margin.
     assert abs((1.0 - stochastic[0].double().mean().item()) - lr) < 0.1 * lr
+
+
+@pytest.mark.slow  # a fresh interpreter and a 19M-parameter model
+def test_compact_state_convergence_trains_an_arm_and_reports_it(tmp_path):
+    pytest.importorskip("transformers")
+    script = str(ROOT / "benchmarks" / "compact_state_convergence.py")
+    arm = [sys.executable, script, "--case", "llama", "--state", "bf16-nearest", "--steps", "2", "--out", str(tmp_path)]
+    done = subprocess.run(arm, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    run = json.loads((tmp_path / "llama_bf16-nearest.json").read_text())
+    assert [step for step, _ in run["train"]] == [1, 2] and [step for step, _ in run["val"]] == [2]
+    assert run["parameters"] == 19_241_472
+    figure = tmp_path / "curves.png"
+    report = [sys.executable, script, "--report", "--out", str(tmp_path), "--figure", str(figure)]
+    done = subprocess.run(report, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "llama         bf16-nearest      2" in done.stdout and figure.stat().st_size > 0
