@@ -129,23 +129,30 @@ def main(argv: list[str] | None = None) -> int:
     model = int(args.params) if args.params is not None else build_model(args.model, args.model_args)
     result = plan(
         model,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        devices=args.devices,
-        num_nodes=args.nodes,
-        precision=args.precision,
-        bucket_size_mb=args.bucket_size_mb,
+        **_shared(args),
         cpu_threads=args.cpu_threads,
         accumulate_grad_batches=args.accumulate_grad_batches,
         n_layer=args.n_layer,
         machine=machine,
-        checkpoint_format=args.checkpoint_format,
-        activation_checkpointing=args.activation_checkpointing,
         hidden=args.hidden,
         cpu_state=args.cpu_state,
     )
     print(json.dumps(result.to_dict(), indent=1) if args.json else result)
     return EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT
+
+
+def _shared(args: argparse.Namespace) -> dict:
+    """The arguments ``plan`` and ``largest_models`` take alike."""
+    return {
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "devices": args.devices,
+        "num_nodes": args.nodes,
+        "precision": args.precision,
+        "bucket_size_mb": args.bucket_size_mb,
+        "checkpoint_format": args.checkpoint_format,
+        "activation_checkpointing": args.activation_checkpointing,
+    }
 
 
 def _largest(args: argparse.Namespace, machine: Machine) -> int:
@@ -155,17 +162,6 @@ def _largest(args: argparse.Namespace, machine: Machine) -> int:
             "--largest needs a GPU: give --host and --device (e.g. --device 'H200 SXM (PCIe 5)'), or --device-type "
             "cuda and --device-memory-gb, and --host-memory-gb for the host"
         )
-    result = largest_models(
-        machine,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        n_layer=args.n_layer,
-        devices=args.devices,
-        num_nodes=args.nodes,
-        precision=args.precision,
-        activation_checkpointing=args.activation_checkpointing,
-        checkpoint_format=args.checkpoint_format,
-        bucket_size_mb=args.bucket_size_mb,
-    )
+    result = largest_models(machine, **_shared(args), n_layer=args.n_layer)
     print(json.dumps(asdict(result), indent=1) if args.json else result)
     return EXIT_FITS if any(r.params for r in result.rows if r.setup != PLAIN) else EXIT_DOES_NOT_FIT
