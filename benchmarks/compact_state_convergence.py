@@ -159,7 +159,9 @@ def code_version() -> dict[str, str]:
     return {"commit": commit, "native_sha256": hashlib.sha256(Path(native.__file__).read_bytes()).hexdigest()[:16]}
 
 
-def train(case: str, state: str, steps: int, threads: int, out: Path, val_every: int | None = None) -> Path:
+def train(
+    case: str, state: str, steps: int, threads: int, out: Path, val_every: int | None = None, seed: int = SEED
+) -> Path:
     import lightning.pytorch as pl
 
     from lightning_zero_offload import ZeroOffloadStrategy, kernels
@@ -170,7 +172,7 @@ def train(case: str, state: str, steps: int, threads: int, out: Path, val_every:
     if state == "bf16-nearest":
         kernels.adam_step_bf16_state = nearest_bf16_state_step  # cpu_state.py calls it through the module
     version = code_version()  # at the start: the tree may change while the arm runs
-    pl.seed_everything(SEED, workers=True)
+    pl.seed_everything(seed, workers=True)
     model, data, default_val_every = build(case, steps)
     val_every = val_every or default_val_every
     n_params = sum(p.numel() for p in model.parameters())
@@ -222,6 +224,7 @@ def train(case: str, state: str, steps: int, threads: int, out: Path, val_every:
         record["val"].append([trainer.global_step, float(trainer.callback_metrics["val_loss"])])
     record.update(
         case=case,
+        seed=seed,
         state=state,
         steps=steps,
         parameters=n_params,
@@ -325,6 +328,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="default: 600 (demo), 1000 (llama cases)")
     parser.add_argument("--val-every", type=int, help="steps between validations; default: 100 (demo), 50 (llama)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=SEED, help="another seed measures the run-to-run spread")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--report", action="store_true", help="print the table of --out's arms, draw --figure")
     parser.add_argument("--figure", type=Path, default=FIGURE)
@@ -334,7 +338,8 @@ def main() -> None:
         return
     if args.case is None or args.state is None:
         parser.error("--case and --state are required (or --report)")
-    train(args.case, args.state, args.steps or DEFAULT_STEPS[args.case], args.threads, args.out, args.val_every)
+    steps = args.steps or DEFAULT_STEPS[args.case]
+    train(args.case, args.state, steps, args.threads, args.out, args.val_every, args.seed)
 
 
 if __name__ == "__main__":
