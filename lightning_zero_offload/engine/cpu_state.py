@@ -43,16 +43,15 @@ class CpuState:
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
     ) -> None:
-        shard = layout.shard_numel
         self.layout = layout
         self.group_of = group_of  # param group of each trainable parameter, in optimizer order
         self.dtype = dtype
         self.seed = seed  # of the stochastic rounding (bf16 only), the same on every rank
-        self.master = host_zeros(shard, dtype, False)  # model-sized: never pinned (see HostToDevice)
-        self.exp_avg = host_zeros(shard, dtype, False)
-        self.exp_avg_sq = host_zeros(shard, dtype, False)
+        self.master = self.new_buffer()
+        self.exp_avg = self.new_buffer()
+        self.exp_avg_sq = self.new_buffer()
         # The buffer backward accumulates into now (in place: gradients stay in the tensors autograd made).
-        self.grad: torch.Tensor | None = host_zeros(shard, dtype, False) if keeps_grad else None
+        self.grad: torch.Tensor | None = self.new_buffer() if keeps_grad else None
         self.steps = [0] * len(layout.slots)
         # Each bucket's shift from this rank's shard positions to the elements' global numbers.
         self._element_base = []
@@ -67,7 +66,9 @@ class CpuState:
         return self.dtype == torch.bfloat16
 
     def new_buffer(self) -> torch.Tensor:
-        """A shard-sized buffer of the state's dtype (a second gradient buffer, a snapshot)."""
+        """A shard-sized buffer of the state's dtype (the state's own, a second gradient buffer, a snapshot).
+
+        Model-sized, so never pinned (see HostToDevice)."""
         return host_zeros(self.layout.shard_numel, self.dtype, False)
 
     def element_number(self, bucket: Bucket, shard_position: int) -> int:
