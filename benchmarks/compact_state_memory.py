@@ -38,7 +38,7 @@ def one_case(cpu_state: str, cpu_step: str, params: int) -> dict:
     options = make_offload_options(cpu_state=cpu_state, cpu_step=cpu_step, in_place_on_cpu=False, cpu_threads=2)
     engine = OffloadEngine(torch.optim.AdamW(model.parameters(), lr=1e-3), torch.device("cpu"), torch.bfloat16, options)
     for _ in range(2):
-        engine.expect_step()
+        engine.expect_step(publish_early=True)
         engine.begin_backward()
         model(x.bfloat16()).float().square().mean().backward()
         engine.step(clip_norm=1.0)

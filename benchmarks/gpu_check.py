@@ -91,7 +91,9 @@ def batches(device: torch.device, tiny: bool, n: int, seed: int = 1) -> list[tor
 def step(model: nn.Module, engine: Any, tokens: torch.Tensor) -> Any:
     logits = model(tokens[:, :-1])
     loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-    engine.expect_step()  # as the strategy does: without it the speculative schedule (GPU default) runs as sync
+    # As the strategy does (no hook reads the weights before the step): without it the speculative
+    # schedule (the GPU default) runs as sync.
+    engine.expect_step(publish_early=True)
     engine.begin_backward()
     engine.scale_loss(loss).backward()
     engine.finish_backward()

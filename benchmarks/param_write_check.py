@@ -41,7 +41,7 @@ def make_loop(spec: dict, dtype: torch.dtype, cpu_step: str, watch: bool):
 
     def step(tokens: torch.Tensor) -> float:
         start = time.perf_counter()
-        engine.expect_step()
+        engine.expect_step(publish_early=True)
         with forward_context("cpu", dtype):
             loss = lm_loss(net, tokens)
         engine.begin_backward()

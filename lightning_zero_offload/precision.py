@@ -6,13 +6,16 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+import lightning as L
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_zero_offload.callbacks import OffloadMetrics
 from lightning_zero_offload.core import ENGINE_STATE_KEY, OffloadSession, resolve_precision
 from lightning_zero_offload.mixed_precision import forward_context
 
@@ -60,7 +63,7 @@ class ZeroOffloadPrecision(Precision):
         # In automatic optimization the closure runs the backward that ends the accumulation window, so a
         # step follows it: the speculative schedule may run the CPU step during that backward. (Manual
         # optimization has run its backward already; its step then runs after it, as in sync.)
-        session.engine.expect_step()
+        session.engine.expect_step(publish_early=not _hooks_before_step(model))
         closure_result = closure()
         # Like AMP: training_step returned None in automatic optimization means "skip this step".
         skip = closure_result is None and getattr(model, "automatic_optimization", True)
@@ -140,3 +143,19 @@ class ZeroOffloadPrecision(Precision):
         if self._pending_state is not None:
             session.engine.load_state_dict(self._pending_state)
             self._pending_state = None
+
+
+# The hooks Lightning runs between the closure's backward and the optimizer step.
+_MODULE_HOOKS_BEFORE_STEP = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
+_CALLBACK_HOOKS_BEFORE_STEP = ("on_after_backward", "on_before_optimizer_step")
+
+
+def _hooks_before_step(model: Any) -> bool:
+    """Whether user code runs between backward and the step, where it may read or write the parameters,
+    which must then hold their values from before the step (as under any optimizer) until it runs."""
+    if not isinstance(model, L.LightningModule):
+        return True
+    if any(is_overridden(hook, model, L.LightningModule) for hook in _MODULE_HOOKS_BEFORE_STEP):
+        return True
+    callbacks = [c for c in model.trainer.callbacks if not isinstance(c, OffloadMetrics)]  # ours reads no weights
+    return any(is_overridden(hook, c, L.Callback) for c in callbacks for hook in _CALLBACK_HOOKS_BEFORE_STEP)

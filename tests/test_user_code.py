@@ -108,6 +108,53 @@ def test_parameter_writes_between_steps_are_kept_in_bf16_mixed():
     assert max(float(p.detach().abs().max()) for p in ours.parameters()) <= CLAMP * (1 + 2**-7)
 
 
+class HalveBeforeTheStep(L.Callback):
+    """Reads the weights between backward and the optimizer step, and once halves them there (a
+    read-modify-write): under auto both see the weights from before the step."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        weight = pl_module.net[0].weight
+        self.norms.append(float(weight.detach().float().norm()))
+        if trainer.global_step == 4:
+            with torch.no_grad():
+                weight.mul_(0.5)
+
+
+class HalvesInItsHook(Classifier):
+    """The same in the LightningModule's own ``on_after_backward``."""
+
+    def __init__(self) -> None:
+        super().__init__(scheduler=False, lr=3e-2)
+        self.norms: list[float] = []
+
+    def on_after_backward(self) -> None:
+        self.norms.append(float(self.net[2].weight.detach().float().norm()))
+        if self.trainer.global_step == 4:
+            with torch.no_grad():
+                self.net[2].weight.mul_(0.5)
+
+
+@pytest.mark.parametrize("options", OFFLOAD_32[:2])
+def test_hooks_between_backward_and_step_see_and_write_the_weights_as_under_auto(options):
+    """The speculative step runs during backward: the device must not show its result before step()."""
+    reference, ours = HalveBeforeTheStep(), HalveBeforeTheStep()
+    reference_model, _ = fit("auto", callbacks=[reference])
+    our_model, trainer = fit(ZeroOffloadStrategy(**options), callbacks=[ours])
+    assert ours.norms == pytest.approx(reference.norms, rel=0, abs=1e-5)
+    assert_same_model(our_model, reference_model)
+    assert getattr(trainer.strategy.engine.schedule, "early_published", 0) == 0
+    if options.get("cpu_step") == "speculative":  # without such a hook the speculated steps go out during backward
+        _, plain = fit(ZeroOffloadStrategy(**options))
+        assert plain.strategy.engine.schedule.early_published > 0
+    reference_module, _ = fit("auto", model=HalvesInItsHook())
+    our_module, _ = fit(ZeroOffloadStrategy(**options), model=HalvesInItsHook())
+    assert our_module.norms == pytest.approx(reference_module.norms, rel=0, abs=1e-5)
+    assert_same_model(our_module, reference_module)
+
+
 class LossesAtWeights(L.Callback):
     """The training loss of each step: equal runs see equal weights at every forward."""
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Collection
 
 import torch
 import torch.distributed as dist
@@ -44,20 +43,21 @@ from lightning_zero_offload.engine.cpu_state import CpuState, ParkedState, round
 from lightning_zero_offload.engine.failures import NonFinitePolicy
 from lightning_zero_offload.engine.gradient_source import GradientSource, global_summary
 from lightning_zero_offload.engine.grads import GradientStreamer
-from lightning_zero_offload.engine.in_place import InPlaceGradients, update_in_place, update_in_place_checked
-from lightning_zero_offload.engine.layout import Bucket, Layout, build_layout
+from lightning_zero_offload.engine.in_place import InPlaceGradients, InPlaceUpdate
+from lightning_zero_offload.engine.layout import Layout, build_layout
 from lightning_zero_offload.engine.ledger import records_allocations
 from lightning_zero_offload.engine.lifecycle import EngineLifecycle
 from lightning_zero_offload.engine.memory import can_pin
 from lightning_zero_offload.engine.optimizer_hooks import has_step_hooks, step_hooks
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
+from lightning_zero_offload.engine.parts import ScheduleParts, Update
 from lightning_zero_offload.engine.publisher import LOW_PRECISION, NullPublisher, Publisher
 from lightning_zero_offload.engine.save_sharing import SaveSharing
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, make_schedule
 from lightning_zero_offload.engine.stats import StepStats
 from lightning_zero_offload.engine.streams import worker_pool
-from lightning_zero_offload.engine.update import make_plan, read_all_hyperparams, update_and_publish
+from lightning_zero_offload.engine.update import UpdatePipeline
 
 __all__ = ["OffloadEngine", "StepStats"]
 
@@ -106,7 +106,7 @@ class OffloadEngine(EngineLifecycle):
         self._world, self._rank = world, rank
         self._backward_start: float | None = None
         self._backward_s = 0.0
-        self._step_expected = False
+        self._step_expected = self._publish_early = False
         self.step_calls = 0
         self.skipped_steps = 0
         self.nonfinite = NonFinitePolicy(options.max_consecutive_skipped_steps, self.scaler)
@@ -150,23 +150,34 @@ class OffloadEngine(EngineLifecycle):
             self.layout, self.group_of, not self.in_place, self.resolved.state_dtype, self._rounding_seed
         )
         self._original_dtypes = [p.dtype for p in self.params]
-        state_io.load_shard(self, self.master, [p.detach() for p in self.params])
+        state_io.load_shard(self.layout, self.master, [p.detach() for p in self.params])
 
-        # The device copy of the parameters and the gradients' way to the CPU: in place, neither moves.
+        # The device copy of the parameters, the gradients' way to the CPU and the update: in place, neither
+        # moves and the update is one native call per param group.
         self.publisher: Publisher | NullPublisher
         self.grads: GradientSource
+        self.update: Update
         if self.in_place:
             self.publisher = NullPublisher(self.layout, self.params, self.master)
-            self.grads = InPlaceGradients(self.params, self.num_threads)
-            # Per-parameter views of master and moments, for the step (fixed: the buffers are never replaced).
-            self.param_views = self.state.param_views()
-            self._update = self._update_in_place
+            in_place_grads = InPlaceGradients(self.params, self.num_threads)
+            self.grads = in_place_grads
+            self.update = InPlaceUpdate(optimizer, self.group_of, self.state, in_place_grads, self.num_threads)
         else:
             group, ledger = self.process_group, self.ledger
-            self.publisher = Publisher(
+            publisher = Publisher(
                 self.layout, self.params, device, param_dtype, self.pin, group, ledger, self.state.dtype
             )
-            self._update = self._update_offload
+            self.publisher = publisher
+            self.update = UpdatePipeline(
+                optimizer,
+                self.group_of,
+                self.layout,
+                self.state,
+                publisher,
+                self.updater,
+                self.overlap,
+                self.num_threads,
+            )
             self.grads = GradientStreamer(
                 self.layout,
                 self.params,
@@ -181,7 +192,20 @@ class OffloadEngine(EngineLifecycle):
         if self.state.dtype != param_dtype and param_dtype == torch.float32:
             # bf16 state under fp32 parameters: the device computes with the master's (bf16) values from the start.
             self.publisher.refresh(self.state.master)
-        self.schedule = make_schedule(self.cpu_step, self)
+        parts = ScheduleParts(
+            self.layout,
+            self.state,
+            self.grads,
+            self.publisher,
+            self.update,
+            self.params,
+            device,
+            param_dtype,
+            self.num_threads,
+            self.resolved,
+            control=self,
+        )
+        self.schedule = make_schedule(self.cpu_step, parts)
 
     # -- training ------------------------------------------------------------------------------
 
@@ -192,15 +216,21 @@ class OffloadEngine(EngineLifecycle):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.loss_scale if self.scaler is not None else loss
 
-    def expect_step(self, follows: bool = True) -> None:
+    def expect_step(self, follows: bool = True, publish_early: bool = False) -> None:
         """Announce that the next backward ends an accumulation window: ``step()`` follows it.
 
         Only then may the speculative schedule run the CPU step during that backward. Without the
         announcement (manual optimization, a caller that cannot know) the step runs after backward, as
         in sync. A backward that was announced but not followed by ``step()`` is rolled back when the
         next backward begins.
+
+        ``publish_early``: nothing reads or writes the parameters between that backward and ``step()``,
+        so they may show the step's result before it is called: the speculative schedule then copies each
+        updated bucket to the device during backward. Otherwise they keep their values until ``step()``,
+        as with any optimizer (the Trainer passes True unless a hook of the user's runs in between).
         """
         self._step_expected = follows
+        self._publish_early = follows and publish_early
 
     def before_training_forward(self) -> None:
         """Call before each training forward (the front ends do; ``begin_backward`` too, as a fallback).
@@ -221,8 +251,10 @@ class OffloadEngine(EngineLifecycle):
         self._grad_summary = None  # more gradient is coming
         if self.schedule.updates_during_backward:  # otherwise step() is the first to use the master
             self.absorb_param_writes()
-        self.schedule.on_backward_start(self._step_expected)
-        self._step_expected = False
+        # A step pre-hook reads the parameters as they were before the step, like the caller's own code.
+        publish_early = self._publish_early and not has_step_hooks(self.optimizer, ("pre",))
+        self.schedule.on_backward_start(self._step_expected, publish_early)
+        self._step_expected = self._publish_early = False
         self.grads.begin()
 
     def finish_backward(self) -> None:
@@ -244,7 +276,7 @@ class OffloadEngine(EngineLifecycle):
         start = time.perf_counter()
         self.grads.finish_backward()
         self.schedule.on_backward_end()
-        self._step_expected = False
+        self._step_expected = self._publish_early = False
         stats = StepStats(loss_scale=self.loss_scale, backward_s=self._backward_s)
         stats.transfer_wait_s, stats.transfer_s = self.grads.take_timings()
         self._backward_s = 0.0
@@ -291,11 +323,12 @@ class OffloadEngine(EngineLifecycle):
         return stats
 
     def _undoable(self) -> bool:
-        return all(kernels.can_undo(hp) for hp in read_all_hyperparams(self))
+        return all(kernels.can_undo(hp) for hp in self.update.hyperparams())
 
     def _step_checked(self, stats: StepStats) -> None:
         """The in-place step without clipping: applied only if the gradients are finite, as the others."""
-        applied, sumsq, stats.cpu_step_s = update_in_place_checked(self)
+        assert isinstance(self.update, InPlaceUpdate)  # only the in-place source checks in the update
+        applied, sumsq, stats.cpu_step_s = self.update.update_checked()
         stats.grad_norm = math.sqrt(sumsq) if applied else math.inf
         if applied:
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -344,32 +377,6 @@ class OffloadEngine(EngineLifecycle):
             self._grad_summary = global_summary(self.grads, world, self.process_group, self.device)
         return self._grad_summary
 
-    def update_now(
-        self,
-        has_grad: list[bool],
-        multiplier: float,
-        done: Collection[int] = (),
-        done_out: torch.Tensor | None = None,
-    ) -> tuple[float, float]:
-        """Plan the step (counting it) and update every bucket not in ``done`` now, publishing each one;
-        returns (update, publish) seconds (engine/update.py). In place: one native call per param group,
-        and nothing to publish (the update chosen with the parts, in ``_build``)."""
-        return self._update(has_grad, multiplier, done, done_out)
-
-    def _update_offload(
-        self, has_grad: list[bool], multiplier: float, done: Collection[int], done_out: torch.Tensor | None
-    ) -> tuple[float, float]:
-        return update_and_publish(self, make_plan(self, has_grad, multiplier), done, done_out)
-
-    def _update_in_place(
-        self, has_grad: list[bool], multiplier: float, done: Collection[int], done_out: torch.Tensor | None
-    ) -> tuple[float, float]:
-        return update_in_place(self, multiplier), 0.0  # every parameter's gradient is where autograd left it
-
-    def clamp_grads(self, limit: float) -> None:
-        """Clip by value on the stored (loss-scaled) gradients of this window."""
-        self.grads.for_each_grad_range(lambda g: g.clamp_(-limit, limit))
-
     def sync(self) -> None:
         """Make the device parameters fully up to date (before evaluation, or at the end of training)."""
         self.schedule.sync()
@@ -389,17 +396,6 @@ class OffloadEngine(EngineLifecycle):
             return 0
         self.schedule.before_param_writes_merge(written)
         return sum(self.schedule.merge_param_writes(self.layout.buckets[i]) for i in written)
-
-    # -- publishing to the device --------------------------------------------------------------
-
-    def publish(self, bucket: Bucket, out: torch.Tensor | None, pooled: bool = True) -> None:
-        """Copy this rank's updated chunk of ``bucket`` to the device and gather the other chunks.
-
-        ``out`` holds the low-precision chunk (None: copy the master itself); ``pooled``: it came
-        from ``publish_pool`` and goes back to it once copied.
-        """
-        source = self.master[bucket.shard_range] if out is None else out[: bucket.shard_numel]
-        self.publisher.publish(bucket, source, out, pooled)
 
 
 def _check_clip(name: str, value: float | None) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +32,7 @@ from lightning_zero_offload.engine.grads import check_gradient, register_grad_ho
 from lightning_zero_offload.engine.update import read_all_hyperparams
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.parts import EngineParts
+    from lightning_zero_offload.engine.cpu_state import CpuState
 
 
 class InPlaceGradients:
@@ -143,73 +143,100 @@ class InPlaceGradients:
 # -- the in-place step (the engine's update when its gradient source is InPlaceGradients) -------
 
 
-def in_place_calls(engine: EngineParts) -> dict[int, tuple[list[torch.Tensor], ...]]:
-    """The in-place step's kernel arguments per param group: (params, grads, exp_avgs, exp_avg_sqs), for
-    every parameter that got a gradient; its step number is ``engine.state.steps[i] + 1``."""
-    calls: dict[int, tuple[list[torch.Tensor], ...]] = {}
-    masters, exp_avgs, exp_avg_sqs = engine.param_views
-    for index, grad in enumerate(engine.grads.grads):
-        if grad is None:  # no gradient this step: torch leaves the parameter alone
-            continue
-        p, g, m, v, indices = calls.setdefault(engine.group_of[index], ([], [], [], [], []))
-        p.append(masters[index])
-        g.append(grad.view(-1))
-        m.append(exp_avgs[index])
-        v.append(exp_avg_sqs[index])
-        indices.append(index)
-    return calls
-
-
-def update_in_place(engine: EngineParts, multiplier: float) -> float:
-    """The in-place engine's step (engine/in_place.py): one native call per param group; returns seconds.
+class InPlaceUpdate:
+    """The in-place step: one native Adam call per param group over the gradients autograd left.
 
     Per parameter, the kernel sees what the offload path's plan would give it: the group's
     hyperparameters, the parameter's own step number and the clip x unscale multiplier.
     """
-    hparams = read_all_hyperparams(engine)
-    t = time.perf_counter()
-    for group, (p, g, m, v, indices) in in_place_calls(engine).items():
-        steps = [engine.state.steps[i] + 1 for i in indices]
-        kernels.adam_step_multi(
-            p, g, m, v, steps, hparams=hparams[group], grad_scale=multiplier, num_threads=engine.num_threads
-        )
-        engine.state.count_steps(indices)
-    return time.perf_counter() - t
 
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        group_of: list[int],
+        state: CpuState,
+        grads: InPlaceGradients,
+        num_threads: int,
+    ) -> None:
+        self.optimizer = optimizer  # hyperparameters are read live from its param groups
+        self.group_of = group_of
+        self.state = state
+        self.grads = grads
+        self.num_threads = num_threads
+        # Per-parameter views of master and moments (fixed: the buffers are never replaced).
+        self.param_views = state.param_views()
 
-def update_in_place_checked(engine: EngineParts) -> tuple[bool, float, float]:
-    """The in-place step without clipping, with the norm and inf/nan check inside the update; returns
-    (applied, sum of squares of the gradients, seconds).
+    def hyperparams(self) -> list[kernels.AdamArgs]:
+        return read_all_hyperparams(self.optimizer)
 
-    The gradients were not read since backward (``InPlaceGradients.eager_sums``): a separate pass for
-    their norm would cost 4 of the step's 28 bytes per parameter. If one holds inf/nan, every group
-    already updated is taken back (to within about one fp32 ulp) and nothing counts as a step.
-    """
-    hparams = read_all_hyperparams(engine)
-    t = time.perf_counter()
-    done: list[tuple[int, tuple[list[torch.Tensor], ...]]] = []
-    sumsq = 0.0
-    for group, call in in_place_calls(engine).items():
-        p, g, m, v, indices = call
-        steps = [engine.state.steps[i] + 1 for i in indices]
-        group_sumsq, applied = kernels.adam_step_multi_if_finite(
-            p, g, m, v, steps, hparams=hparams[group], num_threads=engine.num_threads
-        )
-        if not applied:
-            for earlier, applied_call in done:
-                for param, grad, exp_avg, exp_avg_sq, index in zip(*applied_call):
-                    step = engine.state.steps[index] + 1
-                    kernels.adam_undo(
-                        param,
-                        grad,
-                        exp_avg,
-                        exp_avg_sq,
-                        hparams=hparams[earlier],
-                        step=step,
-                        num_threads=engine.num_threads,
-                    )
-            return False, math.inf, time.perf_counter() - t
-        sumsq += group_sumsq
-        done.append((group, call))
-    engine.state.count_steps(i for _, (*_, indices) in done for i in indices)
-    return True, sumsq, time.perf_counter() - t
+    def calls(self) -> dict[int, tuple[list[torch.Tensor], ...]]:
+        """The step's kernel arguments per param group: (params, grads, exp_avgs, exp_avg_sqs, indices),
+        for every parameter that got a gradient; its step number is ``state.steps[i] + 1``."""
+        calls: dict[int, tuple[list[torch.Tensor], ...]] = {}
+        masters, exp_avgs, exp_avg_sqs = self.param_views
+        for index, grad in enumerate(self.grads.grads):
+            if grad is None:  # no gradient this step: torch leaves the parameter alone
+                continue
+            p, g, m, v, indices = calls.setdefault(self.group_of[index], ([], [], [], [], []))
+            p.append(masters[index])
+            g.append(grad.view(-1))
+            m.append(exp_avgs[index])
+            v.append(exp_avg_sqs[index])
+            indices.append(index)
+        return calls
+
+    def update_now(
+        self,
+        has_grad: list[bool],
+        multiplier: float,
+        done: Collection[int] = (),
+        done_out: torch.Tensor | None = None,
+        published: Collection[int] = (),
+    ) -> tuple[float, float]:
+        """The step (every parameter's gradient is where autograd left it); returns (update seconds, 0):
+        nothing is published, the parameters are the master. Nothing speculates in place (sync only)."""
+        hparams = self.hyperparams()
+        t = time.perf_counter()
+        for group, (p, g, m, v, indices) in self.calls().items():
+            steps = [self.state.steps[i] + 1 for i in indices]
+            kernels.adam_step_multi(
+                p, g, m, v, steps, hparams=hparams[group], grad_scale=multiplier, num_threads=self.num_threads
+            )
+            self.state.count_steps(indices)
+        return time.perf_counter() - t, 0.0
+
+    def update_checked(self) -> tuple[bool, float, float]:
+        """The step without clipping, with the norm and inf/nan check inside the update; returns
+        (applied, sum of squares of the gradients, seconds).
+
+        The gradients were not read since backward (``InPlaceGradients.eager_sums``): a separate pass for
+        their norm would cost 4 of the step's 28 bytes per parameter. If one holds inf/nan, every group
+        already updated is taken back (to within about one fp32 ulp) and nothing counts as a step.
+        """
+        hparams = self.hyperparams()
+        t = time.perf_counter()
+        done: list[tuple[int, tuple[list[torch.Tensor], ...]]] = []
+        sumsq = 0.0
+        for group, call in self.calls().items():
+            p, g, m, v, indices = call
+            steps = [self.state.steps[i] + 1 for i in indices]
+            group_sumsq, applied = kernels.adam_step_multi_if_finite(
+                p, g, m, v, steps, hparams=hparams[group], num_threads=self.num_threads
+            )
+            if not applied:
+                for earlier, applied_call in done:
+                    for param, grad, exp_avg, exp_avg_sq, index in zip(*applied_call):
+                        kernels.adam_undo(
+                            param,
+                            grad,
+                            exp_avg,
+                            exp_avg_sq,
+                            hparams=hparams[earlier],
+                            step=self.state.steps[index] + 1,
+                            num_threads=self.num_threads,
+                        )
+                return False, math.inf, time.perf_counter() - t
+            sumsq += group_sumsq
+            done.append((group, call))
+        self.state.count_steps(i for _, (*_, indices) in done for i in indices)
+        return True, sumsq, time.perf_counter() - t

@@ -58,6 +58,10 @@ class EngineLifecycle:
         """Write the master weights (rounded to the device dtype) into the device parameters."""
         self.publisher.refresh(self.state.master)
 
+    def full_tensors(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Full per-parameter tensors of a flat shard-sized buffer (a collective when sharded; engine/state.py)."""
+        return state_io.full_tensors(self, shard)
+
     # -- the CPU state (engine/cpu_state.py owns it; read-only views for readers of one rank's shard) --
 
     @property
@@ -116,10 +120,10 @@ class EngineLifecycle:
         self._parked.park(self.params, exp_avgs, exp_avg_sqs, self.steps)
         kept_masters = {id(p): weight for p, weight in zip(self.params, masters)}
         self._build()
-        state_io.load_shard(self, self.master, [kept_masters.get(id(p), p.detach()) for p in self.params])
+        state_io.load_shard(self.layout, self.master, [kept_masters.get(id(p), p.detach()) for p in self.params])
         exp_avgs, exp_avg_sqs, self.state.steps = self._parked.unpark(self.params)
-        state_io.load_shard(self, self.exp_avg, exp_avgs)
-        state_io.load_shard(self, self.exp_avg_sq, exp_avg_sqs)
+        state_io.load_shard(self.layout, self.exp_avg, exp_avgs)
+        state_io.load_shard(self.layout, self.exp_avg_sq, exp_avg_sqs)
         self.refresh_device_params()
         self.schedule.load_state_dict({"name": self.schedule.name, **schedule_state})
         return True
@@ -177,7 +181,7 @@ class EngineLifecycle:
             if t.shape != p.shape:
                 raise ValueError(f"master weight of shape {tuple(t.shape)} does not fit parameter {tuple(p.shape)}")
         self._settle()
-        state_io.load_shard(self, self.master, list(tensors))  # converted segment by segment: no full copy
+        state_io.load_shard(self.layout, self.master, list(tensors))  # converted segment by segment: no full copy
         self.refresh_device_params()
         self.schedule.on_weights_loaded()
 

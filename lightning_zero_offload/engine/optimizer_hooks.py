@@ -40,9 +40,9 @@ def _own_hooks(optimizer: torch.optim.Optimizer, kind: str) -> dict[int, Any]:
     return getattr(optimizer, f"_optimizer_step_{kind}_hooks", {})
 
 
-def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether any step hook (global or this optimizer's) is registered now."""
-    return any(_global_hooks(kind) or _own_hooks(optimizer, kind) for kind in ("pre", "post"))
+def has_step_hooks(optimizer: torch.optim.Optimizer, kinds: tuple[str, ...] = ("pre", "post")) -> bool:
+    """Whether any step hook (global or this optimizer's) of these kinds is registered now."""
+    return any(_global_hooks(kind) or _own_hooks(optimizer, kind) for kind in kinds)
 
 
 @contextmanager

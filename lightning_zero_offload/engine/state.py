@@ -20,19 +20,20 @@ from lightning_zero_offload.engine.collectives import all_reduce_sum, gather_hos
 from lightning_zero_offload.engine.save_sharing import Placeholders
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.parts import EngineParts
+    from lightning_zero_offload.engine.layout import Layout
+    from lightning_zero_offload.engine.parts import ShardedState
 
 
-def load_shard(engine: EngineParts, shard: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+def load_shard(layout: Layout, shard: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Copy this rank's part of full per-parameter tensors into a flat shard buffer (converted to its dtype)."""
-    for bucket in engine.layout.buckets:
+    for bucket in layout.buckets:
         for seg in bucket.segments:
             flat = tensors[seg.param_index].reshape(-1)
             shard[seg.shard_start : seg.shard_end].copy_(flat[seg.param_start : seg.param_start + seg.numel])
 
 
 @contextmanager
-def buffers_shared_for_save(engine: EngineParts, share: bool = True) -> Iterator[None]:
+def buffers_shared_for_save(engine: ShardedState, share: bool = True) -> Iterator[None]:
     """Inside: :func:`full_tensors` returns views instead of copies, for a save that writes them at once.
 
     A full-format save would otherwise hold a second copy of the weights and both moments (12 bytes
@@ -52,7 +53,7 @@ def buffers_shared_for_save(engine: EngineParts, share: bool = True) -> Iterator
         sharing.share = previous
 
 
-def full_tensors(engine: EngineParts, shard: torch.Tensor) -> list[torch.Tensor]:
+def full_tensors(engine: ShardedState, shard: torch.Tensor) -> list[torch.Tensor]:
     """Assemble full per-parameter tensors from every rank's shard (a collective if sharded).
 
     Copies, unless inside :func:`buffers_shared_for_save` (then views that change with the next step,
@@ -85,7 +86,7 @@ class BucketStream:
     holds at most the largest bucket beyond its own state, and the others nothing.
     """
 
-    def __init__(self, engine: EngineParts, broadcast: Callable[[Any], Any]) -> None:
+    def __init__(self, engine: ShardedState, broadcast: Callable[[Any], Any]) -> None:
         self.engine, self.broadcast = engine, broadcast
         self.registry = engine.save_sharing.placeholders
         self.order: list[int] | None = None  # announced and agreed, in file order
@@ -131,7 +132,7 @@ class BucketStream:
         self.buffer = None
 
 
-def serve_full_save(engine: EngineParts, broadcast: Callable[[Any], Any], what: str) -> None:
+def serve_full_save(engine: ShardedState, broadcast: Callable[[Any], Any], what: str) -> None:
     """A rank other than 0 in a streamed full save: send this rank's part of each bucket rank 0 asks for.
 
     Raises the error rank 0's save failed with, naming ``what`` was being saved.
@@ -154,7 +155,7 @@ def _nbytes(registry: Placeholders, number: int) -> int:
     return numel * shard.element_size()
 
 
-def _check_plan(engine: EngineParts, registry: Placeholders, order: list[int]) -> None:
+def _check_plan(engine: ShardedState, registry: Placeholders, order: list[int]) -> None:
     """Every rank holds every placeholder rank 0 will write (one small all-reduce), or every rank raises."""
     missing = sum(number not in registry.sources for number in order)
     total = all_reduce_sum(torch.tensor([float(missing)]), engine.process_group, engine.device)
@@ -166,7 +167,7 @@ def _check_plan(engine: EngineParts, registry: Placeholders, order: list[int]) -
         )
 
 
-def param_groups_state(engine: EngineParts) -> list[dict[str, Any]]:
+def param_groups_state(engine: ShardedState) -> list[dict[str, Any]]:
     """The optimizer's hyperparameters, numbered as in ``torch.optim.Optimizer.state_dict``."""
     groups = []
     counter = 0
@@ -178,7 +179,7 @@ def param_groups_state(engine: EngineParts) -> list[dict[str, Any]]:
     return groups
 
 
-def optimizer_state_dict(engine: EngineParts) -> dict[str, Any]:
+def optimizer_state_dict(engine: ShardedState) -> dict[str, Any]:
     """The optimizer state in ``torch.optim.AdamW``'s format (full tensors, collective when sharded)."""
     exp_avg = full_tensors(engine, engine.state.exp_avg)
     exp_avg_sq = full_tensors(engine, engine.state.exp_avg_sq)
@@ -193,7 +194,7 @@ def optimizer_state_dict(engine: EngineParts) -> dict[str, Any]:
     return {"state": state, "param_groups": param_groups_state(engine)}
 
 
-def _note_conversion(engine: EngineParts, saved: list[torch.dtype]) -> None:
+def _note_conversion(engine: ShardedState, saved: list[torch.dtype]) -> None:
     """One line when the moments come in another dtype than the state's (a cpu_state change between runs)."""
     kept = engine.state.dtype
     other = next((dtype for dtype in saved if dtype != kept), None)
@@ -208,7 +209,7 @@ def _note_conversion(engine: EngineParts, saved: list[torch.dtype]) -> None:
     )
 
 
-def load_optimizer_state_dict(engine: EngineParts, state_dict: dict[str, Any]) -> None:
+def load_optimizer_state_dict(engine: ShardedState, state_dict: dict[str, Any]) -> None:
     """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam)."""
     optimizer = engine.optimizer
     groups = state_dict["param_groups"]
@@ -238,7 +239,7 @@ def load_optimizer_state_dict(engine: EngineParts, state_dict: dict[str, Any]) -
         engine.state.steps[index] = int(float(entry["step"]))
         exp_avg.append(entry["exp_avg"])
         exp_avg_sq.append(entry["exp_avg_sq"])
-    load_shard(engine, engine.state.exp_avg, exp_avg)
-    load_shard(engine, engine.state.exp_avg_sq, exp_avg_sq)
+    load_shard(engine.layout, engine.state.exp_avg, exp_avg)
+    load_shard(engine.layout, engine.state.exp_avg_sq, exp_avg_sq)
     for group, saved in zip(optimizer.param_groups, groups):
         group.update({k: v for k, v in saved.items() if k != "params"})

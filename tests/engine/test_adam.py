@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -178,18 +177,17 @@ def test_every_step_reads_the_groups_with_their_index_in_the_error() -> None:
     names its group as check_optimizer's does at setup."""
     optimizer = torch.optim.AdamW(_param(), lr=0.01)
     optimizer.add_param_group({"params": _param()})
-    engine = SimpleNamespace(optimizer=optimizer)  # the only attribute read_all_hyperparams uses
-    assert [hp.lr for hp in read_all_hyperparams(engine)] == [0.01, 0.01]
+    assert [hp.lr for hp in read_all_hyperparams(optimizer)] == [0.01, 0.01]
     optimizer.param_groups[1]["amsgrad"] = True  # what a callback may do mid-run
     with pytest.raises(ValueError, match=r"^param_groups\[1\]: amsgrad=True is not supported"):
-        read_all_hyperparams(engine)
+        read_all_hyperparams(optimizer)
     optimizer.param_groups[1]["amsgrad"] = False
     optimizer.param_groups[1]["lr"] = float("nan")
     with pytest.raises(ValueError, match=r"^param_groups\[1\]: lr must be finite, got nan"):
-        read_all_hyperparams(engine)
+        read_all_hyperparams(optimizer)
     optimizer.param_groups[1]["lr"] = None
     with pytest.raises(TypeError, match=r"^param_groups\[1\]: "):
-        read_all_hyperparams(engine)
+        read_all_hyperparams(optimizer)
 
 
 def test_cpuadam_refuses_amsgrad_switched_on_after_construction() -> None:

@@ -38,7 +38,7 @@ def train(net, engine, data, dtype, clip=None, accumulate=1, announce=True):
     for step_batches in zip(*[iter(data)] * accumulate):
         for i, batch in enumerate(step_batches):
             if announce:
-                engine.expect_step(i == accumulate - 1)
+                engine.expect_step(i == accumulate - 1, publish_early=True)
             engine.begin_backward()
             loss_fn(net, as_input(batch, dtype)).backward()
             engine.finish_backward()
@@ -213,7 +213,7 @@ def test_a_nan_gradient_skips_the_step_bitwise():
         net, engine = compact_engine(cpu_step=cpu_step)
         train(net, engine, batches(3), torch.bfloat16)
         before = [t.clone() for t in (engine.state.master, engine.state.exp_avg, engine.state.exp_avg_sq)]
-        engine.expect_step()
+        engine.expect_step(publish_early=True)
         engine.begin_backward()
         (loss_fn(net, as_input(batches(1)[0], torch.bfloat16)) * float("nan")).backward()
         with pytest.warns(RuntimeWarning, match="Non-finite gradients"):
@@ -303,3 +303,26 @@ def test_a_write_under_fp32_parameters_is_kept_as_the_bf16_master_holds_it(cpu_s
     assert torch.equal(masters[index], written.to(torch.bfloat16))
     for p, master in zip(engine.params, masters):
         assert torch.equal(p.detach(), master.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_write_between_backward_and_step_on_a_speculated_bucket_trains_as_sync(dtype):
+    """The written bucket was speculated and published during backward: it is rolled back and updated from
+    the written values, and what the device was given is compared in the device's dtype (fp32 over bf16)."""
+    results = {}
+    for cpu_step in ("sync", "speculative"):
+        net, engine = compact_engine(dtype, cpu_step=cpu_step)
+        for step, batch in enumerate(batches(4)):
+            engine.expect_step(publish_early=True)
+            engine.begin_backward()
+            loss_fn(net, as_input(batch, dtype)).backward()
+            engine.finish_backward()
+            if step == 2:
+                with torch.no_grad():
+                    net[4].bias.fill_(0.75)
+            engine.step()
+        if cpu_step == "speculative":
+            assert engine.schedule.rollbacks > 0 and engine.schedule.early_published > 0
+        results[cpu_step] = engine.master_params()
+    for a, b in zip(results["sync"], results["speculative"]):
+        assert torch.equal(a, b)

@@ -100,7 +100,7 @@ def test_has_step_hooks_sees_global_and_own_hooks():
 def drive(engine: OffloadEngine, net, batch, speculative: bool) -> None:
     """One step as the strategy drives it (the speculative schedule needs the step announced)."""
     if speculative:
-        engine.expect_step()
+        engine.expect_step(publish_early=True)
     engine.begin_backward()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=engine.param_dtype == torch.bfloat16):
         loss = loss_fn(net, batch)

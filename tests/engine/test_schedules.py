@@ -72,7 +72,7 @@ def train(
         for micro in range(accumulate):
             x, y = data[step * accumulate + micro]
             if micro == accumulate - 1 or announce_every_backward:
-                engine.expect_step()
+                engine.expect_step(publish_early=True)
             engine.begin_backward()
             net.poison = step == inf_at and micro == accumulate - 1
             with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
@@ -199,7 +199,7 @@ def test_resume_from_engine_state_is_bitwise(cpu_step):
         for micro in range(2):
             x, y = data[step * 2 + micro]
             if micro == 1:
-                engine.expect_step()
+                engine.expect_step(publish_early=True)
             engine.begin_backward()
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss = nn.functional.cross_entropy(net(x, step).float(), y) / 2

@@ -91,6 +91,8 @@ def train(
     checkpointed: bool = False,
     detached_alias: bool = False,
     publish: bool = True,
+    publish_early: bool = True,
+    halve_at: int | None = None,
     **kwargs,
 ) -> tuple[OffloadEngine, TiedLM, list[StepStats]]:
     net = TiedLM(checkpointed, detached_alias)
@@ -106,7 +108,7 @@ def train(
         for micro in range(2):
             tokens, _ = data[2 * step + micro]
             if micro == 1:
-                engine.expect_step()
+                engine.expect_step(publish_early=publish_early)
             engine.begin_backward()
             with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
                 logits = net(tokens).float()
@@ -119,6 +121,10 @@ def train(
             with torch.no_grad():  # values no weight has: a write of the value the device shows is no write
                 net.layers[-1].weight[0, :3] = 3.0
                 net.shared.weight[1, 1] = -5.0
+        if step == halve_at:  # a read-modify-write there: it must see the weights from before the step
+            with torch.no_grad():
+                for p in net.parameters():
+                    p.mul_(0.5)
         history.append(engine.step(clip_norm=clip_norm))
     return engine, net, history
 
@@ -195,7 +201,7 @@ def test_a_skipped_step_after_early_publish_restores_the_device_bitwise():
     before = [p.detach().clone() for p in net.parameters()]
     early = published_early(engine)
     tokens = torch.zeros(2, 6, dtype=torch.long)
-    engine.expect_step()
+    engine.expect_step(publish_early=True)
     engine.begin_backward()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h = net.embed(tokens)
@@ -222,6 +228,42 @@ def test_writes_between_backward_and_step_are_merged_as_in_sync(dtype):
     assert_equal(state(spec, spec_net), state(sync, sync_net))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_without_publish_early_the_parameters_keep_their_values_until_step(dtype):
+    """``expect_step()`` alone: code between backward and step() may read the parameters, so nothing is
+    published during backward and a write that reads them (halving every weight) trains as under sync."""
+    sync, sync_net, _ = train("sync", dtype, halve_at=2)
+    # the written buckets are rolled back (bitwise: a snapshot) and updated from the written values
+    spec, spec_net, history = train(
+        "speculative", dtype, halve_at=2, publish_early=False, speculation_rollback="snapshot"
+    )
+    assert published_early(spec) == 0 and max(s.speculated_fraction for s in history) > 0  # still speculated
+    assert_equal(state(spec, spec_net), state(sync, sync_net))
+    early, early_net, _ = train("speculative", dtype, halve_at=2, speculation_rollback="snapshot")  # published early
+    assert published_early(early) > 0
+    assert not all(torch.equal(a, b) for a, b in zip(state(early, early_net), state(sync, sync_net)))
+
+
+def test_an_optimizer_pre_hook_sees_the_parameters_from_before_the_step():
+    """A step pre-hook reads the parameters when step() starts: the engine publishes no bucket early then."""
+    seen: list[torch.Tensor] = []
+
+    def pre_hook(optimizer, args, kwargs):
+        seen.append(optimizer.param_groups[0]["params"][1].detach().clone())
+
+    net = TiedLM()
+    engine = OffloadEngine(net.optimizer(), CPU, torch.float32, options(cpu_step="speculative"))
+    engine.optimizer.register_step_pre_hook(pre_hook)
+    before = net.layers[0].weight.detach().clone()
+    engine.expect_step(publish_early=True)
+    engine.begin_backward()
+    net(torch.arange(6).view(1, 6)).float().square().mean().backward()
+    engine.finish_backward()
+    engine.step()
+    assert published_early(engine) == 0 and engine.last.speculated_fraction > 0
+    assert torch.equal(seen[0], before) and not torch.equal(net.layers[0].weight, before)
+
+
 def test_a_saved_alias_read_after_its_bucket_was_published_raises_instead_of_using_new_weights():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         train("speculative", detached_alias=True)
@@ -236,7 +278,7 @@ def test_an_announced_step_that_never_comes_puts_the_master_back_on_the_device()
     before = [p.detach().clone() for p in net.parameters()]
     tokens = torch.zeros(2, 6, dtype=torch.long)
     for _ in range(2):  # announced both times, stepped after the second only
-        engine.expect_step()
+        engine.expect_step(publish_early=True)
         engine.begin_backward()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             net(tokens).float().sum().backward()

@@ -67,7 +67,7 @@ def test_a_persistent_worker_fault_ends_training_with_the_original_error(monkeyp
 
     def train() -> None:
         for batch in batches(6):
-            engine.expect_step()
+            engine.expect_step(publish_early=True)
             engine.begin_backward()
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 loss_fn(net, batch).backward()

@@ -10,13 +10,13 @@ from lightning_zero_offload.engine.schedules.speculative import SpeculativeSched
 from lightning_zero_offload.engine.schedules.sync import SyncSchedule
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.parts import EngineParts
+    from lightning_zero_offload.engine.parts import ScheduleParts
 
 SCHEDULES: dict[str, type[Schedule]] = {s.name: s for s in (SyncSchedule, SpeculativeSchedule, DelayedSchedule)}
 
 
-def make_schedule(name: str, engine: EngineParts) -> Schedule:
-    return SCHEDULES[name](engine)
+def make_schedule(name: str, parts: ScheduleParts) -> Schedule:
+    return SCHEDULES[name](parts)
 
 
 __all__ = ["DelayedSchedule", "Schedule", "SpeculativeSchedule", "StepInputs", "SyncSchedule", "make_schedule"]

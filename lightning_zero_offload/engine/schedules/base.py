@@ -3,8 +3,8 @@
 The engine's parts own the data (the CPU state, the gradient source, the publisher) and the engine
 makes the decisions shared by all schedules (global norm, overflow, clip factor, skip). A schedule
 owns only *when* and *where* the update of each bucket runs, and the state that this timing needs (a
-pending update, speculated buckets), including its part of a checkpoint. It gets the parts through
-:class:`~lightning_zero_offload.engine.parts.EngineParts`, never the engine itself.
+pending update, speculated buckets), including its part of a checkpoint. It gets the parts as a
+:class:`~lightning_zero_offload.engine.parts.ScheduleParts`, never the engine itself.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from lightning_zero_offload.engine.layout import Bucket
 from lightning_zero_offload.engine.stats import StepStats
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.parts import EngineParts
+    from lightning_zero_offload.engine.gradient_source import GradientSource
+    from lightning_zero_offload.engine.parts import ScheduleParts
 
 
 @dataclass(frozen=True)
@@ -41,15 +42,16 @@ class Schedule:
     rollbacks = 0  # speculated work taken back (only the speculative schedule has any)
     updates_during_backward = False  # the master changes before step() is called
 
-    def __init__(self, engine: EngineParts) -> None:
-        self.engine = engine
+    def __init__(self, parts: ScheduleParts) -> None:
+        self.parts = parts
 
     def before_forward(self) -> None:
         """A training forward is about to start: launch work meant to run behind it (nothing here: sync
         and speculative take writes to the parameters over where they next use the master)."""
 
-    def on_backward_start(self, step_follows: bool) -> None:
-        """A backward pass begins; ``step_follows``: the caller announced that a step() follows it."""
+    def on_backward_start(self, step_follows: bool, publish_early: bool) -> None:
+        """A backward pass begins; ``step_follows``: the caller announced that a step() follows it;
+        ``publish_early``: and that nothing reads the parameters before it (``engine.expect_step``)."""
 
     def on_backward_end(self) -> None:
         """The backward pass's gradients are all in the CPU buffer."""
@@ -79,7 +81,7 @@ class Schedule:
 
     def merge_param_writes(self, bucket: Bucket) -> int:
         """Make the elements user code wrote into ``bucket``'s device parameters the master's; returns how many."""
-        return self.engine.publisher.writes.merge_into(bucket, self.engine.state.master, self.published_chunk(bucket))
+        return self.parts.publisher.writes.merge_into(bucket, self.parts.state.master, self.published_chunk(bucket))
 
     def settle(self) -> None:
         """Make the CPU state final and consistent (wait for running work, drop unvalidated work)."""
@@ -107,14 +109,21 @@ class Schedule:
 
 
 def apply_now(
-    engine: EngineParts,
+    parts: ScheduleParts,
     inputs: StepInputs,
     stats: StepStats,
     done: Collection[int] = (),
     done_out: torch.Tensor | None = None,
+    published: Collection[int] = (),
 ) -> None:
-    """The synchronous step: clamp, plan, then update (all buckets not in ``done``) and publish."""
+    """The synchronous step: clamp, plan, then update (all buckets not in ``done``) and publish (all but
+    ``published``)."""
     if inputs.clamp_limit is not None:
-        engine.clamp_grads(inputs.clamp_limit)
-    update_s, stats.copy_back_s = engine.update_now(inputs.has_grad, inputs.multiplier, done, done_out)
+        clamp_grads(parts.grads, inputs.clamp_limit)
+    update_s, stats.copy_back_s = parts.update.update_now(inputs.has_grad, inputs.multiplier, done, done_out, published)
     stats.cpu_step_s += update_s
+
+
+def clamp_grads(grads: GradientSource, limit: float) -> None:
+    """Clip by value on the stored (loss-scaled) gradients of this window."""
+    grads.for_each_grad_range(lambda g: g.clamp_(-limit, limit))

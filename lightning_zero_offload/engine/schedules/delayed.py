@@ -26,13 +26,13 @@ import torch
 
 from lightning_zero_offload.engine.layout import Bucket
 from lightning_zero_offload.engine.memory import host_zeros
-from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs, apply_now
-from lightning_zero_offload.engine.state import full_tensors, load_shard
+from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs, apply_now, clamp_grads
+from lightning_zero_offload.engine.state import load_shard
 from lightning_zero_offload.engine.stats import StepStats
-from lightning_zero_offload.engine.update import Plan, Run, make_plan, update_bucket
+from lightning_zero_offload.engine.update import Plan, Run, UpdatePipeline
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.parts import EngineParts
+    from lightning_zero_offload.engine.parts import ScheduleParts
 
 MASTER, NEXT, SAVED = "master", "next", "saved"  # what the device was last given (DelayedSchedule.device_holds)
 
@@ -40,19 +40,21 @@ MASTER, NEXT, SAVED = "master", "next", "saved"  # what the device was last give
 class DelayedSchedule(Schedule):
     name = "delayed"
 
-    def __init__(self, engine: EngineParts) -> None:
-        super().__init__(engine)
-        settings = engine.resolved.delayed  # checked by engine/options.resolve (prediction needs bf16/fp16)
+    def __init__(self, parts: ScheduleParts) -> None:
+        super().__init__(parts)
+        assert isinstance(parts.update, UpdatePipeline)  # resolve() runs only the sync schedule in place
+        self.pipeline = parts.update
+        settings = parts.resolved.delayed  # checked by engine/options.resolve (prediction needs bf16/fp16)
         assert settings is not None
         self.warmup_steps = settings.warmup_steps
         self.extrapolate = 1.0 if settings.weight_prediction else 0.0
         # Two gradient buffers: backward t+1 fills one while the update of step t reads the other.
-        shard = engine.layout.shard_numel
-        self.grad_buffers = [engine.state.grad, engine.state.new_buffer()]
+        shard = parts.layout.shard_numel
+        self.grad_buffers = [parts.state.grad, parts.state.new_buffer()]
         # The low-precision result waiting to be swapped in (None where the master has the device dtype:
         # the master is published).
-        low_precision = engine.publisher.pool is not None
-        self.next_params = host_zeros(shard, engine.param_dtype, False) if low_precision else None
+        low_precision = parts.publisher.pool is not None
+        self.next_params = host_zeros(shard, parts.param_dtype, False) if low_precision else None
         self.next_from_checkpoint = False  # next_params holds a loaded prediction (kept if saved again)
         self.deferred: tuple[Plan, torch.Tensor] | None = None  # planned at the step, started before the forward
         self.pending: Future | None = None  # the update running on the worker
@@ -68,12 +70,12 @@ class DelayedSchedule(Schedule):
     @property
     def active(self) -> bool:
         """Whether steps now run one step behind (after the warm-up)."""
-        return self.engine.step_calls >= self.warmup_steps
+        return self.parts.control.step_calls >= self.warmup_steps
 
     @property
     def spare_grad(self) -> torch.Tensor:
         """The gradient buffer backward is not filling now (it held the last step's gradient)."""
-        return self.grad_buffers[1] if self.engine.state.grad is self.grad_buffers[0] else self.grad_buffers[0]
+        return self.grad_buffers[1] if self.parts.state.grad is self.grad_buffers[0] else self.grad_buffers[0]
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -83,15 +85,15 @@ class DelayedSchedule(Schedule):
             return
         plan, grad = self.deferred
         self.deferred = None
-        engine = self.engine
+        parts = self.parts
         overrides: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        for index in engine.publisher.writes.written_buckets():
-            bucket = engine.layout.buckets[index]
+        for index in parts.publisher.writes.written_buckets():
+            bucket = parts.layout.buckets[index]
             written, values = self._find_writes(bucket, self._published(bucket))
             if written is not None:
                 overrides[index] = (written, values)  # held until the worker has updated the bucket
         self.device_holds = None  # the worker overwrites what the device was given
-        self.pending = engine.updater.submit(self._update_all, plan, grad, overrides)
+        self.pending = self.pipeline.worker.submit(self._update_all, plan, grad, overrides)
 
     def before_step(self, stats: StepStats) -> None:
         self.active_this_step = self.active
@@ -101,24 +103,24 @@ class DelayedSchedule(Schedule):
 
     def apply(self, inputs: StepInputs, stats: StepStats) -> None:
         if not self.active_this_step:
-            apply_now(self.engine, inputs, stats)
+            apply_now(self.parts, inputs, stats)
             self.device_holds = MASTER
             return
-        engine = self.engine
+        state = self.parts.state
         if inputs.clamp_limit is not None:
-            engine.clamp_grads(inputs.clamp_limit)
-        plan = make_plan(engine, inputs.has_grad, inputs.multiplier)
-        grad = engine.state.grad
+            clamp_grads(self.parts.grads, inputs.clamp_limit)
+        plan = self.pipeline.plan(inputs.has_grad, inputs.multiplier)
+        grad = state.grad
         self.next_from_checkpoint = False
         self.deferred = (plan, grad)  # runs from the next training forward on (before_forward)
-        engine.state.swap_grad(self.spare_grad)  # the next backward fills the other buffer
+        state.swap_grad(self.spare_grad)  # the next backward fills the other buffer
         stats.cpu_step_s = self.last_update_s  # the update that finished in the background (previous step)
 
     def on_skip(self, stats: StepStats) -> None:
         if self.active_this_step and self.extrapolate:
             # The device holds a prediction of this very update, which is not happening: go back to
             # the true weights (as plain DPU has them), so later steps and checkpoints agree.
-            self.engine.refresh_device_params()
+            self.parts.publisher.refresh(self.parts.state.master)
             self.device_holds = MASTER
 
     @property
@@ -141,12 +143,12 @@ class DelayedSchedule(Schedule):
         if self.device_holds == NEXT:
             return self.next_params[window]  # type: ignore[index]
         if self.device_holds == SAVED:
-            return self.spare_grad[window].to(self.engine.param_dtype)
-        return self.engine.state.master[window].to(self.engine.param_dtype)
+            return self.spare_grad[window].to(self.parts.param_dtype)
+        return self.parts.state.master[window].to(self.parts.param_dtype)
 
     def _find_writes(self, bucket: Bucket, published: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(mask, written values) of this rank's chunk of ``bucket``; mask None if nothing was written."""
-        written, device_chunk = self.engine.publisher.writes.find_writes(bucket, published)
+        written, device_chunk = self.parts.publisher.writes.find_writes(bucket, published)
         return (written, device_chunk[written]) if bool(written.any()) else (None, device_chunk[:0])
 
     def _update_bucket(
@@ -157,12 +159,12 @@ class DelayedSchedule(Schedule):
         override: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> None:
         """Update one bucket into the master (and next_params), then give written elements their written value."""
-        engine = self.engine
+        state = self.parts.state
         out = None if self.next_params is None else self.next_params[bucket.shard_range]
-        update_bucket(engine, bucket, runs, grad, out, self.extrapolate)
+        self.pipeline.update_bucket(bucket, runs, grad, out, self.extrapolate)
         if override is not None:
             written, values = override
-            engine.state.master[bucket.shard_range][written] = values.to(engine.state.dtype)
+            state.master[bucket.shard_range][written] = values.to(state.dtype)
             if out is not None:
                 out[written] = values  # the device keeps showing the written value, not a prediction
 
@@ -171,7 +173,7 @@ class DelayedSchedule(Schedule):
     ) -> None:
         """Worker thread: update every bucket (the master, and next_params for a low-precision device copy)."""
         t = time.perf_counter()
-        for bucket, runs in zip(self.engine.layout.buckets, plan):
+        for bucket, runs in zip(self.parts.layout.buckets, plan):
             self._update_bucket(bucket, runs, grad, overrides.pop(bucket.index, None))
         self.last_update_s = time.perf_counter() - t
 
@@ -184,10 +186,10 @@ class DelayedSchedule(Schedule):
         """
         plan, grad = self.deferred  # type: ignore[misc]
         self.deferred = None
-        engine = self.engine
+        parts = self.parts
         t = time.perf_counter()
-        written = set(engine.publisher.writes.written_buckets())
-        for bucket, runs in zip(engine.layout.buckets, plan):
+        written = set(parts.publisher.writes.written_buckets())
+        for bucket, runs in zip(parts.layout.buckets, plan):
             override = None
             published = None
             if bucket.index in written or keep_published:
@@ -227,11 +229,11 @@ class DelayedSchedule(Schedule):
         """Wait for the update and swap its parameters in on the device."""
         waited = self.wait_update(keep_published=False)
         if self.publish_due:
-            self.engine.absorb_param_writes()  # before the swap-in overwrites them (refused while an update ran)
-            for bucket in self.engine.layout.buckets:
+            self.parts.control.absorb_param_writes()  # before the swap-in overwrites them (refused while an update ran)
+            for bucket in self.parts.layout.buckets:
                 source = None if self.next_params is None else self.next_params[bucket.shard_range]
-                self.engine.publish(bucket, source, pooled=False)
-            self.engine.wait_publish()
+                self.pipeline.publish(bucket, source, pooled=False)
+            self.parts.publisher.wait()
             self.publish_due = False
             self.device_holds = NEXT if self.extrapolate else MASTER
         return waited
@@ -243,12 +245,12 @@ class DelayedSchedule(Schedule):
         written, values = self._find_writes(bucket, published)
         if written is None:
             return 0
-        window = bucket.shard_range
-        self.engine.state.master[window][written] = values.to(self.engine.state.dtype)
+        window, state = bucket.shard_range, self.parts.state
+        state.master[window][written] = values.to(state.dtype)
         if self.next_params is not None:  # what the next swap-in gives the device
             self.next_params[window][written] = values
         if self.device_holds == SAVED:
-            self.spare_grad[window][written] = values.to(self.engine.state.dtype)
+            self.spare_grad[window][written] = values.to(state.dtype)
         return int(written.sum())
 
     def on_weights_loaded(self) -> None:
@@ -259,8 +261,8 @@ class DelayedSchedule(Schedule):
         if self.extrapolate:
             self.wait_update(keep_published=False)
             if self.publish_due:  # the true weights, not the prediction waiting in next_params
-                self.engine.absorb_param_writes()
-                self.engine.refresh_device_params()
+                self.parts.control.absorb_param_writes()
+                self.parts.publisher.refresh(self.parts.state.master)
                 self.publish_due = False
                 self.device_holds = MASTER
         self.finish_pending_update()
@@ -273,9 +275,9 @@ class DelayedSchedule(Schedule):
         self.settle()
         if not self.publish_due:
             return {}
-        pending: dict[str, Any] = {"device_params": [p.detach().cpu().clone() for p in self.engine.params]}
+        pending: dict[str, Any] = {"device_params": [p.detach().cpu().clone() for p in self.parts.params]}
         if self.extrapolate or self.next_from_checkpoint:
-            pending["next_params"] = full_tensors(self.engine, self.next_params)
+            pending["next_params"] = self.parts.control.full_tensors(self.next_params)
         return {"pending": pending}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -284,17 +286,17 @@ class DelayedSchedule(Schedule):
         if pending is None:
             return
         with torch.no_grad():
-            for p, saved in zip(self.engine.params, pending["device_params"]):
+            for p, saved in zip(self.parts.params, pending["device_params"]):
                 p.copy_(saved)
         if self.next_params is not None:
             self.next_from_checkpoint = "next_params" in pending
             if self.next_from_checkpoint:
-                load_shard(self.engine, self.next_params, pending["next_params"])
+                load_shard(self.parts.layout, self.next_params, pending["next_params"])
             else:
-                self.next_params.copy_(self.engine.state.master)
+                self.next_params.copy_(self.parts.state.master)
         # What the device holds, kept as a run that saved here keeps it (writes before the next step merge).
-        load_shard(self.engine, self.spare_grad, pending["device_params"])
-        self.engine.publisher.writes.record_all()  # the engine's own write: the device holds the stale weights again
+        load_shard(self.parts.layout, self.spare_grad, pending["device_params"])
+        self.parts.publisher.writes.record_all()  # the engine's own write: the device holds the stale weights again
         self.device_holds = SAVED
         self.publish_due = True
 

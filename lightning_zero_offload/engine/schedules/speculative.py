@@ -43,7 +43,7 @@ after both uses; activation checkpointing without reentrancy recomputes a segmen
 segment's nodes produce their gradients; a parameter getting its gradient twice in one pass, as
 reentrant checkpointing can do, is refused by engine/grads.py). So the gradient worker copies the
 bucket to the device as soon as its step is done (on a stream of its own, through
-``engine.publish``, which records the bucket's checksum for engine/param_writes.py), and only the
+``UpdatePipeline.publish``, which records the bucket's checksum for engine/param_writes.py), and only the
 last buckets' steps and copies stay after backward. What can still read the weights later is code
 outside autograd's edges: a tensor saved for backward that aliases a parameter without tracking
 its gradient (``w.detach()``), a custom Function reading a module's weight in its backward, a
@@ -51,8 +51,10 @@ backward hook. For the first, the parameter's version counter is bumped before t
 raises its "modified by an inplace operation" error instead of computing with the new weights; the
 others see the new weights (set ``publish_during_backward = False`` on this class for such models).
 Between backward and ``step()`` the parameters of buckets published early already hold the step's
-result. Several ranks publish after validation, as the all-gathers must be issued in the same order
-everywhere.
+result, so this happens only where the caller says nothing reads them there
+(``engine.expect_step(publish_early=True)``: the Trainer says so unless the LightningModule or a
+callback has a hook that runs in between). Several ranks publish after validation, as the all-gathers
+must be issued in the same order everywhere.
 """
 
 from __future__ import annotations
@@ -66,20 +68,13 @@ import torch
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.layout import Bucket
 from lightning_zero_offload.engine.memory import host_zeros
-from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs
+from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs, apply_now
 from lightning_zero_offload.engine.stats import StepStats
 from lightning_zero_offload.engine.streams import on_stream, side_stream
-from lightning_zero_offload.engine.update import (
-    Run,
-    make_plan,
-    plan_bucket,
-    read_all_hyperparams,
-    update_and_publish,
-    update_bucket,
-)
+from lightning_zero_offload.engine.update import Run, UpdatePipeline
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.parts import EngineParts
+    from lightning_zero_offload.engine.parts import ScheduleParts
 
 
 class SpeculativeSchedule(Schedule):
@@ -89,15 +84,17 @@ class SpeculativeSchedule(Schedule):
     PAUSE_TRIGGERS = 4
     publish_during_backward = True  # see the module docstring; False publishes only after validation
 
-    def __init__(self, engine: EngineParts) -> None:
-        super().__init__(engine)
-        shard = engine.layout.shard_numel
-        self.mode = engine.resolved.speculation_rollback  # "undo" or "snapshot" (engine/options.resolve)
+    def __init__(self, parts: ScheduleParts) -> None:
+        super().__init__(parts)
+        assert isinstance(parts.update, UpdatePipeline)  # resolve() runs only the sync schedule in place
+        self.pipeline = parts.update
+        shard = parts.layout.shard_numel
+        self.mode = parts.resolved.speculation_rollback  # "undo" or "snapshot" (engine/options.resolve)
         # Speculated low-precision results wait here until validated (None where the master has the device
         # dtype: the master is published).
-        self.out = host_zeros(shard, engine.param_dtype, False) if engine.publisher.pool is not None else None
-        self.snapshot = [engine.state.new_buffer() for _ in range(3)] if self.mode == "snapshot" else []
-        self.bucket_numel = [sum(seg.numel for seg in b.segments) for b in engine.layout.buckets]
+        self.out = host_zeros(shard, parts.param_dtype, False) if parts.publisher.pool is not None else None
+        self.snapshot = [parts.state.new_buffer() for _ in range(3)] if self.mode == "snapshot" else []
+        self.bucket_numel = [sum(seg.numel for seg in b.segments) for b in parts.layout.buckets]
         self.armed = False  # the backward running now ends an accumulation window
         self.hparams: list[kernels.AdamArgs] = []
         self.multiplier = 1.0
@@ -106,13 +103,13 @@ class SpeculativeSchedule(Schedule):
         self.recent: deque[bool] = deque(maxlen=self.WINDOW)  # clipping triggered, per recent step
         self.rollbacks = 0  # steps (or abandoned backward passes) whose speculation was rolled back
         self.publishing = False  # the backward running now publishes its speculated buckets
-        self.publish_stream = side_stream(engine.device)  # those copies stay off the compute stream
+        self.publish_stream = side_stream(parts.device)  # those copies stay off the compute stream
         self.early: set[int] = set()  # speculated buckets already on the device (the worker adds)
         # Buckets whose device copy is a speculated step since rolled back, with what the device was given
         # (None: not kept; such a bucket is published again before anything compares with it).
         self.stale: dict[int, torch.Tensor | None] = {}
         self.early_published = 0  # buckets published during backward, over the schedule's life
-        engine.grads.on_accumulated = self._on_bucket
+        parts.grads.on_accumulated = self._on_bucket
 
     @property
     def paused(self) -> bool:
@@ -120,41 +117,43 @@ class SpeculativeSchedule(Schedule):
 
     # -- during backward -----------------------------------------------------------------------
 
-    def on_backward_start(self, step_follows: bool) -> None:
+    def on_backward_start(self, step_follows: bool, publish_early: bool) -> None:
         if self.speculated or self.stale:  # speculated for a step that never came: take it back first
             self.settle()
-        self.engine.wait_publish()  # the last copies to the device read the buffers speculation writes
+        self.parts.publisher.wait()  # the last copies to the device read the buffers speculation writes
         self.armed = step_follows and not self.paused
-        self.publishing = self.armed and self.publish_during_backward and self.engine.layout.world_size == 1
+        self.publishing = (
+            self.armed and publish_early and self.publish_during_backward and self.parts.layout.world_size == 1
+        )
         if self.armed:
-            self.hparams = read_all_hyperparams(self.engine)
-            self.multiplier = 1.0 / self.engine.loss_scale
+            self.hparams = self.pipeline.hyperparams()
+            self.multiplier = 1.0 / self.parts.control.loss_scale
 
     def on_backward_end(self) -> None:
         # Called once the gradient worker is idle: nothing is speculated or published after this.
         self.armed = self.publishing = False
         if self.early:  # the copies and checksums queued during backward: done before anything reads them
-            self.engine.wait_publish()
+            self.parts.publisher.wait()
 
     def _on_bucket(self, bucket: Bucket, final: bool) -> None:
         """Gradient worker: ``bucket``'s gradient was just accumulated. Speculate its step if it is final
         (every parameter's gradient of this pass is in, and the bucket will not be sent again)."""
-        engine, index = self.engine, bucket.index
+        parts, index = self.parts, bucket.index
         if index in self.speculated:
             raise RuntimeError(
                 "A backward pass added gradient to a bucket whose optimizer step was already speculated. "
                 "Call engine.begin_backward() before every backward pass (it takes unvalidated speculation back)."
             )
-        if not self.armed or not final or engine.grads.bucket_nonfinite[index]:
+        if not self.armed or not final or parts.grads.bucket_nonfinite[index]:
             return
-        runs = plan_bucket(engine, bucket, engine.grads.has_grad, self.multiplier, self.hparams)
+        runs = self.pipeline.plan_bucket(bucket, parts.grads.has_grad, self.multiplier, self.hparams)
         if self.mode == "undo" and not all(kernels.can_undo(run.hparams) for run in runs if run.hparams is not None):
             return
         start = time.perf_counter()
         window = bucket.shard_range
-        engine.state.snapshot(window, self.snapshot)
+        parts.state.snapshot(window, self.snapshot)
         out = None if self.out is None else self.out[window]
-        update_bucket(engine, bucket, runs, engine.state.grad, out)
+        self.pipeline.update_bucket(bucket, runs, parts.state.grad, out)
         self.speculated[index] = runs
         if self.publishing:
             self._publish_early(bucket, out)
@@ -162,26 +161,24 @@ class SpeculativeSchedule(Schedule):
 
     def _publish_early(self, bucket: Bucket, out: torch.Tensor | None) -> None:
         """Gradient worker: put the speculated bucket on the device while backward goes on."""
-        engine = self.engine
         for index in bucket.param_indices:
             # Before the copy, so a saved alias of the weights read after it raises torch's in-place error.
-            torch.autograd.graph.increment_version(engine.params[index])
+            torch.autograd.graph.increment_version(self.parts.params[index])
         with on_stream(self.publish_stream):
-            engine.publish(bucket, out, pooled=False)  # waited for in on_backward_end
+            self.pipeline.publish(bucket, out, pooled=False)  # waited for in on_backward_end
         self.early.add(bucket.index)
         self.early_published += 1
 
     # -- after backward ------------------------------------------------------------------------
 
     def apply(self, inputs: StepInputs, stats: StepStats) -> None:
-        engine = self.engine
         redo: list[int] = []
         if self.speculated:
-            if inputs.multiplier != self.multiplier or read_all_hyperparams(engine) != self.hparams:
+            if inputs.multiplier != self.multiplier or self.pipeline.hyperparams() != self.hparams:
                 redo = list(self.speculated)
             elif inputs.clamp_limit is not None:
-                buckets = engine.layout.buckets
-                grad = engine.state.grad
+                buckets = self.parts.layout.buckets
+                grad = self.parts.state.grad
                 redo = [i for i in self.speculated if _exceeds(grad[buckets[i].shard_range], inputs.clamp_limit)]
         triggered = inputs.clip_coef < 1.0 or bool(redo)
         if inputs.clamp_limit is not None and not self.speculated:
@@ -196,13 +193,9 @@ class SpeculativeSchedule(Schedule):
         stats.cpu_step_s = self.speculate_s
         self.speculate_s = 0.0
         self.speculated, self.early = {}, set()
-        # The synchronous step (base.apply_now) for the rest; stale buckets are not in done, so they are
-        # updated again and published.
-        if inputs.clamp_limit is not None:
-            engine.clamp_grads(inputs.clamp_limit)
-        plan = make_plan(engine, inputs.has_grad, inputs.multiplier)
-        update_s, stats.copy_back_s = update_and_publish(engine, plan, done, self.out, published)
-        stats.cpu_step_s += update_s
+        # The synchronous step for the rest; stale buckets are not in done, so they are updated again and
+        # published.
+        apply_now(self.parts, inputs, stats, done, self.out, published)
         self.stale = {}
 
     def on_skip(self, stats: StepStats) -> None:
@@ -216,19 +209,22 @@ class SpeculativeSchedule(Schedule):
 
     def before_param_writes_merge(self, buckets: list[int]) -> None:
         # A bucket written after its step was speculated is updated again from the written values.
-        engine = self.engine
-        engine.grads.wait()
+        parts = self.parts
+        parts.grads.wait()
         written = [index for index in buckets if index in self.speculated]
         kept = {}
         if self.out is None:  # the device was given the master itself, which the rollback changes
-            master, buckets = engine.state.master, engine.layout.buckets
-            kept = {i: master[buckets[i].shard_range].clone() for i in written if i in self.early}
+            master, buckets = parts.state.master, parts.layout.buckets
+            # in the device dtype, as the device holds it (fp32 parameters over a bf16 master)
+            kept = {
+                i: master[buckets[i].shard_range].to(parts.param_dtype, copy=True) for i in written if i in self.early
+            }
         if written:
             self._roll_back(written, kept)
 
     def settle(self) -> None:
         """Take back speculation that was not validated (no step, or a skipped one)."""
-        self.engine.grads.wait()
+        self.parts.grads.wait()
         if self.speculated:
             self._roll_back(list(self.speculated))
         self._republish_stale()
@@ -236,35 +232,35 @@ class SpeculativeSchedule(Schedule):
 
     def _republish_stale(self) -> None:
         """Give the device the master's rounding of every bucket rolled back after it was published."""
-        engine, pool = self.engine, self.engine.publisher.pool
+        parts, pool = self.parts, self.parts.publisher.pool
         for index in sorted(self.stale):
-            bucket = engine.layout.buckets[index]
+            bucket = parts.layout.buckets[index]
             out = pool.acquire() if pool is not None else None
             if out is not None:
-                out[: bucket.shard_numel].copy_(engine.state.master[bucket.shard_range])
-            engine.publish(bucket, out)
+                out[: bucket.shard_numel].copy_(parts.state.master[bucket.shard_range])
+            self.pipeline.publish(bucket, out)
         self.stale = {}
 
     def _roll_back(self, buckets: list[int], kept: dict[int, torch.Tensor] | None = None) -> None:
-        engine = self.engine
+        state = self.parts.state
         for index in buckets:
-            window = engine.layout.buckets[index].shard_range
+            window = self.parts.layout.buckets[index].shard_range
             if self.mode == "snapshot":
-                engine.state.restore(window, self.snapshot)
+                state.restore(window, self.snapshot)
             else:
                 for run in self.speculated[index]:
                     if run.hparams is None:
                         continue
                     run_window = slice(run.start, run.end)
                     kernels.adam_undo(
-                        engine.state.master[run_window],
-                        engine.state.grad[run_window],
-                        engine.state.exp_avg[run_window],
-                        engine.state.exp_avg_sq[run_window],
+                        state.master[run_window],
+                        state.grad[run_window],
+                        state.exp_avg[run_window],
+                        state.exp_avg_sq[run_window],
                         hparams=run.hparams,
                         step=run.step,
                         grad_scale=run.multiplier,
-                        num_threads=engine.num_threads,
+                        num_threads=self.parts.num_threads,
                     )
             del self.speculated[index]
             if index in self.early:

@@ -15,4 +15,4 @@ class SyncSchedule(Schedule):
     name = "sync"
 
     def apply(self, inputs: StepInputs, stats: StepStats) -> None:
-        apply_now(self.engine, inputs, stats)
+        apply_now(self.parts, inputs, stats)
