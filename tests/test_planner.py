@@ -201,6 +201,18 @@ def test_table4_arithmetic_one_billion_params_at_127_gbs_take_0_22_s():
     )
 
 
+def test_the_bf16_state_step_runs_at_its_own_kernel_efficiency():
+    """Half the bytes at half the fp32 kernel's efficiency (a compute-bound bf16 kernel) takes as long as the
+    fp32 step; without a measured efficiency it is assumed to be the fp32 kernel's (half the time)."""
+    args = dict(batch_size=8, seq_len=1024)
+    box = replace(GPU_BOX, call_overhead_s=0.0)  # the bandwidth term alone
+    fp32 = plan(1_000_000_000, machine=box, **args).steps["sync"].cpu_step
+    assumed = plan(1_000_000_000, machine=box, cpu_state="bf16", **args).steps["sync"].cpu_step
+    measured = replace(box, adam_bf16_state_efficiency=box.adam_efficiency / 2)
+    compute_bound = plan(1_000_000_000, machine=measured, cpu_state="bf16", **args).steps["sync"].cpu_step
+    assert assumed == pytest.approx(fp32 / 2, rel=0.01) and compute_bound == pytest.approx(fp32, rel=0.01)
+
+
 def test_schedules_overlap_only_on_an_accelerator():
     gpu = plan(1_000_000_000, batch_size=8, seq_len=1024, machine=GPU_BOX).steps
     assert gpu["delayed"].total < gpu["speculative"].total < gpu["sync"].total
@@ -250,6 +262,7 @@ def test_measure_machine_gives_sane_rates():
     for rate in (m.host_bandwidth_gbs, m.device_tflops, m.h2d_gbs, m.d2h_gbs, m.adam_efficiency):
         assert math.isfinite(rate) and rate > 0
     assert 0.2 < m.adam_efficiency < 3  # the kernel runs near the Adam-shaped probe's bandwidth
+    assert 0.1 < m.adam_bf16_state_efficiency < 3  # bf16 state: compute-bound below that where rounding costs
     assert m.host_memory_gb > 0 and m.cpu_cores >= 1 and m.device_type == "cpu"
 
 

@@ -36,6 +36,8 @@ class Machine:
     device_memory_gb: float | None = None
     host_bandwidth_per_thread_gbs: float | None = None
     adam_efficiency: float = 1.0  # the kernel's rate / (bandwidth / 28 B): 1.0 at the roofline
+    # The bf16-state kernel's rate / (bandwidth / 14 B); None: the fp32 kernel's efficiency at half the bytes.
+    adam_bf16_state_efficiency: float | None = None
     call_overhead_s: float = 30e-6  # Python + thread wake-up per kernel call (once per bucket)
     link_latency_s: float = 20e-6  # per bucket copy (launch, event); a collective's latency comes on top
     interconnect_gbs: float | None = None
@@ -83,6 +85,7 @@ def measure_machine(
         device_type=device.type,
         device_memory_gb=device_memory,
         adam_efficiency=probes.adam_rate(threads) * probes.ADAM_BYTES_PER_PARAM / node,
+        adam_bf16_state_efficiency=probes.adam_bf16_state_rate(threads) * probes.ADAM_BYTES_PER_PARAM / 2 / node,
         call_overhead_s=probes.call_overhead(threads),
         torch_threads=torch.get_num_threads(),
         name=f"measured here ({device.type}, {threads} threads)",

@@ -183,6 +183,21 @@ def adam_rate(threads: int, numel: int = 2**23, repeats: int = 5) -> float:
     return numel / median_seconds(step, repeats)
 
 
+def adam_bf16_state_rate(threads: int, numel: int = 2**23, repeats: int = 5) -> float:
+    """Params/s of the CPU step on bf16 state (``cpu_state="bf16"``): bf16 master, moments and gradient.
+
+    Measured on its own rather than derived from :func:`adam_rate` at half the bytes: the stochastic
+    rounding adds work per element, so where the fp32 step is bound by memory this one may be bound by
+    compute (docs/kernels.md).
+    """
+    p, g, m, v = (torch.zeros(numel, dtype=torch.bfloat16) for _ in range(4))
+
+    def step() -> None:
+        kernels.adam_step_bf16_state(p, g, m, v, hparams=ADAM_ARGS, step=1, seed=0, num_threads=threads)
+
+    return numel / median_seconds(step, repeats)
+
+
 def call_overhead(threads: int, repeats: int = 20) -> float:
     """Seconds one tiny kernel call costs from Python (argument checks, thread wake-up): per-bucket cost."""
     p, m, v = (torch.zeros(64) for _ in range(3))

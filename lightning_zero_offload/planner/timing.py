@@ -38,7 +38,7 @@ def step_time(
 ) -> StepTime:
     """One optimizer step's time under ``schedule`` (see docs/planning.md for the model). ``state_dtype``:
     the CPU state's; the Adam step and the gradient buffer move bytes of its size (bf16 state: half of fp32's,
-    at the efficiency measured for the fp32 kernel)."""
+    at the efficiency measured for its own kernel)."""
     shard, element, world = layout.shard_numel, dtype.itemsize, layout.world_size
     state = state_dtype.itemsize
     buckets = layout.buckets
@@ -54,7 +54,10 @@ def step_time(
     accumulate = accumulate_bytes / bandwidth + micro * buckets * m.call_overhead_s
     device_to_host = micro * (element * shard / (m.d2h_gbs * GB) + collective + buckets * m.link_latency_s)
     adam_bytes = ADAM_BYTES_PER_PARAM * state // 4  # read 4 state arrays, write 3
-    cpu_step = shard * adam_bytes / (bandwidth * m.adam_efficiency) + buckets * m.call_overhead_s
+    efficiency = m.adam_efficiency
+    if state_dtype == torch.bfloat16 and m.adam_bf16_state_efficiency is not None:
+        efficiency = m.adam_bf16_state_efficiency
+    cpu_step = shard * adam_bytes / (bandwidth * efficiency) + buckets * m.call_overhead_s
     copy_back = element * shard / (m.h2d_gbs * GB) + collective + buckets * m.link_latency_s
     transfer = device_to_host + accumulate
     if m.device_type == "cpu":
