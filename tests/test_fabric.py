@@ -172,3 +172,29 @@ def test_two_ranks_match_ddp_and_sharded_checkpoint_resumes_at_one(tmp_path):
     assert sorted(p.name for p in (ckpt / "v000001").iterdir()) == ["meta.pt", "shard_00000.pt", "shard_00001.pt"]
     resumed = train(fabric(checkpoint_format="sharded"), steps=12, resume=str(ckpt))
     assert_weights_close(resumed, ours, rtol=1e-5, atol=1e-6)  # one rank: fp32 reduction order only
+
+
+def _fabric_loop(cpu_step: str, announce: bool) -> tuple[list[torch.Tensor], list[float]]:
+    f = fabric(cpu_step=cpu_step, in_place_on_cpu=False)
+    net = make_net()
+    model, optimizer = f.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    speculated = []
+    for batch in batches(6):
+        if announce:  # a step follows this backward, and nothing reads the weights in between
+            f.strategy.engine.expect_step(publish_early=True)
+        f.backward(loss_fn(model, batch))
+        optimizer.step()
+        optimizer.zero_grad()
+        speculated.append(f.strategy.engine.last.speculated_fraction)
+    return [p.detach().clone() for p in model.parameters()], speculated
+
+
+def test_the_speculative_step_under_fabric_runs_when_the_step_is_announced():
+    """Fabric cannot know that a step follows a backward: unannounced, the speculative schedule runs as sync
+    (nothing speculated); announced, it speculates, with sync's results."""
+    sync, _ = _fabric_loop("sync", announce=False)
+    quiet, unannounced = _fabric_loop("speculative", announce=False)
+    spec, announced = _fabric_loop("speculative", announce=True)
+    assert max(unannounced) == 0 and min(announced) > 0
+    for a, b, c in zip(sync, quiet, spec):
+        assert torch.equal(a, b) and torch.equal(a, c)
