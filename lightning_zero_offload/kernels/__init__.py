@@ -40,6 +40,8 @@ from lightning_zero_offload.kernels.backends import (
 from lightning_zero_offload.kernels.checks import (
     GRAD_DTYPES,
     AdamArgs,
+    AdamCall,
+    FlatAdamCall,
     adam_table,
     check_args,
     check_extrapolate,
@@ -106,9 +108,8 @@ def adam_step(
     nt = backends.threads(num_threads)
     outs = None if param_out is None else [param_out]
     table = adam_table([param], [grad], [exp_avg], [exp_avg_sq], outs, steps, plural=False)
-    backends.active().adam(
-        hparams, table, [param], [grad], [exp_avg], [exp_avg_sq], outs, steps, grad_scale, extrapolate, nt
-    )
+    call = AdamCall(hparams, table, [param], [grad], [exp_avg], [exp_avg_sq], steps, grad_scale, nt, outs, extrapolate)
+    backends.active().adam(call)
 
 
 def adam_step_multi(
@@ -139,9 +140,10 @@ def adam_step_multi(
     nt = backends.threads(num_threads)
     table = adam_table(params, grads, exp_avgs, exp_avg_sqs, params_out, steps, plural=True)
     if table:
-        backends.active().adam(
-            hparams, table, params, grads, exp_avgs, exp_avg_sqs, params_out, steps, grad_scale, extrapolate, nt
+        call = AdamCall(
+            hparams, table, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, nt, params_out, extrapolate
         )
+        backends.active().adam(call)
 
 
 def adam_step_multi_if_finite(
@@ -177,7 +179,8 @@ def adam_step_multi_if_finite(
     table = adam_table(params, grads, exp_avgs, exp_avg_sqs, None, steps, plural=True)
     if not table:
         return 0.0, True
-    return backends.active().adam_if_finite(hparams, table, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, nt)
+    call = AdamCall(hparams, table, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, nt)
+    return backends.active().adam_if_finite(call)
 
 
 def adam_undo(
@@ -217,7 +220,7 @@ def adam_undo(
         check_tensor(name, t, (torch.float32,), param.numel(), "param")
     if not can_undo(hparams):
         raise ValueError("this AdamW step had lr * weight_decay == 1, which zeroes the params: it cannot be undone")
-    backends.active().adam_undo(hparams, param, grad, exp_avg, exp_avg_sq, step, grad_scale, nt)
+    backends.active().adam_undo(FlatAdamCall(hparams, param, grad, exp_avg, exp_avg_sq, step, grad_scale, nt))
 
 
 def can_undo(hparams: AdamArgs) -> bool:
@@ -267,9 +270,8 @@ def adam_step_bf16_state(
     check_tensor("grad", grad, GRAD_DTYPES, param.numel(), "param")
     for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         check_tensor(name, t, (torch.bfloat16,), param.numel(), "param")
-    backends.active().adam_bf16_state(
-        hparams, param, grad, exp_avg, exp_avg_sq, step, int(seed), int(offset), grad_scale, nt
-    )
+    call = FlatAdamCall(hparams, param, grad, exp_avg, exp_avg_sq, step, grad_scale, nt, int(seed), int(offset))
+    backends.active().adam_bf16_state(call)
 
 
 def grad_accumulate(

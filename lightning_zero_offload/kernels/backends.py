@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Sequence
 from typing import Protocol
 
 from torch import Tensor
 
 from lightning_zero_offload.kernels import _native
-from lightning_zero_offload.kernels.checks import AdamArgs, check_threads
+from lightning_zero_offload.kernels.checks import AdamCall, FlatAdamCall, check_threads
 from lightning_zero_offload.kernels.native import NativeBackend
 from lightning_zero_offload.kernels.reference import TorchBackend
 
@@ -30,59 +29,13 @@ class Backend(Protocol):
 
     def activate(self) -> None: ...
 
-    def adam(
-        self,
-        hp: AdamArgs,
-        table: list[tuple[int, ...]],
-        params: Sequence[Tensor],
-        grads: Sequence[Tensor],
-        exp_avgs: Sequence[Tensor],
-        exp_avg_sqs: Sequence[Tensor],
-        params_out: Sequence[Tensor] | None,
-        steps: Sequence[int] | Sequence[Tensor],
-        grad_scale: float,
-        extrapolate: float,
-        num_threads: int,
-    ) -> None: ...
+    def adam(self, call: AdamCall) -> None: ...
 
-    def adam_if_finite(
-        self,
-        hp: AdamArgs,
-        table: list[tuple[int, ...]],
-        params: Sequence[Tensor],
-        grads: Sequence[Tensor],
-        exp_avgs: Sequence[Tensor],
-        exp_avg_sqs: Sequence[Tensor],
-        steps: Sequence[int],
-        grad_scale: float,
-        num_threads: int,
-    ) -> tuple[float, bool]: ...
+    def adam_if_finite(self, call: AdamCall) -> tuple[float, bool]: ...
 
-    def adam_undo(
-        self,
-        hp: AdamArgs,
-        param: Tensor,
-        grad: Tensor,
-        exp_avg: Tensor,
-        exp_avg_sq: Tensor,
-        step: int,
-        grad_scale: float,
-        num_threads: int,
-    ) -> None: ...
+    def adam_undo(self, call: FlatAdamCall) -> None: ...
 
-    def adam_bf16_state(
-        self,
-        hp: AdamArgs,
-        param: Tensor,
-        grad: Tensor,
-        exp_avg: Tensor,
-        exp_avg_sq: Tensor,
-        step: int,
-        seed: int,
-        offset: int,
-        grad_scale: float,
-        num_threads: int,
-    ) -> None: ...
+    def adam_bf16_state(self, call: FlatAdamCall) -> None: ...
 
     def grad_accumulate(self, dst: Tensor, src: Tensor, scale: float, overwrite: bool, num_threads: int) -> float: ...
 

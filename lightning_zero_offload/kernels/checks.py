@@ -78,6 +78,42 @@ class AdamArgs:
         object.__setattr__(self, "c_struct", c_struct)
 
 
+@dataclass(frozen=True)
+class AdamCall:
+    """A checked fused-Adam call over lists of tensors, as a backend gets it (``adam_step``,
+    ``adam_step_multi`` and its ``_if_finite`` variant); ``table`` holds each tensor's C record
+    (:func:`adam_table`)."""
+
+    hparams: AdamArgs
+    table: list[tuple[int, ...]]
+    params: Sequence[Tensor]
+    grads: Sequence[Tensor]
+    exp_avgs: Sequence[Tensor]
+    exp_avg_sqs: Sequence[Tensor]
+    steps: Sequence[int] | Sequence[Tensor]
+    grad_scale: float
+    num_threads: int
+    params_out: Sequence[Tensor] | None = None
+    extrapolate: float = 0.0
+
+
+@dataclass(frozen=True)
+class FlatAdamCall:
+    """A checked call on one flat tensor of each kind (``adam_undo``, ``adam_step_bf16_state``, whose
+    stochastic rounding takes ``seed`` and ``offset``)."""
+
+    hparams: AdamArgs
+    param: Tensor
+    grad: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    step: int
+    grad_scale: float
+    num_threads: int
+    seed: int = 0
+    offset: int = 0
+
+
 def check_args(hparams: object) -> None:
     if type(hparams) is not AdamArgs:
         raise TypeError(

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.kernels.checks import AdamArgs, bad_counter
+from lightning_zero_offload.kernels.checks import AdamArgs, AdamCall, FlatAdamCall, bad_counter
 
 
 def _f32(x: float) -> float:
@@ -109,21 +108,10 @@ class TorchBackend:
     def activate(self) -> None:
         pass
 
-    def adam(
-        self,
-        hp: AdamArgs,
-        table: list[tuple[int, ...]],
-        params: Sequence[Tensor],
-        grads: Sequence[Tensor],
-        exp_avgs: Sequence[Tensor],
-        exp_avg_sqs: Sequence[Tensor],
-        params_out: Sequence[Tensor] | None,
-        steps: Sequence[int] | Sequence[Tensor],
-        grad_scale: float,
-        extrapolate: float,
-        num_threads: int,
-    ) -> None:
+    def adam(self, call: AdamCall) -> None:
         """Fallback: cast/scale the grads (temporaries), torch's fused CPU Adam, then the copy-out."""
+        hp, params, grads, steps, params_out = call.hparams, call.params, call.grads, call.steps, call.params_out
+        grad_scale, extrapolate = call.grad_scale, call.extrapolate
         if isinstance(steps[0], Tensor):  # torch-format counters: incremented in place, as torch does
             bad = next((i for i, s in enumerate(steps) if not float(s) >= 0), None)
             if bad is not None:
@@ -139,8 +127,8 @@ class TorchBackend:
         fused(
             list(params),
             list(grads),
-            list(exp_avgs),
-            list(exp_avg_sqs),
+            list(call.exp_avgs),
+            list(call.exp_avg_sqs),
             [],
             step_tensors,
             lr=hp.lr,
@@ -154,37 +142,18 @@ class TorchBackend:
         for i, (param, out) in enumerate(zip(params, params_out or ())):
             out.copy_(param if before is None else torch.add(param, param - before[i], alpha=extrapolate))
 
-    def adam_if_finite(
-        self,
-        hp: AdamArgs,
-        table: list[tuple[int, ...]],
-        params: Sequence[Tensor],
-        grads: Sequence[Tensor],
-        exp_avgs: Sequence[Tensor],
-        exp_avg_sqs: Sequence[Tensor],
-        steps: Sequence[int],
-        grad_scale: float,
-        num_threads: int,
-    ) -> tuple[float, bool]:
+    def adam_if_finite(self, call: AdamCall) -> tuple[float, bool]:
         """The norm first, then the step only if it is finite (two passes; the native kernel needs one)."""
-        sumsq = sum(self.sum_of_squares(g, num_threads) for g in grads)
+        sumsq = sum(self.sum_of_squares(g, call.num_threads) for g in call.grads)
         if not math.isfinite(sumsq):
             return math.inf, False
-        self.adam(hp, table, params, grads, exp_avgs, exp_avg_sqs, None, steps, grad_scale, 0.0, num_threads)
+        self.adam(call)  # no params_out, no extrapolation: adam_step_multi_if_finite takes neither
         return sumsq, True
 
-    def adam_undo(
-        self,
-        hp: AdamArgs,
-        param: Tensor,
-        grad: Tensor,
-        exp_avg: Tensor,
-        exp_avg_sq: Tensor,
-        step: int,
-        grad_scale: float,
-        num_threads: int,
-    ) -> None:
+    def adam_undo(self, call: FlatAdamCall) -> None:
         """native/undo_body.h in torch ops: the same float64 arithmetic in the same order, so the same bits."""
+        hp, param, grad, exp_avg, exp_avg_sq = call.hparams, call.param, call.grad, call.exp_avg, call.exp_avg_sq
+        step, grad_scale = call.step, call.grad_scale
         bc1 = 1.0 - hp.beta1**step
         bc2_sqrt = _f32((1.0 - hp.beta2**step) ** 0.5)  # pow, as the step computes it
         neg_step_size = _f32(-(hp.lr / bc1))
@@ -206,22 +175,12 @@ class TorchBackend:
             exp_avg[window] = (m1 - w * g) * inv_one_minus_w
             exp_avg_sq[window] = ((v1 - one_minus_beta2 * g * g) * inv_beta2).clamp_(min=0.0)
 
-    def adam_bf16_state(
-        self,
-        hp: AdamArgs,
-        param: Tensor,
-        grad: Tensor,
-        exp_avg: Tensor,
-        exp_avg_sq: Tensor,
-        step: int,
-        seed: int,
-        offset: int,
-        grad_scale: float,
-        num_threads: int,
-    ) -> None:
+    def adam_bf16_state(self, call: FlatAdamCall) -> None:
         """adam_bf16state (native/kernels_simd.h) in torch ops: every fp32 operation done in float64 and
         rounded to fp32 (exact: see _r32), the multiply-adds rounded once (_fma32), the same constants as
         dispatch.c adam_consts and the same hash, so the same bits as every native backend."""
+        hp, param, grad, exp_avg, exp_avg_sq = call.hparams, call.param, call.grad, call.exp_avg, call.exp_avg_sq
+        step, seed, offset, grad_scale = call.step, call.seed, call.offset, call.grad_scale
         bc1, bc2 = 1.0 - hp.beta1**step, 1.0 - hp.beta2**step  # pow, as adam_consts computes them
         scale = _f32(-grad_scale if hp.maximize else grad_scale)
         l2 = 0.0 if hp.adamw_mode else _f32(hp.weight_decay)
