@@ -242,6 +242,8 @@ class OffloadEngine(EngineLifecycle):
         if self._closed or self.failed:
             return
         self.replan_if_changed()
+        if self.publisher.writes.rounds and not self.schedule.update_in_flight:
+            self.absorb_param_writes()  # the forward then computes with a write as the (bf16) master keeps it
         self.schedule.before_forward()
 
     def begin_backward(self) -> None:

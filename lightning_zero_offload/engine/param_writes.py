@@ -56,6 +56,11 @@ class ParamWriteWatch:
         flat = self.flat_params[bucket.flat_start : bucket.flat_start + bucket.padded_numel]
         return flat.view(torch.int16)
 
+    @property
+    def rounds(self) -> bool:
+        """Whether a written value is rounded to the master's (narrower) dtype when it is merged."""
+        return self._rounding is not None
+
     def record(self, bucket: Bucket) -> None:
         """The engine just wrote ``bucket`` (queued on the current stream: the checksum is queued after it)."""
         if self.checksums:

@@ -286,10 +286,10 @@ def test_auto_keeps_compact_state_at_8_bytes_with_sync_on_an_accelerator():
     assert resolve(options(cpu_state="fp32", cpu_step="auto"), cuda, torch.bfloat16).cpu_step == "speculative"
 
 
-@pytest.mark.parametrize("cpu_step", ["sync", "delayed"])
+@pytest.mark.parametrize("cpu_step", ["sync", "speculative", "delayed"])
 def test_a_write_under_fp32_parameters_is_kept_as_the_bf16_master_holds_it(cpu_step):
     """bf16 state under 32-true: a written fp32 value is rounded into the master, and the device takes the
-    same rounding, so forward, checkpoints and a resume all see one value."""
+    same rounding before the next forward, so forward, checkpoints and a resume all see one value."""
     kwargs = {"dpu_warmup_steps": 1} if cpu_step == "delayed" else {}
     net, engine = compact_engine(torch.float32, cpu_step=cpu_step, **kwargs)
     train(net, engine, batches(3), torch.float32)
@@ -298,6 +298,7 @@ def test_a_write_under_fp32_parameters_is_kept_as_the_bf16_master_holds_it(cpu_s
     with torch.no_grad():
         net[2].weight.copy_(written)
     engine.before_training_forward()  # where the front ends carry writes over
+    assert torch.equal(net[2].weight.detach(), written.to(torch.bfloat16).float())  # what the forward sees
     masters = engine.master_params()
     index = next(i for i, p in enumerate(engine.params) if p is net[2].weight)
     assert torch.equal(masters[index], written.to(torch.bfloat16))
