@@ -228,6 +228,8 @@ class Recorder:
 
 
 class TimingCallback(L.Callback):
+    reads_weights_before_step = False  # its hooks before the step read timings and gradients only
+
     def __init__(self, recorder: Recorder) -> None:
         self.r = recorder
 

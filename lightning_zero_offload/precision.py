@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -38,6 +38,7 @@ class ZeroOffloadPrecision(Precision):
         self.device_type = "cpu"  # set by the strategy once the device is known
         self.session: OffloadSession | None = None
         self._pending_state: dict[str, Any] | None = None  # engine state loaded before the engine existed
+        self._told_hook = False  # the note that a hook keeps the speculated steps off the device during backward
 
     def forward_context(self) -> AbstractContextManager:
         return forward_context(self.device_type, self.param_dtype)
@@ -63,7 +64,22 @@ class ZeroOffloadPrecision(Precision):
         # In automatic optimization the closure runs the backward that ends the accumulation window, so a
         # step follows it: the speculative schedule may run the CPU step during that backward. (Manual
         # optimization has run its backward already; its step then runs after it, as in sync.)
-        session.engine.expect_step(publish_early=not _hooks_before_step(model))
+        hook = _hook_before_step(model)
+        engine = session.engine
+        if (
+            hook is not None
+            and not self._told_hook
+            and engine.cpu_step == "speculative"
+            and engine.layout.world_size == 1
+        ):
+            self._told_hook = True
+            rank_zero_info(
+                f"zero_offload: {hook} runs between backward and the optimizer step, so the parameters keep their "
+                "values until the step, and the speculated updates are copied to the device after backward instead "
+                "of during it. If that hook neither reads nor writes a parameter, set `reads_weights_before_step = "
+                "False` on its class."
+            )
+        engine.expect_step(publish_early=hook is None)
         closure_result = closure()
         # Like AMP: training_step returned None in automatic optimization means "skip this step".
         skip = closure_result is None and getattr(model, "automatic_optimization", True)
@@ -145,17 +161,24 @@ class ZeroOffloadPrecision(Precision):
             self._pending_state = None
 
 
-# The hooks Lightning runs between the closure's backward and the optimizer step.
-_MODULE_HOOKS_BEFORE_STEP = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
+# The hooks Lightning runs between the closure's backward and the optimizer step (an overridden
+# ``backward`` may run code after ``loss.backward()``).
+_MODULE_HOOKS_BEFORE_STEP = ("backward", "on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping")
 _CALLBACK_HOOKS_BEFORE_STEP = ("on_after_backward", "on_before_optimizer_step")
 
 
-def _hooks_before_step(model: Any) -> bool:
-    """Whether user code runs between backward and the step, where it may read or write the parameters,
-    which must then hold their values from before the step (as under any optimizer) until it runs."""
-    if not isinstance(model, L.LightningModule):
-        return True
-    if any(is_overridden(hook, model, L.LightningModule) for hook in _MODULE_HOOKS_BEFORE_STEP):
-        return True
-    callbacks = [c for c in model.trainer.callbacks if not isinstance(c, OffloadMetrics)]  # ours reads no weights
-    return any(is_overridden(hook, c, L.Callback) for c in callbacks for hook in _CALLBACK_HOOKS_BEFORE_STEP)
+def _hook_before_step(model: L.LightningModule) -> str | None:
+    """The first user hook that runs between backward and the step, where it may read or write the
+    parameters, which must then hold their values from before the step (as under any optimizer) until
+    it runs; None if there is none. A class that sets ``reads_weights_before_step = False`` is trusted."""
+    owners: list[tuple[Any, type, tuple[str, ...]]] = [(model, L.LightningModule, _MODULE_HOOKS_BEFORE_STEP)]
+    for callback in model.trainer.callbacks:
+        parent = OffloadMetrics if isinstance(callback, OffloadMetrics) else L.Callback  # ours reads no weights
+        owners.append((callback, parent, _CALLBACK_HOOKS_BEFORE_STEP))
+    for owner, parent, hooks in owners:
+        if getattr(owner, "reads_weights_before_step", True) is False:
+            continue
+        for hook in hooks:
+            if is_overridden(hook, owner, parent):
+                return f"{type(owner).__name__}.{hook}"
+    return None

@@ -10,6 +10,7 @@ AdamW to within rounding (observed <= 3e-7 on these runs), so fp32 comparisons u
 from __future__ import annotations
 
 import copy
+import logging
 
 import lightning as L
 import pytest
@@ -137,6 +138,33 @@ class HalvesInItsHook(Classifier):
                 self.net[2].weight.mul_(0.5)
 
 
+class HalvesInItsBackward(Classifier):
+    """The same after ``loss.backward()`` in an overridden ``backward``."""
+
+    def __init__(self) -> None:
+        super().__init__(scheduler=False, lr=3e-2)
+        self.norms: list[float] = []
+
+    def backward(self, loss, *args, **kwargs) -> None:
+        super().backward(loss, *args, **kwargs)
+        self.norms.append(float(self.net[2].weight.detach().float().norm()))
+        if self.trainer.global_step == 4:
+            with torch.no_grad():
+                self.net[2].weight.mul_(0.5)
+
+
+class CountsBeforeTheStep(L.Callback):
+    """A hook before the step that declares it reads no weight: speculated steps still go out early."""
+
+    reads_weights_before_step = False
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.calls += 1
+
+
 @pytest.mark.parametrize("options", OFFLOAD_32[:2])
 def test_hooks_between_backward_and_step_see_and_write_the_weights_as_under_auto(options):
     """The speculative step runs during backward: the device must not show its result before step()."""
@@ -149,10 +177,22 @@ def test_hooks_between_backward_and_step_see_and_write_the_weights_as_under_auto
     if options.get("cpu_step") == "speculative":  # without such a hook the speculated steps go out during backward
         _, plain = fit(ZeroOffloadStrategy(**options))
         assert plain.strategy.engine.schedule.early_published > 0
-    reference_module, _ = fit("auto", model=HalvesInItsHook())
-    our_module, _ = fit(ZeroOffloadStrategy(**options), model=HalvesInItsHook())
-    assert our_module.norms == pytest.approx(reference_module.norms, rel=0, abs=1e-5)
-    assert_same_model(our_module, reference_module)
+    for module in (HalvesInItsHook, HalvesInItsBackward):
+        reference_module, _ = fit("auto", model=module())
+        our_module, _ = fit(ZeroOffloadStrategy(**options), model=module())
+        assert our_module.norms == pytest.approx(reference_module.norms, rel=0, abs=1e-5)
+        assert_same_model(our_module, reference_module)
+
+
+def test_a_hook_that_reads_no_weights_can_say_so_and_keeps_early_publishing(caplog):
+    options = dict(in_place_on_cpu=False, cpu_step="speculative")
+    counter = CountsBeforeTheStep()
+    _, trainer = fit(ZeroOffloadStrategy(**options), callbacks=[counter])
+    assert counter.calls == 12 and trainer.strategy.engine.schedule.early_published > 0
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+        _, trainer = fit(ZeroOffloadStrategy(**options), callbacks=[HalveBeforeTheStep()])
+    assert trainer.strategy.engine.schedule.early_published == 0
+    assert "HalveBeforeTheStep.on_before_optimizer_step runs between backward and the optimizer step" in caplog.text
 
 
 class LossesAtWeights(L.Callback):

@@ -13,9 +13,10 @@ step()             -> global norm + overflow (one all-reduce) -> skip, or clip x
 The parts: the CPU state (master, moments, gradient buffer, step counts), the gradient source
 (engine/gradient_source.py: the streamer, or the in-place source), the publisher (or a null one in
 place) and the schedule (engine/schedules/: *when* each bucket's update runs), which gets the parts
-through engine/parts.py's narrow interface, never this class. This module builds them and makes the
-decisions they share (norm, overflow, clip, skip); engine/lifecycle.py holds the rest of the engine's
-life (re-planning, state in and out, teardown, the failure path).
+through engine/parts.py's ``ScheduleParts``, with this class only behind its four-member
+``StepControl``. This module builds them and makes the decisions they share (norm, overflow, clip,
+skip); engine/lifecycle.py holds the rest of the engine's life (re-planning, state in and out,
+teardown, the failure path).
 
 Device parameters are views into one flat low-precision buffer, so a bucket's update lands with a
 single copy (or one all-gather). The CPU holds only this rank's shard: master, two moments and a

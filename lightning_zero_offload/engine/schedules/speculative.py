@@ -3,7 +3,8 @@
 On a backward that ends an accumulation window (the caller says so: ``engine.expect_step()``), the
 gradient worker runs the fused Adam step of a bucket as soon as that bucket's gradient is final in
 the CPU buffer (after its reduce-scatter when sharded), with no clip factor. The low-precision result
-goes to a host buffer and, at one rank, straight on to the device (see "Publishing during backward").
+goes to a host buffer and, at one rank where the caller allows it, straight on to the device (see
+"Publishing during backward").
 After backward the engine validates:
 
 - no overflow, clipping off or not triggered, hyperparameters unchanged: the kernel saw exactly the
