@@ -167,10 +167,12 @@ _MODULE_HOOKS_BEFORE_STEP = ("backward", "on_after_backward", "on_before_optimiz
 _CALLBACK_HOOKS_BEFORE_STEP = ("on_after_backward", "on_before_optimizer_step")
 
 
-def _hook_before_step(model: L.LightningModule) -> str | None:
+def _hook_before_step(model: Any) -> str | None:
     """The first user hook that runs between backward and the step, where it may read or write the
     parameters, which must then hold their values from before the step (as under any optimizer) until
     it runs; None if there is none. A class that sets ``reads_weights_before_step = False`` is trusted."""
+    if not isinstance(model, L.LightningModule):
+        return f"{type(model).__name__} (not a LightningModule: its hooks cannot be told)"
     owners: list[tuple[Any, type, tuple[str, ...]]] = [(model, L.LightningModule, _MODULE_HOOKS_BEFORE_STEP)]
     for callback in model.trainer.callbacks:
         parent = OffloadMetrics if isinstance(callback, OffloadMetrics) else L.Callback  # ours reads no weights
