@@ -29,7 +29,7 @@ import torch
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.grads import check_gradient, register_grad_hooks
-from lightning_zero_offload.engine.update import read_all_hyperparams
+from lightning_zero_offload.engine.update import CpuUpdate
 
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.cpu_state import CpuState
@@ -143,7 +143,7 @@ class InPlaceGradients:
 # -- the in-place step (the engine's update when its gradient source is InPlaceGradients) -------
 
 
-class InPlaceUpdate:
+class InPlaceUpdate(CpuUpdate):
     """The in-place step: one native Adam call per param group over the gradients autograd left.
 
     Per parameter, the kernel sees what the offload path's plan would give it: the group's
@@ -158,16 +158,10 @@ class InPlaceUpdate:
         grads: InPlaceGradients,
         num_threads: int,
     ) -> None:
-        self.optimizer = optimizer  # hyperparameters are read live from its param groups
-        self.group_of = group_of
-        self.state = state
+        super().__init__(optimizer, group_of, state, num_threads)
         self.grads = grads
-        self.num_threads = num_threads
         # Per-parameter views of master and moments (fixed: the buffers are never replaced).
         self.param_views = state.param_views()
-
-    def hyperparams(self) -> list[kernels.AdamArgs]:
-        return read_all_hyperparams(self.optimizer)
 
     def calls(self) -> dict[int, tuple[list[torch.Tensor], ...]]:
         """The step's kernel arguments per param group: (params, grads, exp_avgs, exp_avg_sqs, indices),

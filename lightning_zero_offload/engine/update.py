@@ -46,7 +46,23 @@ def read_all_hyperparams(optimizer: torch.optim.Optimizer) -> list[kernels.AdamA
     return [read_hyperparams(optimizer, group, index) for index, group in enumerate(optimizer.param_groups)]
 
 
-class UpdatePipeline:
+class CpuUpdate:
+    """What both update parts share (this one and engine/in_place.py's ``InPlaceUpdate``): the CPU state
+    they update, each parameter's param group, and the optimizer whose groups hold the hyperparameters."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, group_of: list[int], state: CpuState, num_threads: int
+    ) -> None:
+        self.optimizer = optimizer  # hyperparameters are read live from its param groups
+        self.group_of = group_of
+        self.state = state
+        self.num_threads = num_threads
+
+    def hyperparams(self) -> list[kernels.AdamArgs]:
+        return read_all_hyperparams(self.optimizer)
+
+
+class UpdatePipeline(CpuUpdate):
     """The offload path's CPU update: plans, the update of one bucket, and update-and-publish.
 
     Built by the engine with the parts it acts on (the CPU state it updates, the publisher it hands
@@ -65,17 +81,11 @@ class UpdatePipeline:
         overlap: bool,
         num_threads: int,
     ) -> None:
-        self.optimizer = optimizer  # hyperparameters are read live from its param groups
-        self.group_of = group_of
+        super().__init__(optimizer, group_of, state, num_threads)
         self.layout = layout
-        self.state = state
         self.publisher = publisher
         self.worker = worker
         self.overlap = overlap
-        self.num_threads = num_threads
-
-    def hyperparams(self) -> list[kernels.AdamArgs]:
-        return read_all_hyperparams(self.optimizer)
 
     def bucket_runs(self, bucket: Bucket, has_grad: list[bool]) -> list[tuple[int, int, int]]:
         """Merge this rank's segments of ``bucket`` into maximal runs that one kernel call can update.
