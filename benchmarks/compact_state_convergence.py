@@ -8,7 +8,10 @@ against fp32, pass/fail against the issue's bar) and draws the curves.
 Cases: ``demo`` (configs/cpu_demo.yaml's GPT and data, 600 steps), ``llama`` (a ~20M-parameter Hugging
 Face ``LlamaForCausalLM`` from config on the same byte corpus, lr 1e-3) and ``llama-low-lr`` (lr 1e-4).
 States: ``fp32``, ``bf16`` (stochastic rounding) and ``bf16-nearest``, the control: bf16 state stored
-with round-to-nearest, done here by replacing ``kernels.adam_step_bf16_state`` for the run.
+with round-to-nearest, done here by replacing ``kernels.adam_step_bf16_state`` for the run. Two ablations
+say which part of the bf16 state moves the result: fp32 state whose master weights (``fp32-sr-weights``)
+or whose two moments (``fp32-sr-moments``) are stochastically rounded to bf16 values after every step
+(kept in fp32 tensors, random bits from a seeded torch generator), done by wrapping ``kernels.adam_step``.
 
 Every arm runs ``precision="32-true"`` on the CPU on the offload path (``in_place_on_cpu=False``): forward
 and backward are fp32 in every arm, which differ only in the optimizer state's precision (the bf16 arms'
@@ -35,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "compact_state"
 FIGURE = ROOT / "docs" / "figures" / "compact_state_convergence.png"
 CASES = ("demo", "llama", "llama-low-lr")
-STATES = ("fp32", "bf16", "bf16-nearest")
+STATES = ("fp32", "bf16", "bf16-nearest", "fp32-sr-weights", "fp32-sr-moments")
 BAR = {"demo": 0.005, "llama": 0.005, "llama-low-lr": 0.01}  # issue 19's bars on the final val loss
 SEED = 1234
 DEFAULT_STEPS = {"demo": 600, "llama": 1000, "llama-low-lr": 1000}
@@ -63,6 +66,31 @@ def nearest_bf16_state_step(
     param.copy_(p32)
     exp_avg.copy_(m32)
     exp_avg_sq.copy_(v32)
+
+
+def round_to_bf16_values(x: torch.Tensor, generator: torch.Generator) -> None:
+    """Stochastically round fp32 ``x`` in place to bf16 values (16 random bits added below the kept
+    mantissa, then truncated: the kernel's rule, with torch's generator instead of the hash)."""
+    bits = x.view(torch.int32)
+    bits += torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=generator)
+    bits &= -(1 << 16)
+
+
+def round_after_fp32_step(rounded: str, seed: int):
+    """``kernels.adam_step`` followed by stochastic rounding of the master (``"weights"``) or of both
+    moments (``"moments"``) to bf16 values: the ablation arms."""
+    from lightning_zero_offload import kernels
+
+    fp32_step, generator = kernels.adam_step, torch.Generator().manual_seed(seed)
+
+    def step(param, grad, exp_avg, exp_avg_sq, **kwargs) -> None:
+        fp32_step(param, grad, exp_avg, exp_avg_sq, **kwargs)
+        for t in (param,) if rounded == "weights" else (exp_avg, exp_avg_sq):
+            round_to_bf16_values(t, generator)
+        if kwargs.get("param_out") is not None:
+            kwargs["param_out"].copy_(param)
+
+    return step
 
 
 def build_llama(lr: float, steps: int):
@@ -171,6 +199,8 @@ def train(
     torch.set_num_threads(threads)
     if state == "bf16-nearest":
         kernels.adam_step_bf16_state = nearest_bf16_state_step  # cpu_state.py calls it through the module
+    if state.startswith("fp32-sr-"):
+        kernels.adam_step = round_after_fp32_step(state.removeprefix("fp32-sr-"), seed)
     version = code_version()  # at the start: the tree may change while the arm runs
     pl.seed_everything(seed, workers=True)
     model, data, default_val_every = build(case, steps)
@@ -199,7 +229,10 @@ def train(
             print(f"val step {trainer.global_step} loss {val:.4f}", flush=True)
 
     strategy = ZeroOffloadStrategy(
-        cpu_state="fp32" if state == "fp32" else "bf16", cpu_threads=threads, in_place_on_cpu=False, metrics=False
+        cpu_state="fp32" if state.startswith("fp32") else "bf16",
+        cpu_threads=threads,
+        in_place_on_cpu=False,
+        metrics=False,
     )
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -294,7 +327,13 @@ def report(out: Path, figure: Path) -> None:
 
     cases = [c for c in CASES if any(k[0] == c for k in runs)]
     fig, axes = plt.subplots(2, len(cases), figsize=(5 * len(cases), 7), squeeze=False)
-    colors = {"fp32": "black", "bf16": "tab:blue", "bf16-nearest": "tab:red"}
+    colors = {
+        "fp32": "black",
+        "bf16": "tab:blue",
+        "bf16-nearest": "tab:red",
+        "fp32-sr-weights": "tab:green",
+        "fp32-sr-moments": "tab:orange",
+    }
     for col, case in enumerate(cases):
         for state in STATES:
             run = runs.get((case, state))

@@ -94,6 +94,7 @@ static lzo_adam_consts adam_consts(const lzo_adam_hparams *hp, double grad_scale
     c.beta2 = (float)hp->beta2;
     c.one_minus_beta2 = (float)(1.0 - hp->beta2);
     c.bc2_sqrt = (float)pow(bc2, 0.5);
+    c.inv_bc2_sqrt = (float)(1.0 / pow(bc2, 0.5));
     c.neg_step_size = (float)(-(hp->lr / bc1));
     c.eps = (float)hp->eps;
     c.extrapolate = (float)extrapolate;

@@ -219,8 +219,8 @@ adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index, u
         float mi = bf16_to_f32(m[i]);
         mi = FMA_EXACT(c->lerp_w, gi - mi, c->lerp_from_end ? gi : mi);
         float vi = FMA_EXACT(c->one_minus_beta2 * gi, gi, bf16_to_f32(v[i]) * c->beta2);
-        float denom = sqrtf(vi) / c->bc2_sqrt + c->eps;
-        pi = pi + c->neg_step_size * mi / denom;
+        float denom = FMA_EXACT(sqrtf(vi), c->inv_bc2_sqrt, c->eps);
+        pi = FMA_EXACT(c->neg_step_size, mi / denom, pi);
         uint32_t idx = index + (uint32_t)i, hpm = hash32(idx ^ k->pm), hv = hash32((idx >> 1) ^ k->v);
         p[i] = bf16_stochastic(pi, hpm >> 16);
         m[i] = bf16_stochastic(mi, hpm & 0xffffu);

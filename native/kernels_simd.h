@@ -194,22 +194,28 @@ INLINE vint bf16_stochastic(vfloat x, vint r)
     return vi_nan_select(x, vi_set1(0x7fc00000), vi_add(vi_from_bits(x), r));
 }
 
-/* adam_vec's operations in adam_vec's order on widened values (even or odd elements of a block). */
-INLINE void adam_bf16_half(const lzo_adam_consts *c, vfloat gi, vfloat *p, vfloat *m, vfloat *v)
+/* The update of the even and the odd elements of a block, statement by statement side by side: two
+ * independent chains through the square root and the division, which one alone leaves idle. */
+INLINE void adam_bf16_pair(const lzo_adam_consts *c, vfloat *g, vfloat *p, vfloat *m, vfloat *v)
 {
-    vfloat pi = *p, mi = *m;
-    gi = vf_mul(gi, vf_set1(c->grad_scale));
+    vfloat pd[2], q[2];
+    for (int k = 0; k < 2; ++k)
+        g[k] = vf_mul(g[k], vf_set1(c->grad_scale));
     if (c->l2 != 0.0f)
-        gi = vf_fmadd(pi, vf_set1(c->l2), gi);
-    pi = vf_mul(pi, vf_set1(c->decay));
-    vfloat d = vf_sub(gi, mi);
-    mi = vf_fmadd(vf_set1(c->lerp_w), d, c->lerp_from_end ? gi : mi);
-    vfloat vi = vf_mul(*v, vf_set1(c->beta2));
-    vi = vf_fmadd(vf_mul(vf_set1(c->one_minus_beta2), gi), gi, vi);
-    vfloat denom = vf_add(vf_div(vf_sqrt(vi), vf_set1(c->bc2_sqrt)), vf_set1(c->eps));
-    *p = vf_add(pi, vf_div(vf_mul(vf_set1(c->neg_step_size), mi), denom));
-    *m = mi;
-    *v = vi;
+        for (int k = 0; k < 2; ++k)
+            g[k] = vf_fmadd(p[k], vf_set1(c->l2), g[k]);
+    for (int k = 0; k < 2; ++k)
+        v[k] = vf_fmadd(vf_mul(vf_set1(c->one_minus_beta2), g[k]), g[k], vf_mul(v[k], vf_set1(c->beta2)));
+    for (int k = 0; k < 2; ++k)
+        q[k] = vf_sqrt(v[k]);
+    for (int k = 0; k < 2; ++k)
+        m[k] = vf_fmadd(vf_set1(c->lerp_w), vf_sub(g[k], m[k]), c->lerp_from_end ? g[k] : m[k]);
+    for (int k = 0; k < 2; ++k)
+        q[k] = vf_div(m[k], vf_fmadd(q[k], vf_set1(c->inv_bc2_sqrt), vf_set1(c->eps)));
+    for (int k = 0; k < 2; ++k)
+        pd[k] = vf_mul(p[k], vf_set1(c->decay));
+    for (int k = 0; k < 2; ++k)
+        p[k] = vf_fmadd(vf_set1(c->neg_step_size), q[k], pd[k]);
 }
 
 INLINE vfloat even_f32(vint words) { return vf_from_bits(vi_shl16(words)); }
@@ -231,10 +237,10 @@ INLINE void adam_bf16_block(const lzo_adam_consts *c, vint kpm, vint kv, uint32_
     } else {
         vf_even_odd(load_as_f32(g, i, gdt), load_as_f32(g, i + W, gdt), &ge, &go);
     }
-    vfloat pe = even_f32(pw), me = even_f32(mw), ve = even_f32(vw);
-    vfloat po = odd_f32(pw), mo = odd_f32(mw), vo = odd_f32(vw);
-    adam_bf16_half(c, ge, &pe, &me, &ve);
-    adam_bf16_half(c, go, &po, &mo, &vo);
+    vfloat gs[2] = {ge, go}, ps[2] = {even_f32(pw), odd_f32(pw)}, ms[2] = {even_f32(mw), odd_f32(mw)};
+    vfloat vs[2] = {even_f32(vw), odd_f32(vw)};
+    adam_bf16_pair(c, gs, ps, ms, vs);
+    vfloat pe = ps[0], po = ps[1], me = ms[0], mo = ms[1], ve = vs[0], vo = vs[1];
     vint je = vi_add(vi_set1((int)index), vi_load(LANE_EVEN)), jo = vi_add(je, vi_set1(1));
     vint he_hi, ho_hi, hv_hi;
     vint he = hash32(vi_xor(je, kpm), &he_hi), ho = hash32(vi_xor(jo, kpm), &ho_hi);
@@ -291,9 +297,12 @@ INLINE void adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint3
                           n - i, gdt);
 }
 
-TARGET static void adam_bf16state(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index,
+TARGET static void adam_bf16state(const lzo_adam_consts *consts, const lzo_sr_keys *k, uint32_t index,
                                   uint16_t *p, const void *g, uint16_t *m, uint16_t *v, int64_t n, int gdt)
 {
+    /* A local copy: the vector stores may alias anything, so through the caller's pointer every block
+     * would load and broadcast the constants again and test l2 and lerp_from_end again. */
+    const lzo_adam_consts local = *consts, *c = &local;
     switch (gdt) {
     case LZO_BFLOAT16:
         adam_bf16_loop(c, k, index, p, g, m, v, n, LZO_BFLOAT16);

@@ -98,6 +98,7 @@ typedef struct {
     float lerp_w;       /* m = lerp(m, g, 1 - beta1), torch's two-sided formula */
     int lerp_from_end;  /* 1 - beta1 >= 0.5: m = g + (1 - beta1 - 1) * (g - m) */
     float beta2, one_minus_beta2, bc2_sqrt, neg_step_size, eps;
+    float inv_bc2_sqrt; /* bf16 state: denom = sqrt(v) * inv_bc2_sqrt + eps, one division fewer */
     float extrapolate;  /* param_out = p_new + extrapolate * (p_new - p_old) (0: off) */
 } lzo_adam_consts;
 

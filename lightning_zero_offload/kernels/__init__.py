@@ -243,8 +243,9 @@ def adam_step_bf16_state(
 ) -> None:
     """:func:`adam_step` on bf16 state: ``param``, ``exp_avg``, ``exp_avg_sq`` are bf16, updated in place.
 
-    Each element is widened to fp32 and updated with exactly :func:`adam_step`'s fp32 arithmetic (the
-    same constants and operations), and the new p, m and v are stored with stochastic rounding: 16
+    Each element is widened to fp32 and updated with :func:`adam_step`'s fp32 arithmetic (the same
+    constants; m and v bitwise, p within a few fp32 ulp: one division fewer, see
+    ``reference.bf16_state_update``), and the new p, m and v are stored with stochastic rounding: 16
     random bits are added below the kept bf16 mantissa and the rest is truncated, so each value rounds
     up with the probability of the dropped fraction and its expectation is the fp32 value. Without it,
     updates below half a bf16 ulp (a 2^-9 relative change) would be lost: the params would stop moving

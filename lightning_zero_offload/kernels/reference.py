@@ -100,6 +100,32 @@ def _fma32(a: Tensor | float, b: Tensor, c: Tensor) -> Tensor:
     return _r32(bits.view(torch.float64))
 
 
+def bf16_state_update(
+    hp: AdamArgs, step: int, grad_scale: float, p: Tensor, g: Tensor, m: Tensor, v: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The bf16-state step's fp32 update of widened p, m, v (float64 tensors of fp32 values), before
+    the rounding: every fp32 operation done in float64 and rounded to fp32 (exact: see _r32), the
+    multiply-adds rounded once (_fma32), the constants of dispatch.c adam_consts. m and v are the fp32
+    step's; p differs from it by a few fp32 ulp: one division fewer (sqrt(v) * (1 / sqrt(bc2)) + eps,
+    then a fused multiply-add), which the kernel's divider needs."""
+    bc1, bc2 = 1.0 - hp.beta1**step, 1.0 - hp.beta2**step  # pow, as adam_consts computes them
+    scale = _f32(-grad_scale if hp.maximize else grad_scale)
+    l2 = 0.0 if hp.adamw_mode else _f32(hp.weight_decay)
+    w = _f32(1.0 - hp.beta1)
+    from_end = not w < 0.5
+    lerp_w = _f32(w - 1.0) if from_end else w
+    beta2, one_minus_beta2 = _f32(hp.beta2), _f32(1.0 - hp.beta2)
+    inv_bc2_sqrt, neg_step_size, eps = _f32(1.0 / bc2**0.5), _f32(-(hp.lr / bc1)), _f32(hp.eps)
+    gi = _r32(g * scale)
+    if l2 != 0.0:
+        gi = _fma32(p, l2, gi)
+    p = _r32(p * adamw_decay(hp))
+    m = _fma32(lerp_w, _r32(gi - m), gi if from_end else m)
+    v = _fma32(_r32(one_minus_beta2 * gi), gi, _r32(v * beta2))
+    denom = _fma32(inv_bc2_sqrt, _r32(v.sqrt()), eps)
+    return _fma32(neg_step_size, _r32(m / denom), p), m, v
+
+
 class TorchBackend:
     """The kernels in torch ops; the same methods as :class:`kernels.native.NativeBackend`."""
 
@@ -176,33 +202,15 @@ class TorchBackend:
             exp_avg_sq[window] = ((v1 - one_minus_beta2 * g * g) * inv_beta2).clamp_(min=0.0)
 
     def adam_bf16_state(self, call: FlatAdamCall) -> None:
-        """adam_bf16state (native/kernels_simd.h) in torch ops: every fp32 operation done in float64 and
-        rounded to fp32 (exact: see _r32), the multiply-adds rounded once (_fma32), the same constants as
-        dispatch.c adam_consts and the same hash, so the same bits as every native backend."""
-        hp, param, grad, exp_avg, exp_avg_sq = call.hparams, call.param, call.grad, call.exp_avg, call.exp_avg_sq
-        step, seed, offset, grad_scale = call.step, call.seed, call.offset, call.grad_scale
-        bc1, bc2 = 1.0 - hp.beta1**step, 1.0 - hp.beta2**step  # pow, as adam_consts computes them
-        scale = _f32(-grad_scale if hp.maximize else grad_scale)
-        l2 = 0.0 if hp.adamw_mode else _f32(hp.weight_decay)
-        decay = adamw_decay(hp)
-        w = _f32(1.0 - hp.beta1)
-        from_end = not w < 0.5
-        lerp_w = _f32(w - 1.0) if from_end else w
-        beta2, one_minus_beta2 = _f32(hp.beta2), _f32(1.0 - hp.beta2)
-        bc2_sqrt, neg_step_size, eps = _f32(bc2**0.5), _f32(-(hp.lr / bc1)), _f32(hp.eps)
+        """adam_bf16state (native/kernels_simd.h) in torch ops: :func:`bf16_state_update`, then the same
+        hash and stochastic rounding, so the same bits as every native backend."""
+        param, grad, exp_avg, exp_avg_sq = call.param, call.grad, call.exp_avg, call.exp_avg_sq
         for start in range(0, param.numel(), _BF16_STATE_CHUNK):
             window = slice(start, start + _BF16_STATE_CHUNK)
-            gi = _r32(grad[window].double() * scale)
-            p, m, v = (t[window].double() for t in (param, exp_avg, exp_avg_sq))
-            if l2 != 0.0:
-                gi = _fma32(p, l2, gi)
-            p = _r32(p * decay)
-            m = _fma32(lerp_w, _r32(gi - m), gi if from_end else m)
-            v = _fma32(_r32(one_minus_beta2 * gi), gi, _r32(v * beta2))
-            denom = _r32(_r32(_r32(v.sqrt()) / bc2_sqrt) + eps)
-            p = _r32(p + _r32(_r32(neg_step_size * m) / denom))
-            bits = sr_bits(seed, step, offset + start, p.numel())
-            for t, x, r in zip((param, exp_avg, exp_avg_sq), (p, m, v), bits):
+            state = (t[window].double() for t in (param, grad, exp_avg, exp_avg_sq))
+            updated = bf16_state_update(call.hparams, call.step, call.grad_scale, *state)
+            bits = sr_bits(call.seed, call.step, call.offset + start, updated[0].numel())
+            for t, x, r in zip((param, exp_avg, exp_avg_sq), updated, bits):
                 t[window] = round_bf16_stochastic(x.float(), r)
 
     def grad_accumulate(self, dst: Tensor, src: Tensor, scale: float, overwrite: bool, num_threads: int) -> float:

@@ -70,23 +70,33 @@ def test_bf16state_bitwise_on_every_backend_and_thread_count(backend: str, size:
 
 
 @pytest.mark.skipif(not SIMD, reason="needs a SIMD backend (the fp32 kernel with fused multiply-adds)")
+@pytest.mark.parametrize("adamw_mode", [True, False])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_bf16state_is_the_fp32_step_stochastically_rounded(backend: str, grad_dtype) -> None:
-    """Before rounding, the bf16-state step is bitwise the fp32 kernel's update of the widened state."""
+def test_bf16state_is_the_fp32_step_stochastically_rounded(backend: str, grad_dtype, adamw_mode: bool) -> None:
+    """Before rounding, m and v are bitwise the fp32 kernel's update of the widened state and p is within
+    2 fp32 ulp of it (one division fewer); the stored bits are that update stochastically rounded."""
     n, step, seed, offset = 2**16 + 37, 5, 7, 1000
     p, m, v = bf16_state(n, seed=3)
     g = grads_like(n, 1, seed=4)[0].to(grad_dtype)
-    hp = adam_args(adamw_mode=False)
+    hp = adam_args(adamw_mode=adamw_mode)
     p32, m32, v32 = p.float(), m.float(), v.float()
     previous = kernels.backend()
     kernels.set_backend(SIMD[0])
     kernels.adam_step(p32, g, m32, v32, step=step, grad_scale=0.37, hparams=hp)
     kernels.set_backend(previous)
+    before = reference.bf16_state_update(hp, step, 0.37, *(t.double() for t in (p, g, m, v)))
+    assert torch.equal(before[1].float(), m32) and torch.equal(before[2].float(), v32)
+    # p = p * decay + update, each term's error at most an ulp or two: 4 ulp of the larger term (p's own
+    # ulp says little where the two nearly cancel)
+    kept = p.double() * reference.adamw_decay(hp)
+    larger = torch.maximum(kept.abs(), (p32.double() - kept).abs())
+    assert bool(((before[0] - p32.double()).abs() <= 2.0**-21 * larger).all())
+    assert 0 < float((before[0] != p32.double()).double().mean()) < 0.5
     kernels.adam_step_bf16_state(p, g, m, v, step=step, seed=seed, offset=offset, grad_scale=0.37, hparams=hp)
-    for a, exact, r in zip((p, m, v), (p32, m32, v32), reference.sr_bits(seed, step, offset, n)):
-        assert torch.equal(bits16(a), bits16(reference.round_bf16_stochastic(exact, r)))
+    for a, exact, r in zip((p, m, v), before, reference.sr_bits(seed, step, offset, n)):
+        assert torch.equal(bits16(a), bits16(reference.round_bf16_stochastic(exact.float(), r)))
         # and the rounding picked one of the two neighbours of the fp32 value
-        down = (exact.view(torch.int32) >> 16).to(torch.int16)
+        down = (exact.float().view(torch.int32) >> 16).to(torch.int16)
         assert ((bits16(a) == down) | (bits16(a) == down + 1)).all()
 
 
