@@ -128,6 +128,47 @@ def test_compact_state_control_rounds_to_nearest_and_loses_what_stochastic_round
     assert abs((1.0 - stochastic[0].double().mean().item()) - lr) < 0.1 * lr
 
 
+def test_compact_state_ablations_round_what_they_name_to_bf16_values_without_bias():
+    # The ablation arms: the fp32 step, then only the master (or only the moments) stochastically rounded.
+    from lightning_zero_offload import kernels
+
+    control = load("compact_state_convergence")
+    n = 1 << 16
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=gen)
+    rounded = x.clone()
+    control.round_to_bf16_values(rounded, torch.Generator().manual_seed(1))
+    assert torch.equal(rounded, rounded.bfloat16().float())  # bf16 values
+    bits = x.view(torch.int32)
+    down = (bits & -(1 << 16)).view(torch.float32)  # the magnitude truncated, and one bf16 ulp above it
+    up = ((bits & -(1 << 16)) + (1 << 16)).view(torch.float32)
+    assert bool(((rounded == down) | (rounded == up)).all())  # one of the two neighbours
+    frac = (bits & 0xFFFF).double() / 65536  # the probability of rounding up
+    for low, high in ((0.0, 0.5), (0.5, 1.0)):  # unbiased in each half (round-to-nearest fails both)
+        sel = (frac >= low) & (frac < high)
+        f = frac[sel]
+        z = ((rounded == up)[sel].double().sum() - f.sum()) / (f * (1 - f)).sum().sqrt()
+        assert abs(float(z)) < 5, f"round-ups for dropped fractions in [{low}, {high}): z = {float(z):.1f}"
+
+    hp = kernels.AdamArgs(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True)
+    for part in ("weights", "moments"):
+        p, m, v = torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
+        p32, m32, v32 = p.clone(), m.clone(), v.clone()
+        grad = torch.randn(n, generator=gen)
+        control.round_after_fp32_step(part, seed=0)(p, grad, m, v, hparams=hp, step=1)
+        kernels.adam_step(p32, grad, m32, v32, hparams=hp, step=1)
+        for got, exact, is_rounded in (
+            (p, p32, part == "weights"),
+            (m, m32, part == "moments"),
+            (v, v32, part == "moments"),
+        ):
+            if is_rounded:
+                assert torch.equal(got, got.bfloat16().float()) and not torch.equal(got, exact)
+                assert float((got - exact).abs().max()) <= float(exact.abs().max()) * 2.0**-7
+            else:
+                assert torch.equal(got, exact)
+
+
 @pytest.mark.slow  # a fresh interpreter and a 19M-parameter model
 def test_compact_state_convergence_trains_an_arm_and_reports_it(tmp_path):
     pytest.importorskip("transformers")
