@@ -151,17 +151,14 @@ def test_compact_state_ablations_round_what_they_name_to_bf16_values_without_bia
         assert abs(float(z)) < 5, f"round-ups for dropped fractions in [{low}, {high}): z = {float(z):.1f}"
 
     hp = kernels.AdamArgs(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True)
-    for part in ("weights", "moments"):
-        p, m, v = torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)
+    for part, step in (("weights", 1), ("weights", 2), ("moments", 1), ("moments", 2), ("once", 1), ("once", 2)):
+        p, m, v = torch.randn(n, generator=gen), torch.rand(n, generator=gen), torch.rand(n, generator=gen)
         p32, m32, v32 = p.clone(), m.clone(), v.clone()
         grad = torch.randn(n, generator=gen)
-        control.round_after_fp32_step(part, seed=0)(p, grad, m, v, hparams=hp, step=1)
-        kernels.adam_step(p32, grad, m32, v32, hparams=hp, step=1)
-        for got, exact, is_rounded in (
-            (p, p32, part == "weights"),
-            (m, m32, part == "moments"),
-            (v, v32, part == "moments"),
-        ):
+        control.round_after_fp32_step(part, seed=0)(p, grad, m, v, hparams=hp, step=step)
+        kernels.adam_step(p32, grad, m32, v32, hparams=hp, step=step)
+        weights = part == "weights" or (part == "once" and step == 1)  # "once": after the first step only
+        for got, exact, is_rounded in ((p, p32, weights), (m, m32, part == "moments"), (v, v32, part == "moments")):
             if is_rounded:
                 assert torch.equal(got, got.bfloat16().float()) and not torch.equal(got, exact)
                 assert float((got - exact).abs().max()) <= float(exact.abs().max()) * 2.0**-7
