@@ -195,7 +195,8 @@ INLINE vint bf16_stochastic(vfloat x, vint r)
 }
 
 /* The update of the even and the odd elements of a block, statement by statement side by side: two
- * independent chains through the square root and the division, which one alone leaves idle. */
+ * independent chains through the square root and the division keep the units busy while one waits
+ * on the other's latency (GCC does not interleave them itself; docs/kernels.md has the gain). */
 INLINE void adam_bf16_pair(const lzo_adam_consts *c, vfloat *g, vfloat *p, vfloat *m, vfloat *v)
 {
     vfloat pd[2], q[2];
