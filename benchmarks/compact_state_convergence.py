@@ -72,11 +72,12 @@ def nearest_bf16_state_step(
 
 
 def round_to_bf16_values(x: torch.Tensor, generator: torch.Generator) -> None:
-    """Stochastically round fp32 ``x`` in place to bf16 values (16 random bits added below the kept
-    mantissa, then truncated: the kernel's rule, with torch's generator instead of the hash)."""
-    bits = x.view(torch.int32)
-    bits += torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=generator)
-    bits &= -(1 << 16)
+    """Stochastically round fp32 ``x`` in place to bf16 values: the kernel's rule
+    (``reference.round_bf16_stochastic``), with torch's generator instead of the hash."""
+    from lightning_zero_offload.kernels import reference
+
+    bits = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=generator)
+    x.copy_(reference.round_bf16_stochastic(x, bits))
 
 
 def round_after_fp32_step(rounded: str, seed: int):

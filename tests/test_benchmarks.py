@@ -129,7 +129,8 @@ def test_compact_state_control_rounds_to_nearest_and_loses_what_stochastic_round
 
 
 def test_compact_state_ablations_round_what_they_name_to_bf16_values_without_bias():
-    # The ablation arms: the fp32 step, then only the master (or only the moments) stochastically rounded.
+    # The ablation arms: the fp32 step, then only the master (every step or after the first) or only the
+    # moments stochastically rounded.
     from lightning_zero_offload import kernels
 
     control = load("compact_state_convergence")
