@@ -366,6 +366,9 @@ BF16_STATE_PAIRS = [  # (bf16 state, the fp32-state step publishing the same bf1
     ("bf16 state, fp32 grad", "fp32 state, fp32 grad, bf16 out"),
     ("bf16 state, fp32 grad", "fp32 state, fp32 grad"),
     ("bf16 state, bf16 grad", "fp32 state, bf16 grad, bf16 out"),
+    # the steps as the engine runs them at one micro-batch on one rank: bf16 state reads the staged bf16
+    # grad, fp32 state its fp32 gradient buffer
+    ("bf16 state, bf16 grad", "fp32 state, fp32 grad, bf16 out"),
 ]
 RESULTS_BF16_STATE = Path(__file__).parent / "results" / "cpu_adam_bf16_state.json"
 BASELINE_ROWS = {"baseline bf16 state, fp32 grad": 16, "baseline bf16 state, bf16 grad": 14}

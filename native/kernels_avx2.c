@@ -54,6 +54,10 @@ INLINE vint vi_nan_select(vfloat x, vint if_nan, vint otherwise)
     __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     return _mm256_blendv_epi8(otherwise, if_nan, _mm256_castps_si256(nan));
 }
+INLINE vint vi_add_bits_unless_nan(vfloat x, vint r, vint if_nan)
+{
+    return vi_nan_select(x, if_nan, _mm256_add_epi32(_mm256_castps_si256(x), r));
+}
 /* every lane is <= 0xffff, so unsigned saturation packs exactly */
 INLINE vhalf vi_narrow_u16(vint a)
 {

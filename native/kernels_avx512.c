@@ -53,6 +53,11 @@ INLINE vint vi_nan_select(vfloat x, vint if_nan, vint otherwise)
 {
     return _mm512_mask_mov_epi32(otherwise, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), if_nan);
 }
+/* one masked add instead of an add and a select */
+INLINE vint vi_add_bits_unless_nan(vfloat x, vint r, vint if_nan)
+{
+    return _mm512_mask_add_epi32(if_nan, _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_castps_si512(x), r);
+}
 INLINE vhalf vi_narrow_u16(vint a) { return _mm512_cvtepi32_epi16(a); }
 
 INLINE vint vi_load_words(const uint16_t *p) { return _mm512_loadu_si512(p); }

@@ -10,7 +10,8 @@
  *   vint    W int32 lanes:  vi_load_u16 (W uint16, zero-extended) vi_from_bits vf_from_bits vi_set1
  *                           vi_add vi_and vi_or vi_xor vi_mullo (low 32 bits of the product)
  *                           vi_shl16 vi_shr16 vi_shr15 vi_shr1 vi_load (W int32) vi_nan_select(x, a,
- *                           b) (a where x is NaN, else b) vi_narrow_u16 (each lane is <= 0xffff)
+ *                           b) (a where x is NaN, else b) vi_add_bits_unless_nan(x, r, a) (x's bits
+ *                           + r, a where x is NaN) vi_narrow_u16 (each lane is <= 0xffff)
  *                           vi_load_words vi_store_words (2W uint16 as W 32-bit words)
  *                           vi_merge_high(a, b) (each word: a's high half low, b's high half high)
  *   vhalf   W 16-bit lanes: vh_store vh_stream vh_from_f32_f16 (round to nearest even)
@@ -191,7 +192,7 @@ INLINE vint hash32(vint x, vint *high)
  * its bits independent of the backend. */
 INLINE vint bf16_stochastic(vfloat x, vint r)
 {
-    return vi_nan_select(x, vi_set1(0x7fc00000), vi_add(vi_from_bits(x), r));
+    return vi_add_bits_unless_nan(x, r, vi_set1(0x7fc00000));
 }
 
 /* The update of the even and the odd elements of a block, statement by statement side by side: two
@@ -270,6 +271,9 @@ INLINE void adam_bf16_partial(const lzo_adam_consts *c, vint kpm, vint kv, uint3
     memcpy(v, vb + s, r * 2);
 }
 
+/* Elements ahead: 4 KiB of each bf16 stream. A block costs about as much compute as its 14-16 bytes
+ * take to arrive, so the prefetches must run further ahead than the fp32 step's (docs/kernels.md). */
+#define PREFETCH_BF16 2048
 #define BF16_LINE 32 /* bf16 elements per 64-byte cache line */
 
 INLINE void adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index, uint16_t *p,
@@ -282,12 +286,12 @@ INLINE void adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint3
         i = 1;
     }
     for (; i + BF16_LINE <= n; i += BF16_LINE) { /* one cache line of each bf16 stream */
-        _mm_prefetch((const char *)(p + i + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(m + i + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)(v + i + PREFETCH), _MM_HINT_T0);
-        _mm_prefetch((const char *)g + (i + PREFETCH) * gsz, _MM_HINT_T0);
+        _mm_prefetch((const char *)(p + i + PREFETCH_BF16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(m + i + PREFETCH_BF16), _MM_HINT_T0);
+        _mm_prefetch((const char *)(v + i + PREFETCH_BF16), _MM_HINT_T0);
+        _mm_prefetch((const char *)g + (i + PREFETCH_BF16) * gsz, _MM_HINT_T0);
         if (gsz == 4)
-            _mm_prefetch((const char *)g + (i + PREFETCH) * 4 + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)g + (i + PREFETCH_BF16) * 4 + 64, _MM_HINT_T0);
         for (int j = 0; j < BF16_LINE; j += 2 * W)
             adam_bf16_block(c, kpm, kv, index + (uint32_t)(i + j), p, g, m, v, i + j, gdt);
     }
