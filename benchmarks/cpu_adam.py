@@ -60,6 +60,7 @@ from pathlib import Path
 import torch
 
 from lightning_zero_offload import kernels
+from lightning_zero_offload.engine import memory
 from lightning_zero_offload.optim import CPUAdam
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -80,10 +81,17 @@ def split_sizes(n: int, count: int, seed: int = 0) -> list[int]:
     return sizes
 
 
+SMALL_PAGES = False  # --small-pages: buffers on 4 KiB pages instead of the engine's huge-page advice
+
+
 def make(sizes: list[int], dtype: torch.dtype = torch.float32, fill: str = "randn") -> list[torch.Tensor]:
-    if fill == "zeros":
-        return [torch.zeros(s, dtype=dtype) for s in sizes]
-    return [torch.randn(s).to(dtype) for s in sizes]
+    """Buffers allocated as the engine allocates its host state (``memory.host_empty``: huge pages where
+    Linux offers them), filled after the advice so that their pages fault in huge."""
+    out = []
+    for s in sizes:
+        t = torch.empty(s, dtype=dtype) if SMALL_PAGES else memory.host_empty(s, dtype, pin=False)
+        out.append(t.zero_() if fill == "zeros" else t.copy_(torch.randn(s)))
+    return out
 
 
 def build_cases(sizes: list[int], threads: int) -> dict[str, Callable[[], None]]:
@@ -276,7 +284,7 @@ def offload_case(n: int, threads: int) -> Callable[[], None]:
 
 
 def roofline_case(n: int, threads: int) -> Callable[[], None]:
-    probe = [torch.randn(n) for _ in range(4)]
+    probe = make([n] * 4)
     return lambda: roofline.probe(*probe, num_threads=threads)
 
 
@@ -408,7 +416,7 @@ def quartiles(xs: list[float]) -> list[float]:
 
 def bf16_state_cases(n: int, threads: int) -> dict[str, Callable[[], None]]:
     """kernels.adam_step_bf16_state against kernels.adam_step on one flat tensor, with the roofline."""
-    probe = [torch.randn(n) for _ in range(4)]
+    probe = make([n] * 4)
     cases: dict[str, Callable[[], None]] = {"roofline": lambda: roofline.probe(*probe, num_threads=threads)}
     step = 1  # a fixed step number: the work per call does not depend on it
     for name in state_rows():
@@ -549,7 +557,17 @@ def machine_info() -> dict[str, object]:
         "torch": torch.__version__,
         "backend": kernels.backend(),
         "available_backends": kernels.available_backends(),
+        "pages": "4 KiB" if SMALL_PAGES else f"huge-page advice, transparent_hugepage {transparent_huge_pages()}",
     }
+
+
+def transparent_huge_pages() -> str:
+    """The kernel's transparent-huge-page mode (the bracketed word of its setting), or "absent"."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "absent"
 
 
 def main() -> None:
@@ -570,7 +588,12 @@ def main() -> None:
         help="--bf16-state: another build's lightning_zero_offload/_native*.so, whose bf16-state kernel runs beside",
     )
     parser.add_argument("--out", type=Path, default=None, help=f"JSON report (default: {RESULTS}; --quick: none)")
+    parser.add_argument(
+        "--small-pages", action="store_true", help="buffers on 4 KiB pages (default: the engine's, huge where offered)"
+    )
     args = parser.parse_args()
+    global SMALL_PAGES
+    SMALL_PAGES = args.small_pages
     args.threads = [thread_count(t) for t in args.threads]
     sizes_n = [1 << 18, 1 << 20] if args.quick else [1 << 22, 1 << 25]
     reps = args.reps or (5 if args.quick else 30)

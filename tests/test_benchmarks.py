@@ -182,3 +182,24 @@ def test_compact_state_convergence_trains_an_arm_and_reports_it(tmp_path):
     done = subprocess.run(report, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "llama         bf16-nearest      2" in done.stdout and figure.stat().st_size > 0
+
+
+@pytest.mark.slow  # a fresh interpreter, two 2^24-element engines per state
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(), reason="no huge pages")
+def test_huge_pages_benchmark_runs_both_arms_and_only_one_asks_for_huge_pages(tmp_path):
+    out = tmp_path / "huge_pages.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "huge_pages.py"), "--numel", str(1 << 24), "--steps", "2"]
+        + ["--threads", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [(row["cpu_state"], row["threads"]) for row in report["rows"]] == [("fp32", 1), ("bf16", 1)]
+    fp32 = report["rows"][0]
+    for arm in ("huge pages", "4 KiB pages"):  # the engine's CPU-step time lies inside the whole step's
+        assert fp32["medians_s"][arm]["step_s"] > fp32["medians_s"][arm]["cpu_step_s"] > 0
+    if report["transparent_hugepage"] == "madvise":  # only the advised arm gets huge pages ("always": both)
+        assert fp32["anon_huge_pages_kib"]["huge pages"] > 0 == fp32["anon_huge_pages_kib"]["4 KiB pages"]

@@ -222,3 +222,42 @@ def test_a_failed_pool_wakes_a_waiting_acquire_and_refuses_later_ones():
     for _ in range(2):
         with pytest.raises(RuntimeError, match="accumulate failed"):
             pool.acquire()
+
+
+def _mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds ``address``."""
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= address < high
+            elif inside:
+                name, _, value = line.partition(":")
+                fields[name] = value.strip()
+    return fields
+
+
+def _huge_pages_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except OSError:
+        return "absent"
+
+
+@pytest.mark.skipif(_huge_pages_mode() == "absent", reason="no transparent huge pages in this kernel")
+def test_model_sized_host_buffers_ask_for_huge_pages_and_get_them():
+    tensor = memory.host_zeros(16 << 20, torch.float32, pin=False)  # 64 MiB: mmap'd, several whole 2 MiB pages
+    middle = tensor.data_ptr() + tensor.numel() * 2
+    mapping = _mapping_of(middle)
+    assert "hg" in mapping["VmFlags"].split()  # MADV_HUGEPAGE on the buffer's whole 2 MiB pages
+    if _huge_pages_mode() != "never":
+        assert int(mapping["AnonHugePages"].split()[0]) >= 32 << 10  # kB: at least half of it, faulted in huge
+    assert torch.count_nonzero(tensor) == 0
+
+
+def test_huge_page_advice_skips_buffers_without_a_whole_huge_page():
+    assert not memory.advise_huge_pages(torch.empty(1000))
