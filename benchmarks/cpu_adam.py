@@ -589,13 +589,16 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=None, help=f"JSON report (default: {RESULTS}; --quick: none)")
     parser.add_argument(
+        "--log2-sizes", type=int, nargs="+", default=None, help="N = 2^k for each k (default: 22 25; --quick: 18 20)"
+    )
+    parser.add_argument(
         "--small-pages", action="store_true", help="buffers on 4 KiB pages (default: the engine's, huge where offered)"
     )
     args = parser.parse_args()
     global SMALL_PAGES
     SMALL_PAGES = args.small_pages
     args.threads = [thread_count(t) for t in args.threads]
-    sizes_n = [1 << 18, 1 << 20] if args.quick else [1 << 22, 1 << 25]
+    sizes_n = [1 << k for k in args.log2_sizes or ([18, 20] if args.quick else [22, 25])]
     reps = args.reps or (5 if args.quick else 30)
     if args.thread_rows:
         report = {"machine": machine_info(), "reps": reps, "rows": []}

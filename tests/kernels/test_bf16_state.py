@@ -57,6 +57,17 @@ def bf16_state_reference(n: int, grad_dtype, case: str):
         kernels.set_backend(previous)
 
 
+def test_bf16state_bits_do_not_depend_on_the_pieces_threads_claim(backend: str) -> None:
+    """Sizes whose pieces per thread are 2^16, between 2^16 and 2^18 (not a power of two) and 2^18."""
+    if backend == "torch":
+        pytest.skip("the reference runs in one piece")
+    for size in (2**19 + 3, 3 * 2**18 + 17, 2**21 + 5):
+        one = bf16_state_steps(size, torch.bfloat16, "adamw", threads=1, steps=1)
+        for threads in (2, 3):
+            many = bf16_state_steps(size, torch.bfloat16, "adamw", threads=threads, steps=1)
+            assert all(torch.equal(bits16(a), bits16(b)) for a, b in zip(one, many)), (size, threads)
+
+
 @pytest.mark.parametrize("case", sorted(BF16_CASES))
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("size", BF16_SIZES)
