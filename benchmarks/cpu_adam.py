@@ -549,6 +549,7 @@ def machine_info() -> dict[str, object]:
             model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    pages = "4 KiB" if SMALL_PAGES else f"huge-page advice, transparent_hugepage {memory.transparent_huge_pages()}"
     return {
         "cpu": model,
         "machine": platform.machine(),
@@ -557,17 +558,8 @@ def machine_info() -> dict[str, object]:
         "torch": torch.__version__,
         "backend": kernels.backend(),
         "available_backends": kernels.available_backends(),
-        "pages": "4 KiB" if SMALL_PAGES else f"huge-page advice, transparent_hugepage {transparent_huge_pages()}",
+        "pages": pages,
     }
-
-
-def transparent_huge_pages() -> str:
-    """The kernel's transparent-huge-page mode (the bracketed word of its setting), or "absent"."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "absent"
 
 
 def main() -> None:

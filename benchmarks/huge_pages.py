@@ -29,26 +29,18 @@ from lightning_zero_offload.core import make_offload_options
 from lightning_zero_offload.engine import OffloadEngine, memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_adam import transparent_huge_pages  # noqa: E402
+from memory_probe import mappings  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "huge_pages.json"
 
 
 def anon_huge_kib(tensors: list[torch.Tensor]) -> int:
-    """AnonHugePages (KiB) of the mappings that overlap ``tensors`` (the advice splits a buffer's mapping)."""
-    spans = [
-        (t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes()) for t in tensors
-    ]
-    total, count_this = 0, False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                low, high = (int(x, 16) for x in head.split("-"))
-                count_this = any(low < end and start < high for start, end in spans)
-            elif count_this and line.startswith("AnonHugePages:"):
-                total += int(line.split()[1])
-    return total
+    """AnonHugePages (KiB) of the mappings that overlap ``tensors``, each mapping counted once."""
+    found = {}
+    for t in tensors:
+        start = t.untyped_storage().data_ptr()
+        found |= {m["Range"]: m for m in mappings(start, start + t.untyped_storage().nbytes())}
+    return sum(int(m["AnonHugePages"].split()[0]) for m in found.values())
 
 
 def build(numel: int, cpu_state: str, threads: int, huge: bool) -> tuple[nn.Parameter, OffloadEngine]:
@@ -105,7 +97,7 @@ def main() -> None:
     parser.add_argument("--cpu-state", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    mode = transparent_huge_pages()
+    mode = memory.transparent_huge_pages()
     print(f"transparent_hugepage/enabled: {mode}")
     rows = []
     for cpu_state in args.cpu_state:

@@ -23,6 +23,26 @@ def anonymous_rss() -> int:
     return (resident - shared) * PAGE
 
 
+def mappings(start: int, end: int) -> list[dict[str, str]]:
+    """The /proc/self/smaps fields ("VmFlags", "AnonHugePages", ...) of each mapping that overlaps the bytes
+    [start, end), with its address range as "Range": one buffer can span several (``madvise`` splits a
+    mapping where its advice starts)."""
+    found: list[dict[str, str]] = []
+    fields: dict[str, str] | None = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                fields = {"Range": head} if low < end and start < high else None
+                if fields is not None:
+                    found.append(fields)
+            elif fields is not None:
+                name, _, value = line.partition(":")
+                fields[name] = value.strip()
+    return found
+
+
 class PeakSampler(threading.Thread):
     """The largest RSS (or ``measure()``) seen, sampled every millisecond (a shorter peak can be missed)."""
 

@@ -1,9 +1,11 @@
 """Host buffers, pinning (with a stand-in driver on the CPU), staging copies and the memory ledger."""
 
 import gc
+import sys
 import threading
 from collections import deque
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,9 @@ from engine_helpers import CPU, batches, loss_fn, make_net, options, two_groups
 from lightning_zero_offload.engine import OffloadEngine, memory
 from lightning_zero_offload.engine import engine as engine_module
 from lightning_zero_offload.engine.ledger import COLLECTIVE, HOST, HOST_PINNED, MemoryLedger
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from memory_probe import mappings  # noqa: E402  (the smaps reader benchmarks/huge_pages.py uses)
 
 
 class StandInDriver:
@@ -224,37 +229,13 @@ def test_a_failed_pool_wakes_a_waiting_acquire_and_refuses_later_ones():
             pool.acquire()
 
 
-def _mapping_of(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping that holds ``address``."""
-    fields: dict[str, str] = {}
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                low, high = (int(x, 16) for x in head.split("-"))
-                inside = low <= address < high
-            elif inside:
-                name, _, value = line.partition(":")
-                fields[name] = value.strip()
-    return fields
-
-
-def _huge_pages_mode() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except OSError:
-        return "absent"
-
-
-@pytest.mark.skipif(_huge_pages_mode() == "absent", reason="no transparent huge pages in this kernel")
+@pytest.mark.skipif(memory.transparent_huge_pages() == "absent", reason="no transparent huge pages here")
 def test_model_sized_host_buffers_ask_for_huge_pages_and_get_them():
     tensor = memory.host_zeros(16 << 20, torch.float32, pin=False)  # 64 MiB: mmap'd, several whole 2 MiB pages
     middle = tensor.data_ptr() + tensor.numel() * 2
-    mapping = _mapping_of(middle)
+    (mapping,) = mappings(middle, middle + 1)
     assert "hg" in mapping["VmFlags"].split()  # MADV_HUGEPAGE on the buffer's whole 2 MiB pages
-    if _huge_pages_mode() != "never":
+    if memory.transparent_huge_pages() != "never":
         assert int(mapping["AnonHugePages"].split()[0]) >= 32 << 10  # kB: at least half of it, faulted in huge
     assert torch.count_nonzero(tensor) == 0
 
