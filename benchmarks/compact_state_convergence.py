@@ -23,6 +23,8 @@ forward sees bf16-valued weights, the fp32 arm's full fp32 weights).
     python benchmarks/compact_state_convergence.py --case llama --state bf16
     python benchmarks/compact_state_convergence.py --case llama --state fp32 --steps 3   # a smoke run
     python benchmarks/compact_state_convergence.py --report
+    # one (fp32, bf16) pair per directory, e.g. one directory per seed: the differences' mean and spread
+    python benchmarks/compact_state_convergence.py --pairs benchmarks/results/compact_state/*1000_steps*
 """
 
 from __future__ import annotations
@@ -194,6 +196,17 @@ def code_version() -> dict[str, str]:
     return {"commit": commit, "native_sha256": hashlib.sha256(Path(native.__file__).read_bytes()).hexdigest()[:16]}
 
 
+def cpu_model() -> str:
+    """The CPU as /proc/cpuinfo names it: pairs are compared on one machine, the spread across them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or "unknown"
+
+
 def train(
     case: str, state: str, steps: int, threads: int, out: Path, val_every: int | None = None, seed: int = SEED
 ) -> Path:
@@ -271,6 +284,8 @@ def train(
         threads=threads,
         seconds=round(time.time() - start, 1),
         torch=torch.__version__,
+        cpu=cpu_model(),
+        backend=kernels.backend(),
         **version,
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     )
@@ -368,6 +383,71 @@ def report(out: Path, figure: Path) -> None:
     print(f"wrote {figure}")
 
 
+# Student's t, 97.5% quantile, by degrees of freedom: the two-sided 95% interval of a mean of few pairs.
+T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23}
+T_975 |= {11: 2.20, 12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 17: 2.11, 18: 2.10, 19: 2.09, 20: 2.09}
+T_975 |= {21: 2.08, 22: 2.07, 23: 2.07, 24: 2.06, 25: 2.06, 26: 2.06, 27: 2.05, 28: 2.05, 29: 2.05, 30: 2.04}
+
+
+def pairs(dirs: list[Path], case: str = "llama", state: str = "bf16", against: str = "fp32") -> dict[str, Any]:
+    """The relative difference of the final validation loss, ``state`` against ``against``, of the pair in
+    each directory (the same seed, data and machine), and their mean with its standard error and 95%
+    interval. One pair's difference mixes any effect of the state with the spread between trajectories;
+    the mean over many pairs separates the two."""
+    rows = []
+    for d in dirs:
+        paths = [d / f"{case}_{s}.json" for s in (against, state)]
+        if not all(p.exists() for p in paths):
+            continue
+        base, run = (json.loads(p.read_text()) for p in paths)
+        n = min(len(run["batch_sums"]), len(base["batch_sums"]))
+        if run["batch_sums"][:n] != base["batch_sums"][:n] or run["steps"] != base["steps"]:
+            raise SystemExit(f"{d}: the two arms did not train on the same batches for the same steps")
+        final, ref = run["val"][-1][1], base["val"][-1][1]
+        rows.append(
+            {
+                "dir": d.name,
+                "seed": base.get("seed"),
+                "cpu": base.get("cpu", "not recorded"),
+                against: ref,
+                state: final,
+                "difference": (final - ref) / ref,
+            }
+        )
+    if not rows:
+        raise SystemExit(f"no directory holds both {case}_{against}.json and {case}_{state}.json")
+    diffs = [r["difference"] for r in rows]
+    mean = sum(diffs) / len(diffs)
+    summary: dict[str, Any] = {"case": case, "state": state, "against": against, "bar": BAR[case], "pairs": rows}
+    summary |= {"n": len(diffs), "mean": mean, "within_bar": sum(abs(x) <= BAR[case] for x in diffs)}
+    if len(diffs) > 1:
+        sd = math.sqrt(sum((x - mean) ** 2 for x in diffs) / (len(diffs) - 1))
+        se = sd / math.sqrt(len(diffs))
+        half = T_975.get(len(diffs) - 1, 2.0) * se
+        summary |= {"sd": sd, "se": se, "ci95": [mean - half, mean + half]}
+    return summary
+
+
+def print_pairs(summary: dict[str, Any]) -> None:
+    state, against = summary["state"], summary["against"]
+    print(f"{'directory':<28} {'seed':>5} {against:>8} {state:>8} {'vs ' + against:>9}  cpu")
+    for r in summary["pairs"]:
+        print(
+            f"{r['dir']:<28} {r['seed'] if r['seed'] is not None else '?':>5} {r[against]:>8.4f} {r[state]:>8.4f}"
+            f" {100 * r['difference']:>+8.2f}%  {r['cpu']}"
+        )
+    bar = 100 * summary["bar"]
+    line = f"{summary['n']} pairs: mean {100 * summary['mean']:+.2f}%"
+    if "sd" in summary:
+        lo, hi = (100 * x for x in summary["ci95"])
+        inside = "inside" if -bar <= lo and hi <= bar else "not inside"
+        line += (
+            f", standard deviation {100 * summary['sd']:.2f}%, standard error {100 * summary['se']:.2f}%,"
+            f" 95% interval [{lo:+.2f}%, {hi:+.2f}%] ({inside} +-{bar:.1f}%)"
+        )
+    print(line + f"; {summary['within_bar']} of {summary['n']} pairs within +-{bar:.1f}%")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", choices=CASES)
@@ -377,11 +457,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=SEED, help="another seed measures the run-to-run spread")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--pairs", type=Path, nargs="+", help="directories of one (fp32, bf16) pair each")
+    parser.add_argument("--pairs-out", type=Path, help="--pairs: also write them as JSON here")
     parser.add_argument("--report", action="store_true", help="print the table of --out's arms, draw --figure")
     parser.add_argument("--figure", type=Path, default=FIGURE)
     args = parser.parse_args()
     if args.report:
         report(args.out, args.figure)
+        return
+    if args.pairs:
+        summary = pairs(args.pairs, case=args.case or "llama", state=args.state or "bf16")
+        print_pairs(summary)
+        if args.pairs_out:
+            args.pairs_out.write_text(json.dumps(summary, indent=2) + "\n")
         return
     if args.case is None or args.state is None:
         parser.error("--case and --state are required (or --report)")

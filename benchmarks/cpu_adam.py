@@ -41,6 +41,8 @@ minus the fastest at 64: the call overhead cancels); writes results/cpu_adam_bf1
     python benchmarks/cpu_adam.py --bf16-state
     # beside another build's kernel, e.g. a worktree at an older commit built with setup.py build_ext --inplace:
     python benchmarks/cpu_adam.py --bf16-state --baseline-native /tmp/old/lightning_zero_offload/_native.abi3.so
+    # every timed call from a cold cache (2 GiB read before each, untimed), not after the row before it:
+    python benchmarks/cpu_adam.py --bf16-state --cold-cache
 """
 
 from __future__ import annotations
@@ -451,12 +453,17 @@ def bf16_state_cases(n: int, threads: int) -> dict[str, Callable[[], None]]:
     return cases
 
 
-def measure_samples(cases: dict[str, Callable[[], None]], reps: int, warmup: int) -> dict[str, list[float]]:
-    """measure()'s interleaved repetitions, returning every timed sample (seconds) per case."""
+def measure_samples(
+    cases: dict[str, Callable[[], None]], reps: int, warmup: int, before: Callable[[], None] | None = None
+) -> dict[str, list[float]]:
+    """measure()'s interleaved repetitions, returning every timed sample (seconds) per case; ``before``
+    runs untimed ahead of every call."""
     names = list(cases)
     times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(warmup + reps):
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            if before is not None:
+                before()
             start = time.perf_counter()
             cases[name]()
             if rep >= warmup:
@@ -464,19 +471,30 @@ def measure_samples(cases: dict[str, Callable[[], None]], reps: int, warmup: int
     return times
 
 
-def bf16_state_rows(threads: list[int], sizes_n: list[int], reps: int) -> list[dict[str, object]]:
+def cache_flush(gib: float = 2.0) -> Callable[[], None]:
+    """Read a buffer larger than the last-level cache: the lines a call leaves (dirty ones written back
+    here, untimed) are replaced by clean ones, so every timed call starts from the same cold cache, as
+    the engine's step does after a forward and backward pass."""
+    buffer = torch.ones(int(gib * 2**30) // 4)
+    return lambda: buffer.sum()
+
+
+def bf16_state_rows(
+    threads: list[int], sizes_n: list[int], reps: int, cold_cache: bool = False
+) -> list[dict[str, object]]:
     """Issue 19: the bf16-state step beside the fp32-state fused step it replaces, in one measurement.
 
     The roofline column converts the probe's 28 B/param into GB/s and divides it by each row's own
     byte count (BF16_STATE_ROWS): the fraction of the memory bandwidth the row achieves.
     """
+    before = cache_flush() if cold_cache else None
     rows = []
     print(f"{'threads':>7} {'N':>5} {'impl':<32} {'B/param':>7} {'ms':>8} {'Mparam/s':>9} {'% roof':>7}")
     for t in threads:
         for n in sizes_n:
             cases = bf16_state_cases(n, t)
             load = os.getloadavg()[0]
-            samples = measure_samples(cases, reps=reps, warmup=3)
+            samples = measure_samples(cases, reps=reps, warmup=3, before=before)
             medians = {k: statistics.median(ts) for k, ts in samples.items()}
             best = {k: min(ts) for k, ts in samples.items()}
             gb_s = 28 * n / medians["roofline"] / 1e9
@@ -584,6 +602,11 @@ def main() -> None:
         "--log2-sizes", type=int, nargs="+", default=None, help="N = 2^k for each k (default: 22 25; --quick: 18 20)"
     )
     parser.add_argument(
+        "--cold-cache",
+        action="store_true",
+        help="--bf16-state: read 2 GiB before every timed call, so none inherits what the last one left in cache",
+    )
+    parser.add_argument(
         "--small-pages", action="store_true", help="buffers on 4 KiB pages (default: the engine's, huge where offered)"
     )
     args = parser.parse_args()
@@ -613,9 +636,10 @@ def main() -> None:
                 "hparams": HP,
                 "grad_factor": FACTOR,
                 "baseline_native": str(args.baseline_native) if args.baseline_native else None,
+                "cold_cache": args.cold_cache,
             },
             "compute_in_cache": bf16_state_compute(reps=20 * reps),
-            "rows": bf16_state_rows(args.threads, sizes_n, reps),
+            "rows": bf16_state_rows(args.threads, sizes_n, reps, cold_cache=args.cold_cache),
         }
         out = args.out or (None if args.quick else RESULTS_BF16_STATE)
         if out is not None:

@@ -167,6 +167,31 @@ def test_compact_state_ablations_round_what_they_name_to_bf16_values_without_bia
                 assert torch.equal(got, exact)
 
 
+def test_compact_state_pairs_give_the_mean_difference_its_standard_error_and_interval(tmp_path):
+    control = load("compact_state_convergence")
+
+    def arm(directory, state, final, batches=(3, 1, 4)):
+        directory.mkdir(exist_ok=True)
+        record = {"val": [[500, 9.0], [1000, final]], "batch_sums": list(batches), "steps": 1000, "seed": 5}
+        (directory / f"llama_{state}.json").write_text(json.dumps(record))
+
+    finals = {"a": (2.0, 1.98), "b": (2.0, 2.02), "c": (1.0, 1.03)}  # -1%, +1%, +3%
+    for name, (fp32, bf16) in finals.items():
+        arm(tmp_path / name, "fp32", fp32)
+        arm(tmp_path / name, "bf16", bf16)
+    arm(tmp_path / "lone", "fp32", 1.0)  # no bf16 arm: not a pair
+    summary = control.pairs(sorted(tmp_path.iterdir()))
+    assert [r["dir"] for r in summary["pairs"]] == ["a", "b", "c"]
+    assert summary["n"] == 3 and summary["within_bar"] == 0  # the bar is 0.5%
+    assert summary["mean"] == pytest.approx(0.01)
+    assert summary["sd"] == pytest.approx(0.02)  # deviations -2, 0, +2 (%): sqrt(8 / 2)
+    assert summary["se"] == pytest.approx(0.02 / 3**0.5)
+    assert summary["ci95"] == pytest.approx([0.01 - 4.30 * 0.02 / 3**0.5, 0.01 + 4.30 * 0.02 / 3**0.5])
+    arm(tmp_path / "c", "bf16", 1.03, batches=(3, 1, 5))  # another data order: refused, not averaged
+    with pytest.raises(SystemExit, match="same batches"):
+        control.pairs([tmp_path / "c"])
+
+
 @pytest.mark.slow  # a fresh interpreter and a 19M-parameter model
 def test_compact_state_convergence_trains_an_arm_and_reports_it(tmp_path):
     pytest.importorskip("transformers")
@@ -203,3 +228,30 @@ def test_huge_pages_benchmark_runs_both_arms_and_only_one_asks_for_huge_pages(tm
         assert fp32["medians_s"][arm]["step_s"] > fp32["medians_s"][arm]["cpu_step_s"] > 0
     if report["transparent_hugepage"] == "madvise":  # only the advised arm gets huge pages ("always": both)
         assert fp32["anon_huge_pages_kib"]["huge pages"] > 0 == fp32["anon_huge_pages_kib"]["4 KiB pages"]
+
+
+def test_cpu_adam_cold_cache_runs_the_flush_untimed_before_every_call():
+    bench = load("cpu_adam")
+    events = []
+    cases = {"a": lambda: events.append("a"), "b": lambda: events.append("b")}
+    samples = bench.measure_samples(cases, reps=2, warmup=1, before=lambda: events.append("flush"))
+    assert events == ["flush", "a", "flush", "b", "flush", "b", "flush", "a", "flush", "a", "flush", "b"]
+    assert {k: len(v) for k, v in samples.items()} == {"a": 2, "b": 2}
+
+
+@pytest.mark.slow  # a fresh interpreter and a 2 GiB flush buffer read before every call
+def test_cpu_adam_bf16_state_rows_run_from_a_cold_cache(tmp_path):
+    out = tmp_path / "bf16_state.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_adam.py"), "--bf16-state", "--cold-cache"]
+        + ["--log2-sizes", "16", "--threads", "1", "--reps", "2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["cold_cache"] is True
+    (row,) = report["rows"]
+    assert row["n"] == 1 << 16 and all(s > 0 for s in row["seconds"].values())
+    assert set(row["ratios"]) == {f"{a} / {b}" for a, b in load("cpu_adam").BF16_STATE_PAIRS}

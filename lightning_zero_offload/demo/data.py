@@ -11,11 +11,13 @@ from __future__ import annotations
 import hashlib
 import math
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 VOCAB_SIZE = 256
 
@@ -112,6 +114,55 @@ class ChunkDataset(_Windows):
         self.data = data
         self.block_size = block_size
         self.offsets = chunk_ids * block_size
+
+
+class EpochShuffle(RandomSampler):
+    """A random order drawn from ``(seed, epoch)``, not from the global generator's state at the epoch's
+    start, which a resumed run does not have: Lightning calls ``set_epoch`` before each epoch, so a
+    resumed run draws the order the uninterrupted one drew. Without ``set_epoch`` every epoch continues
+    the generator: another order each time, the same in every run."""
+
+    def __init__(self, data_source: Dataset, seed: int) -> None:
+        super().__init__(data_source, generator=torch.Generator())
+        self.seed = seed
+        self.set_epoch(0)
+
+    def set_epoch(self, epoch: int) -> None:
+        # torch's CPU generator keeps 32 bits of its seed: hash the pair into them rather than pack it.
+        key = hashlib.blake2b(f"{self.seed}:{epoch}".encode(), digest_size=4).digest()
+        self.generator.manual_seed(int.from_bytes(key, "little"))
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader Lightning saves in checkpoints (it has ``state_dict``): the batches of the epoch already
+    given out and its sampler's seed, so a run resumed mid-epoch goes on with the next batch rather than
+    starting the epoch again (Lightning warns that a loader without this is "not resumable")."""
+
+    _given = 0  # batches of the current epoch given out
+    _skip = 0  # batches to pass over at the next epoch's start: set by load_state_dict
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self._skip = self._skip, 0
+        batches = super().__iter__()
+        if skip >= len(self):  # saved at the epoch's end: the next one starts from its first batch
+            skip = 0
+        for _ in range(skip):
+            next(batches)
+        self._given = skip
+        for batch in batches:
+            self._given += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        state = {"batches_given": self._given}
+        if isinstance(self.sampler, EpochShuffle):
+            state["shuffle_seed"] = self.sampler.seed
+        return state
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._skip = state["batches_given"]
+        if "shuffle_seed" in state and isinstance(self.sampler, EpochShuffle):
+            self.sampler.seed = state["shuffle_seed"]
 
 
 class StdlibCorpusDataModule(LightningDataModule):
@@ -227,10 +278,11 @@ class StdlibCorpusDataModule(LightningDataModule):
     # ------------------------------------------------------------------------------------------ loaders
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
-        return DataLoader(
+        # The order's seed is the run's (seed_everything sets it) and is saved with the loader's position.
+        return ResumableLoader(
             self.train_dataset,
             batch_size=self.batch_size,
-            shuffle=True,
+            sampler=EpochShuffle(self.train_dataset, torch.initial_seed()),
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,

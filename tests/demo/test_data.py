@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
+from lightning_zero_offload import ZeroOffloadStrategy
 from lightning_zero_offload.demo.data import (
     ChunkDataset,
+    EpochShuffle,
     RandomWindowDataset,
     StdlibCorpusDataModule,
     is_val_file,
@@ -147,3 +149,63 @@ def test_datasets_reject_too_short_text():
         RandomWindowDataset(torch.zeros(4, dtype=torch.uint8), block_size=8, num_samples=2, seed=0)
     with pytest.raises(ValueError):
         ChunkDataset(torch.zeros(4, dtype=torch.uint8), block_size=8)
+
+
+def test_epoch_shuffle_depends_on_the_seed_and_epoch_only():
+    data = list(range(50))
+    a, b = EpochShuffle(data, seed=3), EpochShuffle(data, seed=3)
+    torch.manual_seed(0)
+    first = list(a)
+    torch.manual_seed(1)  # the global generator plays no part
+    assert list(b) == first and sorted(first) == data
+    a.set_epoch(1)
+    second = list(a)
+    assert second != first
+    b.set_epoch(1)
+    assert list(b) == second
+    a.set_epoch(0)
+    assert list(a) == first
+    assert list(EpochShuffle(data, seed=4)) != first
+
+
+def train_demo(tmp_path, max_steps, ckpt_path=None, every=None):
+    import warnings
+
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_zero_offload.demo import GPT
+
+    L.seed_everything(7)
+    model = GPT(block_size=32, n_layer=1, n_head=2, n_embd=32, lr=1e-2, warmup_steps=2)
+    data = StdlibCorpusDataModule(block_size=32, batch_size=4, max_bytes=200_000, samples_per_epoch=40, val_samples=8)
+    callbacks = [ModelCheckpoint(tmp_path, every_n_train_steps=every, save_top_k=-1)] if every else []
+    trainer = L.Trainer(
+        strategy=ZeroOffloadStrategy(cpu_state="bf16"),
+        max_steps=max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=bool(every),
+        callbacks=callbacks,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, data, ckpt_path=ckpt_path)
+    assert not [w for w in caught if "not resumable" in str(w.message)]
+    return model
+
+
+@pytest.mark.parametrize("stop", [4, 10], ids=["mid-epoch", "epoch-end"])  # 10 batches per epoch
+def test_the_demo_resumed_from_a_checkpoint_trains_the_uninterrupted_run_bitwise(tmp_path, stop):
+    # 14 steps: past the first epoch's end, so both the resumed position and the next epoch's order count.
+    # The run that writes the checkpoint is the uninterrupted one (the lr schedule follows max_steps).
+    straight = train_demo(tmp_path / "straight", 14, every=stop)
+    (ckpt,) = (tmp_path / "straight").glob(f"*step={stop}.ckpt")
+    assert torch.load(ckpt, weights_only=True)["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    resumed = train_demo(tmp_path / "resumed", 14, ckpt_path=ckpt)
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
