@@ -485,3 +485,65 @@ def test_backward_calls_unused_parameters_and_validation_mid_window_match_auto(o
     ours = run(ZeroOffloadStrategy(**options))
     assert torch.equal(ours.unused.weight.detach(), UnusedAndTwoLosses(manual).unused.weight)  # never touched
     assert_same_model(ours, reference)
+
+
+# -- cpu_state="bf16": the same user code, against fp32 state (which the tests above hold to auto) ---------
+# Stochastically rounded state trains another trajectory within bf16 noise, so no element-wise tolerance
+# separates a kept feature from a lost one here. The mean difference does: observed, bf16 state differs
+# from fp32 state by 0.1-6% of what the feature changes (its fp32-state run against the run without it);
+# a lost write, group or unfreeze would differ by about all of it.
+def _unfreezing(add_group: bool):
+    def scenario(with_feature: bool):
+        model = frozen_backbone()
+        model.configure_optimizers = lambda: torch.optim.AdamW(
+            model.head.parameters() if add_group else model.parameters(), lr=1e-2
+        )
+        return dict(model=model, callbacks=[UnfreezeAt(4, add_group)] if with_feature else [])
+
+    return scenario
+
+
+def _finetuning(with_feature: bool):
+    model = Backbone()
+    model.configure_optimizers = lambda: torch.optim.AdamW(
+        filter(lambda p: p.requires_grad, model.parameters()), lr=1e-2
+    )
+    if not with_feature:
+        model.backbone.requires_grad_(False)
+    callbacks = [BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)]
+    return dict(model=model, callbacks=callbacks if with_feature else [], max_steps=-1, max_epochs=3)
+
+
+def _callback(make, **kwargs):
+    return lambda with_feature: dict(callbacks=[make()] if with_feature else [], **kwargs)
+
+
+BF16_STATE_SCENARIOS = {
+    "clamp": _callback(ClampWeights),
+    "reassign-data": _callback(ReassignData),
+    "load-state-mid-fit": _callback(LoadStateMidFit),
+    "halve-before-the-step": _callback(HalveBeforeTheStep),
+    "ema": _callback(lambda: WeightAveraging(avg_fn=torch.optim.swa_utils.get_ema_avg_fn(0.8))),
+    "swa": _callback(lambda: StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1), max_steps=-1, max_epochs=3),
+    "unfreeze": _unfreezing(add_group=False),
+    "unfreeze-add-param-group": _unfreezing(add_group=True),
+    "backbone-finetuning": _finetuning,
+}
+
+
+def mean_difference(a: nn.Module, b: nn.Module) -> float:
+    pa, pb = params(a), params(b)
+    return sum(float((x - y).abs().sum()) for x, y in zip(pa, pb)) / sum(x.numel() for x in pa)
+
+
+@pytest.mark.slow  # three Trainer runs per scenario
+@pytest.mark.parametrize("scenario", list(BF16_STATE_SCENARIOS))
+def test_user_code_under_bf16_state_does_what_it_does_under_fp32_state(scenario):
+    make = BF16_STATE_SCENARIOS[scenario]
+    fp32 = fit(ZeroOffloadStrategy(in_place_on_cpu=False), **make(True))[0]
+    bf16, trainer = fit(ZeroOffloadStrategy(cpu_state="bf16"), **make(True))
+    without = fit(ZeroOffloadStrategy(in_place_on_cpu=False), **make(False))[0]
+    assert trainer.strategy.engine.state.dtype == torch.bfloat16
+    effect = mean_difference(fp32, without)
+    assert effect > 5e-3  # the feature changes the model
+    assert mean_difference(bf16, fp32) < 0.2 * effect
