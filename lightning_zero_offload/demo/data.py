@@ -128,6 +128,7 @@ class EpochShuffle(RandomSampler):
         self.set_epoch(0)
 
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         # torch's CPU generator keeps 32 bits of its seed: hash the pair into them rather than pack it.
         key = hashlib.blake2b(f"{self.seed}:{epoch}".encode(), digest_size=4).digest()
         self.generator.manual_seed(int.from_bytes(key, "little"))
@@ -163,6 +164,7 @@ class ResumableLoader(DataLoader):
         self._skip = state["batches_given"]
         if "shuffle_seed" in state and isinstance(self.sampler, EpochShuffle):
             self.sampler.seed = state["shuffle_seed"]
+            self.sampler.set_epoch(self.sampler.epoch)
 
 
 class StdlibCorpusDataModule(LightningDataModule):

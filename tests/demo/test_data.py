@@ -12,6 +12,7 @@ from lightning_zero_offload.demo.data import (
     ChunkDataset,
     EpochShuffle,
     RandomWindowDataset,
+    ResumableLoader,
     StdlibCorpusDataModule,
     is_val_file,
     list_source_files,
@@ -209,3 +210,19 @@ def test_the_demo_resumed_from_a_checkpoint_trains_the_uninterrupted_run_bitwise
     resumed = train_demo(tmp_path / "resumed", 14, ckpt_path=ckpt)
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_the_loader_state_gives_the_saved_seed_and_skips_the_batches_given_out():
+    dataset = list(range(40))
+    saved = ResumableLoader(dataset, batch_size=4, sampler=EpochShuffle(dataset, seed=11), drop_last=True)
+    batches = iter(saved)
+    first = [next(batches).tolist() for _ in range(3)]
+    state = saved.state_dict()
+    assert state == {"batches_given": 3, "shuffle_seed": 11}
+    rest = [b.tolist() for b in batches]
+    resumed = ResumableLoader(dataset, batch_size=4, sampler=EpochShuffle(dataset, seed=99), drop_last=True)
+    resumed.load_state_dict(state)
+    assert [b.tolist() for b in resumed] == rest  # the saved seed's order, from the fourth batch
+    next_epoch = [i for b in resumed for i in b.tolist()]
+    assert sorted(next_epoch) == dataset  # the next epoch is whole again, with nothing skipped
+    assert next_epoch[:12] != [i for b in first for i in b]  # and (no set_epoch) in another order
