@@ -196,17 +196,6 @@ def code_version() -> dict[str, str]:
     return {"commit": commit, "native_sha256": hashlib.sha256(Path(native.__file__).read_bytes()).hexdigest()[:16]}
 
 
-def cpu_model() -> str:
-    """The CPU as /proc/cpuinfo names it: pairs are compared on one machine, the spread across them."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        return platform.processor() or "unknown"
-
-
 def train(
     case: str, state: str, steps: int, threads: int, out: Path, val_every: int | None = None, seed: int = SEED
 ) -> Path:
@@ -221,6 +210,11 @@ def train(
         kernels.adam_step_bf16_state = nearest_bf16_state_step  # cpu_state.py calls it through the module
     if state.startswith("fp32-sr-"):
         kernels.adam_step = round_after_fp32_step(state.removeprefix("fp32-sr-"), seed)
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from cpu_adam import cpu_model  # the one /proc/cpuinfo reader of the benchmarks
+
     version = code_version()  # at the start: the tree may change while the arm runs
     pl.seed_everything(seed, workers=True)
     model, data, default_val_every = build(case, steps)

@@ -560,13 +560,17 @@ def bf16_state_compute(reps: int, big: int = 1 << 14, small: int = 64) -> dict[s
     return {"n": big, "n_overhead": small, "reps": reps, "load_average_1min": load, "ns_per_element": ns}
 
 
-def machine_info() -> dict[str, object]:
-    model = platform.processor()
+def cpu_model() -> str:
+    """The CPU as /proc/cpuinfo names it (else what ``platform`` knows)."""
     try:
         with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
+        return platform.processor() or "unknown"
+
+
+def machine_info() -> dict[str, object]:
+    model = cpu_model()
     pages = "4 KiB" if SMALL_PAGES else f"huge-page advice, transparent_hugepage {memory.transparent_huge_pages()}"
     return {
         "cpu": model,
