@@ -351,17 +351,7 @@ def print_thread_rows(row: dict[str, object]) -> None:
 
 def measure(cases: dict[str, Callable[[], None]], reps: int, warmup: int) -> dict[str, float]:
     """Median seconds per call; every repetition runs every case once, in a rotating order."""
-    names = list(cases)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(warmup + reps):
-        order = names[rep % len(names) :] + names[: rep % len(names)]
-        for name in order:
-            start = time.perf_counter()
-            cases[name]()
-            elapsed = time.perf_counter() - start
-            if rep >= warmup:
-                times[name].append(elapsed)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: statistics.median(ts) for name, ts in measure_samples(cases, reps, warmup).items()}
 
 
 # Bytes per param moved by each bf16-state row and the fp32-state step it replaces (read + write).
