@@ -175,8 +175,9 @@ def check_env(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]
     info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "kernels": kernels.backend()}
     info |= {"kernels_openmp": openmp, **found, "cpu_cores_usable": usable_cores(), "cpu_count": os.cpu_count()}
     info["host_memory_gib"] = psutil.virtual_memory().total / 2**30
-    with contextlib.suppress(OSError, StopIteration), open("/proc/cpuinfo") as f:
-        info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    from cpu_adam import cpu_model  # the one /proc/cpuinfo reader of the benchmarks
+
+    info["cpu"] = cpu_model()
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["gpu_memory_gib"] = torch.cuda.get_device_properties(device).total_memory / 2**30

@@ -3,7 +3,10 @@ checkpoint can be loaded with it in a process where the package was never import
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+from pathlib import Path
+from types import ModuleType
 
 import lightning as L
 import torch
@@ -13,6 +16,25 @@ from torch.utils.data import DataLoader, TensorDataset
 # Lightning 2.6 added `weights_only` to Trainer.fit and load_from_checkpoint; 2.5 (make test-oldest) has neither
 # and loads with torch's default, which is weights_only=True on torch >= 2.6.
 WEIGHTS_ONLY = {"weights_only": True} if "weights_only" in inspect.signature(L.Trainer.fit).parameters else {}
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module (the directory is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def assert_same_weights(ours: nn.Module, reference: nn.Module, atol: float) -> None:
+    """Parameter by parameter (compared in fp32), naming the first that differs by more than ``atol``."""
+    for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(
+            a.detach().float(), b.detach().float(), rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
 
 QUIET = {
     "logger": False,

@@ -4,7 +4,6 @@ variant names map onto the strategy that is installed."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,16 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="tests the no-GPU refusal")
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow  # a fresh interpreter
@@ -51,27 +44,27 @@ def test_gpu_check_py_refuses_cuda_without_a_gpu(tmp_path):
 
 @pytest.mark.slow  # eight training runs
 def test_determinism_check_runs_and_passes_on_the_cpu(tmp_path):
-    gpu_check = load("gpu_check")
+    gpu_check = load_benchmark("gpu_check")
     result = gpu_check.check_determinism(torch.device("cpu"), True, tmp_path)
     assert result["ok"], result
     assert len(result["configs"]) == 8
 
 
 def test_determinism_check_notices_a_different_result(tmp_path):
-    gpu_check = load("gpu_check")
+    gpu_check = load_benchmark("gpu_check")
     a = gpu_check.train(torch.device("cpu"), True, steps=2)
     b = gpu_check.train(torch.device("cpu"), True, steps=3)
     assert gpu_check.same(a, a) and not gpu_check.same(a, b)
 
 
 def test_fp16_overflow_check_on_the_cpu(tmp_path):
-    result = load("gpu_check").check_fp16_overflow(torch.device("cpu"), True, tmp_path)
+    result = load_benchmark("gpu_check").check_fp16_overflow(torch.device("cpu"), True, tmp_path)
     assert result["ok"], result
     assert result["skipped_steps"] == 1
 
 
 def test_train_step_variant_names():
-    train_step = load("train_step")
+    train_step = load_benchmark("train_step")
     assert train_step.parse_variant("zero_offload") == ("zero_offload", None, {})
     assert train_step.parse_variant("zero_offload:delayed@overlap=False,cpu_threads=1") == (
         "zero_offload",
@@ -104,7 +97,7 @@ def test_compact_state_control_rounds_to_nearest_and_loses_what_stochastic_round
     # leaves every weight where it was, while the real bf16-state kernel moves them by the update on average.
     from lightning_zero_offload import kernels
 
-    control = load("compact_state_convergence")
+    control = load_benchmark("compact_state_convergence")
     n, lr = 1 << 16, 1e-4  # at 1.0 the update lr is 1/39 of the 2^-8 ulp below it
     hp = kernels.AdamArgs(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True)
     grad = torch.full((n,), 0.5)
@@ -133,7 +126,7 @@ def test_compact_state_ablations_round_what_they_name_to_bf16_values_without_bia
     # moments stochastically rounded.
     from lightning_zero_offload import kernels
 
-    control = load("compact_state_convergence")
+    control = load_benchmark("compact_state_convergence")
     n = 1 << 16
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(n, generator=gen)
@@ -168,7 +161,7 @@ def test_compact_state_ablations_round_what_they_name_to_bf16_values_without_bia
 
 
 def test_compact_state_pairs_give_the_mean_difference_its_standard_error_and_interval(tmp_path):
-    control = load("compact_state_convergence")
+    control = load_benchmark("compact_state_convergence")
 
     def arm(directory, state, final, batches=(3, 1, 4)):
         directory.mkdir(exist_ok=True)
@@ -231,7 +224,7 @@ def test_huge_pages_benchmark_runs_both_arms_and_only_one_asks_for_huge_pages(tm
 
 
 def test_cpu_adam_cold_cache_runs_the_flush_untimed_before_every_call():
-    bench = load("cpu_adam")
+    bench = load_benchmark("cpu_adam")
     events = []
     cases = {"a": lambda: events.append("a"), "b": lambda: events.append("b")}
     samples = bench.measure_samples(cases, reps=2, warmup=1, before=lambda: events.append("flush"))
@@ -254,4 +247,4 @@ def test_cpu_adam_bf16_state_rows_run_from_a_cold_cache(tmp_path):
     assert report["config"]["cold_cache"] is True
     (row,) = report["rows"]
     assert row["n"] == 1 << 16 and all(s > 0 for s in row["seconds"].values())
-    assert set(row["ratios"]) == {f"{a} / {b}" for a, b in load("cpu_adam").BF16_STATE_PAIRS}
+    assert set(row["ratios"]) == {f"{a} / {b}" for a, b in load_benchmark("cpu_adam").BF16_STATE_PAIRS}

@@ -5,7 +5,6 @@ numbers, since no GPU runs it here."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,15 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def alive(pid: int) -> bool:
@@ -36,7 +29,7 @@ def alive(pid: int) -> bool:
 
 
 def test_a_timed_out_subcheck_leaves_its_partial_result_the_summary_and_no_process(tmp_path):
-    gpu_check = load("gpu_check")
+    gpu_check = load_benchmark("gpu_check")
     # A sub-check that saves a partial result, starts a grandchild (as a rank or a benchmark variant would)
     # and then hangs: only a kill of its whole session stops both.
     child = textwrap.dedent(f"""
@@ -66,7 +59,7 @@ def test_a_timed_out_subcheck_leaves_its_partial_result_the_summary_and_no_proce
 
 
 def test_a_subcheck_result_line_is_parsed_and_stray_children_are_killed_after_a_normal_exit(tmp_path):
-    gpu_check = load("gpu_check")
+    gpu_check = load_benchmark("gpu_check")
     child = textwrap.dedent("""
         import subprocess, sys
         stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
@@ -86,7 +79,7 @@ def test_a_subcheck_result_line_is_parsed_and_stray_children_are_killed_after_a_
 
 
 def test_run_in_group_kills_the_group_on_timeout(tmp_path):
-    gpu_check = load("gpu_check")
+    gpu_check = load_benchmark("gpu_check")
     sleep = "import time; time.sleep(300)"
     script = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {sleep!r}]); {sleep}"
     with open(tmp_path / "out.txt", "w") as out:
@@ -114,7 +107,7 @@ def test_the_driver_writes_the_summary_and_at_most_8_files(tmp_path):
 
 
 def test_micro_saves_the_thread_count_rows_as_they_end(tmp_path):
-    result = load("gpu_check").check_micro(torch.device("cpu"), True, tmp_path)
+    result = load_benchmark("gpu_check").check_micro(torch.device("cpu"), True, tmp_path)
     rows = result["cpu_adam"]
     assert result["ok"] and [r["busy"] for r in rows] == [0, 2]
     assert all(set(r["offload_time_vs_first"]) == set(r["threads"]) for r in rows)
@@ -122,7 +115,7 @@ def test_micro_saves_the_thread_count_rows_as_they_end(tmp_path):
 
 
 def test_step_announces_the_step_so_the_speculative_schedule_speculates(tmp_path):
-    gpu_check = load("gpu_check")
+    gpu_check = load_benchmark("gpu_check")
     cpu = torch.device("cpu")
     speculative = gpu_check.train(cpu, True, steps=3, bucket_size_mb=0.05, cpu_step="speculative")
     sync = gpu_check.train(cpu, True, steps=3, bucket_size_mb=0.05, cpu_step="sync")
@@ -132,7 +125,7 @@ def test_step_announces_the_step_so_the_speculative_schedule_speculates(tmp_path
 
 def test_throughput_verdicts_follow_the_physics_on_a_gpu():
     """The GPU-only branch of judge_throughput, on rows shaped like train_step's (1e9 params; 25 GB/s)."""
-    gpu_check = load("gpu_check")
+    gpu_check = load_benchmark("gpu_check")
     cores = gpu_check.usable_cores()
 
     def row(step, backward, optimizer, **extra):

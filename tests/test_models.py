@@ -14,7 +14,7 @@ import functools
 import lightning as L
 import pytest
 import torch
-from helpers import QUIET
+from helpers import QUIET, assert_same_weights
 from lightning.pytorch.demos.transformer import Transformer
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
@@ -194,11 +194,6 @@ def fit_wrapped(model: Wrapped, strategy, data=tokens, clip: float | None = 0.5,
     trainer = L.Trainer(strategy=strategy, max_steps=steps, gradient_clip_val=clip, accumulate_grad_batches=2, **QUIET)
     trainer.fit(model, data())
     return model
-
-
-def assert_same_weights(ours: nn.Module, ref: nn.Module, atol: float) -> None:
-    for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.slow  # Trainer runs of a model nobody here wrote
