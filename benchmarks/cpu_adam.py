@@ -43,6 +43,8 @@ minus the fastest at 64: the call overhead cancels); writes results/cpu_adam_bf1
     python benchmarks/cpu_adam.py --bf16-state --baseline-native /tmp/old/lightning_zero_offload/_native.abi3.so
     # every timed call from a cold cache (2 GiB read before each, untimed), not after the row before it:
     python benchmarks/cpu_adam.py --bf16-state --cold-cache
+    # the step at other prefetch distances (elements ahead) beside this CPU's default, in one build:
+    python benchmarks/cpu_adam.py --bf16-state --cold-cache --bf16-prefetch 512 1024 2048
 """
 
 from __future__ import annotations
@@ -374,6 +376,18 @@ RESULTS_BF16_STATE = Path(__file__).parent / "results" / "cpu_adam_bf16_state.js
 BASELINE_ROWS = {"baseline bf16 state, fp32 grad": 16, "baseline bf16 state, bf16 grad": 14}
 BASELINE_PAIRS = [(k[len("baseline ") :], k) for k in BASELINE_ROWS]  # (this build, the baseline build)
 baseline = None  # --baseline-native: (ffi, lib) of another build of the extension
+prefetch_sweep: list[int] = []  # --bf16-prefetch: distances timed beside the default
+
+
+def prefetch_rows() -> dict[str, int]:
+    return {f"bf16 state, {g} grad, prefetch {d}": b for d in prefetch_sweep for g, b in (("fp32", 16), ("bf16", 14))}
+
+
+def set_prefetch(elements: int) -> int:
+    """The bf16-state step's prefetch distance for the next calls (-1: this CPU's default); the value set."""
+    from lightning_zero_offload.kernels._native import lib
+
+    return lib.lzo_set_bf16_prefetch(elements)
 
 
 def load_baseline(path: Path) -> None:
@@ -394,11 +408,13 @@ def load_baseline(path: Path) -> None:
 
 def state_rows() -> dict[str, int]:
     """The bf16-state rows and their bytes per param, with the baseline build's if one is loaded."""
-    return BF16_STATE_ROWS | (BASELINE_ROWS if baseline else {})
+    return BF16_STATE_ROWS | (BASELINE_ROWS if baseline else {}) | prefetch_rows()
 
 
 def state_pairs() -> list[tuple[str, str]]:
-    return BF16_STATE_PAIRS + (BASELINE_PAIRS if baseline else [])
+    # (the default distance, another): the ratio is above 1 where the default is faster
+    sweep = [(name.rsplit(", prefetch", 1)[0], name) for name in prefetch_rows()]
+    return BF16_STATE_PAIRS + (BASELINE_PAIRS if baseline else []) + sweep
 
 
 def quartiles(xs: list[float]) -> list[float]:
@@ -425,8 +441,11 @@ def bf16_state_cases(n: int, threads: int) -> dict[str, Callable[[], None]]:
                 lib.lzo_adam_step_bf16state(hp, FACTOR, 1, step, 0, words[0], g, *words[1:], n, code, threads)
         elif name.startswith("bf16 state"):
             p, m, v = make([n], torch.bfloat16)[0], make([n], torch.bfloat16)[0], make([n], torch.bfloat16)[0].abs_()
+            ahead = int(name.rsplit("prefetch ", 1)[1]) if ", prefetch " in name else -1
 
-            def run(p=p, grad=grad, m=m, v=v) -> None:
+            def run(p=p, grad=grad, m=m, v=v, ahead=ahead) -> None:
+                if prefetch_sweep:
+                    set_prefetch(ahead)
                 kernels.adam_step_bf16_state(
                     p, grad, m, v, hparams=ADAMW, step=step, seed=1, grad_scale=FACTOR, num_threads=threads
                 )
@@ -479,7 +498,7 @@ def bf16_state_rows(
     """
     before = cache_flush() if cold_cache else None
     rows = []
-    print(f"{'threads':>7} {'N':>5} {'impl':<32} {'B/param':>7} {'ms':>8} {'Mparam/s':>9} {'% roof':>7}")
+    print(f"{'threads':>7} {'N':>5} {'impl':<38} {'B/param':>7} {'ms':>8} {'Mparam/s':>9} {'% roof':>7}")
     for t in threads:
         for n in sizes_n:
             cases = bf16_state_cases(n, t)
@@ -518,7 +537,7 @@ def bf16_state_rows(
                 size = state_rows().get(name, 28)
                 pct = 100 * n * size / s / 1e9 / gb_s
                 label = f"2^{n.bit_length() - 1}"
-                print(f"{t:>7} {label:>5} {name:<32} {size:>7} {s * 1e3:8.2f} {n / s / 1e6:9.0f} {pct:6.1f}%")
+                print(f"{t:>7} {label:>5} {name:<38} {size:>7} {s * 1e3:8.2f} {n / s / 1e6:9.0f} {pct:6.1f}%")
             ratios = "  ".join(
                 f"{k}: {v:.2f}x [{q[0]:.2f}-{q[2]:.2f}]"
                 for (k, v), q in zip(row["ratios"].items(), row["ratio_quartiles"].values())
@@ -571,6 +590,8 @@ def machine_info() -> dict[str, object]:
         "backend": kernels.backend(),
         "available_backends": kernels.available_backends(),
         "pages": pages,
+        # elements the bf16-state step prefetches ahead by default on this CPU (native/dispatch.c)
+        "bf16_prefetch": set_prefetch(-1) if kernels.backend() in ("avx512", "avx2") else None,
     }
 
 
@@ -601,6 +622,13 @@ def main() -> None:
         help="--bf16-state: read 2 GiB before every timed call, so none inherits what the last one left in cache",
     )
     parser.add_argument(
+        "--bf16-prefetch",
+        type=int,
+        nargs="+",
+        default=[],
+        help="--bf16-state: also time the step at these prefetch distances (elements ahead), beside the default",
+    )
+    parser.add_argument(
         "--small-pages", action="store_true", help="buffers on 4 KiB pages (default: the engine's, huge where offered)"
     )
     args = parser.parse_args()
@@ -620,6 +648,11 @@ def main() -> None:
     if args.bf16_state:
         if args.baseline_native is not None:
             load_baseline(args.baseline_native)
+        if args.bf16_prefetch:
+            if kernels.backend() not in ("avx512", "avx2"):
+                raise SystemExit(f"--bf16-prefetch: the {kernels.backend()} backend does not prefetch")
+            prefetch_sweep[:] = [set_prefetch(d) for d in args.bf16_prefetch]  # as the kernel rounds them
+            set_prefetch(-1)
         report = {
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine_info(),
@@ -631,6 +664,7 @@ def main() -> None:
                 "grad_factor": FACTOR,
                 "baseline_native": str(args.baseline_native) if args.baseline_native else None,
                 "cold_cache": args.cold_cache,
+                "bf16_prefetch_sweep": prefetch_sweep,
             },
             "compute_in_cache": bf16_state_compute(reps=20 * reps),
             "rows": bf16_state_rows(args.threads, sizes_n, reps, cold_cache=args.cold_cache),

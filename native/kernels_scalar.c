@@ -229,8 +229,9 @@ adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index, u
 }
 
 static void adam_bf16state(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index, uint16_t *p,
-                           const void *g, uint16_t *m, uint16_t *v, int64_t n, int gdt)
+                           const void *g, uint16_t *m, uint16_t *v, int64_t n, int gdt, int64_t prefetch)
 {
+    (void)prefetch; /* the scalar loop is compute-bound: nothing to hide */
     switch (gdt) {
     case LZO_BFLOAT16:
         adam_bf16_loop(c, k, index, p, g, m, v, n, LZO_BFLOAT16);

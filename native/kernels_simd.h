@@ -271,13 +271,13 @@ INLINE void adam_bf16_partial(const lzo_adam_consts *c, vint kpm, vint kv, uint3
     memcpy(v, vb + s, r * 2);
 }
 
-/* Elements ahead: 4 KiB of each bf16 stream. A block costs about as much compute as its 14-16 bytes
- * take to arrive, so the prefetches must run further ahead than the fp32 step's (docs/kernels.md). */
-#define PREFETCH_BF16 2048
 #define BF16_LINE 32 /* bf16 elements per 64-byte cache line */
 
+/* `ahead` elements of prefetch (lzo_bf16_prefetch): a block costs about as much compute as its 14-16
+ * bytes take to arrive, so the lines must be asked for well before the fp32 step's distance, but not so
+ * far that the L1 evicts them first (docs/kernels.md). Prefetches past the end are harmless hints. */
 INLINE void adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index, uint16_t *p,
-                           const void *g, uint16_t *m, uint16_t *v, int64_t n, int gdt)
+                           const void *g, uint16_t *m, uint16_t *v, int64_t n, int gdt, int64_t ahead)
 {
     vint kpm = vi_set1((int)k->pm), kv = vi_set1((int)k->v);
     int64_t i = 0, gsz = gdt == LZO_FLOAT32 ? 4 : 2;
@@ -286,12 +286,14 @@ INLINE void adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint3
         i = 1;
     }
     for (; i + BF16_LINE <= n; i += BF16_LINE) { /* one cache line of each bf16 stream */
-        _mm_prefetch((const char *)(p + i + PREFETCH_BF16), _MM_HINT_T0);
-        _mm_prefetch((const char *)(m + i + PREFETCH_BF16), _MM_HINT_T0);
-        _mm_prefetch((const char *)(v + i + PREFETCH_BF16), _MM_HINT_T0);
-        _mm_prefetch((const char *)g + (i + PREFETCH_BF16) * gsz, _MM_HINT_T0);
-        if (gsz == 4)
-            _mm_prefetch((const char *)g + (i + PREFETCH_BF16) * 4 + 64, _MM_HINT_T0);
+        if (ahead) {
+            _mm_prefetch((const char *)(p + i + ahead), _MM_HINT_T0);
+            _mm_prefetch((const char *)(m + i + ahead), _MM_HINT_T0);
+            _mm_prefetch((const char *)(v + i + ahead), _MM_HINT_T0);
+            _mm_prefetch((const char *)g + (i + ahead) * gsz, _MM_HINT_T0);
+            if (gsz == 4)
+                _mm_prefetch((const char *)g + (i + ahead) * 4 + 64, _MM_HINT_T0);
+        }
         for (int j = 0; j < BF16_LINE; j += 2 * W)
             adam_bf16_block(c, kpm, kv, index + (uint32_t)(i + j), p, g, m, v, i + j, gdt);
     }
@@ -303,20 +305,21 @@ INLINE void adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint3
 }
 
 TARGET static void adam_bf16state(const lzo_adam_consts *consts, const lzo_sr_keys *k, uint32_t index,
-                                  uint16_t *p, const void *g, uint16_t *m, uint16_t *v, int64_t n, int gdt)
+                                  uint16_t *p, const void *g, uint16_t *m, uint16_t *v, int64_t n, int gdt,
+                                  int64_t prefetch)
 {
     /* A local copy: the vector stores may alias anything, so through the caller's pointer every block
      * would load and broadcast the constants again and test l2 and lerp_from_end again. */
     const lzo_adam_consts local = *consts, *c = &local;
     switch (gdt) {
     case LZO_BFLOAT16:
-        adam_bf16_loop(c, k, index, p, g, m, v, n, LZO_BFLOAT16);
+        adam_bf16_loop(c, k, index, p, g, m, v, n, LZO_BFLOAT16, prefetch);
         return;
     case LZO_FLOAT16:
-        adam_bf16_loop(c, k, index, p, g, m, v, n, LZO_FLOAT16);
+        adam_bf16_loop(c, k, index, p, g, m, v, n, LZO_FLOAT16, prefetch);
         return;
     default:
-        adam_bf16_loop(c, k, index, p, g, m, v, n, LZO_FLOAT32);
+        adam_bf16_loop(c, k, index, p, g, m, v, n, LZO_FLOAT32, prefetch);
     }
 }
 

@@ -85,6 +85,15 @@ void lzo_adam_step_bf16state(const lzo_adam_hparams *hp, double grad_scale, uint
                              int64_t offset, uint16_t *p, const void *g, uint16_t *m, uint16_t *v,
                              int64_t n, int grad_dtype, int num_threads);
 
+/* Elements of each stream the bf16-state step prefetches ahead (the AVX2 and AVX-512 backends; the
+ * scalar one does not prefetch). The default keeps the four streams' lines in flight within a third of
+ * the L1 data cache: further ahead, lines are evicted before they are used (docs/kernels.md, "On an
+ * AMD EPYC Zen 4"). lzo_set_bf16_prefetch sets it, rounded down to whole 64-byte lines of bf16
+ * (0: no software prefetch), a negative value restores the default; both return the value in effect.
+ * The results do not depend on it. */
+int64_t lzo_bf16_prefetch(void);
+int64_t lzo_set_bf16_prefetch(int64_t elements);
+
 /* Position-weighted checksum of n 16-bit words, sum of x[i] * (i + 1) mod 2^64 with x signed
  * (native/fingerprint.c): tells whether device parameters were written between two points. */
 uint64_t lzo_fingerprint16(const void *src, int64_t n, int num_threads);
@@ -128,9 +137,11 @@ typedef struct {
     double (*accumulate)(float *dst, const void *src, int64_t n, int src_dtype, float scale,
                          int mode, int stream);
     void (*undo)(const lzo_undo_consts *c, float *p, const float *g, float *m, float *v, int64_t n);
-    /* n elements whose global indices have the same high 32 bits; `index` is the low 32 of the first */
+    /* n elements whose global indices have the same high 32 bits; `index` is the low 32 of the first;
+     * `prefetch`: elements ahead, a multiple of 32 */
     void (*adam_bf16state)(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index, uint16_t *p,
-                           const void *g, uint16_t *m, uint16_t *v, int64_t n, int grad_dtype);
+                           const void *g, uint16_t *m, uint16_t *v, int64_t n, int grad_dtype,
+                           int64_t prefetch);
 } lzo_kernel_table;
 
 extern const lzo_kernel_table lzo_kernels_scalar;

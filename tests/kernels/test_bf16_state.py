@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import pytest
 import torch
@@ -66,6 +67,36 @@ def test_bf16state_bits_do_not_depend_on_the_pieces_threads_claim(backend: str) 
         for threads in (2, 3):
             many = bf16_state_steps(size, torch.bfloat16, "adamw", threads=threads, steps=1)
             assert all(torch.equal(bits16(a), bits16(b)) for a, b in zip(one, many)), (size, threads)
+
+
+def test_bf16state_bits_do_not_depend_on_the_prefetch_distance(backend: str) -> None:
+    if backend not in ("avx512", "avx2"):
+        pytest.skip("only the SIMD backends prefetch")
+    from lightning_zero_offload.kernels._native import lib
+
+    default = lib.lzo_bf16_prefetch()
+    try:
+        for grad_dtype in (torch.float32, torch.bfloat16):
+            expected = bf16_state_steps(3 * 2**16 + 17, grad_dtype, "adamw", threads=2, steps=1)
+            for ahead in (0, 32, 1000, 8192):
+                assert lib.lzo_set_bf16_prefetch(ahead) == ahead // 32 * 32  # whole lines of bf16
+                actual = bf16_state_steps(3 * 2**16 + 17, grad_dtype, "adamw", threads=2, steps=1)
+                assert all(torch.equal(bits16(a), bits16(e)) for a, e in zip(actual, expected)), (ahead, grad_dtype)
+    finally:
+        assert lib.lzo_set_bf16_prefetch(-1) == default
+
+
+def test_bf16state_default_prefetch_keeps_a_third_of_the_l1_in_flight() -> None:
+    """8 bytes per element over the four streams within L1/3, in lines, clamped to [512, 2048] elements."""
+    lib = pytest.importorskip("lightning_zero_offload.kernels._native").lib
+    if lib is None:
+        pytest.skip("no native extension")
+    try:
+        l1 = os.sysconf("SC_LEVEL1_DCACHE_SIZE")
+    except (ValueError, OSError):
+        l1 = -1
+    expected = min(max((l1 if l1 > 0 else 32768) // 3 // 8 // 32 * 32, 512), 2048)
+    assert lib.lzo_bf16_prefetch() == expected
 
 
 @pytest.mark.parametrize("case", sorted(BF16_CASES))
