@@ -375,6 +375,7 @@ void lzo_adam_undo(const lzo_adam_hparams *hp, double grad_scale, double step, f
  * was slower; on a 32 KiB L1 2048 already was). */
 #define BF16_PREFETCH_MIN 512
 #define BF16_PREFETCH_MAX 2048
+#define BF16_PREFETCH_LIMIT ((int64_t)1 << 20) /* what lzo_set_bf16_prefetch accepts: 2 MiB of a stream */
 #define L1D_UNKNOWN 32768 /* the smallest L1 data cache of the x86 cores the SIMD backends run on */
 
 static int64_t bf16_prefetch = -1; /* -1: the default, chosen on first use */
@@ -398,6 +399,8 @@ int64_t lzo_bf16_prefetch(void)
 
 int64_t lzo_set_bf16_prefetch(int64_t elements)
 {
+    if (elements > BF16_PREFETCH_LIMIT)
+        elements = BF16_PREFETCH_LIMIT;
     bf16_prefetch = elements < 0 ? default_bf16_prefetch() : elements & ~(int64_t)31;
     return bf16_prefetch;
 }

@@ -87,10 +87,10 @@ void lzo_adam_step_bf16state(const lzo_adam_hparams *hp, double grad_scale, uint
 
 /* Elements of each stream the bf16-state step prefetches ahead (the AVX2 and AVX-512 backends; the
  * scalar one does not prefetch). The default keeps the four streams' lines in flight within a third of
- * the L1 data cache: further ahead, lines are evicted before they are used (docs/kernels.md, "On an
- * AMD EPYC Zen 4"). lzo_set_bf16_prefetch sets it, rounded down to whole 64-byte lines of bf16
- * (0: no software prefetch), a negative value restores the default; both return the value in effect.
- * The results do not depend on it. */
+ * the L1 data cache: further ahead, lines are evicted before they are used (docs/kernels.md, "bf16
+ * state against the fp32-state step"). lzo_set_bf16_prefetch sets it, rounded down to whole 64-byte
+ * lines of bf16, at most 2^20 (0: no software prefetch); a negative value restores the default. Both
+ * return the value in effect. The results do not depend on it. */
 int64_t lzo_bf16_prefetch(void);
 int64_t lzo_set_bf16_prefetch(int64_t elements);
 
