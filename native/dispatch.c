@@ -14,7 +14,9 @@
 
 #include <math.h>
 #include <stdlib.h>
-#include <unistd.h>
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h> /* sysconf: the L1 size, where the C library knows it */
+#endif
 
 /* Below this many elements one thread is faster than waking a team. */
 #define PARALLEL_MIN ((int64_t)1 << 15)
