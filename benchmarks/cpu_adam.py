@@ -65,6 +65,7 @@ import torch
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine import memory
+from lightning_zero_offload.kernels._native import lib as native_lib
 from lightning_zero_offload.optim import CPUAdam
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -383,11 +384,14 @@ def prefetch_rows() -> dict[str, int]:
     return {f"bf16 state, {g} grad, prefetch {d}": b for d in prefetch_sweep for g, b in (("fp32", 16), ("bf16", 14))}
 
 
+def backend_prefetches() -> bool:
+    """Whether the active backend's bf16-state step prefetches (the SIMD ones; native/dispatch.c)."""
+    return kernels.backend() in ("avx512", "avx2")
+
+
 def set_prefetch(elements: int) -> int:
     """The bf16-state step's prefetch distance for the next calls (-1: this CPU's default); the value set."""
-    from lightning_zero_offload.kernels._native import lib
-
-    return lib.lzo_set_bf16_prefetch(elements)
+    return native_lib.lzo_set_bf16_prefetch(elements)
 
 
 def load_baseline(path: Path) -> None:
@@ -591,7 +595,7 @@ def machine_info() -> dict[str, object]:
         "available_backends": kernels.available_backends(),
         "pages": pages,
         # elements the bf16-state step prefetches ahead by default on this CPU (native/dispatch.c)
-        "bf16_prefetch": set_prefetch(-1) if kernels.backend() in ("avx512", "avx2") else None,
+        "bf16_prefetch": set_prefetch(-1) if backend_prefetches() else None,
     }
 
 
@@ -649,7 +653,7 @@ def main() -> None:
         if args.baseline_native is not None:
             load_baseline(args.baseline_native)
         if args.bf16_prefetch:
-            if kernels.backend() not in ("avx512", "avx2"):
+            if not backend_prefetches():
                 raise SystemExit(f"--bf16-prefetch: the {kernels.backend()} backend does not prefetch")
             prefetch_sweep[:] = [set_prefetch(d) for d in args.bf16_prefetch]  # as the kernel rounds them
             set_prefetch(-1)

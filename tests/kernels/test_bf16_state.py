@@ -70,7 +70,7 @@ def test_bf16state_bits_do_not_depend_on_the_pieces_threads_claim(backend: str) 
 
 
 def test_bf16state_bits_do_not_depend_on_the_prefetch_distance(backend: str) -> None:
-    if backend not in ("avx512", "avx2"):
+    if backend not in SIMD:
         pytest.skip("only the SIMD backends prefetch")
     from lightning_zero_offload.kernels._native import lib
 
