@@ -12,6 +12,8 @@
  *                           vi_shl16 vi_shr16 vi_shr15 vi_shr1 vi_load (W int32) vi_nan_select(x, a,
  *                           b) (a where x is NaN, else b) vi_add_bits_unless_nan(x, r, a) (x's bits
  *                           + r, a where x is NaN) vi_narrow_u16 (each lane is <= 0xffff)
+ *                           vi_xor_and(a, b, c) ((a ^ b) & c) vf_any_nan2(a, b) (1 if a lane of a or b
+ *                           is NaN)
  *                           vi_load_words vi_store_words (2W uint16 as W 32-bit words)
  *                           vi_merge_high(a, b) (each word: a's high half low, b's high half high)
  *   vhalf   W 16-bit lanes: vh_store vh_stream vh_from_f32_f16 (round to nearest even)
@@ -174,15 +176,19 @@ TARGET static void adam(const lzo_adam_consts *c, float *p, const void *g, float
  * and on the odd one. Lane k of the even vector is element 2k. */
 static const int32_t LANE_EVEN[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
 
-/* lowbias32 (C. Wellons' 32-bit integer mix): a bijection with full avalanche, two multiplies. Its last
- * step x ^ (x >> 16) leaves the high half as it is, so *high = hash >> 16 comes with no extra shift. */
-INLINE vint hash32(vint x, vint *high)
+/* lowbias32 (C. Wellons' 32-bit integer mix), a bijection with full avalanche and two multiplies:
+ * x ^= x >> 16 (stage1); x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16. This takes x after
+ * stage1 and stops before the last step, which leaves the high half as it is: the hash's high half is
+ * *high = x >> 16 and its low half (x ^ *high) & 0xffff, one vi_xor_and (the caller needs the halves). */
+INLINE vint hash32_from_stage1(vint x, vint *high)
 {
-    x = vi_mullo(vi_xor(x, vi_shr16(x)), vi_set1(0x7feb352d));
+    x = vi_mullo(x, vi_set1(0x7feb352d));
     x = vi_mullo(vi_xor(x, vi_shr15(x)), vi_set1((int)0x846ca68bu));
     *high = vi_shr16(x);
-    return vi_xor(x, *high);
+    return x;
 }
+
+INLINE vint stage1(vint x) { return vi_xor(x, vi_shr16(x)); }
 
 /* Stochastic rounding: add r (16 random bits, < 2^16) below the kept mantissa; the high half of the
  * result is the bf16 (the caller's merge truncates). Sign and magnitude are separate, so this rounds
@@ -223,12 +229,12 @@ INLINE void adam_bf16_pair(const lzo_adam_consts *c, vfloat *g, vfloat *p, vfloa
 INLINE vfloat even_f32(vint words) { return vf_from_bits(vi_shl16(words)); }
 INLINE vfloat odd_f32(vint words) { return vf_from_bits(vi_and(words, vi_set1((int)0xffff0000u))); }
 
-/* One block of 2W elements at i; `index` is the low 32 bits of element i's global index, even. The
- * random bits of element j (kernels/reference.py sr_bits): p the high and m the low half of
- * hash32(j ^ pm); v one half of hash32((j >> 1) ^ v), shared by the pair 2k, 2k + 1 (the high half for
- * the even element): 48 bits per element from one and a half hashes. */
-INLINE void adam_bf16_block(const lzo_adam_consts *c, vint kpm, vint kv, uint32_t index, uint16_t *p,
-                            const void *g, uint16_t *m, uint16_t *v, int64_t i, int gdt)
+/* One block of 2W elements at i; lane k of `je` holds the low 32 bits of element i + 2k's global index,
+ * which is even. The random bits of element j (kernels/reference.py sr_bits): p the high and m the low
+ * half of lowbias32(j ^ pm); v one half of lowbias32((j >> 1) ^ v), shared by the pair 2k, 2k + 1 (the
+ * high half for the even element): 48 bits per element from one and a half hashes. */
+INLINE void adam_bf16_block(const lzo_adam_consts *c, vint kpm, vint kv, vint je, uint16_t *p, const void *g,
+                            uint16_t *m, uint16_t *v, int64_t i, int gdt)
 {
     vint pw = vi_load_words(p + i), mw = vi_load_words(m + i), vw = vi_load_words(v + i);
     vfloat ge, go;
@@ -243,15 +249,26 @@ INLINE void adam_bf16_block(const lzo_adam_consts *c, vint kpm, vint kv, uint32_
     vfloat vs[2] = {even_f32(vw), odd_f32(vw)};
     adam_bf16_pair(c, gs, ps, ms, vs);
     vfloat pe = ps[0], po = ps[1], me = ms[0], mo = ms[1], ve = vs[0], vo = vs[1];
-    vint je = vi_add(vi_set1((int)index), vi_load(LANE_EVEN)), jo = vi_add(je, vi_set1(1));
+    /* je is even, so the odd element's hash input is the even one's with the low bit set, and so is
+     * its first stage (the shift moves no low bit): one xor instead of an index, a key and a stage */
+    vint se = stage1(vi_xor(je, kpm)), so = vi_xor(se, vi_set1(1));
     vint he_hi, ho_hi, hv_hi;
-    vint he = hash32(vi_xor(je, kpm), &he_hi), ho = hash32(vi_xor(jo, kpm), &ho_hi);
-    vint hv = hash32(vi_xor(vi_shr1(je), kv), &hv_hi);
-    vint low = vi_set1(0xffff);
+    vint he = hash32_from_stage1(se, &he_hi), ho = hash32_from_stage1(so, &ho_hi);
+    vint hv = hash32_from_stage1(stage1(vi_xor(vi_shr1(je), kv)), &hv_hi);
+    vint low = vi_set1(0xffff), he_lo = vi_xor_and(he, he_hi, low), ho_lo = vi_xor_and(ho, ho_hi, low);
+    vint hv_lo = vi_xor_and(hv, hv_hi, low);
+    if (!vf_any_nan2(pe, po)) { /* m or v NaN makes p NaN: with none in p, no lane needs the NaN rule */
+        vi_store_words(p + i, vi_merge_high(vi_add(vi_from_bits(pe), he_hi), vi_add(vi_from_bits(po), ho_hi)));
+        vi_store_words(m + i, vi_merge_high(vi_add(vi_from_bits(me), he_lo), vi_add(vi_from_bits(mo), ho_lo)));
+        vi_store_words(v + i, vi_merge_high(vi_add(vi_from_bits(ve), hv_hi), vi_add(vi_from_bits(vo), hv_lo)));
+        return;
+    }
     vi_store_words(p + i, vi_merge_high(bf16_stochastic(pe, he_hi), bf16_stochastic(po, ho_hi)));
-    vi_store_words(m + i, vi_merge_high(bf16_stochastic(me, vi_and(he, low)), bf16_stochastic(mo, vi_and(ho, low))));
-    vi_store_words(v + i, vi_merge_high(bf16_stochastic(ve, hv_hi), bf16_stochastic(vo, vi_and(hv, low))));
+    vi_store_words(m + i, vi_merge_high(bf16_stochastic(me, he_lo), bf16_stochastic(mo, ho_lo)));
+    vi_store_words(v + i, vi_merge_high(bf16_stochastic(ve, hv_hi), bf16_stochastic(vo, hv_lo)));
 }
+
+INLINE vint even_indices(uint32_t first) { return vi_add(vi_set1((int)first), vi_load(LANE_EVEN)); }
 
 /* Fewer than 2W elements (r + (index & 1) <= 2W), through zero-padded buffers: an odd first index sits
  * at lane 1 of a block that starts one element earlier, so every element gets the bits of its index. */
@@ -265,7 +282,7 @@ INLINE void adam_bf16_partial(const lzo_adam_consts *c, vint kpm, vint kv, uint3
     memcpy((char *)gb + s * gsz, g, r * gsz);
     memcpy(mb + s, m, r * 2);
     memcpy(vb + s, v, r * 2);
-    adam_bf16_block(c, kpm, kv, index - (uint32_t)s, pb, gb, mb, vb, 0, gdt);
+    adam_bf16_block(c, kpm, kv, even_indices(index - (uint32_t)s), pb, gb, mb, vb, 0, gdt);
     memcpy(p, pb + s, r * 2);
     memcpy(m, mb + s, r * 2);
     memcpy(v, vb + s, r * 2);
@@ -273,9 +290,24 @@ INLINE void adam_bf16_partial(const lzo_adam_consts *c, vint kpm, vint kv, uint3
 
 #define BF16_LINE 32 /* bf16 elements per 64-byte cache line */
 
-/* `ahead` elements of prefetch (lzo_bf16_prefetch): a block costs about as much compute as its 14-16
- * bytes take to arrive, so the lines must be asked for well before the fp32 step's distance, but not so
- * far that the L1 evicts them first (docs/kernels.md). Prefetches past the end are harmless hints. */
+/* `ahead` elements of prefetch into L1 (lzo_bf16_prefetch): a block costs about as much compute as its
+ * 14-16 bytes take to arrive, so the lines must be asked for well before the fp32 step's distance, but
+ * not so far that the L1 evicts them first; and BF16_L2_AHEAD times as far into L2, so that the L1
+ * prefetch finds its line there rather than waiting on memory (docs/kernels.md). Prefetches past the
+ * end are harmless hints. */
+#define BF16_L2_AHEAD 4
+
+/* a macro, not a function: _mm_prefetch's hint must be a constant even where nothing is inlined */
+#define PREFETCH_BF16_LINE(p, g, m, v, i, gsz, hint)                                              \
+    do {                                                                                          \
+        _mm_prefetch((const char *)((p) + (i)), hint);                                            \
+        _mm_prefetch((const char *)((m) + (i)), hint);                                            \
+        _mm_prefetch((const char *)((v) + (i)), hint);                                            \
+        _mm_prefetch((const char *)(g) + (i) * (gsz), hint);                                      \
+        if ((gsz) == 4)                                                                           \
+            _mm_prefetch((const char *)(g) + (i) * 4 + 64, hint);                                 \
+    } while (0)
+
 INLINE void adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint32_t index, uint16_t *p,
                            const void *g, uint16_t *m, uint16_t *v, int64_t n, int gdt, int64_t ahead)
 {
@@ -285,20 +317,17 @@ INLINE void adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint3
         adam_bf16_partial(c, kpm, kv, index, p, g, m, v, 1, gdt);
         i = 1;
     }
+    vint je = even_indices(index + (uint32_t)i), block = vi_set1(2 * W); /* a running index: one add a block */
     for (; i + BF16_LINE <= n; i += BF16_LINE) { /* one cache line of each bf16 stream */
         if (ahead) {
-            _mm_prefetch((const char *)(p + i + ahead), _MM_HINT_T0);
-            _mm_prefetch((const char *)(m + i + ahead), _MM_HINT_T0);
-            _mm_prefetch((const char *)(v + i + ahead), _MM_HINT_T0);
-            _mm_prefetch((const char *)g + (i + ahead) * gsz, _MM_HINT_T0);
-            if (gsz == 4)
-                _mm_prefetch((const char *)g + (i + ahead) * 4 + 64, _MM_HINT_T0);
+            PREFETCH_BF16_LINE(p, g, m, v, i + BF16_L2_AHEAD * ahead, gsz, _MM_HINT_T1);
+            PREFETCH_BF16_LINE(p, g, m, v, i + ahead, gsz, _MM_HINT_T0);
         }
-        for (int j = 0; j < BF16_LINE; j += 2 * W)
-            adam_bf16_block(c, kpm, kv, index + (uint32_t)(i + j), p, g, m, v, i + j, gdt);
+        for (int j = 0; j < BF16_LINE; j += 2 * W, je = vi_add(je, block))
+            adam_bf16_block(c, kpm, kv, je, p, g, m, v, i + j, gdt);
     }
-    for (; i + 2 * W <= n; i += 2 * W)
-        adam_bf16_block(c, kpm, kv, index + (uint32_t)i, p, g, m, v, i, gdt);
+    for (; i + 2 * W <= n; i += 2 * W, je = vi_add(je, block))
+        adam_bf16_block(c, kpm, kv, je, p, g, m, v, i, gdt);
     if (i < n)
         adam_bf16_partial(c, kpm, kv, index + (uint32_t)i, p + i, (const char *)g + i * gsz, m + i, v + i,
                           n - i, gdt);

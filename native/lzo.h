@@ -85,12 +85,13 @@ void lzo_adam_step_bf16state(const lzo_adam_hparams *hp, double grad_scale, uint
                              int64_t offset, uint16_t *p, const void *g, uint16_t *m, uint16_t *v,
                              int64_t n, int grad_dtype, int num_threads);
 
-/* Elements of each stream the bf16-state step prefetches ahead (the AVX2 and AVX-512 backends; the
- * scalar one does not prefetch). The default keeps the four streams' lines in flight within a third of
- * the L1 data cache: further ahead, lines are evicted before they are used (docs/kernels.md, "bf16
- * state against the fp32-state step"). lzo_set_bf16_prefetch sets it, rounded down to whole 64-byte
- * lines of bf16, at most 2^20 (0: no software prefetch); a negative value restores the default. Both
- * return the value in effect. The results do not depend on it. */
+/* Elements of each stream the bf16-state step prefetches ahead into L1 (the AVX2 and AVX-512 backends;
+ * the scalar one does not prefetch); it also prefetches four times as far ahead into L2. The default
+ * keeps the four streams' lines in flight within a third of the L1 data cache: further ahead, lines are
+ * evicted before they are used (docs/kernels.md, "bf16 state against the fp32-state step").
+ * lzo_set_bf16_prefetch sets it, rounded down to whole 64-byte lines of bf16, at most 2^20 (0: no
+ * software prefetch); a negative value restores the default. Both return the value in effect. The
+ * results do not depend on it. */
 int64_t lzo_bf16_prefetch(void);
 int64_t lzo_set_bf16_prefetch(int64_t elements);
 

@@ -52,7 +52,8 @@ def _mul32(x: Tensor, c: int) -> Tensor:
 
 
 def _hash32(x: Tensor) -> Tensor:
-    """lowbias32 (native/kernels_simd.h hash32) on int64 tensors holding uint32 values."""
+    """lowbias32 (native/kernels_simd.h, hash32_from_stage1 with its first and last steps) on int64 tensors
+    holding uint32 values."""
     x = _mul32(x ^ (x >> 16), 0x7FEB352D)
     x = _mul32(x ^ (x >> 15), 0x846CA68B)
     return x ^ (x >> 16)
