@@ -58,9 +58,9 @@ INLINE vint vi_add_bits_unless_nan(vfloat x, vint r, vint if_nan)
 {
     return vi_nan_select(x, if_nan, _mm256_add_epi32(_mm256_castps_si256(x), r));
 }
-/* every lane is <= 0xffff, so unsigned saturation packs exactly */
 INLINE vint vi_xor_and(vint a, vint b, vint c) { return _mm256_and_si256(_mm256_xor_si256(a, b), c); }
 INLINE int vf_any_nan2(vfloat a, vfloat b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q)) != 0; }
+/* every lane is <= 0xffff, so unsigned saturation packs exactly */
 INLINE vhalf vi_narrow_u16(vint a)
 {
     return _mm_packus_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));

@@ -58,7 +58,7 @@ INLINE vint vi_add_bits_unless_nan(vfloat x, vint r, vint if_nan)
 {
     return _mm512_mask_add_epi32(if_nan, _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), _mm512_castps_si512(x), r);
 }
-/* one ternary-logic op each */
+/* (a ^ b) & c in one ternary-logic op; a NaN in a or b in one compare */
 INLINE vint vi_xor_and(vint a, vint b, vint c) { return _mm512_ternarylogic_epi32(a, b, c, 0x28); }
 INLINE int vf_any_nan2(vfloat a, vfloat b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q) != 0; }
 INLINE vhalf vi_narrow_u16(vint a) { return _mm512_cvtepi32_epi16(a); }
