@@ -43,7 +43,8 @@ minus the fastest at 64: the call overhead cancels); writes results/cpu_adam_bf1
     python benchmarks/cpu_adam.py --bf16-state --baseline-native /tmp/old/lightning_zero_offload/_native.abi3.so
     # every timed call from a cold cache (2 GiB read before each, untimed), not after the row before it:
     python benchmarks/cpu_adam.py --bf16-state --cold-cache
-    # the step at other prefetch distances (elements ahead) beside this CPU's default, in one build:
+    # the step at other prefetch distances (elements ahead into L1; into L2 four times as far) beside this
+    # CPU's default, in one build:
     python benchmarks/cpu_adam.py --bf16-state --cold-cache --bf16-prefetch 512 1024 2048
 """
 
@@ -630,7 +631,8 @@ def main() -> None:
         type=int,
         nargs="+",
         default=[],
-        help="--bf16-state: also time the step at these prefetch distances (elements ahead), beside the default",
+        help="--bf16-state: also time the step at these prefetch distances (elements ahead into L1; into L2 four"
+        " times as far), beside the default",
     )
     parser.add_argument(
         "--small-pages", action="store_true", help="buffers on 4 KiB pages (default: the engine's, huge where offered)"
