@@ -23,8 +23,8 @@
 /* Elements per piece of work a thread claims: 256 KiB of every fp32 stream. */
 #define CHUNK ((int64_t)1 << 16)
 /* The bf16-state step's pieces grow up to this, keeping 4 per thread: a thread's software prefetches run
- * 2-4 KiB ahead in each stream (four times that into L2), and every piece it claims away from its last
- * one starts without them. */
+ * 2-4 KiB ahead in each stream (on AVX-512 four times that into L2), and every piece it claims away from
+ * its last one starts without them. */
 #define CHUNK_BF16_MAX ((int64_t)1 << 18)
 /* grad_accumulate: at most this many blocks of at least BLOCK_MIN elements. */
 #define MAX_BLOCKS 1024
@@ -372,8 +372,8 @@ void lzo_adam_undo(const lzo_adam_hparams *hp, double grad_scale, double step, f
     }
 }
 
-/* The bf16-state step's prefetch distance into L1 (into L2 it is four times this, kernels_simd.h
- * BF16_L2_AHEAD). Lines in flight: 8 bytes per element over the four streams
+/* The bf16-state step's prefetch distance into L1 (the AVX-512 backend prefetches four times as far
+ * into L2: BF16_L2_AHEAD in kernels_simd.h). Lines in flight: 8 bytes per element over the four streams
  * with a bf16 gradient (10 with fp32), kept within a third of the L1 data cache, in whole lines, from
  * 512 (the fp32 step's distance) to 2048 elements (the farthest measured to help: on a 48 KiB L1 4096
  * was slower; on a 32 KiB L1 2048 already was). */

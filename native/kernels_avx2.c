@@ -11,6 +11,8 @@
 #define INLINE TARGET __attribute__((always_inline)) static inline
 #define W 8
 #define KERNEL_TABLE lzo_kernels_avx2
+/* no L2 prefetch: AMD's cores before Zen 4, most of this shim's servers, fill L1 on a T1 hint */
+#define BF16_L2_AHEAD 0
 
 typedef __m256 vfloat;
 typedef __m256i vint;

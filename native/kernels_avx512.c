@@ -11,6 +11,8 @@
 #define INLINE TARGET __attribute__((always_inline)) static inline
 #define W 16
 #define KERNEL_TABLE lzo_kernels_avx512
+/* the CPUs with AVX-512 (Intel's, AMD's from Zen 4) take a T1 prefetch into L2 only */
+#define BF16_L2_AHEAD 4
 
 typedef __m512 vfloat;
 typedef __m512i vint;

@@ -2,7 +2,8 @@
  *
  * Each kernels_<isa>.c includes this file after defining its shim: TARGET (the function
  * attribute of that instruction set), INLINE, W (floats per vector), KERNEL_TABLE (the name of
- * the lzo_kernel_table to define) and these types and inline functions:
+ * the lzo_kernel_table to define), BF16_L2_AHEAD (0, or how many times the L1 distance the
+ * bf16-state step prefetches into L2, adam_bf16_loop) and these types and inline functions:
  *   vfloat  W floats:       vf_load vf_store vf_stream vf_set1 vf_add vf_sub vf_mul vf_div vf_sqrt
  *                           vf_fmadd(a, b, c) = a * b + c rounded once; vf_load_f16 (W halves)
  *                           vf_even_odd(a, b, &even, &odd) (the even and the odd elements of the 2W
@@ -249,8 +250,8 @@ INLINE void adam_bf16_block(const lzo_adam_consts *c, vint kpm, vint kv, vint je
     vfloat vs[2] = {even_f32(vw), odd_f32(vw)};
     adam_bf16_pair(c, gs, ps, ms, vs);
     vfloat pe = ps[0], po = ps[1], me = ms[0], mo = ms[1], ve = vs[0], vo = vs[1];
-    /* je is even, so the odd element's hash input is the even one's with the low bit set, and so is
-     * its first stage (the shift moves no low bit): one xor instead of an index, a key and a stage */
+    /* je is even, so the odd element's hash input is the even one's with the low bit flipped, and so
+     * is its first stage (the shift moves no low bit): one xor instead of an index, a key and a stage */
     vint se = stage1(vi_xor(je, kpm)), so = vi_xor(se, vi_set1(1));
     vint he_hi, ho_hi, hv_hi;
     vint he = hash32_from_stage1(se, &he_hi), ho = hash32_from_stage1(so, &ho_hi);
@@ -292,10 +293,11 @@ INLINE void adam_bf16_partial(const lzo_adam_consts *c, vint kpm, vint kv, uint3
 
 /* `ahead` elements of prefetch into L1 (lzo_bf16_prefetch): a block costs about as much compute as its
  * 14-16 bytes take to arrive, so the lines must be asked for well before the fp32 step's distance, but
- * not so far that the L1 evicts them first; and BF16_L2_AHEAD times as far into L2, so that the L1
- * prefetch finds its line there rather than waiting on memory (docs/kernels.md). Prefetches past the
- * end are harmless hints. */
-#define BF16_L2_AHEAD 4
+ * not so far that the L1 evicts them first; and, where the shim sets BF16_L2_AHEAD, that many times as
+ * far with the T1 hint, which those CPUs (Intel's, AMD's from Zen 4) take into L2 only, so that the L1
+ * prefetch finds its line there rather than waiting on memory (docs/kernels.md). AMD's cores before
+ * Zen 4, which run the AVX2 shim, fill L1 on a T1 hint as on T0, so there it would crowd the L1 with
+ * lines four times too early. Prefetches past the end are harmless hints. */
 
 /* a macro, not a function: _mm_prefetch's hint must be a constant even where nothing is inlined */
 #define PREFETCH_BF16_LINE(p, g, m, v, i, gsz, hint)                                              \
@@ -320,7 +322,8 @@ INLINE void adam_bf16_loop(const lzo_adam_consts *c, const lzo_sr_keys *k, uint3
     vint je = even_indices(index + (uint32_t)i), block = vi_set1(2 * W); /* a running index: one add a block */
     for (; i + BF16_LINE <= n; i += BF16_LINE) { /* one cache line of each bf16 stream */
         if (ahead) {
-            PREFETCH_BF16_LINE(p, g, m, v, i + BF16_L2_AHEAD * ahead, gsz, _MM_HINT_T1);
+            if (BF16_L2_AHEAD)
+                PREFETCH_BF16_LINE(p, g, m, v, i + BF16_L2_AHEAD * ahead, gsz, _MM_HINT_T1);
             PREFETCH_BF16_LINE(p, g, m, v, i + ahead, gsz, _MM_HINT_T0);
         }
         for (int j = 0; j < BF16_LINE; j += 2 * W, je = vi_add(je, block))

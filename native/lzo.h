@@ -86,7 +86,7 @@ void lzo_adam_step_bf16state(const lzo_adam_hparams *hp, double grad_scale, uint
                              int64_t n, int grad_dtype, int num_threads);
 
 /* Elements of each stream the bf16-state step prefetches ahead into L1 (the AVX2 and AVX-512 backends;
- * the scalar one does not prefetch); it also prefetches four times as far ahead into L2. The default
+ * the scalar one does not prefetch); the AVX-512 one also four times as far ahead into L2. The default
  * keeps the four streams' lines in flight within a third of the L1 data cache: further ahead, lines are
  * evicted before they are used (docs/kernels.md, "bf16 state against the fp32-state step").
  * lzo_set_bf16_prefetch sets it, rounded down to whole 64-byte lines of bf16, at most 2^20 (0: no
@@ -120,8 +120,8 @@ typedef struct {
 } lzo_undo_consts;
 
 /* The hash keys of one piece of a bf16-state step (from seed, step and the high 32 bits of the
- * global element index): the p and m bits are the two halves of hash32(index ^ pm), the v bits one
- * half of hash32((index >> 1) ^ v), which elements 2k and 2k + 1 share (the high half for the even
+ * global element index): the p and m bits are the two halves of lowbias32(index ^ pm), the v bits one
+ * half of lowbias32((index >> 1) ^ v), which elements 2k and 2k + 1 share (the high half for the even
  * one). */
 typedef struct {
     uint32_t pm, v;
