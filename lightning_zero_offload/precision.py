@@ -149,12 +149,13 @@ class ZeroOffloadPrecision(Precision):
         if self.param_dtype == torch.float32 and not session.engine.in_place:
             # The point of offloading is a 2-byte device copy. The plugin cannot tell a passed "32-true" from
             # Lightning's default, so the text holds for both; in place there is no device copy to shrink.
+            master = session.engine.options.cpu_state
             rank_zero_warn(
                 "zero_offload is training in '32-true' (the precision passed, or Lightning's default when none is "
                 "given): the device holds fp32 weights and gradients (4 B/param). Pass precision='bf16-mixed' (or "
-                "'16-mixed' on GPUs without bf16) to keep a 2 B/param copy on the device with fp32 master weights on "
-                "the CPU; if fp32 on the device is what you want, or the device is a CPU without native bf16 "
-                "(AVX-512 BF16, AMX), where fp32 is faster, this warning can be ignored."
+                f"'16-mixed' on GPUs without bf16) to keep a 2 B/param copy on the device with {master} master "
+                "weights on the CPU; if fp32 on the device is what you want, or the device is a CPU without native "
+                "bf16 (AVX-512 BF16, AMX), where fp32 is faster, this warning can be ignored."
             )
         if self._pending_state is not None:
             session.engine.load_state_dict(self._pending_state)

@@ -26,6 +26,7 @@ def _fit_warnings(strategy="zero_offload", **trainer_kwargs) -> list[str]:
         ({"strategy": ZeroOffloadStrategy(in_place_on_cpu=False)}, True),  # fp32 copies offloaded: worth a word
         ({}, False),  # a CPU device in place: nothing is offloaded (tests/test_front_end_options.py words it)
         ({"precision": "bf16-mixed"}, False),
+        ({"strategy": ZeroOffloadStrategy(in_place_on_cpu=False, cpu_state="bf16")}, True),
     ],
 )
 def test_fp32_default_precision_warns_and_names_what_to_pass(kwargs, warned):
@@ -33,6 +34,8 @@ def test_fp32_default_precision_warns_and_names_what_to_pass(kwargs, warned):
     assert bool(messages) == warned
     if warned:
         assert len(messages) == 1 and "precision='bf16-mixed'" in messages[0]
+        state = kwargs["strategy"].options.cpu_state
+        assert f"with {state} master weights on the CPU" in messages[0]
 
 
 def as_written_by_0_1_0(checkpoint: dict) -> dict:
