@@ -46,7 +46,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero_offload import ZeroOffloadStrategy, kernels
-from lightning_zero_offload.engine.schedules import SpeculativeSchedule
 
 ROOT = Path(__file__).resolve().parent.parent
 # The global gradient norm of every step; CLIP_QUIET leaves it alone, CLIP_EVERY_STEP clips every step.
@@ -60,13 +59,13 @@ class Config:
     name: str
     schedule: str  # "sync" | "speculative" | "delayed"
     clip: float
-    publish_during_backward: bool = True  # speculative: False publishes only after validation (as before)
+    rollback: str = "auto"  # speculative: "auto" (the snapshot), or "undo" (the default before, inexact)
 
 
 CONFIGS = [
     Config("sync", "sync", CLIP_QUIET),
     Config("speculative", "speculative", CLIP_QUIET),
-    Config("speculative, publish after backward", "speculative", CLIP_QUIET, publish_during_backward=False),
+    Config("speculative, undo rollback", "speculative", CLIP_QUIET, rollback="undo"),
     Config("delayed", "delayed", CLIP_QUIET),
     Config("sync, clip every step", "sync", CLIP_EVERY_STEP),
     Config("speculative, clip every step", "speculative", CLIP_EVERY_STEP),
@@ -188,11 +187,10 @@ def run(config: Config, model_args: dict[str, Any], device_s: tuple[float, float
     clock = _StepClock()
     options = schedule_options(config.schedule)
     if config.schedule == "speculative":
-        options["speculation_rollback"] = args.speculation_rollback
+        options["speculation_rollback"] = config.rollback
     strategy = ZeroOffloadStrategy(
         bucket_size_mb=args.bucket_mb, cpu_threads=args.cpu_threads, metrics=False, **options
     )
-    default_publish = SpeculativeSchedule.publish_during_backward
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -211,11 +209,7 @@ def run(config: Config, model_args: dict[str, Any], device_s: tuple[float, float
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         warnings.filterwarnings("ignore", ".*LeafSpec.*")
-        SpeculativeSchedule.publish_during_backward = config.publish_during_backward  # read per backward
-        try:
-            trainer.fit(model, data)
-        finally:
-            SpeculativeSchedule.publish_during_backward = default_publish
+        trainer.fit(model, data)
     del trainer, model
     gc.collect()  # the next fit allocates its own optimizer state: free this one first
     return clock
@@ -265,13 +259,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured steps at the start of each fit")
     parser.add_argument("--bucket-mb", type=float, default=8.0)
     parser.add_argument("--cpu-threads", type=int, default=None, help="CPU Adam threads (default: usable cores)")
-    parser.add_argument("--speculation-rollback", choices=["undo", "snapshot"], default="undo")
+    parser.add_argument("--configs", nargs="+", help="run only these configurations (by name; sync always runs)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sim_device.json"))
     parser.add_argument("--figure", default=str(ROOT / "docs" / "figures" / "sim_device.png"))
     args = parser.parse_args()
     args.cpu_threads = args.cpu_threads or len(os.sched_getaffinity(0))
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # one fit per measurement: no banners
     quick = args.quick
+    configs = [c for c in CONFIGS if args.configs is None or c.name in args.configs or c.name == "sync"]
     ratios = args.ratios or ([1.0] if quick else [4.0, 2.0, 1.0, 0.5])
     rounds = args.rounds or (2 if quick else 3)
     steps = args.steps or (4 if quick else 12)
@@ -293,9 +288,9 @@ def main() -> None:
     for ratio in ratios:
         backward_s = ratio * cpu_ms / 1e3 / args.blocks
         device_s = (args.forward_ratio * backward_s, backward_s)
-        clocks: dict[str, list[_StepClock]] = {c.name: [] for c in CONFIGS}
+        clocks: dict[str, list[_StepClock]] = {c.name: [] for c in configs}
         for _ in range(rounds):  # alternate the configurations, round after round
-            for config in CONFIGS:
+            for config in configs:
                 clocks[config.name].append(run(config, model_args, device_s, warmup + steps + 1, args))
         device_ms = 1e3 * args.blocks * sum(device_s)
         results = {name: summarize(c, warmup, device_ms) for name, c in clocks.items()}
@@ -328,7 +323,6 @@ def main() -> None:
         "params": params,
         "blocks": args.blocks,
         "bucket_size_mb": args.bucket_mb,
-        "speculation_rollback": args.speculation_rollback,
         "buckets": math.ceil(params * 2 / (args.bucket_mb * 2**20)),  # about: a parameter is never split
         "grad_norm": GRAD_NORM,
         "clip": {"quiet": CLIP_QUIET, "every_step": CLIP_EVERY_STEP},
@@ -370,9 +364,9 @@ TARGETS = [  # (label, schedule, compared with, the least ratio of step times th
     ("speculative vs sync", "speculative", "sync", 1.3),
     ("speculative vs delayed", "speculative", "delayed", 0.97),
     ("speculative vs sync, clip every step", "speculative, clip every step", "sync, clip every step", 0.97),
-    # the behaviour before (publishing after validation), against the same targets
-    ("publish after backward: vs sync", "speculative, publish after backward", "sync", 1.3),
-    ("publish after backward: vs delayed", "speculative, publish after backward", "delayed", 0.97),
+    # the exact rollback's cost: the default (snapshot) against the undo, the default before
+    ("snapshot rollback vs undo rollback", "speculative", "speculative, undo rollback", 0.97),
+    ("undo rollback vs sync", "speculative, undo rollback", "sync", 1.3),
 ]
 
 

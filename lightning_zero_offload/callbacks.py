@@ -122,6 +122,14 @@ class OffloadMetrics(L.Callback):
             rank_zero_info(format_summary(engine, self._totals, self._count))
 
 
+# Why the speculative schedule ran as sync at the end of fit (engine/schedules/speculative.py).
+_SNAPSHOT_DOES_NOT_FIT = (
+    "; speculation off at the end: copying the state's snapshot takes longer than forward and backward, so "
+    "speculating would cost more than it hides (speculation_rollback='undo' needs no snapshot, but is inexact "
+    "after a clipped spike)"
+)
+
+
 def format_summary(engine: OffloadEngine, totals: dict[str, float], steps: int) -> str:
     report = engine.memory_report()
     n = max(1, report["params"])
@@ -162,5 +170,6 @@ def format_summary(engine: OffloadEngine, totals: dict[str, float], steps: int) 
         lines.append(
             f"  CPU step schedule: {engine.schedule.name}; {100 * totals['speculated_fraction'] / steps:.0f}% of the "
             f"parameters updated during backward on average, {engine.schedule.rollbacks} rollback(s)"
+            + ("" if getattr(engine.schedule, "snapshot_fits", True) else _SNAPSHOT_DOES_NOT_FIT)
         )
     return "\n".join(lines)

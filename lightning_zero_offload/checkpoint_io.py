@@ -18,17 +18,16 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.pytorch.plugins.io import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_zero_offload.core import OffloadSession
 from lightning_zero_offload.engine.checkpoint import (
-    CheckpointError,
     atomic_save,
     is_sharded_checkpoint,
     load_checkpoint_file,
     load_sharded,
 )
-from lightning_zero_offload.engine.checkpoint_files import Location
 from lightning_zero_offload.engine.checkpoint_writer import StreamedStorages
 
 
@@ -55,12 +54,7 @@ def save_full_checkpoint(
     if storage_options is not None or not _is_default(checkpoint_io):
         checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         return
-    if Location.of(filepath).is_dir():
-        raise CheckpointError(
-            f"{filepath} is a sharded checkpoint directory; a single-file checkpoint cannot replace it in place. "
-            "Delete it or save under another name"
-        )
-    atomic_save(checkpoint, filepath, streamed)
+    atomic_save(checkpoint, filepath, streamed)  # refuses a directory at filepath, saying what it is
 
 
 def warn_if_custom_io_sharded(checkpoint_io: CheckpointIO) -> None:
@@ -80,6 +74,22 @@ def load_checkpoint_with(checkpoint_io: CheckpointIO, path: Any, weights_only: b
     if "weights_only" in inspect.signature(checkpoint_io.load_checkpoint).parameters:  # Lightning >= 2.6
         return checkpoint_io.load_checkpoint(path, weights_only=weights_only)
     return checkpoint_io.load_checkpoint(path)
+
+
+def _weights_only_resume_message(path: Any) -> str:
+    """Why ``fit(ckpt_path=path)`` cannot resume from a weights-only checkpoint, and the ways on.
+
+    A ``KeyError``'s message, as Lightning raises for it (which names neither the strategy nor a fix).
+    """
+    return (
+        f"zero_offload cannot resume trainer.fit(ckpt_path={str(path)!r}): the checkpoint holds only the model "
+        "weights, no optimizer state. This is probably due to `ModelCheckpoint.save_weights_only` being set to "
+        "`True` (or trainer.save_checkpoint(..., weights_only=True)). To resume training, save with "
+        "save_weights_only=False. To start a new fit from these weights, load them into the model with "
+        "model.load_state_dict(lightning_zero_offload.convert_checkpoint_to_fp32_state_dict(path)) (either "
+        "checkpoint_format) and call trainer.fit without ckpt_path; validate/test/predict(ckpt_path=...) load them as "
+        "they are"
+    )
 
 
 class _RemembersWeightsOnly:
@@ -165,7 +175,14 @@ class TrainerCheckpoints(Strategy):
         """Either format, on any filesystem; ``weights_only`` as passed to ``fit`` (Lightning 2.4+ alike)."""
         if weights_only is None:
             weights_only = getattr(self, "_weights_only", None)
-        return load_checkpoint_with(self.checkpoint_io, checkpoint_path, weights_only)
+        checkpoint = load_checkpoint_with(self.checkpoint_io, checkpoint_path, weights_only)
+        if "optimizer_states" not in checkpoint and self._fitting():
+            raise KeyError(_weights_only_resume_message(checkpoint_path))
+        return checkpoint
+
+    def _fitting(self) -> bool:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:

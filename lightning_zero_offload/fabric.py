@@ -1,9 +1,12 @@
 """``L.Fabric(strategy="zero_offload")``: the offload engine behind Lightning Fabric's own loop API.
 
 Fabric glue only: Fabric's hooks as calls on an :class:`~lightning_zero_offload.core.OffloadSession`, the
-core the Trainer strategy shares. ``fabric.setup(model, optimizer)`` starts it and hands back an
-:class:`~lightning_zero_offload.core.OffloadedOptimizer`, whose ``step()`` runs on the CPU. Processes and
-ranks: :mod:`lightning_zero_offload.fabric_ranks`. Checkpoints have the Trainer strategy's two formats.
+core the Trainer strategy shares. ``fabric.setup(model, optimizer)`` starts it, or the two-call form
+``fabric.setup_module(model)`` then ``fabric.setup_optimizers(optimizer)`` (at the second call, once both are
+known), and hands back an :class:`~lightning_zero_offload.core.OffloadedOptimizer`, whose ``step()`` runs on
+the CPU. Methods that take a module take the ``_FabricModule`` that Fabric returned as well as the module
+itself. Processes and ranks: :mod:`lightning_zero_offload.fabric_ranks`. Checkpoints have the Trainer
+strategy's two formats.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Literal
+from weakref import WeakKeyDictionary
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -19,9 +23,11 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
+from lightning.fabric.wrappers import _unwrap_objects
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_zero_offload.core import (
@@ -80,6 +86,9 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
             start_method=start_method,
         )
         self.session: OffloadSession | None = None
+        # Modules from setup_module, until setup_optimizer starts the engine with one; weak, as evaluation-only
+        # modules may never get an optimizer. Each with its forward pre-hook that moves it for evaluation.
+        self._awaiting_optimizer: WeakKeyDictionary[Module, RemovableHandle] = WeakKeyDictionary()
 
     # Fabric assigns a generic plugin built from `precision=`; the offload forward and backward need this one.
     precision = coerced_precision(ZeroOffloadFabricPrecision, "_precision")  # type: ignore[assignment]
@@ -101,23 +110,79 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
     ) -> tuple[Module, list[Optimizer], Any | None]:
         if self.session is not None:
             raise RuntimeError("zero_offload sets up one model and optimizer per Fabric; create a new Fabric")
+        return module, [self._start_session(module, optimizers)], scheduler  # type: ignore[list-item]
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """``fabric.setup_module(model)`` or ``fabric.setup(model)``: no optimizer yet. Its trainable weights stay
+        on the host (``module_to_device`` moved the rest) for ``fabric.setup_optimizers`` to start the engine
+        with; a forward before that, evaluation, first moves them to the device as they are."""
+        if self.session is not None:  # beside the model being trained: evaluation only
+            module.to(self.root_device)
+            return module
+        if module not in self._awaiting_optimizer:
+
+            def move_for_evaluation(module: Module, args: Any) -> None:
+                module.to(self.root_device)
+                if (hook := self._awaiting_optimizer.get(module)) is not None:  # None: a deep copy of the module
+                    hook.remove()  # the module stays awaiting: setup_optimizers may still follow
+
+            # A closure, not a bound method: copy.deepcopy(model) would otherwise copy the strategy too.
+            self._awaiting_optimizer[module] = module.register_forward_pre_hook(move_for_evaluation)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """``fabric.setup_optimizers(optimizer)`` after ``fabric.setup_module(model)``: starts the engine as
+        ``fabric.setup(model, optimizer)`` does, with the set-up module whose parameters the optimizer holds."""
+        if self.session is not None:
+            raise RuntimeError(
+                "zero_offload trains one optimizer per Fabric, and one is set up already (fabric.setup or "
+                "fabric.setup_optimizers). Put all parameters in param groups of one optimizer and set it up once: "
+                "optimizer = fabric.setup_optimizers(optimizer)"
+            )
+        return self._start_session(self._module_trained_by(optimizer), [optimizer])  # type: ignore[return-value]
+
+    def _module_trained_by(self, optimizer: Optimizer) -> Module:
+        """The module from setup_module that holds every parameter of ``optimizer``."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        modules = [m for m in self._awaiting_optimizer if held <= {id(p) for p in m.parameters()}]
+        if not modules:
+            raise RuntimeError(
+                "zero_offload starts the engine with the model and its optimizer together, but no model set up "
+                "with fabric.setup_module holds the parameters of the optimizer given to fabric.setup_optimizers "
+                "(it came first, or holds another model's parameters). Call model = fabric.setup_module(model) "
+                "first, build the optimizer from model.parameters(), then optimizer = fabric.setup_optimizers("
+                "optimizer); or model, optimizer = fabric.setup(model, optimizer)"
+            )
+        if len(modules) > 1:
+            raise ValueError(
+                f"zero_offload trains one model, and the parameters of the optimizer given to "
+                f"fabric.setup_optimizers are in each of {len(modules)} models set up with fabric.setup_module "
+                "(one inside another?). Say which: model, optimizer = fabric.setup(model, optimizer)"
+            )
+        return modules[0]
+
+    def _start_session(self, module: Module, optimizers: list[Optimizer]) -> OffloadedOptimizer:
         self.precision.device_type = self.root_device.type
         world = self.num_nodes * self.num_processes
         self.session = OffloadSession.start(
             module, optimizers, self.root_device, self.precision.precision, self.options, world, self.num_processes
         )
         self.precision.session = self.session
+        if (evaluation_hook := self._awaiting_optimizer.pop(module, None)) is not None:
+            evaluation_hook.remove()
         module.to(self.root_device)  # what the engine does not own (frozen parameters, buffers)
-        return module, [OffloadedOptimizer(self.session)], scheduler  # type: ignore[list-item]
+        return OffloadedOptimizer(self.session)
 
     # -- training --------------------------------------------------------------------------------
 
     @override
     def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
-        engine = self._training_session().engine
-        engine.begin_backward()
+        session = self._training_session()
+        session.begin_backward()
         self.precision.backward(tensor, module, *args, **kwargs)
-        engine.finish_backward()
+        session.finish_backward()
 
     @override
     def clip_gradients_norm(
@@ -141,17 +206,25 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         self._training_session().clip_value(clip_val)
 
     def _training_session(self) -> OffloadSession:
-        if self.session is None or not self.session.training:
-            raise RuntimeError("zero_offload trains after fabric.setup(model, optimizer): no optimizer was set up")
+        if self.session is None:
+            raise RuntimeError(
+                "zero_offload trains once an optimizer is set up, and none was: call "
+                "fabric.setup_optimizers(optimizer) after setup_module, or fabric.setup(model, optimizer)"
+            )
+        if not self.session.training:
+            raise RuntimeError("zero_offload's engine is closed (teardown): training with this Fabric has ended")
         return self.session
 
     # -- checkpoints -----------------------------------------------------------------------------
 
     def _owns(self, obj: Any) -> bool:
-        return self.session is not None and obj is self.session.module
+        """``obj`` is the trained module, or the ``_FabricModule`` (possibly compiled) that Fabric returned for it."""
+        return self.session is not None and _unwrap_objects(obj) is self.session.module
 
     def master_state_dict(self, module: Module) -> dict[str, Any]:
-        """``module.state_dict()`` with the fp32 master weights for the device copies (several ranks: call on all)."""
+        """``module.state_dict()`` with the fp32 master weights for the device copies (several ranks: call on all).
+
+        ``module``: the model as ``fabric.setup`` returned it, or the module itself (``model.module``)."""
         return self.session.master_state_dict() if self._owns(module) else module.state_dict()
 
     @override

@@ -38,6 +38,7 @@ class ZeroOffloadPrecision(Precision):
         self.device_type = "cpu"  # set by the strategy once the device is known
         self.session: OffloadSession | None = None
         self._pending_state: dict[str, Any] | None = None  # engine state loaded before the engine existed
+        self._window_ends = False  # the backward running now is the last of an accumulation window
         self._told_hook = False  # the note that a hook keeps the speculated steps off the device during backward
 
     def forward_context(self) -> AbstractContextManager:
@@ -53,6 +54,27 @@ class ZeroOffloadPrecision(Precision):
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
         tensor = super().pre_backward(tensor, module)
         return self.session.engine.scale_loss(tensor) if self.session is not None else tensor
+
+    @override
+    def post_backward(self, tensor: Tensor, module: Any) -> Tensor:
+        """Lightning runs ``on_after_backward`` here: ``p.grad`` shows the window's gradients so far where a
+        hook may read them (one rank, or the end of the window: at several ranks a micro-batch inside the
+        window has no local gradient to show, its gradient having left reduced across ranks)."""
+        session = self.session
+        if session is None or not session.training:
+            return super().post_backward(tensor, module)
+        session.finish_backward()  # the strategy's post_backward, after these hooks, repeats it (a no-op)
+        world = session.engine.layout.world_size
+        automatic = getattr(module, "automatic_optimization", True)
+        show = _hook_reading_gradients(module, _AFTER_BACKWARD_HOOKS) is not None and (
+            world == 1 or self._window_ends or not automatic
+        )
+        shown = show and session.show_gradients()
+        try:
+            return super().post_backward(tensor, module)
+        finally:
+            if shown:
+                session.hide_gradients()
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -80,9 +102,20 @@ class ZeroOffloadPrecision(Precision):
                 "False` on its class."
             )
         engine.expect_step(publish_early=hook is None)
-        closure_result = closure()
-        # Like AMP: training_step returned None in automatic optimization means "skip this step".
-        skip = closure_result is None and getattr(model, "automatic_optimization", True)
+        self._window_ends = True
+        try:
+            closure_result = closure()
+        finally:
+            self._window_ends = False
+        # training_step returned None in automatic optimization: torch's step runs on the gradients the
+        # window has; only AMP's loss scaler (fp16) skips the step then, having no gradient to unscale.
+        skip = (
+            closure_result is None
+            and getattr(model, "automatic_optimization", True)
+            and self.param_dtype == torch.float16
+        )
+        if not skip and _hook_reading_gradients(model, _BEFORE_STEP_HOOKS) is not None:
+            session.show_gradients()  # taken back by the step
         # on_before_optimizer_step hooks, then clip_gradients (manual optimization has recorded its clip already)
         self._after_closure(model, optimizer)
         if skip:
@@ -168,20 +201,40 @@ _MODULE_HOOKS_BEFORE_STEP = ("backward", "on_after_backward", "on_before_optimiz
 _CALLBACK_HOOKS_BEFORE_STEP = ("on_after_backward", "on_before_optimizer_step")
 
 
+# The hooks in which a user's code may read p.grad, as under torch (a class that sets ``reads_gradients =
+# False`` is trusted not to, and saves the copies that showing them takes).
+_AFTER_BACKWARD_HOOKS = (("on_after_backward",), ("on_after_backward",))
+_BEFORE_STEP_HOOKS = (("on_before_optimizer_step", "configure_gradient_clipping"), ("on_before_optimizer_step",))
+
+
+def _hook_reading_gradients(model: Any, hooks: tuple[tuple[str, ...], tuple[str, ...]]) -> str | None:
+    """The first of ``hooks`` (the module's, the callbacks') that the user overrides, or None."""
+    if not isinstance(model, L.LightningModule):
+        return None
+    module_hooks, callback_hooks = hooks
+    return _first_overridden(model, module_hooks, callback_hooks, "reads_gradients")
+
+
+def _first_overridden(
+    model: L.LightningModule, module_hooks: tuple[str, ...], callback_hooks: tuple[str, ...], trust: str
+) -> str | None:
+    owners: list[tuple[Any, type, tuple[str, ...]]] = [(model, L.LightningModule, module_hooks)]
+    for callback in model.trainer.callbacks:
+        parent = OffloadMetrics if isinstance(callback, OffloadMetrics) else L.Callback  # ours reads neither
+        owners.append((callback, parent, callback_hooks))
+    for owner, parent, names in owners:
+        if getattr(owner, trust, True) is False:
+            continue
+        for hook in names:
+            if is_overridden(hook, owner, parent):
+                return f"{type(owner).__name__}.{hook}"
+    return None
+
+
 def _hook_before_step(model: Any) -> str | None:
     """The first user hook that runs between backward and the step, where it may read or write the
     parameters, which must then hold their values from before the step (as under any optimizer) until
     it runs; None if there is none. A class that sets ``reads_weights_before_step = False`` is trusted."""
     if not isinstance(model, L.LightningModule):
         return f"{type(model).__name__} (not a LightningModule: its hooks cannot be told)"
-    owners: list[tuple[Any, type, tuple[str, ...]]] = [(model, L.LightningModule, _MODULE_HOOKS_BEFORE_STEP)]
-    for callback in model.trainer.callbacks:
-        parent = OffloadMetrics if isinstance(callback, OffloadMetrics) else L.Callback  # ours reads no weights
-        owners.append((callback, parent, _CALLBACK_HOOKS_BEFORE_STEP))
-    for owner, parent, hooks in owners:
-        if getattr(owner, "reads_weights_before_step", True) is False:
-            continue
-        for hook in hooks:
-            if is_overridden(hook, owner, parent):
-                return f"{type(owner).__name__}.{hook}"
-    return None
+    return _first_overridden(model, _MODULE_HOOKS_BEFORE_STEP, _CALLBACK_HOOKS_BEFORE_STEP, "reads_weights_before_step")

@@ -15,6 +15,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
@@ -26,6 +27,7 @@ from lightning_zero_offload.checkpoint_io import TrainerCheckpoints
 from lightning_zero_offload.core import (
     OPTION_NAMES,
     OPTIONS_DOC,
+    OffloadedOptimizer,
     OffloadSession,
     SessionStrategy,
     coerced_precision,
@@ -111,6 +113,11 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
             if self._layer_sync:
                 raise ValueError("zero_offload does not support sync_batchnorm=True")
             self.setup_optimizers(trainer)
+            if any(isinstance(optimizer, _MockOptimizer) for optimizer in self.optimizers):
+                raise ValueError(
+                    "zero_offload trains with the optimizer that configure_optimizers returns, and it returned None. "
+                    "Return a torch.optim.AdamW/Adam (or lightning_zero_offload.CPUAdam) over self.parameters()."
+                )
             precision, world = self.precision_plugin.precision, self.num_nodes * self.num_processes
             try:
                 self.session = OffloadSession.start(
@@ -120,6 +127,8 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
                 self._preflight_error = error  # teardown must not replace it (see teardown)
                 raise
             self.precision_plugin.attach(self.session)
+            # The optimizer Lightning and users hold from now on: its step, zero_grad and state are the engine's.
+            self.optimizers = [OffloadedOptimizer(self.session)]
             if self.metrics and not any(isinstance(c, OffloadMetrics) for c in trainer.callbacks):
                 trainer.callbacks.append(OffloadMetrics())
         self.model_to_device()
@@ -133,13 +142,13 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        if self.engine is not None:
-            self.engine.begin_backward()
+        if self.session is not None and self.session.training:
+            self.session.begin_backward()
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self.engine is not None:
-            self.engine.finish_backward()
+        if self.session is not None and self.session.training:
+            self.session.finish_backward()
 
     def _sync_engine(self) -> None:
         if self.session is not None and self.session.training:
@@ -157,6 +166,9 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
             # Hand the module back holding the trained fp32 master weights; the CPU optimizer state stays
             # with the closed engine so `trainer.save_checkpoint` after fit still saves it.
             self.session.close()
+        # Lightning's teardown moves optimizer state to the CPU through optimizer.state; the engine's is there
+        # already (and at several ranks optimizer.state refuses: the moments are sharded).
+        optimizers, self._optimizers = self._optimizers, []
         try:
             super().teardown()
         except Exception:
@@ -165,3 +177,5 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
             if self._preflight_error is None:
                 raise
             raise self._preflight_error from None
+        finally:
+            self._optimizers = optimizers

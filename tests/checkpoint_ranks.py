@@ -36,9 +36,10 @@ def train(session: OffloadSession, rank: int, steps: range) -> None:
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(4, WIDTH, generator=g)
         session.before_training_forward()
-        session.engine.begin_backward()
+        session.zero_grad()
+        session.begin_backward()
         session.engine.scale_loss(session.module(x).pow(2).mean()).backward()
-        session.engine.finish_backward()
+        session.finish_backward()
         session.step()
 
 

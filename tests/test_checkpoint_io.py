@@ -1,18 +1,22 @@
 """Where the strategy's checkpoints go and how they load: fsspec paths, a user's CheckpointIO,
-``fit(weights_only=False)``, and Lightning versions whose loaders take no ``weights_only``."""
+``fit(weights_only=False)``, Lightning versions whose loaders take no ``weights_only``, weights-only
+checkpoints, and paths that are directories of another kind (both front ends)."""
 
 import inspect
 import pathlib
+import re
 
 import fsspec
 import lightning as L
 import pytest
 import torch
+from engine_helpers import batches, loss_fn, make_net
 from helpers import QUIET, Classifier, loader
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from lightning_zero_offload import ZeroOffloadStrategy
-from lightning_zero_offload.engine.checkpoint import CheckpointError
+from lightning_zero_offload import ZeroOffloadFabricStrategy, ZeroOffloadStrategy, convert_checkpoint_to_fp32_state_dict
+from lightning_zero_offload.engine.checkpoint import META_FILE, CheckpointError, current_version, shard_file
 
 
 def run(fmt, epochs, ckpt_path=None, model=None, checkpoint_io=None, fit_kwargs=None, **kwargs):
@@ -128,3 +132,167 @@ def test_a_sharded_checkpoint_fails_torch_load_as_the_docs_say_and_the_export_th
     fresh = Classifier()
     fresh.load_state_dict(torch.load(tmp_path / "fp32.pt", weights_only=True))
     assert_same_params(model, fresh)
+
+
+# -- weights-only checkpoints (ModelCheckpoint(save_weights_only=True)) ------------------------------------
+
+
+# Lightning's own use of torch's deprecated pytree API warns in every Trainer run.
+LIGHTNING_PYTREE = pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated")
+
+
+def validated_run(fmt, epochs, **kwargs):
+    """run() with a validation loader, which Lightning warns about lacking (Classifier has a validation_step)."""
+    return run(fmt, epochs, fit_kwargs={"val_dataloaders": loader(n=16)}, **kwargs)
+
+
+def fabric_setup(fmt: str):
+    f = L.Fabric(accelerator="cpu", devices=1, strategy=ZeroOffloadFabricStrategy(checkpoint_format=fmt))
+    f.launch()
+    net = make_net()
+    return f, f.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+
+
+def evaluated_under_auto(path) -> tuple[list[dict], list[torch.Tensor]]:
+    """The reference: validate and predict under strategy="auto" with the weights the checkpoint holds."""
+    model = Classifier(seed=1)
+    model.load_state_dict(convert_checkpoint_to_fp32_state_dict(path))
+    trainer = L.Trainer(**QUIET)
+    return trainer.validate(model, loader(n=16), verbose=False), trainer.predict(model, loader(n=16))
+
+
+@LIGHTNING_PYTREE
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_weights_only_checkpoint_evaluates_and_refuses_to_resume_as_under_auto(tmp_path, fmt):
+    """validate/test/predict(ckpt_path="best"/"last") load the weights; fit(ckpt_path=...) says why it cannot
+    resume (Lightning's KeyError under auto, with the fix); the shards hold no moments."""
+    # Every epoch saved, the best being the highest loss: the first epoch's, not the last; so evaluating "best"
+    # shows that the weights were loaded.
+    checkpoints = ModelCheckpoint(
+        tmp_path, save_weights_only=True, save_last=True, monitor="val_loss", mode="max", save_top_k=-1
+    )
+    trainer = L.Trainer(
+        strategy=ZeroOffloadStrategy(checkpoint_format=fmt),
+        max_epochs=3,
+        callbacks=[checkpoints],
+        **{**QUIET, "enable_checkpointing": True},
+    )
+    trainer.fit(Classifier(), loader(n=32), loader(n=16))
+    best, last = checkpoints.best_model_path, checkpoints.last_model_path
+    best_validated, _ = evaluated_under_auto(best)
+    last_validated, last_predicted = evaluated_under_auto(last)
+    assert best_validated != last_validated
+    # The same weights and the same fp32 CPU forward as the reference: equal, not just close.
+    assert trainer.validate(dataloaders=loader(n=16), ckpt_path="best", verbose=False) == best_validated
+    tested = trainer.test(dataloaders=loader(n=16), ckpt_path="last", verbose=False)
+    assert tested[0]["test_loss"] == last_validated[0]["val_loss"]
+    for ours, reference in zip(trainer.predict(dataloaders=loader(n=16), ckpt_path="last"), last_predicted):
+        assert torch.equal(ours, reference)
+    fresh = Classifier(seed=1)  # another trainer and model: the weights come from the checkpoint
+    L.Trainer(strategy=ZeroOffloadStrategy(checkpoint_format=fmt), **QUIET).validate(
+        fresh, loader(n=16), ckpt_path=best
+    )
+    for name, weight in convert_checkpoint_to_fp32_state_dict(best).items():
+        assert torch.equal(fresh.state_dict()[name], weight), name
+
+    with pytest.raises(
+        KeyError, match=r"zero_offload cannot resume trainer.fit\(ckpt_path=.*save_weights_only.*load_state_dict"
+    ):
+        validated_run(fmt, 4, ckpt_path=last)
+    if fmt == "full":  # Lightning's own error under auto, for the same file
+        with pytest.raises(KeyError, match="save_weights_only"):
+            L.Trainer(max_epochs=4, **QUIET).fit(Classifier(), loader(n=32), loader(n=16), ckpt_path=last)
+    else:  # the moments are not written: a third of the bytes of a full sharded save
+        shard = torch.load(pathlib.Path(current_version(last).path) / shard_file(0), weights_only=True)
+        assert sorted(shard) == ["master", "rank", "save_id"]
+
+
+def test_a_fabric_save_of_the_model_alone_writes_no_moments_and_loads_as_plain_fabric(tmp_path):
+    f, (model, optimizer) = fabric_setup("sharded")
+    f.backward(loss_fn(model, batches(1)[0]))
+    optimizer.step()
+    f.save(tmp_path / "model.ckpt", {"model": model})
+    shard = torch.load(pathlib.Path(current_version(tmp_path / "model.ckpt").path) / shard_file(0), weights_only=True)
+    assert sorted(shard) == ["master", "rank", "save_id"]
+    fresh = make_net(seed=1)
+    f.load(tmp_path / "model.ckpt", {"model": fresh})
+    for (name, loaded), trained in zip(fresh.named_parameters(), model.parameters()):
+        assert torch.equal(loaded, trained), name
+    # Asking for an optimizer the checkpoint does not hold: plain Fabric's error, not a KeyError of ours.
+    with pytest.raises(KeyError, match="'optimizer' that does not exist in the loaded checkpoint"):
+        f.load(tmp_path / "model.ckpt", {"model": model, "optimizer": optimizer})
+
+
+# -- paths that are directories of another kind: the error says what the path is and what to do ------------
+
+
+@LIGHTNING_PYTREE
+def test_a_full_save_to_a_directory_says_what_the_directory_is(tmp_path):
+    """Under auto, Lightning moves its temporary file into an empty directory under a random name."""
+    _, trainer = validated_run("full", 1)
+    f, (model, optimizer) = fabric_setup("full")
+    empty, sharded = tmp_path / "empty", tmp_path / "sharded.ckpt"
+    empty.mkdir()
+    _, sharded_trainer = validated_run("sharded", 1)
+    sharded_trainer.save_checkpoint(sharded)
+    saved = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    messages = {
+        empty: rf"to {re.escape(str(empty))}: it is an existing empty directory, not a file path\. Give the "
+        rf"checkpoint a file name, such as {re.escape(str(empty / 'last.ckpt'))}, or remove the directory",
+        sharded: rf"to {re.escape(str(sharded))}: it is a sharded checkpoint directory, and a file cannot replace a "
+        r'directory in place. Save under another name, delete the directory first, or keep checkpoint_format="sharded"',
+    }
+    for path, message in messages.items():
+        message = rf"zero_offload cannot save a full-format checkpoint .* {message}"
+        with pytest.raises(CheckpointError, match=message):
+            trainer.save_checkpoint(path)
+        with pytest.raises(CheckpointError, match=message):
+            f.save(path, {"model": model, "optimizer": optimizer})
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == saved  # nothing written or removed
+
+
+@LIGHTNING_PYTREE
+def test_a_sharded_save_to_a_directory_of_other_files_is_refused_instead_of_deleting_them(tmp_path):
+    _, trainer = validated_run("sharded", 1)
+    f, (model, optimizer) = fabric_setup("sharded")
+    (tmp_path / "notes.txt").write_text("mine")
+    message = (
+        rf"zero_offload cannot save a sharded checkpoint .* to {re.escape(str(tmp_path))}: it is an existing "
+        r"directory that is not a checkpoint \(it holds notes.txt\), .* "
+        rf"such as {re.escape(str(tmp_path / 'last.ckpt'))}"
+    )
+    with pytest.raises(CheckpointError, match=message):
+        trainer.save_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match=message):
+        f.save(tmp_path, {"model": model, "optimizer": optimizer})
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@LIGHTNING_PYTREE
+def test_an_interrupted_sharded_save_is_named_as_such_on_load(tmp_path):
+    """A kill before meta.pt is renamed into place (the last step of a save) leaves its shards and no meta.pt."""
+    path = tmp_path / "last.ckpt"
+    _, trainer = validated_run("sharded", 1)
+    trainer.save_checkpoint(path)
+    version = current_version(path).name
+    (path / version / META_FILE).unlink()
+    message = (
+        rf"zero_offload cannot load {re.escape(str(path))}: it is a sharded checkpoint directory with no complete "
+        rf"version, only what an interrupted save left \({version}: no meta.pt, which a save writes last\)\. .* "
+        r"Resume from an earlier checkpoint of the run; the next save to this path deletes the incomplete version"
+    )
+    with pytest.raises(CheckpointError, match=message):
+        validated_run("sharded", 2, ckpt_path=path)
+    with pytest.raises(CheckpointError, match=message):
+        L.Trainer(strategy=ZeroOffloadStrategy(checkpoint_format="sharded"), **QUIET).validate(
+            Classifier(), loader(n=16), ckpt_path=path
+        )
+    f, (fabric_model, optimizer) = fabric_setup("sharded")
+    with pytest.raises(CheckpointError, match=message):
+        f.load(path, {"model": fabric_model, "optimizer": optimizer})
+    with pytest.raises(CheckpointError, match=message):
+        convert_checkpoint_to_fp32_state_dict(path)
+    trainer.save_checkpoint(path)  # as the message says
+    assert [p.name for p in path.iterdir()] == [current_version(path).name] != [version]
+    _, resumed = validated_run("sharded", 2, ckpt_path=path)
+    assert resumed.global_step == 8

@@ -16,6 +16,8 @@ import torch
 from engine_helpers import batches, loss_fn, make_net
 from ranks import launch
 from scenarios.fabric_train import train
+from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import lightning_zero_offload  # noqa: F401  (registers strategy="zero_offload" for Fabric)
 from lightning_zero_offload import (
@@ -23,6 +25,7 @@ from lightning_zero_offload import (
     ZeroOffloadFabricStrategy,
     convert_checkpoint_to_fp32_state_dict,
 )
+from lightning_zero_offload.engine.checkpoint import FABRIC_KEY
 
 SCENARIO = Path(__file__).parent / "scenarios" / "fabric_train.py"
 
@@ -195,6 +198,144 @@ def test_the_speculative_step_under_fabric_runs_when_the_step_is_announced():
     sync, _ = _fabric_loop("sync", announce=False)
     quiet, unannounced = _fabric_loop("speculative", announce=False)
     spec, announced = _fabric_loop("speculative", announce=True)
-    assert max(unannounced) == 0 and min(announced) > 0
+    # announced, it speculates (its chooser may time a few steps as sync where the snapshot came late)
+    assert max(unannounced) == 0 and announced[0] > 0 and sum(announced) >= len(announced) / 2
     for a, b, c in zip(sync, quiet, spec):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def _train_steps(f: L.Fabric, model, optimizer, steps: int, first_batch: int = 0) -> None:
+    for batch in batches(first_batch + steps)[first_batch:]:
+        f.backward(loss_fn(model, batch))
+        f.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _assert_state_dicts_equal(ours: dict, expected: dict) -> None:
+    assert ours.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert ours[key].dtype == tensor.dtype and torch.equal(ours[key], tensor), key
+
+
+def test_strategy_methods_take_the_model_fabric_returned(tmp_path):
+    """``fabric.setup`` returns a ``_FabricModule``: master_state_dict, get_module_state_dict,
+    load_module_state_dict and save/load_checkpoint treat it as the module it wraps."""
+    f = fabric(precision="bf16-mixed")
+    net = make_net(0)
+    model, optimizer = f.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    _train_steps(f, model, optimizer, 3)
+    masters = f.strategy.master_state_dict(model.module)
+    assert {v.dtype for v in masters.values()} == {torch.float32}
+    assert {v.dtype for v in model.state_dict().values()} == {torch.bfloat16}  # the device copies
+    _assert_state_dicts_equal(f.strategy.master_state_dict(model), masters)
+    _assert_state_dicts_equal(f.strategy.get_module_state_dict(model), masters)
+
+    def assert_restored() -> None:  # the masters, and the device copies made from them
+        _assert_state_dicts_equal(f.strategy.master_state_dict(model), masters)
+        _assert_state_dicts_equal(model.state_dict(), {k: v.bfloat16() for k, v in masters.items()})
+
+    state = {"model": model, "optimizer": optimizer}
+    through_fabric, through_strategy = tmp_path / "fabric.ckpt", tmp_path / "strategy.ckpt"
+    f.save(through_fabric, state)
+    f.strategy.save_checkpoint(through_strategy, state)
+    for path in (through_fabric, through_strategy):
+        saved = torch.load(path, weights_only=True)
+        assert saved[FABRIC_KEY] == {"model": "model", "optimizer": "optimizer"}
+        _assert_state_dicts_equal(saved["model"], masters)
+
+    _train_steps(f, model, optimizer, 1, first_batch=3)
+    f.load(through_fabric, state)
+    assert_restored()
+    _train_steps(f, model, optimizer, 1, first_batch=3)
+    f.strategy.load_checkpoint(through_strategy, state)
+    assert_restored()
+    _train_steps(f, model, optimizer, 1, first_batch=3)
+    f.strategy.load_module_state_dict(model, masters)
+    assert_restored()
+
+
+def _train_set_up(how: str, precision: str, **options) -> tuple[dict, set]:
+    """Three steps after ``fabric.setup(model, optimizer)`` (``how="setup"``) or the two-call form with the
+    optimizer built before or after ``setup_module``; the master weights and the device copies' dtypes."""
+    f = fabric(precision=precision, **options)
+    net = make_net(0)
+    if how == "setup":
+        model, optimizer = f.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01))
+    elif how == "optimizer before setup_module":
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
+        model = f.setup_module(net)
+        optimizer = f.setup_optimizers(optimizer)
+    else:
+        model = f.setup_module(net)
+        optimizer = f.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+    _train_steps(f, model, optimizer, 3)
+    return f.strategy.master_state_dict(model), {p.dtype for p in model.parameters()}
+
+
+@pytest.mark.parametrize(
+    ("precision", "options", "device_dtype"),
+    [("32-true", {"in_place_on_cpu": False}, torch.float32), ("bf16-mixed", {}, torch.bfloat16)],
+)
+@pytest.mark.parametrize("how", ["optimizer before setup_module", "optimizer after setup_module"])
+def test_setup_module_then_setup_optimizers_trains_as_setup(how, precision, options, device_dtype):
+    expected, expected_dtypes = _train_set_up("setup", precision, **options)
+    ours, dtypes = _train_set_up(how, precision, **options)
+    assert expected_dtypes == dtypes == {device_dtype}
+    assert not torch.equal(expected["0.weight"], make_net(0)[0].weight)  # it trained
+    _assert_state_dicts_equal(ours, expected)
+
+
+class _RecordsMoves(TorchFunctionMode):
+    """Records the ``Tensor.to`` calls given one of ``tensors`` (as ``module.to(device)`` makes for each
+    parameter; on the CPU they move nothing, on an accelerator they copy the weights in their dtype)."""
+
+    def __init__(self, tensors) -> None:
+        super().__init__()
+        self.watched = {id(t) for t in tensors}
+        self.moved: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.to and id(args[0]) in self.watched:
+            self.moved.append(id(args[0]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_setup_module_keeps_the_trainable_weights_on_the_host_until_an_optimizer_or_a_forward():
+    """Until setup_optimizers, the trainable fp32 weights do not move to the device (as with fabric.setup);
+    a forward before it is evaluation: the weights move once, as they are, and training still needs the optimizer."""
+    f = fabric(precision="bf16-mixed")
+    net = make_net(0)
+    with _RecordsMoves(net.parameters()) as spy:
+        model = f.setup_module(net)
+    assert spy.moved == []
+    with _RecordsMoves(net.parameters()) as spy:
+        loss = loss_fn(model, batches(1)[0])
+        loss_fn(model, batches(1)[0])
+    assert sorted(spy.moved) == sorted(id(p) for p in net.parameters())  # once each, at the first forward
+    with pytest.raises(RuntimeError, match=r"call fabric.setup_optimizers\(optimizer\) after setup_module"):
+        f.backward(loss)
+    optimizer = f.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))  # still possible
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    _train_steps(f, model, optimizer, 1)
+
+
+def test_two_call_setup_refuses_what_cannot_train():
+    f = fabric()
+    net = make_net(0)
+    with pytest.raises(RuntimeError, match=r"zero_offload .* Call model = fabric.setup_module\(model\) first"):
+        f.setup_optimizers(torch.optim.AdamW(net.parameters()))  # before setup_module
+    outer = nn.Sequential(net, nn.Linear(4, 4))
+    f.setup_module(net)
+    f.setup_module(outer)
+    with pytest.raises(ValueError, match=r"zero_offload .* model, optimizer = fabric.setup\(model, optimizer\)"):
+        f.setup_optimizers(torch.optim.AdamW(net.parameters()))  # which model? net and outer hold them all
+
+    g = fabric()
+    net = make_net(0)
+    model = g.setup_module(net)
+    first, second = torch.optim.AdamW(net[0].parameters()), torch.optim.AdamW(net[2].parameters())
+    with pytest.raises(RuntimeError, match=r"zero_offload trains one optimizer per Fabric.*param groups of one"):
+        g.setup_optimizers(first, second)
+    with pytest.raises(RuntimeError, match=r"zero_offload trains one optimizer per Fabric"):
+        g.setup_optimizers(torch.optim.AdamW(model.parameters()))

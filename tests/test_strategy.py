@@ -4,6 +4,7 @@ import copy
 import os
 import subprocess
 import sys
+from contextlib import nullcontext
 
 import lightning as L
 import pytest
@@ -14,6 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 import lightning_zero_offload  # noqa: F401  (registers "zero_offload")
 from lightning_zero_offload import ZeroOffloadPrecision, ZeroOffloadStrategy, kernels
+from lightning_zero_offload.demo.data import ResumableLoader
 from lightning_zero_offload.precision import ENGINE_STATE_KEY
 
 
@@ -324,6 +326,82 @@ def test_delayed_param_update_resumes_bitwise(tmp_path, prediction):
     )
     assert resumed.losses == full.losses[20:]
     assert all(torch.equal(p, q) for p, q in zip(full.parameters(), resumed.parameters()))
+
+
+def _resumable_loader(n: int = 160) -> ResumableLoader:
+    """loader()'s batches from a loader Lightning resumes mid-epoch (a plain one restarts the epoch)."""
+    return ResumableLoader(loader(n).dataset, batch_size=8)
+
+
+# Each: the precision, weight prediction, the checkpoint, Trainer arguments, the step it is written at.
+VALIDATION_CHECKPOINTS = {
+    # The last batch of an epoch (20 batches), then the epoch-end validation: the case filed.
+    "epoch-end-32-true": ("32-true", False, {"every_n_train_steps": 20}, {}, 20),
+    "epoch-end-bf16": ("bf16-mixed", False, {"every_n_train_steps": 20}, {}, 20),
+    # Written at the end of the validation, monitoring its metric.
+    "validation-end-predicted": (
+        "bf16-mixed",
+        True,
+        {"monitor": "val_loss", "save_on_train_epoch_end": False},
+        {},
+        20,
+    ),
+    # Mid-epoch, right before a validation that runs between the two micro-batches of step 6.
+    "accumulating-predicted": (
+        "bf16-mixed",
+        True,
+        {"every_n_train_steps": 5},
+        {"accumulate_grad_batches": 2, "val_check_interval": 11},
+        5,
+    ),
+}
+
+
+@pytest.mark.slow  # Trainer runs of several epochs
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*is deprecated")  # Lightning's own use of torch's pytree
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")  # the resumed run saves there
+@pytest.mark.parametrize("case", VALIDATION_CHECKPOINTS)
+def test_delayed_update_resumes_bitwise_from_checkpoints_next_to_validation(tmp_path, case):
+    """Validation inside fit sees the latest weights and changes nothing in training, so a run resumed from
+    a checkpoint written before, during or after a validation (which the resumed run does not repeat)
+    trains as the uninterrupted run and as a run without validation (issue 36: it used to differ)."""
+    precision, prediction, checkpoint, trainer_kwargs, saved_at = VALIDATION_CHECKPOINTS[case]
+    max_steps = 30
+
+    def run(steps, callbacks=(), ckpt_path=None, validate=True):
+        strategy = ZeroOffloadStrategy(
+            cpu_step="delayed", dpu_warmup_steps=2, dpu_weight_prediction=prediction, in_place_on_cpu=False
+        )
+        model = Classifier()
+        kwargs = {**QUIET, **trainer_kwargs, "enable_checkpointing": bool(callbacks), "max_steps": steps}
+        trainer = L.Trainer(
+            strategy=strategy,
+            precision=precision,
+            callbacks=list(callbacks),
+            limit_val_batches=1.0 if validate else 0,
+            num_sanity_val_steps=0,
+            default_root_dir=tmp_path,
+            **kwargs,
+        )
+        extra = {"ckpt_path": ckpt_path, **WEIGHTS_ONLY} if ckpt_path else {}
+        # The offload path in 32-true is what the issue ran; it warns that bf16-mixed would save device memory.
+        fp32 = pytest.warns(UserWarning, match="training in '32-true'") if precision == "32-true" else nullcontext()
+        with fp32:
+            trainer.fit(model, _resumable_loader(), loader(32, seed=2), **extra)
+        return model
+
+    def checkpoints():  # the resumed run gets the callback too (Lightning asks for it) and saves again
+        return [ModelCheckpoint(dirpath=tmp_path, filename="saved", **checkpoint)]
+
+    full = run(max_steps)
+    run(saved_at, checkpoints())
+    state = torch.load(tmp_path / "saved.ckpt", weights_only=True)
+    assert state["global_step"] == saved_at and "pending" in state[ENGINE_STATE_KEY]["schedule"]
+    resumed = run(max_steps, checkpoints(), ckpt_path=tmp_path / "saved.ckpt")
+    assert resumed.losses == full.losses[len(full.losses) - len(resumed.losses) :]
+    assert all(torch.equal(p, q) for p, q in zip(full.parameters(), resumed.parameters()))
+    without_validation = run(max_steps, validate=False)
+    assert all(torch.equal(p, q) for p, q in zip(full.parameters(), without_validation.parameters()))
 
 
 class _Sparse(Classifier):

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_zero_offload.core.gradients import GradientView
 from lightning_zero_offload.core.options import STRATEGY_DESCRIPTION, resolve_precision
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions, StepStats
 from lightning_zero_offload.engine.checkpoint import FORMAT_KEY, save_sharded, sharded_layout
@@ -59,6 +60,7 @@ class OffloadSession:
     def __init__(self, module: nn.Module, engine: OffloadEngine) -> None:
         self.module = module
         self.engine = engine
+        self.gradients = GradientView(engine)  # what p.grad says between backward and zero_grad
         self._clip: dict[str, float] = {}  # recorded between backward and the step, applied by step()
         # Refuses, now, an optimizer holding parameters of another module.
         self._param_keys = _state_dict_keys(module, engine.params)
@@ -123,6 +125,32 @@ class OffloadSession:
         if self.training:
             self.engine.before_training_forward()
 
+    def begin_backward(self) -> None:
+        """Before every backward: what user code did to ``p.grad`` goes to the engine, then backward adds
+        to the engine's gradients (not to ``p.grad``)."""
+        self.gradients.take_back()
+        self.gradients.clear()
+        self.engine.begin_backward()
+
+    def finish_backward(self) -> None:
+        """After every backward: the engine has the gradients; ``p.grad`` says which parameters have one."""
+        self.engine.finish_backward()
+        self.gradients.mark()
+
+    def show_gradients(self) -> bool:
+        """The real gradients in ``p.grad`` for user code that may read or change them before the step
+        (a collective at several ranks); False where they cannot be shown exactly: fp16, where unscaled
+        gradients would underflow in the parameters' dtype (``p.grad`` then refuses to be read)."""
+        if not self.training or self.engine.scaler is not None:
+            return False
+        self.gradients.show()
+        return True
+
+    def hide_gradients(self) -> None:
+        """After user code that saw the gradients: what it did goes to the engine, placeholders return."""
+        self.gradients.take_back()
+        self.gradients.mark()
+
     def clip_norm(self, max_norm: float) -> None:
         """Clip the global gradient norm in the coming step (on the CPU, fused into it)."""
         self._clip["clip_norm"] = float(max_norm)
@@ -137,6 +165,7 @@ class OffloadSession:
         ``error_if_nonfinite``: raise on inf/nan, as ``torch.nn.utils.clip_grad_norm_`` does, except under
         fp16 loss scaling, where an overflow is routine (the step is skipped and the scale lowered).
         """
+        self.gradients.take_back()
         norm = self.engine.grad_norm()
         if error_if_nonfinite and math.isinf(norm) and self.engine.scaler is None:
             raise RuntimeError(
@@ -146,21 +175,29 @@ class OffloadSession:
         return norm
 
     def step(self) -> StepStats:
-        """The optimizer step on the CPU with the clip recorded since the last step."""
+        """The optimizer step on the CPU with the clip recorded since the last step. As torch's, it keeps
+        the gradients (clipped) until :meth:`zero_grad`."""
         clip, self._clip = self._clip, {}
-        return self.engine.step(**clip)
+        self.gradients.take_back()
+        stats = self.engine.step(**clip, keep_grads=True)
+        self.gradients.mark()
+        return stats
 
     def skip_step(self) -> None:
-        """No step for this backward (a training step that returned None): its clip is dropped too."""
+        """No step for this backward (fp16's rule for a training step that returned None): its clip is
+        dropped too; the gradients stay until ``zero_grad``, as under AMP."""
         self._clip = {}
         self.engine.expect_step(False)
-        self.engine.finish_backward()
+        self.finish_backward()
 
-    def zero_grad(self) -> None:
-        """Drop the gradients accumulated since the last step, and the clip recorded for them."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad()``: drop the gradients (``set_to_none=False``: make them zero, so their
+        parameters are still stepped), and the clip recorded for them."""
         self._clip = {}
         if self.training:
-            self.engine.zero_grad()
+            self.gradients.clear()
+            self.engine.zero_grad(set_to_none)
+            self.gradients.mark()
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -256,7 +293,10 @@ class OffloadSession:
         self.engine.load_master_params([state_dict[k] if k in state_dict else current[i] for i, k in enumerate(keys)])
 
     def close(self) -> None:
-        """Hand the module back holding the trained fp32 master weights (the optimizer state is kept)."""
+        """Hand the module back holding the trained fp32 master weights (the optimizer state is kept) and
+        no gradients."""
+        if self.training:
+            self.gradients.clear()
         self.engine.close()
 
 

@@ -27,6 +27,7 @@ def release_after_failure(session: OffloadSession | None, distributed: bool) -> 
     """
     releases: list[Callable[[], None]] = [abandon_process_group] if distributed else []
     if session is not None:
+        releases.append(session.gradients.clear)  # no gradient placeholder left on the user's module
         releases.append(lambda: session.engine.close(after_failure=True))
     for release in releases:
         try:

@@ -23,7 +23,9 @@ from lightning_zero_offload.engine.checkpoint_files import (
 from lightning_zero_offload.engine.checkpoint_sharded import (
     FORMAT_KEY,
     META_FILE,
+    DirectoryKind,
     current_version,
+    directory_kind,
     is_sharded_checkpoint,
     load_sharded,
     save_sharded,
@@ -56,9 +58,28 @@ __all__ = [
 def atomic_save(obj: Any, path: PathLike, streamed: StreamedStorages | None = None) -> None:
     """Write ``obj`` so that ``path`` holds either its previous content or all of ``obj`` (any fsspec URL too).
 
-    ``streamed``: ``obj`` holds placeholders whose bytes it supplies as the file is written.
+    ``streamed``: ``obj`` holds placeholders whose bytes it supplies as the file is written. A directory at
+    ``path`` is refused, saying what it is (a file cannot replace a directory in one rename).
     """
-    save_file(obj, Location.of(path), streamed=streamed)
+    target = Location.of(path)
+    kind = directory_kind(target)
+    if kind != "not a directory":
+        raise CheckpointError(_full_save_over(target, kind))
+    save_file(obj, target, streamed=streamed)
+
+
+def _full_save_over(directory: Location, kind: DirectoryKind) -> str:
+    cannot = f'zero_offload cannot save a full-format checkpoint (checkpoint_format="full", one file) to {directory}'
+    if kind in ("sharded", "interrupted"):
+        what = "a sharded checkpoint directory" + (" left by an interrupted save" if kind == "interrupted" else "")
+        return (
+            f"{cannot}: it is {what}, and a file cannot replace a directory in place. Save under another name, "
+            'delete the directory first, or keep checkpoint_format="sharded" for this path'
+        )
+    return (
+        f"{cannot}: it is an existing {'empty ' if kind == 'empty' else ''}directory, not a file path. "
+        f"Give the checkpoint a file name, such as {directory / 'last.ckpt'}, or remove the directory"
+    )
 
 
 def load_checkpoint_file(path: PathLike, weights_only: bool = True) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 ```
 epoch=3-step=400.ckpt/          never removed or renamed while a checkpoint lives there
   v000007/                      one directory per save, a fresh name each time
-    shard_00000.pt              rank r: its flat master, exp_avg and exp_avg_sq (1/world of each; fp32 or bf16)
+    shard_00000.pt              rank r: its flat master, exp_avg and exp_avg_sq (1/world of each; fp32 or bf16;
+                                without optimizer state in the checkpoint, the master alone)
     shard_00001.pt
     meta.pt                     rank 0, written last: the Lightning checkpoint minus the sharded tensors,
                                 plus the layout, the save id and each shard's size and CRC-32
@@ -13,7 +14,9 @@ The checkpoint is the newest version directory that has a ``meta.pt``. A save cr
 writes the shards, then ``meta.pt`` (atomically: a rename on the local disk, one object remotely), and
 only then deletes the older versions, so a crash at any point leaves a complete checkpoint under the
 same path, and the next save deletes what the crash left; a save that fails with an error deletes its
-own unpublished version at once. Each shard records the save id, and ``meta.pt`` its size and
+own unpublished version at once. A first save to a path that dies leaves no complete version: loading
+names it as an interrupted save. A save refuses a directory that holds anything else than versions (it
+would delete it on publishing). Each shard records the save id, and ``meta.pt`` its size and
 checksum, so a shard from another save, an edited or a truncated one is named on load instead of being
 mixed in. ``meta.pt`` itself is checked against the CRC-32 that the zip format stores with each of its
 records (torch writes them, and never reads them), so every file is checked, in checkpoints of every
@@ -27,7 +30,7 @@ import re
 import uuid
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -77,8 +80,30 @@ def current_version(path: PathLike | Location) -> Location | None:
 
 
 def is_sharded_checkpoint(path: PathLike) -> bool:
-    location = Location.of(path)
-    return location.is_dir() and current_version(location) is not None
+    """Whether ``path`` is a sharded checkpoint directory: complete, or left by an interrupted save (which
+    :func:`load_sharded` then names, instead of calling it a directory given by mistake)."""
+    return directory_kind(Location.of(path)) in ("sharded", "interrupted")
+
+
+DirectoryKind = Literal["not a directory", "sharded", "interrupted", "empty", "other"]
+
+
+def directory_kind(path: Location) -> DirectoryKind:
+    """What ``path`` is, for the checks and errors of a save or load there: ``"sharded"`` (holds a complete
+    version), ``"interrupted"`` (only versions without ``meta.pt``: a save that never finished), ``"empty"``,
+    ``"other"`` (a directory holding anything else), or ``"not a directory"`` (a file, or nothing)."""
+    if not path.is_dir():
+        return "not a directory"
+    if current_version(path) is not None:
+        return "sharded"
+    if _incomplete_versions(path):
+        return "interrupted"
+    return "other" if path.children() else "empty"
+
+
+def _incomplete_versions(path: Location) -> list[str]:
+    """Version directories (or, in the version-1 layout, shards) of saves that never wrote ``meta.pt``."""
+    return [name for _, name in _versions(path)] or [n for n in path.children() if n.startswith("shard_")]
 
 
 def save_sharded(
@@ -96,8 +121,10 @@ def save_sharded(
     say) is passed through them, so every rank raises it instead of waiting for the failed one.
     """
     root = Location.of(path)
-    version_name, save_id = _raise_any([broadcast(_attempt(_new_version, root) if rank == 0 else None)])[0]
+    started = _attempt(_begin, root, meta) if rank == 0 else None
+    version_name, save_id, names = _raise_any([broadcast(started)])[0]
     version = root / version_name
+    shard = {name: shard[name] for name in names}
     published: Any = None
     try:
         records = _raise_any(
@@ -123,12 +150,31 @@ def _remove_unpublished(version: Location) -> None:
         version.remove()
 
 
+def _begin(root: Location, meta: dict[str, Any]) -> tuple[str, str, tuple[str, ...]]:
+    """Rank 0 starts a save: the new version's name, the save id, and which shard tensors every rank writes.
+
+    A checkpoint without optimizer state (``ModelCheckpoint(save_weights_only=True)``, a Fabric save of the
+    model alone) gets the master weights only: its moments would be 2/3 of the shards' bytes, never read.
+    """
+    return *_new_version(root), SHARD_KEYS if "optimizer_states" in meta else SHARD_KEYS[:1]
+
+
 def _new_version(root: Location) -> tuple[str, str]:
     """Create the next version directory (never reusing a name that exists); its name and a new save id."""
-    if root.exists() and not root.is_dir():
+    kind = directory_kind(root)
+    if kind == "not a directory" and root.exists():
         raise CheckpointError(
             f"{root} is a single-file checkpoint; a sharded one cannot replace it in place. "
             "Delete it or save under another name"
+        )
+    if kind == "other":
+        # Publishing a version deletes everything else in the directory: here, files that are not ours.
+        held = root.children()
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise CheckpointError(
+            f'zero_offload cannot save a sharded checkpoint (checkpoint_format="sharded") to {root}: it is an '
+            f"existing directory that is not a checkpoint (it holds {shown}), and a sharded save deletes everything "
+            f"else in its directory. Give the checkpoint a path of its own, such as {root / 'last.ckpt'}"
         )
     root.make_dirs()
     remove_stale_temporaries(root)
@@ -182,11 +228,13 @@ def load_sharded(path: PathLike, with_optimizer: bool = True, weights_only: bool
     ``optimizer_states`` a torch AdamW state dict, so
     the rest of the loading path is the same as for the full format, whatever the world size now.
     ``weights_only`` applies to ``meta.pt`` (which holds the user's hyperparameters); shards hold tensors only.
+    A checkpoint saved without optimizer state (weights only) loads without ``optimizer_states``, as a
+    full-format one does, whatever ``with_optimizer`` asks.
     """
     root = Location.of(path)
     version = current_version(root)
     if version is None:
-        raise CheckpointError(f"{root} holds no complete sharded checkpoint (no {META_FILE})")
+        raise CheckpointError(_no_complete_version(root))
     meta_file = version / META_FILE
     check_zip_checksums(meta_file, "metadata")
     checkpoint = load_file(meta_file, "metadata", weights_only=weights_only)
@@ -195,6 +243,7 @@ def load_sharded(path: PathLike, with_optimizer: bool = True, weights_only: bool
         raise CheckpointError(f"metadata {meta_file} does not describe a zero_offload sharded checkpoint")
     if "layout_crc32" in info and layout_checksum(info) != info["layout_crc32"]:
         raise CheckpointError(f"metadata {meta_file} was modified after it was saved (its layout checksum differs)")
+    with_optimizer = with_optimizer and "optimizer_states" in checkpoint
     try:
         shards = _load_shards(version, info, with_optimizer)
         full = _assemble_all(shards, info, SHARD_KEYS if with_optimizer else SHARD_KEYS[:1])
@@ -218,6 +267,18 @@ def load_sharded(path: PathLike, with_optimizer: bool = True, weights_only: bool
                 state[param["torch_index"]] = {"step": step, "exp_avg": m, "exp_avg_sq": v}
         checkpoint["optimizer_states"] = [{"state": state, "param_groups": saved["param_groups"]}]
     return checkpoint
+
+
+def _no_complete_version(root: Location) -> str:
+    incomplete = _incomplete_versions(root)
+    if not incomplete:
+        return f"{root} holds no sharded checkpoint (no version directory with a {META_FILE})"
+    return (
+        f"zero_offload cannot load {root}: it is a sharded checkpoint directory with no complete version, only "
+        f"what an interrupted save left ({', '.join(incomplete)}: no {META_FILE}, which a save writes last). The "
+        "save was killed or crashed before it finished (or is still running). Resume from an earlier checkpoint "
+        "of the run; the next save to this path deletes the incomplete version"
+    )
 
 
 def _load_shards(version: Location, info: dict[str, Any], with_optimizer: bool) -> list[dict[str, torch.Tensor]]:

@@ -144,6 +144,12 @@ class CpuState:
         for index in indices:
             self.steps[index] += 1
 
+    def set_step(self, index: int, step: int) -> None:
+        """A parameter's step count as a user set it (``optimizer.state[p]["step"]``; 0: fresh moments follow)."""
+        if step < 0:
+            raise ValueError(f"a step count must be >= 0, got {step}")
+        self.steps[index] = step
+
     def swap_grad(self, other: torch.Tensor) -> torch.Tensor:
         """Make ``other`` the buffer backward accumulates into; returns the one it replaces."""
         previous, self.grad = self.grad, other

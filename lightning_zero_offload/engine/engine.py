@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -128,6 +129,7 @@ class OffloadEngine(EngineLifecycle):
         world, rank = self._world, self._rank
         self._signature = self.trainable_signature()
         self._grad_summary: tuple[float, bool, list[bool]] | None = None  # this window's, once computed
+        self._carried: CarriedGradients | None = None  # what the last step left, until zero_grad (as torch's .grad)
         # Trainable params in optimizer order; torch_index maps the optimizer's state-dict numbering.
         self.params: list[torch.nn.Parameter] = []
         self.group_of: list[int] = []
@@ -250,9 +252,10 @@ class OffloadEngine(EngineLifecycle):
     def begin_backward(self) -> None:
         """Call before every backward pass."""
         self.before_training_forward()
+        self._take_up_carried("a backward after optimizer.step() without optimizer.zero_grad() in between")
         self._backward_start = time.perf_counter()
         self._grad_summary = None  # more gradient is coming
-        if self.schedule.updates_during_backward:  # otherwise step() is the first to use the master
+        if self._step_expected and self.schedule.updates_during_backward:  # else step() first uses the master
             self.absorb_param_writes()
         # A step pre-hook reads the parameters as they were before the step, like the caller's own code.
         publish_early = self._publish_early and not has_step_hooks(self.optimizer, ("pre",))
@@ -267,15 +270,23 @@ class OffloadEngine(EngineLifecycle):
         self.grads.finish_backward()
         self.schedule.on_backward_end()
 
-    def step(self, clip_norm: float | None = None, clip_value: float | None = None) -> StepStats:
+    def step(
+        self, clip_norm: float | None = None, clip_value: float | None = None, keep_grads: bool = False
+    ) -> StepStats:
         """Apply the accumulated gradients: clip, unscale, CPU Adam, copy back. Skips on overflow.
 
         ``clip_norm`` clips the global gradient norm (``torch.nn.utils.clip_grad_norm_``'s rule) and
         ``clip_value`` each gradient element (``clip_grad_value_``), both on the CPU, fused into the step.
         When the update runs relative to forward/backward is up to the schedule (``cpu_step``).
+
+        ``keep_grads``: the gradients stay for the next backward to add to, or for another ``step()``, until
+        :meth:`zero_grad` (torch's ``optimizer.step()``, which leaves ``.grad`` as the clipping left it).
+        Otherwise the step consumes them, as if ``zero_grad()`` followed.
         """
         _check_clip("clip_norm", clip_norm)
         _check_clip("clip_value", clip_value)
+        # No backward since the last step: torch steps again with the gradients that step left.
+        self._take_up_carried("optimizer.step() twice without a backward in between")
         start = time.perf_counter()
         self.grads.finish_backward()
         self.schedule.on_backward_end()
@@ -292,20 +303,21 @@ class OffloadEngine(EngineLifecycle):
         # The in-place source can take the norm and the inf/nan check from the update itself (hooks need
         # the skip known before the update).
         if self.grads.checks_in_update(clips, self._undoable) and not has_step_hooks(self.optimizer):
-            self._step_checked(stats)
+            self._step_checked(stats, keep_grads)
             stats.total_s = time.perf_counter() - start
             return stats
         sumsq, overflow, has_grad = self._global_grad_summary()
         scale = self.loss_scale
         stats.grad_norm = math.sqrt(sumsq) / scale if math.isfinite(sumsq) else math.inf
 
+        clip_coef, clamped = 1.0, False  # what the step does to the gradients in place (none when skipped)
         if overflow:
             self._skip(stats)
             self.schedule.on_skip(stats)
         else:
-            clip_coef = 1.0
             if clip_norm is not None:  # torch.nn.utils.clip_grad_norm_'s rule, so results match a plain run
                 clip_coef = min(1.0, clip_norm / (stats.grad_norm + 1e-6))
+            clamped = clip_value is not None
             inputs = StepInputs(
                 has_grad=has_grad,
                 clip_coef=clip_coef,
@@ -319,7 +331,7 @@ class OffloadEngine(EngineLifecycle):
             self.optimizer._opt_called = True  # type: ignore[attr-defined]
             with step_hooks(self.optimizer):  # torch's step hooks, as optimizer.step() fires them
                 self.schedule.apply(inputs, stats)
-        self._new_window()
+        self._end_window(keep_grads, CarriedGradients(clip_coef, clamped))
         stats.total_s = time.perf_counter() - start
         self.last = stats
         self.nonfinite.after_step(stats.skipped, scale)
@@ -328,7 +340,7 @@ class OffloadEngine(EngineLifecycle):
     def _undoable(self) -> bool:
         return all(kernels.can_undo(hp) for hp in self.update.hyperparams())
 
-    def _step_checked(self, stats: StepStats) -> None:
+    def _step_checked(self, stats: StepStats, keep_grads: bool) -> None:
         """The in-place step without clipping: applied only if the gradients are finite, as the others."""
         assert isinstance(self.update, InPlaceUpdate)  # only the in-place source checks in the update
         applied, sumsq, stats.cpu_step_s = self.update.update_checked()
@@ -338,7 +350,7 @@ class OffloadEngine(EngineLifecycle):
         else:
             self._skip(stats)
             self.schedule.on_skip(stats)
-        self._new_window()
+        self._end_window(keep_grads, CarriedGradients(1.0, False))
         self.last = stats
         self.nonfinite.after_step(stats.skipped, self.loss_scale)
 
@@ -360,17 +372,95 @@ class OffloadEngine(EngineLifecycle):
         ``torch.nn.utils.clip_grad_norm_`` returns it. Ends the backward first. With several ranks it
         costs one all-reduce, which the coming ``step()`` reuses instead of issuing its own.
         """
+        self._take_up_carried("a gradient norm taken after optimizer.step() without optimizer.zero_grad()")
         self.finish_backward()
         sumsq, overflow, _ = self._global_grad_summary()
         return math.inf if overflow else math.sqrt(sumsq) / self.loss_scale
 
-    def zero_grad(self) -> None:
-        """Drop the gradients accumulated since the last step (``optimizer.zero_grad()``)."""
+    def gradients(self) -> list[torch.Tensor | None]:
+        """Each trainable parameter's gradient of the window, unscaled and whole (None where no rank has
+        one), on the CPU: at one rank views of the engine's buffer (in place the very tensors the step will
+        read), valid until the next backward or step; at several, gathered copies (a collective, with the
+        gradient summary the coming step reuses)."""
+        self._take_up_carried("the gradients read after optimizer.step() without optimizer.zero_grad()")
         self.finish_backward()
-        self._new_window()
+        if self.layout.world_size == 1:  # every gradient is here whole: views, no summary needed
+            has_grad = self.grads.has_grad
+            if self.in_place:
+                values = self.grads.held()
+            else:
+                with state_io.buffers_shared_for_save(self):
+                    values = self.full_tensors(self.state.grad)  # type: ignore[arg-type]
+        else:
+            _, _, has_grad = self._global_grad_summary()  # which parameters any rank has a gradient for
+            values = self.full_tensors(self.state.grad)  # type: ignore[arg-type]
+        scale = self.loss_scale
+        return [
+            None if not has or value is None else (value if scale == 1.0 else value.float() / scale)
+            for value, has in zip(values, has_grad)
+        ]
 
-    def _new_window(self) -> None:
-        self.grads.new_window()
+    def set_gradients(self, values: dict[int, torch.Tensor | None]) -> None:
+        """Replace the gradients of some trainable parameters (by index) with whole unscaled tensors, or
+        drop them (None): as a user's assignment to ``p.grad`` does before torch's step. Every rank must pass
+        the same values (each keeps its shard)."""
+        if not values:
+            return
+        self._take_up_carried("the gradients written after optimizer.step() without optimizer.zero_grad()")
+        self.finish_backward()
+        if self.schedule.updates_during_backward:
+            self.schedule.settle()  # steps speculated from the gradients as they were are taken back
+        scale = self.loss_scale
+        scaled: dict[int, torch.Tensor | None] = {}
+        for index, value in values.items():
+            scaled[index] = None if value is None else value.detach().to("cpu", torch.float32)
+            if value is not None and scale != 1.0:
+                scaled[index] = scaled[index] * scale  # type: ignore[operator]
+        self.grads.set_gradients(scaled)
+        self._grad_summary = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad()``: drop the gradients (or, ``set_to_none=False``, make every gradient
+        that exists zero: as in torch, its parameter is then updated by the next step even if no backward
+        reaches it)."""
+        self.finish_backward()
+        self._carried = None
+        if set_to_none:
+            self.grads.new_window()
+        else:
+            self.grads.zero_window()
+        self._grad_summary = None
+
+    def _end_window(self, keep_grads: bool, carried: CarriedGradients) -> None:
+        if keep_grads:
+            self._carried = carried
+        else:
+            self.grads.new_window()
+            self._grad_summary = None
+
+    def _take_up_carried(self, what: str) -> None:
+        """The gradients the last step left are used again (``what`` does so), as torch keeps ``.grad``
+        until ``zero_grad``: give them what that step did to them in place (clipping), or refuse where
+        they are not kept."""
+        carried, self._carried = self._carried, None
+        if carried is None:
+            return
+        if not self.schedule.keeps_gradients_after_step:
+            raise RuntimeError(
+                f"zero_offload: {what}. With cpu_step='delayed' the step's update still reads those gradients "
+                "behind the next forward, so they cannot be added to or stepped again. Call optimizer.zero_grad() "
+                "after each step (Lightning's automatic optimization does), or use cpu_step='sync' or 'speculative'."
+            )
+        if self.scaler is not None:
+            raise RuntimeError(
+                f"zero_offload: {what}. Under precision='16-mixed' the kept gradients are scaled by the loss "
+                "scale of their own step, so adding to them or stepping with them again mixes scales. Call "
+                "optimizer.zero_grad() after each step (Lightning's automatic optimization does)."
+            )
+        if carried.clip_coef != 1.0:  # torch's clip_grad_norm_ scaled .grad in place
+            self.grads.for_each_grad_range(lambda grad: grad.mul_(carried.clip_coef))
+        if carried.clip_coef != 1.0 or carried.clamped:
+            self.grads.refresh_sums()
         self._grad_summary = None
 
     def _global_grad_summary(self) -> tuple[float, bool, list[bool]]:
@@ -399,6 +489,14 @@ class OffloadEngine(EngineLifecycle):
             return 0
         self.schedule.before_param_writes_merge(written)
         return sum(self.schedule.merge_param_writes(self.layout.buckets[i]) for i in written)
+
+
+@dataclass(frozen=True)
+class CarriedGradients:
+    """What a step did to the gradients it used, which torch would have done to ``.grad`` in place."""
+
+    clip_coef: float  # clip_grad_norm_'s factor (1.0: not clipped)
+    clamped: bool  # clip_grad_value_ clamped them (the engine did so in the buffer itself)
 
 
 def _check_clip(name: str, value: float | None) -> None:

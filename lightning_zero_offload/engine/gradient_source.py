@@ -59,7 +59,16 @@ class GradientSource(Protocol):
         window's step will need its sums before the update."""
 
     def new_window(self) -> None:
-        """The step consumed the window's gradients (or ``zero_grad``): start an empty one."""
+        """``zero_grad()``: drop every gradient (a step keeps them, as torch keeps ``.grad``)."""
+
+    def zero_window(self) -> None:
+        """``zero_grad(set_to_none=False)``: every gradient that exists becomes zero; ``has_grad`` stays."""
+
+    def set_gradients(self, values: dict[int, torch.Tensor | None]) -> None:
+        """Replace some parameters' gradients (whole fp32 tensors, loss-scaled; None drops one)."""
+
+    def refresh_sums(self) -> None:
+        """The stored gradients were changed in place: :meth:`local_summary` must sum them again."""
 
     def close(self) -> None:
         """Remove the hooks and release what the source holds."""

@@ -25,6 +25,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
+from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.collectives import reduce_scatter
 from lightning_zero_offload.engine.cpu_state import CpuState
 from lightning_zero_offload.engine.launch_order import LaunchOrder
@@ -304,11 +305,50 @@ class GradientStreamer:
     # -- step side -----------------------------------------------------------------------------
 
     def new_window(self) -> None:
-        """After an optimizer step: the next gradient written to each bucket overwrites it."""
+        """``zero_grad()``: no gradient; the next one written to each bucket overwrites it."""
         self._fresh = [True] * len(self.layout.buckets)
         self.has_grad = [False] * len(self.params)
         self.bucket_sumsq = [0.0] * len(self.layout.buckets)
         self.bucket_nonfinite = [False] * len(self.layout.buckets)
+
+    def zero_window(self) -> None:
+        """``zero_grad(set_to_none=False)``: every gradient that exists is zero (``has_grad`` stays)."""
+        self.state.grad.zero_()  # type: ignore[union-attr]
+        self._fresh = [False] * len(self.layout.buckets)  # the next gradient adds to the zeros
+        self.bucket_sumsq = [0.0] * len(self.layout.buckets)
+        self.bucket_nonfinite = [False] * len(self.layout.buckets)
+
+    def set_gradients(self, values: dict[int, torch.Tensor | None]) -> None:
+        """Write this rank's part of whole gradients (fp32, already scaled) into the buffer; None drops one."""
+        touched: set[int] = set()
+        for index, value in values.items():
+            bucket = self.layout.buckets[self.layout.slots[index].bucket]
+            if self._fresh[bucket.index]:  # the buffer still holds an older window there
+                self.state.grad[bucket.shard_range].zero_()  # type: ignore[index]
+                self._fresh[bucket.index] = False
+            flat = None if value is None else value.reshape(-1)
+            for seg in bucket.segments:
+                if seg.param_index == index:
+                    target = self.state.grad[seg.shard_start : seg.shard_end]  # type: ignore[index]
+                    if flat is None:
+                        target.zero_()
+                    else:
+                        target.copy_(flat[seg.param_start : seg.param_start + seg.numel])
+            self.has_grad[index] = value is not None
+            touched.add(bucket.index)
+        for bucket_index in touched:
+            grad = self.state.grad[self.layout.buckets[bucket_index].shard_range]  # type: ignore[index]
+            self.bucket_sumsq[bucket_index], self.bucket_nonfinite[bucket_index] = kernels.sum_of_squares(
+                grad, num_threads=self.num_threads
+            )
+
+    def refresh_sums(self) -> None:
+        """Sum the stored gradients again (they were changed in place after they were accumulated)."""
+        for bucket in self.layout.buckets:
+            if not self._fresh[bucket.index]:
+                grad = self.state.grad[bucket.shard_range]  # type: ignore[index]
+                sums = kernels.sum_of_squares(grad, num_threads=self.num_threads)
+                self.bucket_sumsq[bucket.index], self.bucket_nonfinite[bucket.index] = sums
 
     def local_summary(self) -> tuple[float, bool]:
         """(sum of squares, any inf/nan) of this rank's accumulated gradients."""

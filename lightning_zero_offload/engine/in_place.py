@@ -125,13 +125,39 @@ class InPlaceGradients:
                 fn(grad)
 
     def new_window(self) -> None:
-        """After an optimizer step: drop the gradients (as ``zero_grad(set_to_none=True)`` does)."""
+        """``zero_grad()``: drop the gradients."""
         n = len(self.params)
         self.grads = [None] * n
         self.has_grad = [False] * n
         self._sumsq = [0.0] * n
         self._nonfinite = [False] * n
         self._summed = [False] * n
+
+    def zero_window(self) -> None:
+        """``zero_grad(set_to_none=False)``: every gradient held is zero (``has_grad`` stays)."""
+        for index, grad in enumerate(self.grads):
+            if grad is not None:
+                grad.zero_()
+                self._sumsq[index], self._nonfinite[index], self._summed[index] = 0.0, False, True
+
+    def held(self) -> list[torch.Tensor | None]:
+        """The gradients the step will read, as they are (changes to them are the step's input)."""
+        return list(self.grads)
+
+    def set_gradients(self, values: dict[int, torch.Tensor | None]) -> None:
+        """Replace held gradients (fp32, already scaled) with copies of ``values``; None drops one."""
+        for index, value in values.items():
+            held = self.grads[index]
+            if value is not None and held is not None and value.data_ptr() == held.data_ptr():
+                self._summed[index] = False  # the held tensor itself, changed in place
+                continue
+            self.grads[index] = None if value is None else value.reshape(self.params[index].shape).clone()
+            self.has_grad[index] = value is not None
+            self._summed[index] = False
+
+    def refresh_sums(self) -> None:
+        """The held gradients were changed in place: their sums are taken again when next needed."""
+        self._summed = [False] * len(self.params)
 
     def close(self) -> None:
         for hook in self._hooks:

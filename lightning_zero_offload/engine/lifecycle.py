@@ -109,6 +109,9 @@ class EngineLifecycle:
             return False
         check_optimizer(self.optimizer)
         self.sync()  # an update in flight lands and is published
+        # The device holds the master now, and the re-planned schedule starts from it: nothing stays pending
+        # (a delayed update's stale weights are of the old trainable set).
+        self.schedule.on_weights_loaded()
         masters = self.master_params()  # settled, writes to the parameters absorbed
         exp_avgs = state_io.full_tensors(self, self.exp_avg)
         exp_avg_sqs = state_io.full_tensors(self, self.exp_avg_sq)
@@ -204,6 +207,28 @@ class EngineLifecycle:
         """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam)."""
         self._settle()
         state_io.load_optimizer_state_dict(self, state_dict)
+
+    def moment_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each trainable parameter's (exp_avg, exp_avg_sq), as live views of the CPU state in the
+        parameter's shape (what ``optimizer.state`` shows): one rank only, where every parameter is whole.
+        Settles first, so nothing in flight changes them after they are read."""
+        if self.layout.world_size != 1:
+            raise RuntimeError("the moments are sharded across ranks: no rank holds a parameter's moments whole")
+        self._settle()
+        shapes = [slot.shape for slot in self.layout.slots]
+        exp_avgs, exp_avg_sqs = self.state.param_views()[1:]
+        return [m.view(s) for m, s in zip(exp_avgs, shapes)], [v.view(s) for v, s in zip(exp_avg_sqs, shapes)]
+
+    def set_param_step(self, index: int, step: int) -> None:
+        """Set a parameter's step count; 0 also zeroes its moments (torch's fresh state for that parameter)."""
+        if self.layout.world_size != 1:
+            raise RuntimeError("the moments are sharded across ranks: set step counts through load_state_dict")
+        self._settle()
+        if step == 0:
+            window = self.layout.slot_range(index)
+            self.state.exp_avg[window].zero_()
+            self.state.exp_avg_sq[window].zero_()
+        self.state.set_step(index, step)
 
     # -- accounting and teardown ---------------------------------------------------------------
 

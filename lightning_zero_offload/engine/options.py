@@ -235,11 +235,12 @@ def resolve(
         _check_compact_state(options, param_dtype, cpu_step)
 
     rollback: Literal["undo", "snapshot"] | None = None
-    if cpu_step == "speculative":  # fp16 overflows are routine and must be skipped bitwise as in sync
+    if cpu_step == "speculative":
+        # "auto" is the snapshot: a rolled-back step equals sync bitwise. The undo inverts the step
+        # algebraically and loses the moments to cancellation exactly when a rollback is likely (an isolated
+        # spike, clipped hard: docs/dpu.md), and a stochastically rounded (bf16) step cannot be inverted at all.
         chosen = options.speculative.rollback
-        # A stochastically rounded step cannot be inverted: the bf16 state always rolls back from a snapshot.
-        exact = param_dtype == torch.float16 or compact
-        rollback = chosen if chosen != "auto" else ("snapshot" if exact else "undo")
+        rollback = chosen if chosen != "auto" else "snapshot"
     elif options.speculative != SpeculativeOptions():
         notes.append(
             f"speculation_rollback={options.speculative.rollback!r} has no effect: it applies to "

@@ -31,11 +31,12 @@ from lightning_zero_offload.planner.largest import PLAIN, largest_models
 from lightning_zero_offload.planner.machine import Machine, measure_machine, with_rates
 from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS
 from lightning_zero_offload.planner.model import DTYPES, plan
+from lightning_zero_offload.planner.shape import DEFAULT_N_LAYER
 
 EXIT_FITS = 0
 EXIT_USAGE = 2  # argparse's own
 EXIT_DOES_NOT_FIT = 3
-LARGEST_DEFAULTS = {"batch_size": 1, "seq_len": 2048, "n_layer": 32}  # --largest's model when not given
+LARGEST_DEFAULTS = {"batch_size": 1, "seq_len": 2048, "n_layer": DEFAULT_N_LAYER}  # --largest's model when not given
 
 
 def importable_cwd() -> None:
@@ -76,7 +77,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model-args", type=json.loads, default={}, help="JSON keyword arguments for --model")
     p.add_argument("--batch-size", type=int, help="micro-batch per rank, as the run will use it (required)")
     p.add_argument("--seq-len", type=int, help="tokens per sample, as the run will use them (required)")
-    p.add_argument("--n-layer", type=int, help="transformer layers (adds attention FLOPs and the activation estimate)")
+    p.add_argument(
+        "--n-layer",
+        type=int,
+        help="transformer layers: adds attention FLOPs, and the activation estimate's depth (default: an assumed "
+        f"shape, the model's own blocks or {DEFAULT_N_LAYER} layers for --params, named in the report)",
+    )
     p.add_argument("--hidden", type=int, help="model width (default: from the model, or sqrt(params / 12 / n-layer))")
     p.add_argument(
         "--activation-checkpointing", action="store_true", help="the model recomputes activations in backward"

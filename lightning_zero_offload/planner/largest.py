@@ -17,9 +17,15 @@ import torch
 
 from lightning_zero_offload.engine.options import OffloadOptions
 from lightning_zero_offload.planner.machine import GB, Machine
-from lightning_zero_offload.planner.memory import PLAIN_DEVICE_BYTES_PER_PARAM, SCHEDULES, activation_estimate
+from lightning_zero_offload.planner.memory import (
+    PLAIN_DEVICE_BYTES_PER_PARAM,
+    PLAIN_GRAD_BYTES_PER_PARAM,
+    SCHEDULES,
+    activation_estimate,
+    device_runtime_bytes,
+)
 from lightning_zero_offload.planner.model import DTYPES, recommend, step_flops
-from lightning_zero_offload.planner.shape import ModelShape, width_for
+from lightning_zero_offload.planner.shape import DEFAULT_N_LAYER, ModelShape, width_for
 from lightning_zero_offload.planner.verdicts import EXACT_SCHEDULES, Check, evaluate
 
 PLAIN = "plain"  # no offload: the strategy Lightning picks by itself, AdamW on the GPU
@@ -81,7 +87,7 @@ def largest_models(
     *,
     batch_size: int = 1,
     seq_len: int = 2048,
-    n_layer: int = 32,
+    n_layer: int = DEFAULT_N_LAYER,
     devices: int = 1,
     num_nodes: int = 1,
     precision: str = "bf16-mixed",
@@ -104,9 +110,14 @@ def largest_models(
         activations = activation_estimate(
             batch_size, seq_len, width_for(params, n_layer), n_layer, dtype, activation_checkpointing
         ).bytes
+        runtime = device_runtime_bytes(PLAIN_GRAD_BYTES_PER_PARAM * params + activations)  # as plan() counts it
         return [
             Check("host RAM, the module as built (fp32, one per GPU)", 4 * params * devices, host),
-            Check("GPU memory (16 B/param + activations)", PLAIN_DEVICE_BYTES_PER_PARAM * params + activations, device),
+            Check(
+                "GPU memory (16 B/param + activations + runtime)",
+                PLAIN_DEVICE_BYTES_PER_PARAM * params + activations + runtime,
+                device,
+            ),
         ]
 
     params, binds = _largest(plain_checks, never)
@@ -144,7 +155,8 @@ def largest_models(
     assumptions = (
         f"a {n_layer}-layer transformer of width sqrt(params / (12 x {n_layer})), {precision}, micro-batch "
         f"{batch_size} x {seq_len} tokens, activation checkpointing {'on' if activation_checkpointing else 'off'} "
-        "(activations by the planner's estimate, logits not included), the module built on the host in fp32 "
+        "(activations by the planner's estimate, logits not included), the CUDA runtime's own memory reserved on "
+        "each GPU (the context and the caching allocator's overhead), the module built on the host in fp32 "
         "(4 B/param until setup; 'built in bf16': module.to(torch.bfloat16) before fit, 2 B/param: the master "
         "weights start from the rounded values), "
         f"{devices} GPU(s) per node x {num_nodes} node(s), "

@@ -4,6 +4,7 @@ engine/grads.py and the schedules buffer by buffer (tests/test_planner.py compar
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ STATE_BUFFERS = ("master", "exp_avg", "exp_avg_sq", "grad", "grad_second", "next
 CHECKPOINT_SAVE_BYTES_PER_PARAM: dict[str, tuple[int, int]] = {"full": (0, 12), "sharded": (0, 0)}
 # Plain mixed-precision Adam on the device, no offload: fp32 weights, fp32 gradients, two fp32 moments.
 PLAIN_DEVICE_BYTES_PER_PARAM = 16
+PLAIN_GRAD_BYTES_PER_PARAM = 4  # of which the gradients, allocated in backward and freed by zero_grad each step
 # Activations kept for backward per layer, in bytes per (token x hidden) at 16-bit: 34 for a transformer
 # layer without recomputation (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 # Transformer Models", eq. 1 without its 5as/h attention-score term: PyTorch's SDPA/flash attention does
@@ -32,6 +34,29 @@ PLAIN_DEVICE_BYTES_PER_PARAM = 16
 # layer at a time is recomputed in full during backward (34 once).
 ACTIVATION_BYTES_PER_TOKEN_HIDDEN = 34
 CHECKPOINTED_BYTES_PER_TOKEN_HIDDEN = 2
+# The device runtime's own memory on each GPU, which no tensor accounts for (the figures and their sources:
+# docs/planning.md, "The device runtime's reserve"). The CUDA context with the kernels it loads lazily and the
+# cuBLAS/cuDNN handles and workspaces of a training step: 1 GiB. NCCL's buffers with several ranks are not in it.
+DEVICE_CONTEXT_BYTES = 2**30
+# PyTorch's caching allocator holds more than its tensors: it rounds requests up and cannot always reuse a freed
+# block for a request of another size. The engine's device buffers are allocated once (the flat parameters, two
+# gradient buckets), so that overhead grows with what is allocated and freed every step: the activations, and
+# plain training's gradients. An allowance of 5% of those, not a measurement.
+ALLOCATOR_OVERHEAD = 0.05
+
+
+def device_runtime_bytes(per_step: int) -> int:
+    """Device bytes the runtime takes beyond the tensors: the CUDA context, and the caching allocator's
+    overhead on the ``per_step`` bytes allocated and freed every step (DEVICE_CONTEXT_BYTES,
+    ALLOCATOR_OVERHEAD). One rule for every device verdict: zero_offload's, plain training's, the largest
+    model's."""
+    return DEVICE_CONTEXT_BYTES + math.ceil(ALLOCATOR_OVERHEAD * per_step)
+
+
+def activation_room(device_bytes: int, resident: int) -> int:
+    """The most activation bytes that fit in ``device_bytes`` next to ``resident`` bytes allocated once and
+    the runtime; zero or less when nothing is left for activations."""
+    return math.floor((device_bytes - DEVICE_CONTEXT_BYTES - resident) / (1 + ALLOCATOR_OVERHEAD))
 
 
 def state_bytes_per_param(state_dtype: torch.dtype = torch.float32) -> int:
@@ -89,6 +114,7 @@ class Activations:
     bytes: int
     checkpointing: bool
     formula: str
+    assumed_shape: str = ""  # how depth and width were chosen when the caller did not give n_layer ("": given)
 
 
 def activation_estimate(

@@ -21,10 +21,16 @@ from torch import nn
 
 from lightning_zero_offload.engine.options import OffloadOptions, SpeculativeOptions
 from lightning_zero_offload.planner.fixes import fixes_for
-from lightning_zero_offload.planner.machine import Machine, measure_machine
-from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS, PLAIN_DEVICE_BYTES_PER_PARAM, SCHEDULES
+from lightning_zero_offload.planner.machine import Machine, format_gb, measure_machine
+from lightning_zero_offload.planner.memory import (
+    CHECKPOINT_FORMATS,
+    PLAIN_DEVICE_BYTES_PER_PARAM,
+    PLAIN_GRAD_BYTES_PER_PARAM,
+    SCHEDULES,
+    device_runtime_bytes,
+)
 from lightning_zero_offload.planner.report import Plan
-from lightning_zero_offload.planner.shape import ModelShape, layout_summary, width_for
+from lightning_zero_offload.planner.shape import ModelShape, assumed_depth, layout_summary, width_for
 from lightning_zero_offload.planner.timing import step_time
 from lightning_zero_offload.planner.verdicts import EXACT_SCHEDULES, Verdict, evaluate, resolve_for
 
@@ -56,8 +62,8 @@ def plan(
 
     Every configuration (CPU-step schedule x checkpoint format) gets a verdict against host RAM (steady
     state, setup with the module as built, checkpoint save) and device memory (parameters, gradient
-    buckets and, with ``n_layer``, activations); only what fits is recommended, and when nothing fits
-    ``fixes`` lists the smallest changes that would.
+    buckets, activations and the CUDA runtime's own memory); only what fits is recommended, and when nothing
+    fits ``fixes`` lists the smallest changes that would.
 
     Args:
         model: an ``nn.Module`` (build it on ``torch.device("meta")`` to count without allocating) or the
@@ -71,8 +77,10 @@ def plan(
             to the sync schedule, the only one that runs in place, and ``speculation_rollback`` to the
             speculative one. ``cpu_state="bf16"`` holds master, moments and gradient buffers in bf16
             (docs/compact-state.md): half the host bytes of ``"fp32"``.
-        n_layer: transformer layers; adds attention's 12 x layers x hidden x seq FLOPs/token and the
-            activation estimate to device memory.
+        n_layer: transformer layers; adds attention's 12 x layers x hidden x seq FLOPs/token, and is the depth of
+            the activation estimate. Without it the activations are estimated for an assumed shape, named in
+            ``Plan.activations.assumed_shape`` (a built model's own list of blocks, or the planner's
+            32-layer transformer for a parameter count); ``Plan.activation_room`` is what any shape may use.
         machine: the rates to use; None measures this machine (:func:`measure_machine`).
         checkpoint_format: the strategy option you intend to use; both formats get a verdict.
         activation_checkpointing: whether the model recomputes activations (changes the activation estimate).
@@ -106,8 +114,16 @@ def plan(
     if machine is None:
         machine = measure_machine(threads=cpu_threads, tokens=tokens, linear_shapes=shape.linear_shapes, dtype=dtype)
     world = devices * num_nodes
-    args = (dtype, machine, devices, num_nodes, options, batch_size, seq_len, n_layer, activation_checkpointing)
+    # The activations need a depth: without n_layer, an assumed one (said in the plan); the attention FLOPs
+    # of the step time stay out, as before.
+    depth, assumed = n_layer, ""
+    if n_layer is None:
+        depth, width, assumed = assumed_depth(shape, hidden_given=hidden is not None)
+        shape = replace(shape, hidden=width)
+    args = (dtype, machine, devices, num_nodes, options, batch_size, seq_len, depth, activation_checkpointing)
     memory = evaluate(shape, *args)
+    if memory.activations is not None:
+        memory.activations.assumed_shape = assumed
     threads = memory.resolved["sync"].cpu_threads  # the thread rule does not depend on the schedule
     layout = memory.layout
     state_dtype = memory.resolved["sync"].state_dtype
@@ -120,6 +136,7 @@ def plan(
     if machine.device_type != "cpu":
         activations = memory.activations.bytes if memory.activations else 0
         plain = PLAIN_DEVICE_BYTES_PER_PARAM * shape.params + 4 * shape.frozen + activations
+        plain += device_runtime_bytes(PLAIN_GRAD_BYTES_PER_PARAM * shape.params + activations)
     result = Plan(
         params=shape.params,
         shard_params=layout.shard_numel,
@@ -135,6 +152,8 @@ def plan(
         checkpoint_format=checkpoint_format,
         activations=memory.activations,
         device_total=memory.device_total,
+        device_runtime=memory.device_runtime,
+        activation_room=memory.activation_room,
         verdicts=memory.verdicts,
         plain_device_bytes=plain,
         resolved=memory.resolved,
@@ -226,6 +245,14 @@ def recommend(
     }
 
 
+def _room(room: int | None) -> str:
+    if room is None:
+        return ""
+    if room <= 0:
+        return "; the model states and the runtime leave nothing for activations on the device, whatever the shape"
+    return f"; whatever the shape, the device has room for {format_gb(room)} of activations per GPU"
+
+
 def _notes(result: Plan) -> list[str]:
     m = result.machine
     notes = []
@@ -238,6 +265,9 @@ def _notes(result: Plan) -> list[str]:
         )
     elif m.device_memory_gb is None:
         notes.append("device memory not checked: the machine's device_memory_gb is not known")
-    if result.activations is None:
-        notes.append("device memory: model states only; activations are not estimated without n_layer")
+    if result.activations is not None and result.activations.assumed_shape:
+        notes.append(
+            f"n_layer not given: activations estimated for an assumed shape, {result.activations.assumed_shape}; "
+            "give n_layer and hidden (--n-layer, --hidden) for the model's own" + _room(result.activation_room)
+        )
     return notes

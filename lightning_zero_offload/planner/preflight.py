@@ -94,9 +94,12 @@ def check_host_memory(
         )
     if schedule == "speculative" and need.per_rank.get("snapshot"):
         saved = format_gb(need.per_rank["snapshot"] * local_world_size)
-        # bf16 state rolls back from its snapshot only (a stochastically rounded step cannot be undone)
-        fix = 'speculation_rollback="undo"' if options.cpu_state == "fp32" else 'cpu_step="sync"'
-        fixes.append(f"{fix} saves {saved}")
+        fixes.append(f'cpu_step="sync" saves {saved} (the snapshot that rolls a speculated step back exactly)')
+        if options.cpu_state == "fp32":  # bf16 state rolls back from its snapshot only
+            fixes.append(
+                f'speculation_rollback="undo" also saves {saved}, but a step rolled back after a clipped spike '
+                "is then only near sync's (docs/dpu.md)"
+            )
     if options.checkpoint_format == "full":
         fixes.append(
             f'checkpoint_format="sharded": a full checkpoint also gathers '

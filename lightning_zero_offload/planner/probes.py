@@ -230,8 +230,10 @@ def matmul_rate(
 
     Shaped like the model's own layers, so it sees the same efficiency as training does at that size.
     """
-    x = torch.randn(tokens, in_features, device=device, dtype=dtype, requires_grad=True)
-    w = torch.randn(out_features, in_features, device=device, dtype=dtype, requires_grad=True)
+    # A generator of its own: measuring must leave the user's random state as it was.
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, in_features, device=device, dtype=dtype, generator=generator, requires_grad=True)
+    w = torch.randn(out_features, in_features, device=device, dtype=dtype, generator=generator, requires_grad=True)
 
     def fwd_bwd() -> None:
         y = x @ w.t()

@@ -7,7 +7,14 @@ from dataclasses import asdict, dataclass, field
 
 from lightning_zero_offload.engine.options import Resolved
 from lightning_zero_offload.planner.machine import GB, Machine, format_gb
-from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS, SCHEDULES, Activations, HostMemory
+from lightning_zero_offload.planner.memory import (
+    ALLOCATOR_OVERHEAD,
+    CHECKPOINT_FORMATS,
+    DEVICE_CONTEXT_BYTES,
+    SCHEDULES,
+    Activations,
+    HostMemory,
+)
 from lightning_zero_offload.planner.timing import StepTime
 from lightning_zero_offload.planner.verdicts import Check, Verdict
 
@@ -31,9 +38,11 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     checkpoint_format: str = "full"
     activations: Activations | None = None
-    device_total: int = 0  # model states + frozen parameters + activations, per device
+    device_total: int = 0  # model states + frozen parameters + activations + the runtime, per device
+    device_runtime: int = 0  # of which the CUDA context and the caching allocator's overhead (memory.py)
+    activation_room: int | None = None  # activation bytes any model shape may use per device (None: not known)
     verdicts: dict[str, Verdict] = field(default_factory=dict)  # "schedule/format" -> verdict
-    plain_device_bytes: int | None = None  # plain training without offload (16 B/param + activations)
+    plain_device_bytes: int | None = None  # plain training without offload (16 B/param + activations + runtime)
     fixes: list[str] = field(default_factory=list)  # the smallest changes that would fit, when nothing does
     cpu_state: str = "fp32"  # the option planned: the dtype of master, moments and gradient buffers on the host
 
@@ -146,7 +155,7 @@ def _plain(p: Plan) -> list[str]:
     line = (
         "plain training without offload (16 B/param on each GPU"
         + (" + activations" if p.activations else "")
-        + f"): {format_gb(p.plain_device_bytes)} of {p.machine.device_memory_gb:.1f} GB per GPU: {verdict}"
+        + f" + runtime): {format_gb(p.plain_device_bytes)} of {p.machine.device_memory_gb:.1f} GB per GPU: {verdict}"
     )
     if fits:
         line += "; zero_offload is not needed for memory, and plain training has no CPU step to wait for"
@@ -189,8 +198,19 @@ def _memory_table(p: Plan) -> list[str]:
         "device memory per GPU: "
         + ", ".join(f"{k} {format_gb(v)}" for k, v in p.device_bytes.items())
         + (f", activations {format_gb(p.activations.bytes)}" if p.activations else "")
+        + (f", runtime {format_gb(p.device_runtime)}" if p.device_runtime else "")
         + f" = {format_gb(p.device_total)} (ZeRO-2: every GPU holds all parameters, whatever the number of nodes)"
     )
     if p.activations:
         lines.append(f"  activations estimated as {p.activations.formula}")
+        if p.activations.assumed_shape:
+            lines.append(f"  n_layer not given: the shape is assumed, {p.activations.assumed_shape}")
+    if p.device_runtime:
+        lines.append(
+            f"  runtime: the CUDA context ({format_gb(DEVICE_CONTEXT_BYTES)}) and the caching allocator's overhead "
+            f"({ALLOCATOR_OVERHEAD:.0%} of the activations)"
+        )
+    if p.activation_room is not None:
+        room = "nothing" if p.activation_room <= 0 else format_gb(p.activation_room)
+        lines.append(f"  room for activations per GPU, after the model states and the runtime: {room}")
     return lines

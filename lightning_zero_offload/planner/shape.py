@@ -23,6 +23,7 @@ class ModelShape:
     count: int = 0
     frozen: int = 0  # parameters without requires_grad: no CPU state, but on the host until setup and on the device
     module_bytes: int = 0  # the module's parameters as built (0: assume fp32, 4 B each)
+    blocks: int | None = None  # a built model's longest list of repeated blocks (its layers); None: none found
 
     @property
     def params(self) -> int:
@@ -56,19 +57,62 @@ class ModelShape:
         matmul = 0
         for module in model.modules():
             if isinstance(module, nn.Linear):
-                matmul += module.weight.numel()
-                widths[module.in_features] = widths.get(module.in_features, 0) + module.weight.numel()
+                # The sizes, never ``module.weight``: on a parametrized layer that runs the parametrization
+                # (spectral_norm's power iteration updates its buffers in training mode).
+                weight = module.in_features * module.out_features
+                matmul += weight
+                widths[module.in_features] = widths.get(module.in_features, 0) + weight
                 key = (module.in_features, module.out_features)
                 linear[key] = linear.get(key, 0) + 1
         hidden = max(widths, key=widths.get) if widths else 1024
         matmul = matmul or sum(s.numel() for s in shapes)
         linear = linear or {(hidden, 4 * hidden): 1}
-        return cls(shapes, matmul, linear, hidden, frozen=frozen, module_bytes=module_bytes)
+        blocks = _repeated_blocks(model)
+        return cls(shapes, matmul, linear, hidden, frozen=frozen, module_bytes=module_bytes, blocks=blocks)
 
     @property
     def built_bytes(self) -> int:
         """Host bytes of the module's parameters as built (a parameter count: fp32)."""
         return self.module_bytes or 4 * (self.params + self.frozen)
+
+
+def _repeated_blocks(model: nn.Module) -> int | None:
+    """How many blocks the model's layers are: of its ModuleLists/Sequentials of two or more blocks of one class
+    that hold matmuls, the one with the most parameters (a transformer's layers, not a layer's experts); None if
+    it has none. Reads the module tree and parameter sizes only."""
+    best = None  # (parameters, blocks)
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) < 2 or len({type(child) for child in children}) > 1 or isinstance(children[0], nn.Linear):
+            continue
+        if any(isinstance(m, nn.Linear) for m in children[0].modules()):
+            candidate = (sum(p.numel() for p in module.parameters()), len(children))
+            best = max(best or candidate, candidate)
+    return best[1] if best else None
+
+
+# Depth of the planner's model family when only a parameter count is known (--largest's default too).
+DEFAULT_N_LAYER = 32
+
+
+def assumed_depth(shape: ModelShape, hidden_given: bool) -> tuple[int, int, str]:
+    """The transformer depth and width to estimate activations with when ``n_layer`` is not given, and how they
+    were chosen: a built model's own blocks; else, with the width known, the depth at which 12 x hidden^2 per
+    layer makes the parameter count; else the planner's family, DEFAULT_N_LAYER layers of :func:`width_for`."""
+    if shape.shapes is None and not hidden_given:
+        width = width_for(shape.params, DEFAULT_N_LAYER)
+        formula = f"sqrt(params / (12 x {DEFAULT_N_LAYER}))"
+        why = f"the planner's transformer for a parameter count (width {formula}, as --largest assumes)"
+        return DEFAULT_N_LAYER, width, f"{DEFAULT_N_LAYER} layers of width {width}, {why}"
+    width = shape.hidden
+    why_width = "as given" if hidden_given else "the model's most common matmul input width"
+    if shape.blocks:
+        depth, why_depth = shape.blocks, "the model's longest list of blocks"
+    else:
+        depth, why_depth = max(1, round(shape.params / (12 * width**2))), "params / (12 x width^2)"
+    return depth, width, f"{depth} layers ({why_depth}) of width {width} ({why_width})"
 
 
 def width_for(params: int, n_layer: int) -> int:

@@ -15,7 +15,9 @@ from lightning_zero_offload.planner.memory import (
     Activations,
     HostMemory,
     activation_estimate,
+    activation_room,
     device_memory,
+    device_runtime_bytes,
     host_memory,
 )
 from lightning_zero_offload.planner.shape import LayoutSummary, ModelShape, layout_summary
@@ -70,10 +72,12 @@ class Evaluation:
     layout: LayoutSummary
     host: dict[str, HostMemory]
     device_states: dict[str, int]
-    device_total: int
+    device_total: int  # model states + frozen parameters + activations + the runtime
     activations: Activations | None
     verdicts: dict[str, Verdict]
     resolved: dict[str, Resolved]
+    device_runtime: int = 0  # the CUDA context and the allocator's overhead (0 on a CPU device)
+    activation_room: int | None = None  # activation bytes the device has room for (None: its memory is not known)
 
     @property
     def fits(self) -> bool:
@@ -120,16 +124,25 @@ def evaluate(
     if n_layer:
         activations = activation_estimate(batch_size, seq_len, shape.hidden, n_layer, dtype, checkpointing)
     # Frozen parameters go to the device as they are (fp32 assumed); activations come on top.
-    total = sum(states.values()) + 4 * shape.frozen + (activations.bytes if activations else 0)
+    resident = sum(states.values()) + 4 * shape.frozen  # allocated once
+    per_step = activations.bytes if activations else 0
+    on_gpu = machine.device_type != "cpu"  # a CPU device is host memory: no CUDA runtime, counted on the host
+    runtime = device_runtime_bytes(per_step) if on_gpu else 0
+    total = resident + per_step + runtime
     host_gb = machine.host_memory_gb * GB
-    device_gb = None
-    if machine.device_type != "cpu" and machine.device_memory_gb is not None:  # a CPU device is host memory
+    device_gb = room = None
+    if on_gpu and machine.device_memory_gb is not None:
         device_gb = int(machine.device_memory_gb * GB)
+        room = activation_room(device_gb, resident)
     verdicts = {}
     for schedule in SCHEDULES:
         for checkpoint_format in CHECKPOINT_FORMATS:
             checks = host_checks(host[schedule], checkpoint_format, int(host_gb), schedule)
-            what = "model states" + (" + activations" if activations else "")
+            if activations:  # fails, whatever the activations are, when nothing is left for them
+                before = resident + (device_runtime_bytes(0) if on_gpu else 0)
+                name = "device memory per GPU, before activations (model states + runtime)"
+                checks.append(Check(name, before, device_gb))
+            what = "model states" + (" + activations" if activations else "") + (" + runtime" if on_gpu else "")
             checks.append(Check(f"device memory per GPU ({what})", total, device_gb))
             verdicts[f"{schedule}/{checkpoint_format}"] = Verdict(schedule, checkpoint_format, checks)
-    return Evaluation(layout, host, states, total, activations, verdicts, configs)
+    return Evaluation(layout, host, states, total, activations, verdicts, configs, runtime, room)

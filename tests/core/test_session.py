@@ -46,22 +46,24 @@ def start():
 
 
 def train(session: OffloadSession, steps: list, clip: float | None = None) -> None:
-    """What both front ends do per step: replan, backward between begin/finish, the recorded clip, step."""
+    """What both front ends do per step: replan, zero_grad, backward between begin/finish, the recorded
+    clip, step."""
     for batch in steps:
         session.before_training_forward()
         loss = loss_fn(session.module, batch)
-        session.engine.begin_backward()
+        session.zero_grad()
+        session.begin_backward()
         session.engine.scale_loss(loss).backward()
-        session.engine.finish_backward()
+        session.finish_backward()
         if clip is not None:
             session.clip_norm(clip)
         session.step()
 
 
 def backward(session: OffloadSession, batch) -> None:
-    session.engine.begin_backward()
+    session.begin_backward()
     loss_fn(session.module, batch).backward()
-    session.engine.finish_backward()
+    session.finish_backward()
 
 
 def mse(model: nn.Module, batch) -> torch.Tensor:
@@ -188,13 +190,13 @@ def test_param_keys_follow_the_engine_when_a_frozen_layer_becomes_trainable(star
     session = start(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
     batch = (torch.randn(4, 8), torch.randn(4, 8))
     for _ in range(2):
-        session.engine.begin_backward()
+        session.begin_backward()
         mse(session.module, batch).backward()
         session.step()
     assert [keys[0] for keys in session.param_keys] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     net[1].requires_grad_(True)
     session.before_training_forward()  # the engine re-plans: the middle layer joins the flat buffer
-    session.engine.begin_backward()
+    session.begin_backward()
     mse(session.module, batch).backward()
     session.step()
     assert [keys[0] for keys in session.param_keys] == [f"{i}.{n}" for i in range(3) for n in ("weight", "bias")]

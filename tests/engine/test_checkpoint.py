@@ -1,6 +1,7 @@
 """Checkpoint files: crash safety at every step of a save, safe temporaries, corruption named on load,
 the sharded format read back at another world size, and the export tool's safety checks."""
 
+import functools
 import os
 import random
 import shutil
@@ -282,6 +283,67 @@ def test_a_version_1_sharded_directory_still_loads(tmp_path):
     assert torch.equal(ckpt.load_sharded(root)["state_dict"]["w"], torch.ones(5))
     save_sharded_one_rank(root, 2.0)  # the next save replaces the old layout
     assert [p.name for p in root.iterdir()] == ["v000001"] and torch.equal(load_w(root), torch.full((5,), 2.0))
+
+
+def test_a_sharded_save_without_optimizer_state_writes_and_reads_the_weights_only(tmp_path):
+    """ModelCheckpoint(save_weights_only=True) leaves optimizer_states out of the checkpoint: the shards then
+    hold the master weights alone (the moments would be 2/3 of their bytes), and the load returns no
+    optimizer state, as a full-format file saved so, rather than a KeyError."""
+    full, weights_only = tmp_path / "full.ckpt", tmp_path / "weights.ckpt"
+    save_sharded_one_rank(full, 1.0)
+    meta = torch.load(in_version(full, META_FILE), weights_only=True)
+    meta.pop("optimizer_states")
+    flat = torch.ones(5)
+    shard = {name: flat for name in checkpoint_sharded.SHARD_KEYS}
+    ckpt.save_sharded(weights_only, shard, meta, 0, broadcast=lambda x: x, gather=lambda x: [x])
+    written = torch.load(in_version(weights_only, ckpt.shard_file(0)), weights_only=True)
+    assert sorted(written) == ["master", "rank", "save_id"]
+    loaded = ckpt.load_sharded(weights_only)
+    assert "optimizer_states" not in loaded and torch.equal(loaded["state_dict"]["w"], torch.ones(5))
+    assert "optimizer_states" in ckpt.load_sharded(full)
+
+
+def save_weights_only_at_rank(path: str, rank: int) -> list[str]:
+    """Rank ``rank`` of two saves ``w`` = 0..4 (3 values on rank 0, 2 and padding on rank 1) in a checkpoint
+    without optimizer state (only rank 0 holds it: the others learn it from rank 0); its shard's entries."""
+    import torch.distributed as dist
+
+    def broadcast(obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(obj):
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    meta = None
+    if rank == 0:
+        meta = {
+            "state_dict": {},
+            FORMAT_KEY: {
+                "format": "sharded",
+                "version": 2,
+                "world_size": 2,
+                "buckets": [{"shard_start": 0, "shard_numel": 3}],
+                "params": [{"keys": ["w"], "shape": [5], "bucket": 0, "offset": 0, "step": 1, "torch_index": 0}],
+            },
+        }
+    flat = torch.arange(6.0)[3 * rank : 3 * rank + 3]
+    ckpt.save_sharded(path, {name: flat for name in checkpoint_sharded.SHARD_KEYS}, meta, rank, broadcast, gather)
+    return sorted(torch.load(in_version(path, ckpt.shard_file(rank)), weights_only=True))
+
+
+@pytest.mark.slow  # two ranks in processes
+def test_at_two_ranks_no_rank_writes_moments_for_a_checkpoint_without_optimizer_state(tmp_path):
+    from ranks import run_ranks
+
+    path = tmp_path / "weights.ckpt"
+    entries = run_ranks(functools.partial(save_weights_only_at_rank, str(path)), 2, tmp_path)
+    assert entries == [["master", "rank", "save_id"]] * 2
+    loaded = ckpt.load_sharded(path)
+    assert "optimizer_states" not in loaded and torch.equal(loaded["state_dict"]["w"], torch.arange(5.0))
 
 
 # -- Lightning round trip ------------------------------------------------------------------------

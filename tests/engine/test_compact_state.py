@@ -302,8 +302,9 @@ def test_a_write_under_fp32_parameters_is_kept_as_the_bf16_master_holds_it(cpu_s
     masters = engine.master_params()
     index = next(i for i, p in enumerate(engine.params) if p is net[2].weight)
     assert torch.equal(masters[index], written.to(torch.bfloat16))
-    for p, master in zip(engine.params, masters):
-        assert torch.equal(p.detach(), master.float())
+    if cpu_step != "delayed":  # delayed: the others are the stale weights training goes on with (docs/dpu.md)
+        for p, master in zip(engine.params, masters):
+            assert torch.equal(p.detach(), master.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

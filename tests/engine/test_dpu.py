@@ -327,3 +327,141 @@ def test_a_write_under_delayed_then_a_checkpoint_resumes_bitwise():
     full.close()
     engine.close()
     assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(full_net.parameters(), net.parameters()))
+
+
+def delayed_engine(net, dtype, prediction, warmup=2) -> OffloadEngine:
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
+    return OffloadEngine(
+        opt, CPU, dtype, options(cpu_step="delayed", dpu_warmup_steps=warmup, dpu_weight_prediction=prediction)
+    )
+
+
+def evaluate(engine, net, dtype) -> bool:
+    """What the strategy does at validation start inside fit, then an evaluation forward. The evaluation
+    sees the latest master weights (the true ones, not a prediction); returns whether the device held
+    other weights for training before it."""
+    before = [p.detach().clone() for p in net.parameters()]
+    engine.sync()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
+        loss_fn(net, batches(1, seed=9)[0])
+    latest = [m.to(dtype) for m in engine.master_params()]
+    assert same(params(net), latest)
+    return not same(before, latest)
+
+
+def train_evaluating(dtype, prediction, evaluations=(), after_step=None, save_at=None, resume=None, steps=8):
+    """Steps of two micro-batches (gradient accumulation) under the delayed update, with evaluations where
+    ``evaluations`` says: ``(t, "window")`` between step t's two micro-batches (the update of step t-1
+    runs behind the first one), ``(t, "after")`` between step t and the next.
+
+    ``after_step(net, t)``: a callback writing the weights after step t (after its evaluation, if any).
+    ``save_at``: ``(t, "before" | "during")``: the state a checkpoint saves after step t, before or during
+    its evaluation. ``resume``: ``(engine, net, first_step)`` to continue. Returns the device weights after
+    each step, the final (closed) weights, the saved state and whether each evaluation changed the device.
+    """
+    if resume is None:
+        net = make_net()
+        engine, first = delayed_engine(net, dtype, prediction), 1
+    else:
+        engine, net, first = resume
+    data = batches(2 * steps)
+    device_after_step, changed, saved = [], [], None
+
+    def save():
+        return {
+            "master": engine.master_params(),
+            "optimizer": engine.optimizer_state_dict(),
+            "engine": engine.state_dict(),
+        }
+
+    for t in range(first, steps + 1):
+        for micro in (0, 1):  # the strategy's calls around each micro-batch
+            engine.before_training_forward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
+                loss = loss_fn(net, data[2 * (t - 1) + micro])
+            engine.begin_backward()
+            loss.backward()
+            engine.finish_backward()
+            if micro == 0 and (t, "window") in evaluations:
+                changed.append(evaluate(engine, net, dtype))
+        engine.step()
+        engine.zero_grad()
+        device_after_step.append([p.detach().clone() for p in net.parameters()])
+        if save_at == (t, "before"):
+            saved = save()
+        if (t, "after") in evaluations:
+            changed.append(evaluate(engine, net, dtype))
+            if save_at == (t, "during"):
+                saved = save()
+        if after_step is not None:
+            after_step(net, t)
+    engine.close()
+    return device_after_step, params(net), saved, changed
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# The warm-up is steps 1-2: from step 3 on, an evaluation shows the device other weights than training's.
+EVALUATIONS = [(2, "after"), (4, "window"), (5, "after"), (6, "after"), (7, "window")]
+
+
+@pytest.mark.parametrize(("dtype", "prediction"), PRECISIONS)
+def test_evaluations_inside_training_change_nothing_in_training(dtype, prediction):
+    """Evaluation (validation inside fit) sees the latest weights, and training goes on with the stale ones
+    it had, at every step as without the evaluation: between steps and inside an accumulation window."""
+    plain_steps, plain = train_evaluating(dtype, prediction)[:2]
+    steps, weights, _, changed = train_evaluating(dtype, prediction, EVALUATIONS)
+    for t, (a, b) in enumerate(zip(steps, plain_steps), start=1):
+        assert same(a, b), f"the device weights after step {t} differ from those of the run without evaluations"
+    assert same(weights, plain)
+    assert changed == [False, True, True, True, True]  # the evaluations saw other weights than training
+
+
+@pytest.mark.parametrize(("dtype", "prediction"), PRECISIONS)
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_checkpoint_around_an_evaluation_resumes_as_the_uninterrupted_run(dtype, prediction, when):
+    """A checkpoint written right before an evaluation (ModelCheckpoint(every_n_train_steps) at the last
+    batch of an epoch, then the epoch-end validation) or during it (monitoring a validation metric): the
+    resumed run, which does not evaluate again, trains as the uninterrupted run, which did."""
+    _, uninterrupted, saved, _ = train_evaluating(dtype, prediction, [(5, "after")], save_at=(5, when))
+    assert "pending" in saved["engine"]["schedule"]  # the update of step 5 is swapped in at step 6
+    net = make_net(seed=3)
+    engine = delayed_engine(net, dtype, prediction)
+    engine.load_master_params(saved["master"])
+    engine.load_optimizer_state_dict(saved["optimizer"])
+    engine.load_state_dict(saved["engine"])
+    resumed = train_evaluating(dtype, prediction, resume=(engine, net, 6))[1]
+    assert same(resumed, uninterrupted)
+    assert same(uninterrupted, train_evaluating(dtype, prediction)[1])  # and as a run that never evaluated
+
+
+def swap_an_average_in_and_out(net, t):
+    """Weight averaging around an evaluation: other weights in, the trained ones back."""
+    trained = [p.detach().clone() for p in net.parameters()]
+    with torch.no_grad():
+        for p in net.parameters():
+            p.mul_(0.5)
+        for p, w in zip(net.parameters(), trained):
+            p.copy_(w)
+
+
+def fill_first_weight(net, t):
+    """Every element written: the values are far from any the device may hold (a write of the value an
+    element already holds is no write; during an evaluation the device holds other weights than between steps)."""
+    if t in (4, 6):
+        with torch.no_grad():
+            net[0].weight.fill_(0.75 if t == 4 else -0.75)  # the weights are within +-0.3, then near 0.75
+
+
+@pytest.mark.parametrize(("dtype", "prediction"), PRECISIONS)
+def test_a_write_after_an_evaluation_is_a_write_between_steps(dtype, prediction):
+    """A write after the evaluation began (a callback at validation end or at the epoch's end) is merged as
+    a write between steps: the master and the weights training continues with take the written value."""
+    evaluations = [(4, "after"), (6, "after")]
+    plain = train_evaluating(dtype, prediction)[1]
+    assert same(train_evaluating(dtype, prediction, evaluations, swap_an_average_in_and_out)[1], plain)
+    filled = train_evaluating(dtype, prediction, evaluations, fill_first_weight)[1]
+    assert same(filled, train_evaluating(dtype, prediction, after_step=fill_first_weight)[1])
+    assert not same(filled, plain)  # the write changed the run

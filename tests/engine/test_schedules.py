@@ -60,6 +60,7 @@ def train(
     clip_norm: float | None = None,
     clip_value: float | None = None,
     inf_at: int | None = None,
+    spike: tuple[int, float] | None = None,
     announce_every_backward: bool = False,
     rank: int = 0,
     **kwargs,
@@ -78,6 +79,8 @@ def train(
             with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
                 # with two ranks the odd-step layer gets a gradient on one of them only
                 loss = nn.functional.cross_entropy(net(x, step + rank).float(), y) / accumulate
+            if spike is not None and step == spike[0]:
+                loss = loss * spike[1]  # one step's gradient this many times its usual size
             engine.scale_loss(loss).backward()
             engine.finish_backward()
         history.append(engine.step(clip_norm=clip_norm, clip_value=clip_value))
@@ -116,6 +119,19 @@ def median_norm() -> float:
     _, _, history = train("sync")
     norms = sorted(s.grad_norm for s in history)
     return norms[len(norms) // 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factor", [1.0, 1e1, 1e2, 1e3, 1e4, 1e5])
+@pytest.mark.parametrize("clip", [{"clip_norm": 1.0}, {"clip_value": 1.0}], ids=["norm", "value"])
+def test_a_clipped_spike_is_rolled_back_to_sync_bitwise_by_default(dtype, factor, clip):
+    """One step's gradient x``factor`` under clipping, with the default rollback: the speculated step is
+    taken back and redone as sync does it, whatever the strength (the undo's moments cancel there)."""
+    sync, sync_net, sync_history = train("sync", dtype, spike=(6, factor), **clip)
+    spec, spec_net, history = train("speculative", dtype, spike=(6, factor), **clip)
+    assert spec.resolved.speculation_rollback == "snapshot"
+    assert history[6].rolled_back or factor == 1.0  # the spike's step was speculated, then clipped
+    assert_bitwise(snapshot(spec, spec_net), snapshot(sync, sync_net))
 
 
 @pytest.mark.parametrize("rollback", ["snapshot", "undo"])
@@ -216,3 +232,30 @@ def test_speculative_equals_sync_at_two_ranks(tmp_path):
     from scenarios.schedules import speculative_against_sync  # it imports this module by its plain name
 
     run_ranks(speculative_against_sync, 2, tmp_path, timeout=240)  # every rank checks its results
+
+
+def test_speculation_gives_way_to_sync_where_its_snapshot_does_not_hide_and_is_tried_again(monkeypatch):
+    """The chooser, on a clock of its own: speculating steps that wait for the snapshot take 12 units, sync
+    steps 10; it measures sync after a late step, keeps the faster, and measures speculation again later."""
+    from lightning_zero_offload.engine.schedules import speculative
+
+    now = [0.0]
+    monkeypatch.setattr(speculative.time, "perf_counter", lambda: now[0])
+    chooser = speculative.SpeculationChooser()
+
+    def step(waited: float, speculating_takes: float = 12.0, sync_takes: float = 10.0) -> bool:  # seconds
+        speculated = chooser.speculating
+        chooser.forward_started()
+        chooser.waited_for_snapshot(waited if speculated else 0.0)
+        now[0] += speculating_takes if speculated else sync_takes
+        chooser.step_done(speculated)
+        return speculated
+
+    assert all(step(waited=0.0) for _ in range(5))  # the snapshot hid: nothing measured, nothing changes
+    assert step(waited=1.0) and step(waited=0.0) and step(waited=1.0)  # one late step at a time: nothing either
+    modes = [step(waited=1.0) for _ in range(8)]
+    assert modes[:5] == [True, False, False, False, False]  # late twice in a row, then three sync steps: sync wins
+    # sync holds for HOLD_STEPS steps from the choice (4 of them above), then speculation is measured again
+    assert not any(step(waited=1.0) for _ in range(speculative.SpeculationChooser.HOLD_STEPS - 4))
+    modes = [step(waited=1.0, speculating_takes=8.0) for _ in range(6)]
+    assert modes == [True] * 6  # faster now: it stays

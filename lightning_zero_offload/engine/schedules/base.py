@@ -41,6 +41,9 @@ class Schedule:
     name: ClassVar[str]
     rollbacks = 0  # speculated work taken back (only the speculative schedule has any)
     updates_during_backward = False  # the master changes before step() is called
+    # The step's gradients stay in the buffer backward fills, to be added to or stepped with again
+    # (torch keeps .grad until zero_grad); the delayed schedule's update reads them behind the next forward.
+    keeps_gradients_after_step = True
 
     def __init__(self, parts: ScheduleParts) -> None:
         self.parts = parts

@@ -14,6 +14,12 @@ holds what it was given, so a written element is one whose device value differs 
 element takes the written value as its master value *after* the pending update of step t (which still
 updates its moments): the write replaces the weights as they stand after the last step, as it would
 with a synchronous optimizer. Writes during forward/backward, while the update runs, are refused.
+
+Evaluation inside training (:meth:`DelayedSchedule.sync`) shows the device the latest weights ``W_t`` and
+keeps what training computes with next (the stale weights, and the swap-in of ``W_t`` at the next step);
+the next training forward gets the stale weights back. So evaluation, wherever and however often it runs,
+changes nothing in training: a run resumed from a checkpoint written before an evaluation that the
+resumed run does not repeat (or after one) trains as the uninterrupted run does.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from lightning_zero_offload.engine.update import Plan, Run, UpdatePipeline
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.parts import ScheduleParts
 
-MASTER, NEXT, SAVED = "master", "next", "saved"  # what the device was last given (DelayedSchedule.device_holds)
+# What the device was last given (DelayedSchedule.device_holds).
+MASTER, NEXT, SAVED, EVALUATION = "master", "next", "saved", "evaluation"
 
 
 class DelayedSchedule(Schedule):
@@ -64,13 +71,20 @@ class DelayedSchedule(Schedule):
         self.closed_state: dict[str, Any] | None = None
         # What the device was last given, to tell user writes apart: the master rounded to the device dtype,
         # next_params (a prediction), the gradient buffer not in use (SAVED: kept there when the update ran
-        # before the next forward, for a checkpoint), or unknown while an update runs (writes refused).
+        # before the next forward, for a checkpoint or an evaluation), the master for an evaluation while the
+        # weights training continues with wait in the spare buffer (EVALUATION), or unknown while an update
+        # runs (writes refused).
         self.device_holds: str | None = MASTER
 
     @property
     def active(self) -> bool:
         """Whether steps now run one step behind (after the warm-up)."""
         return self.parts.control.step_calls >= self.warmup_steps
+
+    @property
+    def keeps_gradients_after_step(self) -> bool:  # type: ignore[override]
+        """Only after a synchronous (warm-up) step: a delayed one hands its gradient buffer to the update."""
+        return not self.active_this_step
 
     @property
     def spare_grad(self) -> torch.Tensor:
@@ -81,6 +95,8 @@ class DelayedSchedule(Schedule):
 
     def before_forward(self) -> None:
         """Start the planned update on the worker, with the writes made since the step it belongs to."""
+        if self.device_holds == EVALUATION:
+            self._end_evaluation()
         if self.deferred is None:
             return
         plan, grad = self.deferred
@@ -249,7 +265,7 @@ class DelayedSchedule(Schedule):
         state.master[window][written] = values.to(state.dtype)
         if self.next_params is not None:  # what the next swap-in gives the device
             self.next_params[window][written] = values
-        if self.device_holds == SAVED:
+        if self.device_holds in (SAVED, EVALUATION):  # the weights the next training forward computes with
             self.spare_grad[window][written] = values.to(state.dtype)
         return int(written.sum())
 
@@ -258,14 +274,34 @@ class DelayedSchedule(Schedule):
         self.device_holds = MASTER
 
     def sync(self) -> None:
-        if self.extrapolate:
-            self.wait_update(keep_published=False)
-            if self.publish_due:  # the true weights, not the prediction waiting in next_params
-                self.parts.control.absorb_param_writes()
-                self.parts.publisher.refresh(self.parts.state.master)
-                self.publish_due = False
-                self.device_holds = MASTER
-        self.finish_pending_update()
+        """Evaluation: the device gets the latest weights, the true ``W_t`` (not a prediction), and training
+        keeps its own course: the weights it computes with until the next step (kept in the spare gradient
+        buffer) go back to the device at the next training forward (:meth:`_end_evaluation`), and ``W_t``
+        is swapped in at the next step, as without the evaluation."""
+        if self.device_holds == EVALUATION:
+            return
+        if self.pending is not None:  # started by a training forward whose step has not come yet
+            self.wait_update()
+            self.parts.control.absorb_param_writes()  # refused as at the step: written during forward/backward
+            load_shard(self.parts.layout, self.spare_grad, [p.detach() for p in self.parts.params])
+            self.device_holds = SAVED
+        else:
+            self.wait_update(keep_published=True)
+        if self.publish_due:
+            self._begin_evaluation()
+
+    def _begin_evaluation(self) -> None:
+        """SAVED -> EVALUATION: the device shows the master; what it held stays in the spare gradient buffer."""
+        self.parts.control.absorb_param_writes()  # into the kept weights too, before the device changes
+        self.parts.publisher.refresh(self.parts.state.master)
+        self.device_holds = EVALUATION
+
+    def _end_evaluation(self) -> None:
+        """EVALUATION -> SAVED: writes made since the evaluation began are merged (the master and the kept
+        weights take them, as writes between steps), then the device gets the kept weights back."""
+        self.parts.control.absorb_param_writes()
+        self.parts.publisher.refresh(self.spare_grad)
+        self.device_holds = SAVED
 
     def state_dict(self) -> dict[str, Any]:
         """With an update pending: the stale device params in use (and, with weight prediction, the
@@ -275,7 +311,12 @@ class DelayedSchedule(Schedule):
         self.settle()
         if not self.publish_due:
             return {}
+        evaluating = self.device_holds == EVALUATION
+        if evaluating:  # save what training computes with next, not the weights shown to the evaluation
+            self._end_evaluation()
         pending: dict[str, Any] = {"device_params": [p.detach().cpu().clone() for p in self.parts.params]}
+        if evaluating:
+            self._begin_evaluation()
         if self.extrapolate or self.next_from_checkpoint:
             pending["next_params"] = self.parts.control.full_tensors(self.next_params)
         return {"pending": pending}

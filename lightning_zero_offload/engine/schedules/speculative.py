@@ -16,15 +16,17 @@ After backward the engine validates:
 - overflow / inf / nan: every speculated bucket is rolled back and the step is skipped as in sync;
   buckets published during backward get the master's rounding again.
 
-Rolling back is ``"undo"`` (the step inverted algebraically by :func:`kernels.adam_undo`: no memory,
-one pass over the step's memory, equal to sync within fp32 rounding; its cost: docs/benchmarks.md,
-"Rolling a speculated step back") or ``"snapshot"`` (the bucket's
-state copied before the step: bitwise, 12 bytes of host memory per parameter (6 with bf16 state, where
-it is the only rollback) and that much extra
-traffic on every speculated step, on the worker). ``"auto"``
-takes the snapshot for fp16, where overflows are routine and the skipped step must leave the state
-exactly as sync does, and undo otherwise (a non-finite bf16/fp32 gradient is an error condition,
-and a clipped step within fp32 rounding of sync is what the undo gives); see docs/dpu.md.
+Rolling back is ``"snapshot"`` (``"auto"``'s choice: the bucket's state copied before its step, restored
+bitwise; 12 bytes of host memory per parameter, 6 with bf16 state) or ``"undo"`` (the step inverted
+algebraically by :func:`kernels.adam_undo`: no memory, but after a clipped spike the moments cancel and
+the redone step is far from sync: docs/benchmarks.md, "Rolling a speculated step back exactly"). The
+snapshot is taken on the update worker from the first forward of a step on, while the device computes
+(:meth:`SpeculativeSchedule.before_forward`), bucket by bucket in the order backward produces them; a
+bucket whose state changes after it was copied (a write to its parameters merged, a checkpoint loaded,
+users' views of the moments read) is copied again when it is speculated. Where copying the whole state
+takes longer than forward and backward, speculating costs more than it hides: where a step had to wait
+for the snapshot, :class:`SpeculationChooser` times a few steps as sync and keeps the faster (results do
+not depend on it; docs/benchmarks.md, "The GPU regime on a CPU").
 
 Only buckets whose parameters all got a gradient in this window and whose gradient is finite are
 speculated: their step count and hyperparameters are then known before the all-reduce that
@@ -60,8 +62,10 @@ must be issued in the same order everywhere.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -80,7 +84,6 @@ if TYPE_CHECKING:
 
 class SpeculativeSchedule(Schedule):
     name = "speculative"
-    updates_during_backward = True
     WINDOW = 8
     PAUSE_TRIGGERS = 4
     publish_during_backward = True  # see the module docstring; False publishes only after validation
@@ -95,6 +98,12 @@ class SpeculativeSchedule(Schedule):
         # dtype: the master is published).
         self.out = host_zeros(shard, parts.param_dtype, False) if parts.publisher.pool is not None else None
         self.snapshot = [parts.state.new_buffer() for _ in range(3)] if self.mode == "snapshot" else []
+        # Per bucket: the snapshot holds the bucket's state as it is now. Taken behind the forward (the host
+        # is free while the device computes it), so a speculated step only copies what changed since.
+        self.snapshot_current = [False] * len(parts.layout.buckets)
+        self.snapshotting: Future | None = None
+        self.chooser = SpeculationChooser()  # whether speculating pays where the snapshot does not hide
+        self.armed_this_step = False
         self.bucket_numel = [sum(seg.numel for seg in b.segments) for b in parts.layout.buckets]
         self.armed = False  # the backward running now ends an accumulation window
         self.hparams: list[kernels.AdamArgs] = []
@@ -113,8 +122,44 @@ class SpeculativeSchedule(Schedule):
         parts.grads.on_accumulated = self._on_bucket
 
     @property
+    def updates_during_backward(self) -> bool:  # type: ignore[override]
+        """The next backward that ends a window speculates (not paused for clipping, or for its cost)."""
+        return not self.paused
+
+    @property
     def paused(self) -> bool:
-        return sum(self.recent) >= self.PAUSE_TRIGGERS
+        return sum(self.recent) >= self.PAUSE_TRIGGERS or not self.chooser.speculating
+
+    # -- the snapshot, taken behind the forward -------------------------------------------------
+
+    def before_forward(self) -> None:
+        """Copy the state of every bucket whose snapshot is out of date, on the update worker, while the
+        device runs the forward; buckets in the order backward produces their gradients."""
+        self.chooser.forward_started()
+        if self.mode != "snapshot" or self.paused or self.snapshotting is not None:
+            return
+        # A bucket speculated for a step that has not come keeps its snapshot: it is that step's rollback.
+        due = [i for i, current in enumerate(self.snapshot_current) if not current and i not in self.speculated]
+        if due:
+            self.snapshotting = self.pipeline.worker.submit(self._take_snapshots, due)
+
+    def _take_snapshots(self, indices: list[int]) -> None:
+        buckets = self.parts.layout.buckets
+        for index in indices:
+            self.parts.state.snapshot(buckets[index].shard_range, self.snapshot)
+            self.snapshot_current[index] = True
+
+    def _snapshots_landed(self) -> None:
+        """Wait for the snapshot behind the forward (before the state changes, or is read as the rollback)."""
+        if self.snapshotting is not None:
+            snapshotting, self.snapshotting = self.snapshotting, None
+            snapshotting.result()
+
+    def _state_changes(self, buckets: list[int] | None = None) -> None:
+        """The state of these buckets (all: None) is about to change: their snapshot will be out of date."""
+        self._snapshots_landed()
+        for index in range(len(self.snapshot_current)) if buckets is None else buckets:
+            self.snapshot_current[index] = False
 
     # -- during backward -----------------------------------------------------------------------
 
@@ -123,6 +168,7 @@ class SpeculativeSchedule(Schedule):
             self.settle()
         self.parts.publisher.wait()  # the last copies to the device read the buffers speculation writes
         self.armed = step_follows and not self.paused
+        self.armed_this_step = self.armed_this_step or self.armed
         self.publishing = (
             self.armed and publish_early and self.publish_during_backward and self.parts.layout.world_size == 1
         )
@@ -152,7 +198,13 @@ class SpeculativeSchedule(Schedule):
             return
         start = time.perf_counter()
         window = bucket.shard_range
-        parts.state.snapshot(window, self.snapshot)
+        if self.mode == "snapshot":
+            waited = time.perf_counter()
+            self._snapshots_landed()
+            self.chooser.waited_for_snapshot(time.perf_counter() - waited)
+            if not self.snapshot_current[index]:  # changed since the forward began (or none was taken)
+                parts.state.snapshot(window, self.snapshot)
+            self.snapshot_current[index] = False  # the step below changes the state
         out = None if self.out is None else self.out[window]
         self.pipeline.update_bucket(bucket, runs, parts.state.grad, out)
         self.speculated[index] = runs
@@ -196,13 +248,25 @@ class SpeculativeSchedule(Schedule):
         self.speculated, self.early = {}, set()
         # The synchronous step for the rest; stale buckets are not in done, so they are updated again and
         # published.
+        self._state_changes()
         apply_now(self.parts, inputs, stats, done, self.out, published)
         self.stale = {}
+        self.chooser.step_done(self.armed_this_step)
+        self.armed_this_step = False
 
     def on_skip(self, stats: StepStats) -> None:
+        self.chooser.step_done(self.armed_this_step)
+        self.armed_this_step = False
         if self.speculated or self.stale:
             stats.rolled_back = bool(self.speculated)
             self.settle()
+
+    def on_weights_loaded(self) -> None:
+        self._state_changes()
+
+    def close(self) -> None:
+        super().close()
+        self._snapshots_landed()
 
     def published_chunk(self, bucket: Bucket) -> torch.Tensor | None:
         # A bucket published during backward and rolled back since: the device holds the speculated result.
@@ -212,6 +276,7 @@ class SpeculativeSchedule(Schedule):
         # A bucket written after its step was speculated is updated again from the written values.
         parts = self.parts
         parts.grads.wait()
+        self._state_changes(buckets)  # the merge writes into these buckets' master
         written = [index for index in buckets if index in self.speculated]
         kept = {}
         if self.out is None:  # the device was given the master itself, which the rollback changes
@@ -224,8 +289,10 @@ class SpeculativeSchedule(Schedule):
             self._roll_back(written, kept)
 
     def settle(self) -> None:
-        """Take back speculation that was not validated (no step, or a skipped one)."""
+        """Take back speculation that was not validated (no step, or a skipped one). The state may be read or
+        replaced after this (checkpoints, users' views of the moments): every snapshot is retaken."""
         self.parts.grads.wait()
+        self._state_changes()
         if self.speculated:
             self._roll_back(list(self.speculated))
         self._republish_stale()
@@ -279,6 +346,61 @@ class SpeculativeSchedule(Schedule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.recent = deque((bool(t) for t in state.get("recent_triggers", ())), maxlen=self.WINDOW)
         self.rollbacks = int(state.get("rollbacks", 0))
+
+
+class SpeculationChooser:
+    """Whether speculating pays, measured, where its snapshot does not hide behind forward and backward.
+
+    A step's time runs from its first forward to the end of the step. While the snapshot is ready when
+    the first speculated bucket needs it, speculating costs nothing extra and nothing changes. After a
+    step that waited for it (longer than 2% of the step and ``LATE_S``) ``LATE_STEPS`` times in a row,
+    the next ``PROBE_STEPS`` steps run as sync, and the faster of the two (median step time) runs for
+    the next ``HOLD_STEPS``; then the other one is timed again. Results do not depend on it: a
+    speculated step equals the synchronous one.
+    """
+
+    PROBE_STEPS = 3
+    HOLD_STEPS = 64
+    LATE_S = 5e-3  # a wait shorter than this is a thread waking up, not a snapshot that did not hide
+    LATE_STEPS = 2  # consecutive steps that waited, before sync is timed
+
+    def __init__(self) -> None:
+        self.speculating = True
+        self.probing = False
+        self.hold = 1  # steps before the choice may be measured again (the first step warms up)
+        self.times: dict[bool, deque[float]] = {True: deque(maxlen=self.PROBE_STEPS), False: deque(maxlen=3)}
+        self._start: float | None = None
+        self._waited = 0.0
+        self._late_steps = 0
+
+    def forward_started(self) -> None:
+        if self._start is None:
+            self._start = time.perf_counter()
+
+    def waited_for_snapshot(self, seconds: float) -> None:
+        self._waited += seconds
+
+    def step_done(self, speculated: bool) -> None:
+        start, waited, self._start, self._waited = self._start, self._waited, None, 0.0
+        if start is None:
+            return
+        elapsed = time.perf_counter() - start
+        if speculated == self.speculating:  # not a step paused for clipping
+            self.times[speculated].append(elapsed)
+        self.hold = max(0, self.hold - 1)
+        late = speculated and waited > max(self.LATE_S, 0.02 * elapsed)
+        self._late_steps = self._late_steps + 1 if late else 0
+        if self.probing:
+            if len(self.times[self.speculating]) >= self.PROBE_STEPS:
+                self._choose()
+        elif self.hold == 0 and (not self.speculating or self._late_steps >= self.LATE_STEPS):
+            self.probing, self.speculating = True, not self.speculating  # measure the other one
+            self.times[self.speculating].clear()
+
+    def _choose(self) -> None:
+        medians = {mode: statistics.median(times) for mode, times in self.times.items() if times}
+        self.speculating = medians.get(True, 0.0) <= medians.get(False, float("inf"))
+        self.probing, self.hold = False, self.HOLD_STEPS
 
 
 def _exceeds(grad: torch.Tensor, limit: float) -> bool:
