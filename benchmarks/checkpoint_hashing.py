@@ -18,7 +18,7 @@ import zlib
 
 import torch
 
-from lightning_zero_offload.engine.checkpoint_files import Location, file_record, save_file
+from lightning_zero_offload.checkpoints.files import Location, file_record, save_file
 
 
 def best(repeats: int, fn) -> float:

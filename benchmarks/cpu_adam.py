@@ -65,7 +65,7 @@ from pathlib import Path
 import torch
 
 from lightning_zero_offload import kernels
-from lightning_zero_offload.engine import memory
+from lightning_zero_offload.engine.infra import memory
 from lightning_zero_offload.kernels._native import lib as native_lib
 from lightning_zero_offload.optim import CPUAdam
 

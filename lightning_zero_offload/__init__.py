@@ -3,35 +3,44 @@
 Importing the package registers the ``"zero_offload"`` strategy name, so that
 ``Trainer(strategy="zero_offload")``, ``Fabric(strategy="zero_offload")`` and
 ``trainer.strategy: zero_offload`` in LightningCLI YAML work.
+
+The engine, the kernels, the checkpoint formats, the planner and ``CPUAdam`` need torch alone: where
+Lightning cannot be imported, the package imports without its two front ends (``trainer/``, ``fabric/``)
+and registers nothing.
 """
 
-from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
-from lightning.pytorch.strategies import StrategyRegistry
-
-from lightning_zero_offload.callbacks import OffloadMetrics
-from lightning_zero_offload.engine.checkpoint import CheckpointError, convert_checkpoint_to_fp32_state_dict
+from lightning_zero_offload.checkpoints import CheckpointError, convert_checkpoint_to_fp32_state_dict
+from lightning_zero_offload.core.model_rules import ModelMismatchError
 from lightning_zero_offload.engine.failures import NonFiniteLossError
-from lightning_zero_offload.engine.model_checks import ModelMismatchError
-from lightning_zero_offload.fabric import ZeroOffloadFabricStrategy
-from lightning_zero_offload.fabric_precision import ZeroOffloadFabricPrecision
 from lightning_zero_offload.optim import CPUAdam
 from lightning_zero_offload.planner import plan
-from lightning_zero_offload.precision import ZeroOffloadPrecision
-from lightning_zero_offload.strategy import ZeroOffloadStrategy
-
-ZeroOffloadStrategy.register_strategies(StrategyRegistry)
-ZeroOffloadFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
 __all__ = [
     "CheckpointError",
     "CPUAdam",
     "ModelMismatchError",
     "NonFiniteLossError",
-    "OffloadMetrics",
-    "ZeroOffloadFabricPrecision",
-    "ZeroOffloadFabricStrategy",
-    "ZeroOffloadPrecision",
-    "ZeroOffloadStrategy",
     "convert_checkpoint_to_fp32_state_dict",
     "plan",
 ]
+
+try:
+    import lightning  # noqa: F401
+except ImportError:  # torch alone: no front end to register
+    pass
+else:
+    from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_zero_offload.fabric import ZeroOffloadFabricPrecision, ZeroOffloadFabricStrategy
+    from lightning_zero_offload.trainer import OffloadMetrics, ZeroOffloadPrecision, ZeroOffloadStrategy
+
+    ZeroOffloadStrategy.register_strategies(StrategyRegistry)
+    ZeroOffloadFabricStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
+    __all__ += [
+        "OffloadMetrics",
+        "ZeroOffloadFabricPrecision",
+        "ZeroOffloadFabricStrategy",
+        "ZeroOffloadPrecision",
+        "ZeroOffloadStrategy",
+    ]

@@ -22,8 +22,8 @@ import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
-# Importing the package registers the "zero_offload" strategy, so `trainer.strategy: zero_offload` resolves.
-import lightning_zero_offload  # noqa: F401
+# The package's __init__.py, run before this module, registered "zero_offload": `trainer.strategy: zero_offload`
+# resolves.
 from lightning_zero_offload.demo import GPT, StdlibCorpusDataModule
 from lightning_zero_offload.planner.cli import importable_cwd
 

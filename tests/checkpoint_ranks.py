@@ -10,8 +10,8 @@ from engine_helpers import CPU, options
 from torch import nn
 
 import lightning_zero_offload  # noqa: F401 - imported before the rank's group exists (see ranks._rank_main)
+from lightning_zero_offload.checkpoints import CheckpointError, atomic_save, load_checkpoint_file
 from lightning_zero_offload.core import ENGINE_STATE_KEY, OffloadSession
-from lightning_zero_offload.engine.checkpoint import CheckpointError, atomic_save, load_checkpoint_file
 
 WIDTH, LAYERS = 512, 32  # 8.4M parameters: gathering the fp32 state (12 B/param) would add about 100 MB
 BUCKET_MB = 1.0  # fp32: a weight (1 MiB) per bucket, the biases together: rank 0 writes from 1 MiB at a time

@@ -5,7 +5,8 @@ import torch
 from engine_helpers import CPU, options
 from torch import nn
 
-from lightning_zero_offload.engine import OffloadEngine, grads
+from lightning_zero_offload.engine import OffloadEngine
+from lightning_zero_offload.engine.step import streamer as grads
 
 ORDERS = ("forward", "reversed", "shuffled")
 WIDTH = 8

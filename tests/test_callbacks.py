@@ -8,8 +8,8 @@ from helpers import QUIET, Classifier, loader
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_zero_offload import OffloadMetrics, ZeroOffloadPrecision, ZeroOffloadStrategy
-from lightning_zero_offload.callbacks import format_summary
 from lightning_zero_offload.engine import OffloadEngine
+from lightning_zero_offload.trainer.callbacks import format_summary
 
 
 def test_metrics_are_logged_per_optimizer_step_and_summary_printed(tmp_path, caplog):

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lightning_zero_offload import ZeroOffloadFabricStrategy, ZeroOffloadStrategy, convert_checkpoint_to_fp32_state_dict
-from lightning_zero_offload.engine.checkpoint import META_FILE, CheckpointError, current_version, shard_file
+from lightning_zero_offload.checkpoints import META_FILE, CheckpointError, current_version, shard_file
 
 
 def run(fmt, epochs, ckpt_path=None, model=None, checkpoint_io=None, fit_kwargs=None, **kwargs):
@@ -126,7 +126,7 @@ def test_a_sharded_checkpoint_fails_torch_load_as_the_docs_say_and_the_export_th
     readme = " ".join((root / "README.md").read_text().split())
     assert "a sharded checkpoint is a directory, which those refuse with `IsADirectoryError`" in readme
     assert "`zero-offload-convert`" in readme
-    from lightning_zero_offload.engine.checkpoint import main as convert
+    from lightning_zero_offload.checkpoints.export import main as convert
 
     convert([str(path), str(tmp_path / "fp32.pt")])
     fresh = Classifier()

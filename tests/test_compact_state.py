@@ -28,7 +28,7 @@ from lightning_zero_offload import (
     convert_checkpoint_to_fp32_state_dict,
 )
 from lightning_zero_offload.cli import cli_main
-from lightning_zero_offload.precision import ENGINE_STATE_KEY
+from lightning_zero_offload.trainer.precision import ENGINE_STATE_KEY
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

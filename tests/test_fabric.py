@@ -25,7 +25,7 @@ from lightning_zero_offload import (
     ZeroOffloadFabricStrategy,
     convert_checkpoint_to_fp32_state_dict,
 )
-from lightning_zero_offload.engine.checkpoint import FABRIC_KEY
+from lightning_zero_offload.checkpoints import FABRIC_KEY
 
 SCENARIO = Path(__file__).parent / "scenarios" / "fabric_train.py"
 

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_zero_offload import ZeroOffloadStrategy
-from lightning_zero_offload.fabric import ZeroOffloadFabricStrategy
+from lightning_zero_offload.fabric.strategy import ZeroOffloadFabricStrategy
 
 FRONT_ENDS = [ZeroOffloadStrategy, ZeroOffloadFabricStrategy]
 

@@ -23,11 +23,10 @@ from lightning_zero_offload.planner import (
     largest_models,
     measure_machine,
     plan,
-    presets,
-    probes,
     with_rates,
 )
 from lightning_zero_offload.planner.cli import main
+from lightning_zero_offload.planner.machine import presets, probes
 from lightning_zero_offload.planner.memory import DEVICE_CONTEXT_BYTES, host_memory
 from lightning_zero_offload.planner.preflight import SKIP_CHECK_ENV
 from lightning_zero_offload.planner.shape import LayoutSummary, ModelShape

@@ -12,7 +12,8 @@ from torch.nn.utils import parametrizations
 
 from lightning_zero_offload import ZeroOffloadStrategy
 from lightning_zero_offload.engine.options import OffloadOptions
-from lightning_zero_offload.planner import check_host_memory, plan, presets, probes
+from lightning_zero_offload.planner import check_host_memory, plan
+from lightning_zero_offload.planner.machine import presets, probes
 from lightning_zero_offload.planner.shape import ModelShape
 from tests.helpers import QUIET, assert_same_weights, loader
 

@@ -9,7 +9,7 @@ from helpers import QUIET, WEIGHTS_ONLY, Classifier, loader
 
 import lightning_zero_offload  # noqa: F401  (registers the strategy)
 from lightning_zero_offload import ZeroOffloadPrecision, ZeroOffloadStrategy
-from lightning_zero_offload.precision import ENGINE_STATE_KEY
+from lightning_zero_offload.trainer.precision import ENGINE_STATE_KEY
 
 
 def _fit_warnings(strategy="zero_offload", **trainer_kwargs) -> list[str]:

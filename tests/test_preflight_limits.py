@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lightning_zero_offload import ZeroOffloadStrategy
-from lightning_zero_offload.planner import probes
+from lightning_zero_offload.planner.machine import probes
 from lightning_zero_offload.planner.preflight import SKIP_CHECK_ENV
 
 MIB = 2**20

@@ -24,7 +24,7 @@ import lightning_zero_offload  # noqa: F401  (registers "zero_offload")
 from lightning_zero_offload import NonFiniteLossError, ZeroOffloadPrecision, ZeroOffloadStrategy
 from lightning_zero_offload.core import collective_timeout
 from lightning_zero_offload.engine import OffloadEngine
-from lightning_zero_offload.engine.state import full_tensors
+from lightning_zero_offload.engine.state_dicts import full_tensors
 
 SCENARIO = Path(__file__).parent / "scenarios" / "failures.py"
 HARD_TIMEOUT_S = 240  # the machine may be loaded: starting two ranks can take a minute

@@ -16,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 import lightning_zero_offload  # noqa: F401  (registers "zero_offload")
 from lightning_zero_offload import ZeroOffloadPrecision, ZeroOffloadStrategy, kernels
 from lightning_zero_offload.demo.data import ResumableLoader
-from lightning_zero_offload.precision import ENGINE_STATE_KEY
+from lightning_zero_offload.trainer.precision import ENGINE_STATE_KEY
 
 
 def fit(strategy="zero_offload", precision="32-true", model=None, data=None, **trainer_kwargs):

@@ -2,16 +2,12 @@
 
 :mod:`.options` holds what they take (options, precision, timeout, validated once); :mod:`.session`
 what they do (build the engine, the master-weight state dict, saving and loading, the pending clip,
-``zero_grad``); :mod:`.optimizer` the optimizer for a loop that steps itself; :mod:`.teardown` the end
-of a run; :mod:`.fabric_checkpoints` Fabric's checkpoint layout. ``strategy.py``/``precision.py`` and
-``fabric.py`` translate Lightning's hooks into it.
+``zero_grad``); :mod:`.optimizer` the optimizer for a loop that steps itself; :mod:`.gradients` what
+``p.grad`` says; :mod:`.checkpoint_io` the one checkpoint path of both front ends; :mod:`.model_rules` the
+models the engine refuses; :mod:`.teardown` the end of a run. ``trainer/`` and ``fabric/`` translate
+Lightning's hooks into it.
 """
 
-from lightning_zero_offload.core.fabric_checkpoints import (
-    fabric_checkpoint_from_sharded,
-    restore_objects,
-    sharded_from_fabric_checkpoint,
-)
 from lightning_zero_offload.core.optimizer import OffloadedOptimizer
 from lightning_zero_offload.core.options import (
     OPTION_NAMES,
@@ -42,12 +38,9 @@ __all__ = [
     "all_gather_objects",
     "coerced_precision",
     "collective_timeout",
-    "fabric_checkpoint_from_sharded",
     "make_offload_options",
     "move_untrained_to",
     "release_after_failure",
     "release_process_group",
     "resolve_precision",
-    "restore_objects",
-    "sharded_from_fabric_checkpoint",
 ]

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from lightning_zero_offload.engine import LossScalerConfig, OffloadOptions
-from lightning_zero_offload.engine.checks import check_real
+from lightning_zero_offload.engine.option_values import check_real
 from lightning_zero_offload.engine.options import GROUPED_OPTION_NAMES, DelayedOptions, SpeculativeOptions
 
 _GROUPS = {"loss_scaler": LossScalerConfig, "delayed": DelayedOptions, "speculative": SpeculativeOptions}

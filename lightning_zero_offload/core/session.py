@@ -1,8 +1,8 @@
 """What both front ends do, written once: one module and its optimizer trained by the offload engine.
 
-Plain torch and the engine; no Trainer and no Fabric. The Trainer strategy (``strategy.py`` with
-``precision.py``) and the Fabric strategy (``fabric.py``) translate Lightning's hooks into calls on an
-:class:`OffloadSession`, as Lightning's own ``pytorch/strategies/fsdp.py`` imports its helpers from
+Plain torch and the engine; no Trainer and no Fabric. The Trainer strategy (``trainer/strategy.py`` with
+``trainer/precision.py``) and the Fabric strategy (``fabric/strategy.py``) translate Lightning's hooks
+into calls on an :class:`OffloadSession`, as Lightning's own ``pytorch/strategies/fsdp.py`` imports its helpers from
 ``fabric/strategies/fsdp.py``:
 
 - setup: :func:`move_untrained_to`, then :meth:`OffloadSession.start` (model checks, host-memory
@@ -14,7 +14,7 @@ Plain torch and the engine; no Trainer and no Fabric. The Trainer strategy (``st
 
 Around it: the optimizer for a loop that calls ``step()`` itself (``core/optimizer.py``), the end of a
 run after a failure or at exit (``core/teardown.py``) and Fabric's checkpoint layout
-(``core/fabric_checkpoints.py``).
+(``fabric/checkpoints.py``).
 """
 
 from __future__ import annotations
@@ -29,25 +29,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_zero_offload.checkpoints import ENGINE_STATE_KEY, FORMAT_KEY, PathLike, save_sharded, sharded_layout
+from lightning_zero_offload.checkpoints.streamed import BucketStream, serve_full_save
+from lightning_zero_offload.checkpoints.writer import StreamedStorages
 from lightning_zero_offload.core.gradients import GradientView
-from lightning_zero_offload.core.options import STRATEGY_DESCRIPTION, resolve_precision
-from lightning_zero_offload.engine import OffloadEngine, OffloadOptions, StepStats
-from lightning_zero_offload.engine.checkpoint import FORMAT_KEY, save_sharded, sharded_layout
-from lightning_zero_offload.engine.checkpoint_files import PathLike
-from lightning_zero_offload.engine.checkpoint_writer import StreamedStorages
-from lightning_zero_offload.engine.collectives import broadcast_tensors_
-from lightning_zero_offload.engine.model_checks import (
+from lightning_zero_offload.core.model_rules import (
     check_param_dtypes,
     check_same_on_all_ranks,
     check_unique_params,
     describe_model,
 )
-from lightning_zero_offload.engine.state import BucketStream, buffers_shared_for_save, serve_full_save
+from lightning_zero_offload.core.options import STRATEGY_DESCRIPTION, resolve_precision
+from lightning_zero_offload.engine import OffloadEngine, OffloadOptions, StepStats
+from lightning_zero_offload.engine.infra.collectives import broadcast_tensors_
+from lightning_zero_offload.engine.state_dicts import buffers_shared_for_save
 from lightning_zero_offload.planner import check_host_memory
-
-# The engine's own state (step count, loss scale, a pending schedule state) in a checkpoint: a top-level
-# entry of a Trainer checkpoint, an entry of the optimizer state in a Fabric one. Same key, same content.
-ENGINE_STATE_KEY = "zero_offload_engine"
 
 
 class OffloadSession:
@@ -273,10 +269,11 @@ class OffloadSession:
         """Every rank writes its shard of the master weights and moments, rank 0 also ``checkpoint`` (with
         the layout a loader needs at any world size) as ``meta.pt``: a new version directory, complete
         before it replaces an existing one. ``broadcast(obj)``: rank 0's ``obj`` on every rank."""
+        engine = self.engine
         if rank == 0:
-            checkpoint[FORMAT_KEY] = sharded_layout(self.engine, self.param_keys)
+            checkpoint[FORMAT_KEY] = sharded_layout(engine.layout, self.param_keys, engine.steps, engine.torch_index)
         meta = checkpoint if rank == 0 else None
-        save_sharded(path, self.engine.shard_state_dict(), meta, rank, broadcast, all_gather_objects)
+        save_sharded(path, engine.shard_state_dict(), meta, rank, broadcast, all_gather_objects)
 
     def load_master_weights(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """The trainable weights of a module state dict into the master weights (and the device copies).

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from lightning_zero_offload.engine.collectives import abandon_process_group
+from lightning_zero_offload.engine.infra.collectives import abandon_process_group
 
 if TYPE_CHECKING:
     from lightning_zero_offload.core.session import OffloadSession

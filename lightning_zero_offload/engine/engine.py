@@ -1,19 +1,19 @@
 """The offload engine: the orchestrator of one training step, built from parts that own their state.
 
 ```
-backward (device)  -> gradient source (engine/grads.py): hooks, buckets, [reduce-scatter],
+backward (device)  -> gradient source (engine/step/streamer.py): hooks, buckets, [reduce-scatter],
                       accumulate into the CPU state's gradient buffer, with sums and inf/nan flags
 step()             -> global norm + overflow (one all-reduce) -> skip, or clip x unscale factor
                    -> the schedule runs the plan: fused CPU Adam per bucket on the CPU state
-                      (engine/cpu_state.py), writing the low-precision copy in the same pass
+                      (engine/step/cpu_state.py), writing the low-precision copy in the same pass
                       (bf16 state: the master is that copy)
-                   -> the publisher (engine/publisher.py) copies each bucket back [all-gather]
+                   -> the publisher (engine/step/publisher.py) copies each bucket back [all-gather]
 ```
 
 The parts: the CPU state (master, moments, gradient buffer, step counts), the gradient source
-(engine/gradient_source.py: the streamer, or the in-place source), the publisher (or a null one in
+(engine/step/gradient_source.py: the streamer, or the in-place source), the publisher (or a null one in
 place) and the schedule (engine/schedules/: *when* each bucket's update runs), which gets the parts
-through engine/parts.py's ``ScheduleParts``, with this class only behind its four-member
+through engine/step/parts.py's ``ScheduleParts``, with this class only behind its four-member
 ``StepControl``. This module builds them and makes the decisions they share (norm, overflow, clip,
 skip); engine/lifecycle.py holds the rest of the engine's life (re-planning, state in and out,
 teardown, the failure path).
@@ -23,7 +23,7 @@ single copy (or one all-gather). The CPU holds only this rank's shard: master, t
 gradient buffer, fp32 (16 bytes per owned parameter) or bf16 with ``cpu_state="bf16"`` (8), plus a few
 bucket-sized staging buffers.
 Where nothing would be offloaded (a CPU device, fp32, one process, the sync step) the engine runs in
-place instead (engine/in_place.py): an in-place gradient source and a null publisher, the parameters
+place instead (engine/step/in_place.py): an in-place gradient source and a null publisher, the parameters
 views of the fp32 master and gradients where backward left them.
 Plain torch: no Lightning imports, so it can be driven and tested without a Trainer.
 """
@@ -33,38 +33,38 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from lightning_zero_offload import kernels
-from lightning_zero_offload.engine import state as state_io
-from lightning_zero_offload.engine.adam import check_optimizer
-from lightning_zero_offload.engine.cpu_state import CpuState, ParkedState, rounding_seed
+from lightning_zero_offload.engine import state_dicts
 from lightning_zero_offload.engine.failures import NonFinitePolicy
-from lightning_zero_offload.engine.gradient_source import GradientSource, global_summary
-from lightning_zero_offload.engine.grads import GradientStreamer
-from lightning_zero_offload.engine.in_place import InPlaceGradients, InPlaceUpdate
-from lightning_zero_offload.engine.layout import Layout, build_layout
-from lightning_zero_offload.engine.ledger import records_allocations
+from lightning_zero_offload.engine.infra.ledger import records_allocations
+from lightning_zero_offload.engine.infra.memory import can_pin
+from lightning_zero_offload.engine.infra.streams import worker_pool
 from lightning_zero_offload.engine.lifecycle import EngineLifecycle
-from lightning_zero_offload.engine.memory import can_pin
 from lightning_zero_offload.engine.optimizer_hooks import has_step_hooks, step_hooks
+from lightning_zero_offload.engine.optimizer_support import check_optimizer
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
-from lightning_zero_offload.engine.parts import ScheduleParts, Update
-from lightning_zero_offload.engine.publisher import LOW_PRECISION, NullPublisher, Publisher
 from lightning_zero_offload.engine.save_sharing import SaveSharing
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, make_schedule
 from lightning_zero_offload.engine.stats import StepStats
-from lightning_zero_offload.engine.streams import worker_pool
-from lightning_zero_offload.engine.update import UpdatePipeline
+from lightning_zero_offload.engine.step.cpu_state import CpuState, ParkedState, rounding_seed
+from lightning_zero_offload.engine.step.gradient_source import GradientSource
+from lightning_zero_offload.engine.step.in_place import InPlaceGradients, InPlaceUpdate
+from lightning_zero_offload.engine.step.layout import Layout, build_layout
+from lightning_zero_offload.engine.step.parts import ScheduleParts, Update
+from lightning_zero_offload.engine.step.publisher import LOW_PRECISION, NullPublisher, Publisher
+from lightning_zero_offload.engine.step.streamer import GradientStreamer
+from lightning_zero_offload.engine.step.update import UpdatePipeline
+from lightning_zero_offload.engine.window import AccumulationWindow, CarriedGradients
 
 __all__ = ["OffloadEngine", "StepStats"]
 
 
-class OffloadEngine(EngineLifecycle):
+class OffloadEngine(AccumulationWindow, EngineLifecycle):
     """Owns the CPU optimizer state of the trainable parameters of ``optimizer`` and updates them.
 
     Args:
@@ -115,7 +115,7 @@ class OffloadEngine(EngineLifecycle):
         self.failed = False  # closed after an exception, without gathering (see _close_after_failure)
         self._closed = False
         self._parked = ParkedState()  # moments and step counts of parameters that left the trainable set
-        self.save_sharing = SaveSharing()  # how a full save takes the state (engine/state.py)
+        self.save_sharing = SaveSharing()  # how a full save takes the state (engine/state_dicts.py)
         # bf16 state: the seed of its stochastic rounding, rank 0's on every rank (checkpoints keep it).
         compact = resolved.state_dtype != torch.float32
         self._rounding_seed = rounding_seed(process_group if world > 1 else None, device, world) if compact else 0
@@ -153,7 +153,7 @@ class OffloadEngine(EngineLifecycle):
             self.layout, self.group_of, not self.in_place, self.resolved.state_dtype, self._rounding_seed
         )
         self._original_dtypes = [p.dtype for p in self.params]
-        state_io.load_shard(self.layout, self.master, [p.detach() for p in self.params])
+        state_dicts.load_shard(self.layout, self.master, [p.detach() for p in self.params])
 
         # The device copy of the parameters, the gradients' way to the CPU and the update: in place, neither
         # moves and the update is one native call per param group.
@@ -367,109 +367,6 @@ class OffloadEngine(EngineLifecycle):
             stacklevel=3,
         )
 
-    def grad_norm(self) -> float:
-        """The total 2-norm of this window's gradients, unscaled (``inf`` if any is inf/nan), as
-        ``torch.nn.utils.clip_grad_norm_`` returns it. Ends the backward first. With several ranks it
-        costs one all-reduce, which the coming ``step()`` reuses instead of issuing its own.
-        """
-        self._take_up_carried("a gradient norm taken after optimizer.step() without optimizer.zero_grad()")
-        self.finish_backward()
-        sumsq, overflow, _ = self._global_grad_summary()
-        return math.inf if overflow else math.sqrt(sumsq) / self.loss_scale
-
-    def gradients(self) -> list[torch.Tensor | None]:
-        """Each trainable parameter's gradient of the window, unscaled and whole (None where no rank has
-        one), on the CPU: at one rank views of the engine's buffer (in place the very tensors the step will
-        read), valid until the next backward or step; at several, gathered copies (a collective, with the
-        gradient summary the coming step reuses)."""
-        self._take_up_carried("the gradients read after optimizer.step() without optimizer.zero_grad()")
-        self.finish_backward()
-        if self.layout.world_size == 1:  # every gradient is here whole: views, no summary needed
-            has_grad = self.grads.has_grad
-            if self.in_place:
-                values = self.grads.held()
-            else:
-                with state_io.buffers_shared_for_save(self):
-                    values = self.full_tensors(self.state.grad)  # type: ignore[arg-type]
-        else:
-            _, _, has_grad = self._global_grad_summary()  # which parameters any rank has a gradient for
-            values = self.full_tensors(self.state.grad)  # type: ignore[arg-type]
-        scale = self.loss_scale
-        return [
-            None if not has or value is None else (value if scale == 1.0 else value.float() / scale)
-            for value, has in zip(values, has_grad)
-        ]
-
-    def set_gradients(self, values: dict[int, torch.Tensor | None]) -> None:
-        """Replace the gradients of some trainable parameters (by index) with whole unscaled tensors, or
-        drop them (None): as a user's assignment to ``p.grad`` does before torch's step. Every rank must pass
-        the same values (each keeps its shard)."""
-        if not values:
-            return
-        self._take_up_carried("the gradients written after optimizer.step() without optimizer.zero_grad()")
-        self.finish_backward()
-        if self.schedule.updates_during_backward:
-            self.schedule.settle()  # steps speculated from the gradients as they were are taken back
-        scale = self.loss_scale
-        scaled: dict[int, torch.Tensor | None] = {}
-        for index, value in values.items():
-            scaled[index] = None if value is None else value.detach().to("cpu", torch.float32)
-            if value is not None and scale != 1.0:
-                scaled[index] = scaled[index] * scale  # type: ignore[operator]
-        self.grads.set_gradients(scaled)
-        self._grad_summary = None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """``optimizer.zero_grad()``: drop the gradients (or, ``set_to_none=False``, make every gradient
-        that exists zero: as in torch, its parameter is then updated by the next step even if no backward
-        reaches it)."""
-        self.finish_backward()
-        self._carried = None
-        if set_to_none:
-            self.grads.new_window()
-        else:
-            self.grads.zero_window()
-        self._grad_summary = None
-
-    def _end_window(self, keep_grads: bool, carried: CarriedGradients) -> None:
-        if keep_grads:
-            self._carried = carried
-        else:
-            self.grads.new_window()
-            self._grad_summary = None
-
-    def _take_up_carried(self, what: str) -> None:
-        """The gradients the last step left are used again (``what`` does so), as torch keeps ``.grad``
-        until ``zero_grad``: give them what that step did to them in place (clipping), or refuse where
-        they are not kept."""
-        carried, self._carried = self._carried, None
-        if carried is None:
-            return
-        if not self.schedule.keeps_gradients_after_step:
-            raise RuntimeError(
-                f"zero_offload: {what}. With cpu_step='delayed' the step's update still reads those gradients "
-                "behind the next forward, so they cannot be added to or stepped again. Call optimizer.zero_grad() "
-                "after each step (Lightning's automatic optimization does), or use cpu_step='sync' or 'speculative'."
-            )
-        if self.scaler is not None:
-            raise RuntimeError(
-                f"zero_offload: {what}. Under precision='16-mixed' the kept gradients are scaled by the loss "
-                "scale of their own step, so adding to them or stepping with them again mixes scales. Call "
-                "optimizer.zero_grad() after each step (Lightning's automatic optimization does)."
-            )
-        if carried.clip_coef != 1.0:  # torch's clip_grad_norm_ scaled .grad in place
-            self.grads.for_each_grad_range(lambda grad: grad.mul_(carried.clip_coef))
-        if carried.clip_coef != 1.0 or carried.clamped:
-            self.grads.refresh_sums()
-        self._grad_summary = None
-
-    def _global_grad_summary(self) -> tuple[float, bool, list[bool]]:
-        """(sum of squares, overflow, has_grad per parameter) over all ranks, computed once per window."""
-        if self._grad_summary is None:
-            world = self.layout.world_size
-            self._grad_summary = global_summary(self.grads, world, self.process_group, self.device)
-        return self._grad_summary
-
     def sync(self) -> None:
         """Make the device parameters fully up to date (before evaluation, or at the end of training)."""
         self.schedule.sync()
@@ -477,7 +374,7 @@ class OffloadEngine(EngineLifecycle):
 
     def absorb_param_writes(self) -> int:
         """Carry writes made to the device parameters since the engine last published into the master
-        weights (engine/param_writes.py); returns how many elements were written.
+        weights (engine/step/param_writes.py); returns how many elements were written.
 
         Called before the master is used: every backward and step, checkpoint reads and teardown. Not
         before evaluation, where weight averaging swaps its average in and back out again.
@@ -489,14 +386,6 @@ class OffloadEngine(EngineLifecycle):
             return 0
         self.schedule.before_param_writes_merge(written)
         return sum(self.schedule.merge_param_writes(self.layout.buckets[i]) for i in written)
-
-
-@dataclass(frozen=True)
-class CarriedGradients:
-    """What a step did to the gradients it used, which torch would have done to ``.grad`` in place."""
-
-    clip_coef: float  # clip_grad_norm_'s factor (1.0: not clipped)
-    clamped: bool  # clip_grad_value_ clamped them (the engine did so in the buffer itself)
 
 
 def _check_clip(name: str, value: float | None) -> None:

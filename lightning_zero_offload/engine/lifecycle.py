@@ -12,16 +12,16 @@ from typing import Any
 
 import torch
 
-from lightning_zero_offload.engine import state as state_io
-from lightning_zero_offload.engine.adam import check_optimizer
-from lightning_zero_offload.engine.cpu_state import STATE_NAMES, CpuState, ParkedState
+from lightning_zero_offload.engine import state_dicts
 from lightning_zero_offload.engine.failures import NonFinitePolicy
-from lightning_zero_offload.engine.gradient_source import GradientSource
-from lightning_zero_offload.engine.layout import Layout
-from lightning_zero_offload.engine.ledger import MemoryLedger
-from lightning_zero_offload.engine.publisher import NullPublisher, Publisher
+from lightning_zero_offload.engine.infra.ledger import MemoryLedger
+from lightning_zero_offload.engine.optimizer_support import check_optimizer
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import Schedule
+from lightning_zero_offload.engine.step.cpu_state import STATE_NAMES, CpuState, ParkedState
+from lightning_zero_offload.engine.step.gradient_source import GradientSource
+from lightning_zero_offload.engine.step.layout import Layout
+from lightning_zero_offload.engine.step.publisher import NullPublisher, Publisher
 
 
 class EngineLifecycle:
@@ -59,10 +59,10 @@ class EngineLifecycle:
         self.publisher.refresh(self.state.master)
 
     def full_tensors(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        """Full per-parameter tensors of a flat shard-sized buffer (a collective when sharded; engine/state.py)."""
-        return state_io.full_tensors(self, shard)
+        """Full per-parameter tensors of a flat shard-sized buffer (a collective when sharded: state_dicts.py)."""
+        return state_dicts.full_tensors(self, shard)
 
-    # -- the CPU state (engine/cpu_state.py owns it; read-only views for readers of one rank's shard) --
+    # -- the CPU state (engine/step/cpu_state.py owns it; read-only views for readers of one rank's shard) --
 
     @property
     def master(self) -> torch.Tensor:
@@ -113,8 +113,8 @@ class EngineLifecycle:
         # (a delayed update's stale weights are of the old trainable set).
         self.schedule.on_weights_loaded()
         masters = self.master_params()  # settled, writes to the parameters absorbed
-        exp_avgs = state_io.full_tensors(self, self.exp_avg)
-        exp_avg_sqs = state_io.full_tensors(self, self.exp_avg_sq)
+        exp_avgs = state_dicts.full_tensors(self, self.exp_avg)
+        exp_avg_sqs = state_dicts.full_tensors(self, self.exp_avg_sq)
         schedule_state = self.schedule.state_dict()
         self.schedule.close()
         self.grads.close()
@@ -123,10 +123,10 @@ class EngineLifecycle:
         self._parked.park(self.params, exp_avgs, exp_avg_sqs, self.steps)
         kept_masters = {id(p): weight for p, weight in zip(self.params, masters)}
         self._build()
-        state_io.load_shard(self.layout, self.master, [kept_masters.get(id(p), p.detach()) for p in self.params])
+        state_dicts.load_shard(self.layout, self.master, [kept_masters.get(id(p), p.detach()) for p in self.params])
         exp_avgs, exp_avg_sqs, self.state.steps = self._parked.unpark(self.params)
-        state_io.load_shard(self.layout, self.exp_avg, exp_avgs)
-        state_io.load_shard(self.layout, self.exp_avg_sq, exp_avg_sqs)
+        state_dicts.load_shard(self.layout, self.exp_avg, exp_avgs)
+        state_dicts.load_shard(self.layout, self.exp_avg_sq, exp_avg_sqs)
         self.refresh_device_params()
         self.schedule.load_state_dict({"name": self.schedule.name, **schedule_state})
         return True
@@ -177,25 +177,25 @@ class EngineLifecycle:
         """Full master weights, one tensor per trainable parameter, in the state's dtype (fp32, or bf16 with
         ``cpu_state="bf16"``; collective when sharded)."""
         self._settle()
-        return state_io.full_tensors(self, self.master)
+        return state_dicts.full_tensors(self, self.master)
 
     def load_master_params(self, tensors: list[torch.Tensor]) -> None:
         for p, t in zip(self.params, tensors):
             if t.shape != p.shape:
                 raise ValueError(f"master weight of shape {tuple(t.shape)} does not fit parameter {tuple(p.shape)}")
         self._settle()
-        state_io.load_shard(self.layout, self.master, list(tensors))  # converted segment by segment: no full copy
+        state_dicts.load_shard(self.layout, self.master, list(tensors))  # converted segment by segment: no full copy
         self.refresh_device_params()
         self.schedule.on_weights_loaded()
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The optimizer state in ``torch.optim.AdamW``'s format (full tensors, collective when sharded)."""
         self._settle()
-        return state_io.optimizer_state_dict(self)
+        return state_dicts.optimizer_state_dict(self)
 
     def param_groups_state(self) -> list[dict[str, Any]]:
         """The optimizer's hyperparameters, numbered as in ``torch.optim.Optimizer.state_dict``."""
-        return state_io.param_groups_state(self)
+        return state_dicts.param_groups_state(self)
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's flat master and moments (in the state's dtype), as stored in a sharded checkpoint."""
@@ -206,7 +206,7 @@ class EngineLifecycle:
     def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam)."""
         self._settle()
-        state_io.load_optimizer_state_dict(self, state_dict)
+        state_dicts.load_optimizer_state_dict(self, state_dict)
 
     def moment_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each trainable parameter's (exp_avg, exp_avg_sq), as live views of the CPU state in the
@@ -286,7 +286,7 @@ class EngineLifecycle:
         single = self.layout.world_size == 1
         with torch.no_grad():
             if single:
-                masters = state_io.full_tensors(self, self.master)  # one rank: no collective involved
+                masters = state_dicts.full_tensors(self, self.master)  # one rank: no collective involved
             for index, (p, dtype) in enumerate(zip(self.params, self._original_dtypes)):
                 p.data = masters[index].to(dtype) if single else p.detach().to(dtype, copy=True)
         self.publisher.drop()

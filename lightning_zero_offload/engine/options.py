@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-from lightning_zero_offload.engine.checks import check_bool, check_choice, check_int, check_real
+from lightning_zero_offload.engine.option_values import check_bool, check_choice, check_int, check_real
 from lightning_zero_offload.engine.scaler import LossScalerConfig
 
 CheckpointFormat = Literal["full", "sharded"]
@@ -197,7 +197,7 @@ def resolve(
             )
             threads = cores
 
-    # In place (engine/in_place.py) only where nothing would be offloaded: forward/backward on the CPU
+    # In place (engine/step/in_place.py) only where nothing would be offloaded: forward/backward on the CPU
     # itself, in fp32 (the device parameters *are* the fp32 master), one process (no shards) and the sync
     # step (the other schedules keep the device weights apart from the master on purpose).
     unmet = [

@@ -1,5 +1,5 @@
 """How the engine's state goes into a full-format save: views or copies, and the placeholders of a
-streamed save at several ranks (engine/state.py makes them, rank 0's writer fetches their bytes)."""
+streamed save at several ranks (engine/state_dicts.py makes them, rank 0's writer fetches their bytes)."""
 
 from __future__ import annotations
 

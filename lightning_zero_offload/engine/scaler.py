@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_zero_offload.engine.checks import check_int, check_real
+from lightning_zero_offload.engine.option_values import check_int, check_real
 
 
 @dataclass(frozen=True)

@@ -30,14 +30,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero_offload.kernels import _native, backends
-from lightning_zero_offload.kernels.backends import (
-    available_backends,
-    backend,
-    get_num_threads,
-    set_backend,
-    set_num_threads,
-)
-from lightning_zero_offload.kernels.checks import (
+from lightning_zero_offload.kernels.arguments import (
     GRAD_DTYPES,
     AdamArgs,
     AdamCall,
@@ -50,6 +43,13 @@ from lightning_zero_offload.kernels.checks import (
     check_steps,
     check_tensor,
     real,
+)
+from lightning_zero_offload.kernels.backends import (
+    available_backends,
+    backend,
+    get_num_threads,
+    set_backend,
+    set_num_threads,
 )
 from lightning_zero_offload.kernels.reference import adamw_decay
 

@@ -17,13 +17,13 @@ from typing import Protocol
 from torch import Tensor
 
 from lightning_zero_offload.kernels import _native
-from lightning_zero_offload.kernels.checks import AdamCall, FlatAdamCall, check_threads
+from lightning_zero_offload.kernels.arguments import AdamCall, FlatAdamCall, check_threads
 from lightning_zero_offload.kernels.native import NativeBackend
 from lightning_zero_offload.kernels.reference import TorchBackend
 
 
 class Backend(Protocol):
-    """The kernels of one implementation, on arguments already checked (kernels/checks.py)."""
+    """The kernels of one implementation, on arguments already checked (kernels/arguments.py)."""
 
     name: str
 

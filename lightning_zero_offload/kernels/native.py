@@ -1,6 +1,6 @@
 """The native backend: the C kernels of one instruction set (native/), called through cffi.
 
-Arguments arrive checked (kernels/checks.py): these methods only translate them into the C API.
+Arguments arrive checked (kernels/arguments.py): these methods only translate them into the C API.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from lightning_zero_offload.kernels._native import DTYPE_CODES, ISAS, ffi, lib
-from lightning_zero_offload.kernels.checks import AdamCall, FlatAdamCall, bad_counter
+from lightning_zero_offload.kernels.arguments import AdamCall, FlatAdamCall, bad_counter
 
 
 class NativeBackend:

@@ -3,7 +3,7 @@
 Used where the extension is missing, or when ``set_backend("torch")``/``LZO_BACKEND=torch`` asks for
 it. The Adam step is torch's fused CPU Adam with the casts around it (to fp32 rounding of the native
 step); the undo and the bf16-state step repeat the native arithmetic operation for operation, so they
-give the native backends' bits. Arguments arrive checked (kernels/checks.py).
+give the native backends' bits. Arguments arrive checked (kernels/arguments.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from lightning_zero_offload.kernels.checks import AdamArgs, AdamCall, FlatAdamCall, bad_counter
+from lightning_zero_offload.kernels.arguments import AdamArgs, AdamCall, FlatAdamCall, bad_counter
 
 
 def _f32(x: float) -> float:

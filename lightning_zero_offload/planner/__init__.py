@@ -2,7 +2,7 @@
 
 ``plan(model_or_param_count, batch_size=, seq_len=, devices=, num_nodes=, machine=)`` returns a
 :class:`Plan`; ``print(plan(...))`` shows it. ``measure_machine()`` measures this machine's rates;
-:mod:`~lightning_zero_offload.planner.presets` has typical hosts and accelerators; ``largest_models(machine)``
+:mod:`~lightning_zero_offload.planner.machine.presets` has typical hosts and accelerators; ``largest_models(machine)``
 says how large a model trains there without offload and with each ``cpu_state``.
 """
 

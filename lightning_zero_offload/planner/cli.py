@@ -26,9 +26,8 @@ from dataclasses import asdict, fields
 import torch
 
 from lightning_zero_offload.engine.options import STATE_DTYPES
-from lightning_zero_offload.planner import presets
 from lightning_zero_offload.planner.largest import PLAIN, largest_models
-from lightning_zero_offload.planner.machine import Machine, measure_machine, with_rates
+from lightning_zero_offload.planner.machine import Machine, measure_machine, presets, with_rates
 from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS
 from lightning_zero_offload.planner.model import DTYPES, plan
 from lightning_zero_offload.planner.shape import DEFAULT_N_LAYER

@@ -1,6 +1,6 @@
 """Memory of one configuration in bytes: the engine's host buffers, the device's model states, the
-activations, and what a checkpoint save adds; mirrored from engine/cpu_state.py, engine/publisher.py,
-engine/grads.py and the schedules buffer by buffer (tests/test_planner.py compares them with the engine)."""
+activations, and what a checkpoint save adds; mirrored from engine/step/cpu_state.py, engine/step/publisher.py,
+engine/step/streamer.py and the schedules buffer by buffer (tests/test_planner.py compares them with the engine)."""
 
 from __future__ import annotations
 
@@ -159,15 +159,15 @@ def host_memory(
     the state's dtype)."""
     shard, element = layout.shard_numel, dtype.itemsize
     max_shard, max_bucket = layout.max_shard, layout.max_bucket
-    state = config.state_dtype.itemsize  # master, moments and every gradient buffer (engine/cpu_state.py)
+    state = config.state_dtype.itemsize  # master, moments and every gradient buffer (engine/step/cpu_state.py)
     # The updates write a low-precision copy to publish, unless the master has the device's dtype already
-    # (fp32 parameters, or bf16 state): then the master itself is published (engine/publisher.py).
+    # (fp32 parameters, or bf16 state): then the master itself is published (engine/step/publisher.py).
     rounds = dtype != torch.float32 and config.state_dtype != dtype
     pin, schedule = config.pin_memory, config.cpu_step
     module = 4 * params if module_bytes is None else module_bytes
     saves = {f: checkpoint_save_bytes(params, f, layout.world_size, config.state_dtype) for f in CHECKPOINT_FORMATS}
     if config.in_place:
-        # In place (engine/in_place.py, fp32 state only): the parameters are the master; gradients are
+        # In place (engine/step/in_place.py, fp32 state only): the parameters are the master; gradients are
         # autograd's own tensors.
         buffers = {"master": 4 * shard, "exp_avg": 4 * shard, "exp_avg_sq": 4 * shard, "autograd_grads": 4 * shard}
         return HostMemory(

@@ -4,7 +4,7 @@ Runs in the strategy's setup (Trainer and Fabric), before any rank builds its en
 the same numbers from the same node, so they fail together). The checks are the planner's own verdict
 (:func:`~lightning_zero_offload.planner.verdicts.host_checks`): training's steady state, the setup peak and
 the configured checkpoint format's save, against the memory this process can still get (MemAvailable or
-a cgroup limit, whichever is less: :func:`~lightning_zero_offload.planner.probes.host_memory_limit`).
+a cgroup limit, whichever is less: :func:`~lightning_zero_offload.planner.machine.probes.host_memory_limit`).
 ``LZO_SKIP_MEMORY_CHECK=1`` skips it.
 """
 
@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from lightning_zero_offload.engine.options import OffloadOptions, resolve, with_compact_state
-from lightning_zero_offload.planner import probes
-from lightning_zero_offload.planner.machine import format_gb
+from lightning_zero_offload.planner.machine import format_gb, probes
 from lightning_zero_offload.planner.memory import HostMemory, host_memory, state_bytes_per_param
 from lightning_zero_offload.planner.shape import LayoutSummary, ModelShape, layout_summary
 from lightning_zero_offload.planner.verdicts import host_checks

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_zero_offload.engine.layout import Layout, build_layout
 from lightning_zero_offload.engine.options import OffloadOptions
+from lightning_zero_offload.engine.step.layout import Layout, build_layout
 
 
 @dataclass
@@ -129,7 +129,7 @@ def scaled(shape: ModelShape, params: int, n_layer: int | None) -> ModelShape:
 
 @dataclass(frozen=True)
 class LayoutSummary:
-    """The sizes of the engine's layout that memory and time depend on (engine/layout.py)."""
+    """The sizes of the engine's layout that memory and time depend on (engine/step/layout.py)."""
 
     world_size: int
     shard_numel: int  # this rank's flat CPU buffers

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_zero_offload.planner.machine import GB, Machine
-from lightning_zero_offload.planner.probes import ADAM_BYTES_PER_PARAM
+from lightning_zero_offload.planner.machine.probes import ADAM_BYTES_PER_PARAM
 from lightning_zero_offload.planner.shape import LayoutSummary
 
 

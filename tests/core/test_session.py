@@ -10,21 +10,23 @@ import torch
 from engine_helpers import CPU, batches, loss_fn, make_net, options, two_groups
 from torch import nn
 
+from lightning_zero_offload.checkpoints import FABRIC_KEY, FORMAT_KEY, load_sharded
 from lightning_zero_offload.core import (
     ENGINE_STATE_KEY,
     OPTION_NAMES,
     OffloadedOptimizer,
     OffloadSession,
     collective_timeout,
-    fabric_checkpoint_from_sharded,
     make_offload_options,
     release_after_failure,
     resolve_precision,
+)
+from lightning_zero_offload.engine import LossScalerConfig, OffloadOptions
+from lightning_zero_offload.fabric.checkpoints import (
+    fabric_checkpoint_from_sharded,
     restore_objects,
     sharded_from_fabric_checkpoint,
 )
-from lightning_zero_offload.engine import LossScalerConfig, OffloadOptions
-from lightning_zero_offload.engine.checkpoint import FABRIC_KEY, FORMAT_KEY, load_sharded
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -97,7 +99,7 @@ def test_offload_options_from_keywords_validate_once_with_the_engine_defaults():
 
 
 def test_the_trainer_strategy_forwards_every_option_by_name():
-    from lightning_zero_offload.strategy import ZeroOffloadStrategy
+    from lightning_zero_offload.trainer.strategy import ZeroOffloadStrategy
 
     parameters = inspect.signature(ZeroOffloadStrategy.__init__).parameters
     assert set(OPTION_NAMES) <= set(parameters)

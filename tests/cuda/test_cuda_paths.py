@@ -11,9 +11,11 @@ from engine_helpers import batches, loss_fn, options, two_gpu_checks
 from ranks import run_ranks
 from torch import nn
 
-from lightning_zero_offload.engine import LossScalerConfig, OffloadEngine, grads, memory
-from lightning_zero_offload.engine.grads import DEVICE_BUFFER_CAP
-from lightning_zero_offload.engine.ledger import HOST_PINNED, MemoryLedger
+from lightning_zero_offload.engine import LossScalerConfig, OffloadEngine
+from lightning_zero_offload.engine.infra import memory
+from lightning_zero_offload.engine.infra.ledger import HOST_PINNED, MemoryLedger
+from lightning_zero_offload.engine.step import streamer as grads
+from lightning_zero_offload.engine.step.streamer import DEVICE_BUFFER_CAP
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -176,8 +178,9 @@ SANITIZED_RUN = """
 import sys, time
 sys.path[:0] = [{tests!r}, {cuda_tests!r}]
 import torch
-from lightning_zero_offload.engine import grads, streams
-from lightning_zero_offload.engine.grads import DEVICE_BUFFER_CAP
+from lightning_zero_offload.engine.infra import streams
+from lightning_zero_offload.engine.step import streamer as grads
+from lightning_zero_offload.engine.step.streamer import DEVICE_BUFFER_CAP
 from test_cuda_paths import deep_net, train
 
 # The worker synchronises with each transfer late, so the training thread finds completed transfers

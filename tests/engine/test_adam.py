@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from lightning_zero_offload import kernels
-from lightning_zero_offload.engine.adam import (
+from lightning_zero_offload.engine.optimizer_support import (
     adam_args,
     check_optimizer,
     overridden_update_methods,
     read_hyperparams,
 )
-from lightning_zero_offload.engine.update import read_all_hyperparams
+from lightning_zero_offload.engine.step.update import read_all_hyperparams
 from lightning_zero_offload.optim import CPUAdam
 
 

@@ -15,9 +15,11 @@ import torch
 from helpers import QUIET, Classifier, loader
 
 from lightning_zero_offload import ZeroOffloadStrategy, convert_checkpoint_to_fp32_state_dict
-from lightning_zero_offload.engine import checkpoint as ckpt
-from lightning_zero_offload.engine import checkpoint_files, checkpoint_sharded, checkpoint_writer
-from lightning_zero_offload.engine.checkpoint import FORMAT_KEY, META_FILE, CheckpointError
+from lightning_zero_offload import checkpoints as ckpt
+from lightning_zero_offload.checkpoints import FORMAT_KEY, META_FILE, CheckpointError, export
+from lightning_zero_offload.checkpoints import files as checkpoint_files
+from lightning_zero_offload.checkpoints import sharded as checkpoint_sharded
+from lightning_zero_offload.checkpoints import writer as checkpoint_writer
 
 
 def full_checkpoint(value: float) -> dict:
@@ -369,7 +371,7 @@ def test_sharded_shard_math_matches_full_tensors(tmp_path):
 
 def convert(capsys, *argv) -> tuple[int, str]:
     try:
-        ckpt.main([str(a) for a in argv])
+        export.main([str(a) for a in argv])
         code = 0
     except SystemExit as done:
         code = done.code

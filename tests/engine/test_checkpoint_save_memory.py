@@ -17,7 +17,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 
 from lightning_zero_offload import ZeroOffloadFabricStrategy, ZeroOffloadStrategy
-from lightning_zero_offload.engine.checkpoint import atomic_save
+from lightning_zero_offload.checkpoints import atomic_save
 
 
 def storage_of(tensor: torch.Tensor) -> int:
@@ -175,7 +175,7 @@ def test_a_full_save_at_one_rank_adds_under_1_byte_per_parameter_of_host_memory(
 
 
 def test_fabric_full_save_writes_the_engine_buffers_and_loads_back(tmp_path, monkeypatch):
-    import lightning_zero_offload.fabric as fabric_module
+    import lightning_zero_offload.fabric.strategy as fabric_module
 
     written = {}
     real_atomic_save = fabric_module.atomic_save

@@ -14,9 +14,9 @@ from engine_helpers import CPU, batches, loss_fn, make_net, options, two_groups
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine import OffloadEngine
-from lightning_zero_offload.engine.adam import read_hyperparams
-from lightning_zero_offload.engine.cpu_state import CpuState
-from lightning_zero_offload.engine.layout import build_layout
+from lightning_zero_offload.engine.optimizer_support import read_hyperparams
+from lightning_zero_offload.engine.step.cpu_state import CpuState
+from lightning_zero_offload.engine.step.layout import build_layout
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

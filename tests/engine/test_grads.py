@@ -22,8 +22,10 @@ from engine_helpers import (
 from ranks import run_ranks
 from torch import nn
 
-from lightning_zero_offload.engine import OffloadEngine, grads, memory, streams
-from lightning_zero_offload.engine.grads import DEVICE_BUFFER_CAP, hidden_fraction
+from lightning_zero_offload.engine import OffloadEngine
+from lightning_zero_offload.engine.infra import memory, streams
+from lightning_zero_offload.engine.step import streamer as grads
+from lightning_zero_offload.engine.step.streamer import DEVICE_BUFFER_CAP, hidden_fraction
 
 
 class StandInEvent:

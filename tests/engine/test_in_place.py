@@ -8,8 +8,8 @@ from engine_helpers import CPU, batches, loss_fn, make_net, options, two_groups
 from torch import nn
 
 from lightning_zero_offload.engine import OffloadEngine
-from lightning_zero_offload.engine.in_place import InPlaceGradients
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
+from lightning_zero_offload.engine.step.in_place import InPlaceGradients
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

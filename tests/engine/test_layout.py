@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_zero_offload.engine.layout import build_layout
+from lightning_zero_offload.engine.step.layout import build_layout
 
 SHAPES = [torch.Size(s) for s in [(7, 3), (5,), (64, 2), (1,), (13, 11), (3,)]]
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 from engine_helpers import CPU, batches, loss_fn, make_net, options, two_groups
 
-from lightning_zero_offload.engine import OffloadEngine, memory
+from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.engine import engine as engine_module
-from lightning_zero_offload.engine.ledger import COLLECTIVE, HOST, HOST_PINNED, MemoryLedger
+from lightning_zero_offload.engine.infra import memory
+from lightning_zero_offload.engine.infra.ledger import COLLECTIVE, HOST, HOST_PINNED, MemoryLedger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from memory_probe import mappings  # noqa: E402  (the smaps reader benchmarks/huge_pages.py uses)

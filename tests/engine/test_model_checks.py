@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_zero_offload.engine.model_checks import check_param_dtypes
+from lightning_zero_offload.core.model_rules import check_param_dtypes
 
 DEVICE_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

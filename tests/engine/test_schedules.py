@@ -237,11 +237,11 @@ def test_speculative_equals_sync_at_two_ranks(tmp_path):
 def test_speculation_gives_way_to_sync_where_its_snapshot_does_not_hide_and_is_tried_again(monkeypatch):
     """The chooser, on a clock of its own: speculating steps that wait for the snapshot take 12 units, sync
     steps 10; it measures sync after a late step, keeps the faster, and measures speculation again later."""
-    from lightning_zero_offload.engine.schedules import speculative
+    from lightning_zero_offload.engine.schedules import chooser as chooser_module
 
     now = [0.0]
-    monkeypatch.setattr(speculative.time, "perf_counter", lambda: now[0])
-    chooser = speculative.SpeculationChooser()
+    monkeypatch.setattr(chooser_module.time, "perf_counter", lambda: now[0])
+    chooser = chooser_module.SpeculationChooser()
 
     def step(waited: float, speculating_takes: float = 12.0, sync_takes: float = 10.0) -> bool:  # seconds
         speculated = chooser.speculating
@@ -256,6 +256,6 @@ def test_speculation_gives_way_to_sync_where_its_snapshot_does_not_hide_and_is_t
     modes = [step(waited=1.0) for _ in range(8)]
     assert modes[:5] == [True, False, False, False, False]  # late twice in a row, then three sync steps: sync wins
     # sync holds for HOLD_STEPS steps from the choice (4 of them above), then speculation is measured again
-    assert not any(step(waited=1.0) for _ in range(speculative.SpeculationChooser.HOLD_STEPS - 4))
+    assert not any(step(waited=1.0) for _ in range(chooser_module.SpeculationChooser.HOLD_STEPS - 4))
     modes = [step(waited=1.0, speculating_takes=8.0) for _ in range(6)]
     assert modes == [True] * 6  # faster now: it stays

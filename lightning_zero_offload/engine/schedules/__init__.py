@@ -10,7 +10,7 @@ from lightning_zero_offload.engine.schedules.speculative import SpeculativeSched
 from lightning_zero_offload.engine.schedules.sync import SyncSchedule
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.parts import ScheduleParts
+    from lightning_zero_offload.engine.step.parts import ScheduleParts
 
 SCHEDULES: dict[str, type[Schedule]] = {s.name: s for s in (SyncSchedule, SpeculativeSchedule, DelayedSchedule)}
 

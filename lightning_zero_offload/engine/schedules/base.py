@@ -4,7 +4,7 @@ The engine's parts own the data (the CPU state, the gradient source, the publish
 makes the decisions shared by all schedules (global norm, overflow, clip factor, skip). A schedule
 owns only *when* and *where* the update of each bucket runs, and the state that this timing needs (a
 pending update, speculated buckets), including its part of a checkpoint. It gets the parts as a
-:class:`~lightning_zero_offload.engine.parts.ScheduleParts`, never the engine itself.
+:class:`~lightning_zero_offload.engine.step.parts.ScheduleParts`, never the engine itself.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from lightning_zero_offload.engine.layout import Bucket
 from lightning_zero_offload.engine.stats import StepStats
+from lightning_zero_offload.engine.step.layout import Bucket
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.gradient_source import GradientSource
-    from lightning_zero_offload.engine.parts import ScheduleParts
+    from lightning_zero_offload.engine.step.gradient_source import GradientSource
+    from lightning_zero_offload.engine.step.parts import ScheduleParts
 
 
 @dataclass(frozen=True)

@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_zero_offload.engine.layout import Bucket
-from lightning_zero_offload.engine.memory import host_zeros
+from lightning_zero_offload.engine.infra.memory import host_zeros
 from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs, apply_now, clamp_grads
-from lightning_zero_offload.engine.state import load_shard
+from lightning_zero_offload.engine.state_dicts import load_shard
 from lightning_zero_offload.engine.stats import StepStats
-from lightning_zero_offload.engine.update import Plan, Run, UpdatePipeline
+from lightning_zero_offload.engine.step.layout import Bucket
+from lightning_zero_offload.engine.step.update import Plan, Run, UpdatePipeline
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.parts import ScheduleParts
+    from lightning_zero_offload.engine.step.parts import ScheduleParts
 
 # What the device was last given (DelayedSchedule.device_holds).
 MASTER, NEXT, SAVED, EVALUATION = "master", "next", "saved", "evaluation"

@@ -44,9 +44,9 @@ post-accumulate-grad hook fires only once all nodes with an edge into a paramete
 every node that saved a parameter for backward has such an edge (tied weights: the one hook fires
 after both uses; activation checkpointing without reentrancy recomputes a segment before that
 segment's nodes produce their gradients; a parameter getting its gradient twice in one pass, as
-reentrant checkpointing can do, is refused by engine/grads.py). So the gradient worker copies the
+reentrant checkpointing can do, is refused by engine/step/streamer.py). So the gradient worker copies the
 bucket to the device as soon as its step is done (on a stream of its own, through
-``UpdatePipeline.publish``, which records the bucket's checksum for engine/param_writes.py), and only the
+``UpdatePipeline.publish``, which records the bucket's checksum for engine/step/param_writes.py), and only the
 last buckets' steps and copies stay after backward. What can still read the weights later is code
 outside autograd's edges: a tensor saved for backward that aliases a parameter without tracking
 its gradient (``w.detach()``), a custom Function reading a module's weight in its backward, a
@@ -62,7 +62,6 @@ must be issued in the same order everywhere.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -71,15 +70,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_zero_offload import kernels
-from lightning_zero_offload.engine.layout import Bucket
-from lightning_zero_offload.engine.memory import host_zeros
+from lightning_zero_offload.engine.infra.memory import host_zeros
+from lightning_zero_offload.engine.infra.streams import on_stream, side_stream
 from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs, apply_now
+from lightning_zero_offload.engine.schedules.chooser import SpeculationChooser
 from lightning_zero_offload.engine.stats import StepStats
-from lightning_zero_offload.engine.streams import on_stream, side_stream
-from lightning_zero_offload.engine.update import Run, UpdatePipeline
+from lightning_zero_offload.engine.step.layout import Bucket
+from lightning_zero_offload.engine.step.update import Run, UpdatePipeline
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.parts import ScheduleParts
+    from lightning_zero_offload.engine.step.parts import ScheduleParts
 
 
 class SpeculativeSchedule(Schedule):
@@ -346,61 +346,6 @@ class SpeculativeSchedule(Schedule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.recent = deque((bool(t) for t in state.get("recent_triggers", ())), maxlen=self.WINDOW)
         self.rollbacks = int(state.get("rollbacks", 0))
-
-
-class SpeculationChooser:
-    """Whether speculating pays, measured, where its snapshot does not hide behind forward and backward.
-
-    A step's time runs from its first forward to the end of the step. While the snapshot is ready when
-    the first speculated bucket needs it, speculating costs nothing extra and nothing changes. After a
-    step that waited for it (longer than 2% of the step and ``LATE_S``) ``LATE_STEPS`` times in a row,
-    the next ``PROBE_STEPS`` steps run as sync, and the faster of the two (median step time) runs for
-    the next ``HOLD_STEPS``; then the other one is timed again. Results do not depend on it: a
-    speculated step equals the synchronous one.
-    """
-
-    PROBE_STEPS = 3
-    HOLD_STEPS = 64
-    LATE_S = 5e-3  # a wait shorter than this is a thread waking up, not a snapshot that did not hide
-    LATE_STEPS = 2  # consecutive steps that waited, before sync is timed
-
-    def __init__(self) -> None:
-        self.speculating = True
-        self.probing = False
-        self.hold = 1  # steps before the choice may be measured again (the first step warms up)
-        self.times: dict[bool, deque[float]] = {True: deque(maxlen=self.PROBE_STEPS), False: deque(maxlen=3)}
-        self._start: float | None = None
-        self._waited = 0.0
-        self._late_steps = 0
-
-    def forward_started(self) -> None:
-        if self._start is None:
-            self._start = time.perf_counter()
-
-    def waited_for_snapshot(self, seconds: float) -> None:
-        self._waited += seconds
-
-    def step_done(self, speculated: bool) -> None:
-        start, waited, self._start, self._waited = self._start, self._waited, None, 0.0
-        if start is None:
-            return
-        elapsed = time.perf_counter() - start
-        if speculated == self.speculating:  # not a step paused for clipping
-            self.times[speculated].append(elapsed)
-        self.hold = max(0, self.hold - 1)
-        late = speculated and waited > max(self.LATE_S, 0.02 * elapsed)
-        self._late_steps = self._late_steps + 1 if late else 0
-        if self.probing:
-            if len(self.times[self.speculating]) >= self.PROBE_STEPS:
-                self._choose()
-        elif self.hold == 0 and (not self.speculating or self._late_steps >= self.LATE_STEPS):
-            self.probing, self.speculating = True, not self.speculating  # measure the other one
-            self.times[self.speculating].clear()
-
-    def _choose(self) -> None:
-        medians = {mode: statistics.median(times) for mode, times in self.times.items() if times}
-        self.speculating = medians.get(True, 0.0) <= medians.get(False, float("inf"))
-        self.probing, self.hold = False, self.HOLD_STEPS
 
 
 def _exceeds(grad: torch.Tensor, limit: float) -> bool:

@@ -1,0 +1,153 @@
+"""The engine's optimizer state in and out: flat CPU shards <-> full per-parameter tensors in torch's format.
+
+At several ranks a full-format save gathers nothing up front: inside :func:`buffers_shared_for_save`,
+:func:`full_tensors` returns views of placeholders (tensors on the meta device) for the gathered buckets,
+whose bytes rank 0's writer fetches as it writes them (checkpoints/streamed.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_zero_offload.engine.infra.collectives import gather_host
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.engine.step.layout import Layout
+    from lightning_zero_offload.engine.step.parts import ShardedState
+
+
+def load_shard(layout: Layout, shard: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy this rank's part of full per-parameter tensors into a flat shard buffer (converted to its dtype)."""
+    for bucket in layout.buckets:
+        for seg in bucket.segments:
+            flat = tensors[seg.param_index].reshape(-1)
+            shard[seg.shard_start : seg.shard_end].copy_(flat[seg.param_start : seg.param_start + seg.numel])
+
+
+@contextmanager
+def buffers_shared_for_save(engine: ShardedState, share: bool = True) -> Iterator[None]:
+    """Inside: :func:`full_tensors` returns views instead of copies, for a save that writes them at once.
+
+    A full-format save would otherwise hold a second copy of the weights and both moments (12 bytes
+    per parameter of fp32 state, 6 of bf16) while it writes. With one rank the views are of the engine's flat buffers
+    (``torch.save`` writes each buffer's storage once, and the file still loads with
+    ``weights_only=True``). With several they are views of placeholders on the meta device, one per
+    gathered bucket, whose bytes rank 0's writer gathers as it writes them (checkpoints/streamed.py): every
+    rank must then take part in that save. Only for a writer that finishes before the next step changes
+    the buffers: an asynchronous ``CheckpointIO`` must get copies (``share=False``).
+    """
+    sharing = engine.save_sharing
+    previous = sharing.share
+    sharing.share = share or previous
+    try:
+        yield
+    finally:
+        sharing.share = previous
+
+
+def full_tensors(engine: ShardedState, shard: torch.Tensor) -> list[torch.Tensor]:
+    """Assemble full per-parameter tensors from every rank's shard (a collective if sharded).
+
+    Copies, unless inside :func:`buffers_shared_for_save` (then views that change with the next step,
+    or at several ranks views of placeholders).
+    """
+    engine.refuse_after_failure("full weights and optimizer state")
+    layout = engine.layout
+    share = engine.save_sharing.share
+    full: list[torch.Tensor | None] = [None] * len(engine.params)
+    for bucket in layout.buckets:
+        chunk = shard[bucket.shard_range]
+        if layout.world_size == 1:
+            whole = chunk
+        elif share:
+            whole = engine.save_sharing.placeholders.add(shard, bucket.shard_range, layout.world_size)
+        else:
+            whole = gather_host(chunk, engine.process_group, engine.device)
+        for index in bucket.param_indices:
+            slot = layout.slots[index]
+            view = whole[slot.bucket_offset : slot.bucket_offset + slot.numel].view(slot.shape)
+            full[index] = view if share else view.clone()
+    return full  # type: ignore[return-value]
+
+
+def param_groups_state(engine: ShardedState) -> list[dict[str, Any]]:
+    """The optimizer's hyperparameters, numbered as in ``torch.optim.Optimizer.state_dict``."""
+    groups = []
+    counter = 0
+    for group in engine.optimizer.param_groups:
+        saved = {k: v for k, v in group.items() if k != "params"}
+        saved["params"] = list(range(counter, counter + len(group["params"])))
+        counter += len(group["params"])
+        groups.append(saved)
+    return groups
+
+
+def optimizer_state_dict(engine: ShardedState) -> dict[str, Any]:
+    """The optimizer state in ``torch.optim.AdamW``'s format (full tensors, collective when sharded)."""
+    exp_avg = full_tensors(engine, engine.state.exp_avg)
+    exp_avg_sq = full_tensors(engine, engine.state.exp_avg_sq)
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for index, torch_index in enumerate(engine.torch_index):
+        if engine.state.steps[index] > 0:
+            state[torch_index] = {
+                "step": torch.tensor(float(engine.state.steps[index]), dtype=torch.float32),
+                "exp_avg": exp_avg[index],
+                "exp_avg_sq": exp_avg_sq[index],
+            }
+    return {"state": state, "param_groups": param_groups_state(engine)}
+
+
+def _note_conversion(engine: ShardedState, saved: list[torch.dtype]) -> None:
+    """One line when the moments come in another dtype than the state's (a cpu_state change between runs)."""
+    kept = engine.state.dtype
+    other = next((dtype for dtype in saved if dtype != kept), None)
+    if other is None:
+        return
+    how = "rounded to nearest (this resume is not bitwise)" if kept == torch.bfloat16 else "widened exactly"
+    warnings.warn(
+        f"zero_offload: the checkpoint's optimizer state is {other}, this run's cpu_state keeps {kept}: "
+        f"converted, {how}.",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def load_optimizer_state_dict(engine: ShardedState, state_dict: dict[str, Any]) -> None:
+    """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam)."""
+    optimizer = engine.optimizer
+    groups = state_dict["param_groups"]
+    if len(groups) != len(optimizer.param_groups) or any(
+        len(saved["params"]) != len(group["params"]) for saved, group in zip(groups, optimizer.param_groups)
+    ):
+        raise ValueError(
+            "The checkpoint's optimizer has a different number of param groups or parameters per group than "
+            "the one returned by configure_optimizers; build the optimizer the same way as when it was saved"
+        )
+    state = {int(k): v for k, v in state_dict["state"].items()}
+    _note_conversion(engine, [entry["exp_avg"].dtype for entry in state.values()])
+    exp_avg, exp_avg_sq = [], []
+    for index, torch_index in enumerate(engine.torch_index):
+        entry = state.get(torch_index)
+        shape = engine.params[index].shape
+        if entry is None:
+            engine.state.steps[index] = 0
+            exp_avg.append(torch.zeros(shape, dtype=engine.state.dtype))
+            exp_avg_sq.append(torch.zeros(shape, dtype=engine.state.dtype))
+            continue
+        if entry["exp_avg"].shape != shape:
+            raise ValueError(
+                f"optimizer state for parameter {torch_index} has shape {tuple(entry['exp_avg'].shape)}, "
+                f"the parameter has {tuple(shape)}"
+            )
+        engine.state.steps[index] = int(float(entry["step"]))
+        exp_avg.append(entry["exp_avg"])
+        exp_avg_sq.append(entry["exp_avg_sq"])
+    load_shard(engine.layout, engine.state.exp_avg, exp_avg)
+    load_shard(engine.layout, engine.state.exp_avg_sq, exp_avg_sq)
+    for group, saved in zip(optimizer.param_groups, groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})

@@ -1,0 +1,212 @@
+"""The CPU state: this rank's shard of the optimizer state, and the only place steps are counted.
+
+It owns the master weights, the two Adam moments, the gradient buffer(s) backward accumulates into
+(none in place: there the gradients stay where autograd left them), each parameter's step count, and
+the Adam update of a run of the shard. Everything else reads these buffers through it: the gradient
+source accumulates into :attr:`CpuState.grad`, the schedules' plans run through :meth:`CpuState.update`,
+the publisher copies from the master, and engine/state_dicts.py gathers or loads them for checkpoints.
+
+The state is fp32 (``cpu_state="fp32"``: exact to torch's AdamW) or bf16 (``"bf16"``, docs/compact-state.md):
+master, moments and gradient buffers in bf16, the update computed in fp32 and stored with stochastic
+rounding whose random bits are a hash of (seed, step, element), the element numbered by its place among
+all trainable elements (padding left out), so the bits do not depend on the world size or the thread count.
+
+The delayed schedule keeps a second gradient buffer so that backward t+1 can fill one while the
+update of step t reads the other; :meth:`CpuState.swap_grad` is the one place the buffers trade
+roles, so there is a single owner of "the buffer backward fills now".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from lightning_zero_offload import kernels
+from lightning_zero_offload.engine.infra.collectives import broadcast_tensors_
+from lightning_zero_offload.engine.infra.memory import host_zeros
+from lightning_zero_offload.engine.options import STATE_DTYPES
+from lightning_zero_offload.engine.step.layout import Bucket, Layout
+
+STATE_NAMES = {dtype: name for name, dtype in STATE_DTYPES.items()}  # the cpu_state option's name of each dtype
+
+
+class CpuState:
+    """This rank's master, moments, gradient buffer and per-parameter step counts, fp32 or bf16."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        group_of: list[int],
+        keeps_grad: bool,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+    ) -> None:
+        self.layout = layout
+        self.group_of = group_of  # param group of each trainable parameter, in optimizer order
+        self.dtype = dtype
+        self.seed = seed  # of the stochastic rounding (bf16 only), the same on every rank
+        self.master = self.new_buffer()
+        self.exp_avg = self.new_buffer()
+        self.exp_avg_sq = self.new_buffer()
+        # The buffer backward accumulates into now (in place: gradients stay in the tensors autograd made).
+        self.grad: torch.Tensor | None = self.new_buffer() if keeps_grad else None
+        self.steps = [0] * len(layout.slots)
+        # Each bucket's shift from this rank's shard positions to the elements' global numbers.
+        self._element_base = []
+        before = 0
+        for bucket in layout.buckets:
+            self._element_base.append(before + layout.rank * bucket.shard_numel - bucket.shard_start)
+            before += bucket.numel
+
+    @property
+    def compact(self) -> bool:
+        """bf16 state, stochastically rounded (``cpu_state="bf16"``)."""
+        return self.dtype == torch.bfloat16
+
+    def new_buffer(self) -> torch.Tensor:
+        """A shard-sized buffer of the state's dtype (the state's own, a second gradient buffer, a snapshot).
+
+        Model-sized, so never pinned (see HostToDevice)."""
+        return host_zeros(self.layout.shard_numel, self.dtype, False)
+
+    def element_number(self, bucket: Bucket, shard_position: int) -> int:
+        """The global number of the element at ``shard_position`` (in ``bucket``'s shard range): its place
+        among all trainable elements in layout order, the same at every world size (padding is not counted)."""
+        return self._element_base[bucket.index] + shard_position
+
+    def accumulate(
+        self, window: slice, src: torch.Tensor, scale: float, overwrite: bool, num_threads: int
+    ) -> tuple[float, bool]:
+        """``grad[window] (+)= src * scale``; returns the window's new sum of squares and inf/nan flag.
+
+        fp32: one native pass. bf16: the sum rounded to nearest bf16 once per backward pass, as plain bf16
+        training accumulates ``.grad`` (one pass with one micro-batch at one rank, a copy of ``src``).
+        """
+        dst = self.grad[window]  # type: ignore[index]
+        if not self.compact:
+            return kernels.grad_accumulate(dst, src, scale=scale, overwrite=overwrite, num_threads=num_threads)
+        if overwrite and scale == 1.0:
+            dst.copy_(src)
+        elif overwrite:
+            torch.mul(src, scale, out=dst)
+        else:
+            dst.add_(src, alpha=scale)
+        return kernels.sum_of_squares(dst, num_threads=num_threads)
+
+    def update(
+        self,
+        bucket: Bucket,
+        window: slice,
+        hparams: kernels.AdamArgs,
+        step: int,
+        grad_scale: float,
+        grad: torch.Tensor,
+        out: torch.Tensor | None,
+        extrapolate: float,
+        num_threads: int,
+    ) -> None:
+        """The fused Adam step of ``window`` (inside ``bucket``'s shard range), reading ``grad[window]``.
+
+        fp32: the low-precision copy goes to ``out`` in the same pass (None: the master is published).
+        bf16: the master is the copy to publish (``out`` is None, ``extrapolate`` 0).
+        """
+        if self.compact:
+            kernels.adam_step_bf16_state(
+                self.master[window],
+                grad[window],
+                self.exp_avg[window],
+                self.exp_avg_sq[window],
+                hparams=hparams,
+                step=step,
+                seed=self.seed,
+                offset=self.element_number(bucket, window.start),
+                grad_scale=grad_scale,
+                num_threads=num_threads,
+            )
+            return
+        kernels.adam_step(
+            self.master[window],
+            grad[window],
+            self.exp_avg[window],
+            self.exp_avg_sq[window],
+            hparams=hparams,
+            step=step,
+            grad_scale=grad_scale,
+            param_out=out,
+            extrapolate=extrapolate,
+            num_threads=num_threads,
+        )
+
+    def count_steps(self, indices: Iterable[int]) -> None:
+        """One optimizer step more for each of these parameters (those that got a gradient)."""
+        for index in indices:
+            self.steps[index] += 1
+
+    def set_step(self, index: int, step: int) -> None:
+        """A parameter's step count as a user set it (``optimizer.state[p]["step"]``; 0: fresh moments follow)."""
+        if step < 0:
+            raise ValueError(f"a step count must be >= 0, got {step}")
+        self.steps[index] = step
+
+    def swap_grad(self, other: torch.Tensor) -> torch.Tensor:
+        """Make ``other`` the buffer backward accumulates into; returns the one it replaces."""
+        previous, self.grad = self.grad, other
+        assert previous is not None, "in place there is no gradient buffer to swap"
+        return previous
+
+    def snapshot(self, window: slice, into: list[torch.Tensor]) -> None:
+        """Copy the master and moments of ``window`` into ``into`` (three :meth:`new_buffer` buffers)."""
+        for saved, buffer in zip(into, (self.master, self.exp_avg, self.exp_avg_sq)):
+            saved[window].copy_(buffer[window])
+
+    def restore(self, window: slice, saved: list[torch.Tensor]) -> None:
+        """Undo everything since :meth:`snapshot` of ``window`` (bitwise)."""
+        for kept, buffer in zip(saved, (self.master, self.exp_avg, self.exp_avg_sq)):
+            buffer[window].copy_(kept[window])
+
+    def param_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Per-parameter views of (master, exp_avg, exp_avg_sq): one rank holds every parameter whole."""
+        ranges = [self.layout.slot_range(index) for index in range(len(self.layout.slots))]
+        master, exp_avg, exp_avg_sq = (
+            [buffer[r] for r in ranges] for buffer in (self.master, self.exp_avg, self.exp_avg_sq)
+        )
+        return master, exp_avg, exp_avg_sq
+
+
+def rounding_seed(process_group: dist.ProcessGroup | None, device: torch.device, world_size: int) -> int:
+    """The bf16 state's rounding seed: torch's initial seed (``seed_everything`` sets it), rank 0's on every
+    rank (a collective when ``world_size`` > 1), so one run's bits are the same at any world size."""
+    seed = torch.tensor([torch.initial_seed() & (2**63 - 1)], dtype=torch.int64)
+    if world_size > 1:
+        broadcast_tensors_([seed], process_group, device)
+    return int(seed.item())
+
+
+class ParkedState:
+    """Moments and step counts of parameters that left the trainable set, kept should they return.
+
+    Survives re-planning (a new :class:`CpuState` is built for the new layout); keyed by parameter id.
+    """
+
+    def __init__(self) -> None:
+        self._parked: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def park(
+        self,
+        params: list[torch.nn.Parameter],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        steps: Sequence[int],
+    ) -> None:
+        for p, exp_avg, exp_avg_sq, step in zip(params, exp_avgs, exp_avg_sqs, steps):
+            self._parked[id(p)] = (exp_avg.clone(), exp_avg_sq.clone(), step)
+
+    def unpark(self, params: list[torch.nn.Parameter]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """(exp_avgs, exp_avg_sqs, steps) for ``params``: the parked ones, zeros and 0 for new ones."""
+        moments = [self._parked.pop(id(p), None) for p in params]
+        zeros = [torch.zeros(p.shape) for p in params]
+        exp_avgs = [m[0] if m else z for m, z in zip(moments, zeros)]
+        exp_avg_sqs = [m[1] if m else z for m, z in zip(moments, zeros)]
+        return exp_avgs, exp_avg_sqs, [m[2] if m else 0 for m in moments]

@@ -1,0 +1,89 @@
+"""Where a step's gradients come from: the protocol the engine and the schedules drive backward through.
+
+Two sources implement it:
+
+- :class:`~lightning_zero_offload.engine.step.streamer.GradientStreamer` (the offload path): hooks copy each
+  bucket of gradients off the device, [reduce-scatter them], and add them in fp32 into the CPU state's
+  gradient buffer;
+- :class:`~lightning_zero_offload.engine.step.in_place.InPlaceGradients` (nothing to offload): each gradient
+  stays the tensor autograd made, and the step reads it there.
+
+The engine never asks which one it holds: what differs between them (whether the update itself can
+check the gradients for inf/nan) is a question the source answers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from lightning_zero_offload.engine.infra.collectives import all_reduce_sum
+from lightning_zero_offload.engine.step.layout import Bucket
+
+
+class GradientSource(Protocol):
+    """One accumulation window's gradients, from the first backward after a step to the next step."""
+
+    has_grad: list[bool]  # per trainable parameter: it got a gradient in this window (on this rank)
+    # Called with (bucket, final) as a bucket's gradients land (the speculative schedule's hook).
+    on_accumulated: Callable[[Bucket, bool], None] | None
+    device_buffers_live: int
+    device_buffers_peak: int
+
+    def begin(self) -> None:
+        """A backward pass starts."""
+
+    def finish_backward(self) -> None:
+        """The backward pass ended: every gradient it produced is in place for the step (idempotent)."""
+
+    def wait(self) -> None:
+        """Wait for background work on gradients that have arrived."""
+
+    def take_timings(self) -> tuple[float, float]:
+        """(seconds waited for transfers, seconds of transfer) since last asked."""
+
+    def local_summary(self) -> tuple[float, bool]:
+        """(sum of squares, any inf/nan) of this rank's gradients of the window."""
+
+    def for_each_grad_range(self, fn: Callable[[torch.Tensor], None]) -> None:
+        """Call ``fn`` on every stored gradient range of the window, in place."""
+
+    def checks_in_update(self, clips: bool, undoable: Callable[[], bool]) -> bool:
+        """Whether the coming step may take its norm and inf/nan check from the update itself (and undo
+        it on inf/nan) instead of summing first. ``clips``: the step clips (it needs the norm first);
+        ``undoable``: every param group's update can be undone. Also tells the source whether the next
+        window's step will need its sums before the update."""
+
+    def new_window(self) -> None:
+        """``zero_grad()``: drop every gradient (a step keeps them, as torch keeps ``.grad``)."""
+
+    def zero_window(self) -> None:
+        """``zero_grad(set_to_none=False)``: every gradient that exists becomes zero; ``has_grad`` stays."""
+
+    def set_gradients(self, values: dict[int, torch.Tensor | None]) -> None:
+        """Replace some parameters' gradients (whole fp32 tensors, loss-scaled; None drops one)."""
+
+    def refresh_sums(self) -> None:
+        """The stored gradients were changed in place: :meth:`local_summary` must sum them again."""
+
+    def close(self) -> None:
+        """Remove the hooks and release what the source holds."""
+
+
+def global_summary(
+    source: GradientSource, world: int, process_group: dist.ProcessGroup | None, device: torch.device
+) -> tuple[float, bool, list[bool]]:
+    """(sum of squares, overflow, has_grad per parameter) of the window over all ranks: one all-reduce."""
+    sumsq, overflow = source.local_summary()
+    has_grad = list(source.has_grad)
+    if world > 1:
+        summary = torch.tensor([sumsq, float(overflow), *map(float, has_grad)], dtype=torch.float64)
+        summary = all_reduce_sum(summary, process_group, device)
+        sumsq, overflow = float(summary[0]), bool(summary[1] > 0)
+        has_grad = (summary[2:] > 0).tolist()
+    overflow = overflow or not math.isfinite(sumsq)
+    return sumsq, overflow, has_grad

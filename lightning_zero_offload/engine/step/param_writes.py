@@ -1,0 +1,129 @@
+"""Writes to the device parameters made outside the engine, found and carried into the master weights.
+
+User code writes parameters between steps: a callback clamping weights (max-norm, WGAN clipping),
+weight averaging copying the average in at the end of fit, ``load_state_dict``, ``p.data = ...``.
+The engine's master weights would overwrite such a write at the next publish, so before the master is
+used (each backward, each step, a checkpoint, teardown) the engine asks this watch what changed:
+
+- a parameter whose ``.data`` was replaced: its new value is copied into its place in the flat device
+  buffer and it becomes a view of that buffer again;
+- every bucket's contents: a checksum of the device buffer (:func:`kernels.fingerprint16`, one read of
+  the low-precision copy, no host copy) taken right after each publish is compared with the current one.
+  Version counters alone would miss ``p.data.copy_(...)``, which bumps none of them.
+
+Only a bucket whose checksum changed is copied to the host and compared element by element with what
+was published; the written elements become the new master values (in low precision, the value written).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_zero_offload import kernels
+from lightning_zero_offload.engine.infra.ledger import DEVICE, current_ledger
+from lightning_zero_offload.engine.step.layout import Bucket, Layout
+
+_WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+class ParamWriteWatch:
+    """Knows what the engine last wrote into the device parameters, and finds writes made since."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        params: list[torch.nn.Parameter],
+        flat_params: torch.Tensor,
+        checksums: bool,
+        master_dtype: torch.dtype | None = None,
+    ):
+        self.layout = layout
+        # A master narrower than the device copy (bf16 state under fp32 parameters) keeps a written value
+        # rounded: the device takes the same rounding, so forward, checkpoints and resumes agree.
+        narrower = master_dtype is not None and master_dtype.itemsize < flat_params.dtype.itemsize
+        self._rounding = master_dtype if narrower else None
+        self.params = params
+        self.flat_params = flat_params
+        self.checksums = checksums  # False in place: the parameters are the master, only reassignment matters
+        self._views = [flat_params[layout.slot_range(i)].view(slot.shape) for i, slot in enumerate(layout.slots)]
+        self._pointers = [view.data_ptr() for view in self._views]
+        self._prints: list[torch.Tensor | None] = [None] * len(layout.buckets)
+        ledger = current_ledger()
+        if ledger is not None and checksums:  # one 8-byte checksum per bucket, where the device copy is
+            ledger.add(DEVICE, "checksums", 8 * len(layout.buckets))
+
+    def _bucket_words(self, bucket: Bucket) -> torch.Tensor:
+        flat = self.flat_params[bucket.flat_start : bucket.flat_start + bucket.padded_numel]
+        return flat.view(torch.int16)
+
+    @property
+    def rounds(self) -> bool:
+        """Whether a written value is rounded to the master's (narrower) dtype when it is merged."""
+        return self._rounding is not None
+
+    def record(self, bucket: Bucket) -> None:
+        """The engine just wrote ``bucket`` (queued on the current stream: the checksum is queued after it)."""
+        if self.checksums:
+            self._prints[bucket.index] = kernels.fingerprint16(self._bucket_words(bucket))
+
+    def record_all(self) -> None:
+        for bucket in self.layout.buckets:
+            self.record(bucket)
+
+    def reattach(self) -> list[int]:
+        """Put parameters whose ``.data`` was replaced back into the flat buffer; returns their indices."""
+        moved = []
+        for index, (p, view, pointer) in enumerate(zip(self.params, self._views, self._pointers)):
+            if p.data_ptr() == pointer and p.shape == view.shape:
+                continue
+            if p.shape != view.shape:
+                raise RuntimeError(
+                    f"A trainable parameter of shape {tuple(view.shape)} was given data of shape {tuple(p.shape)} "
+                    "during fit. zero_offload keeps every parameter's shape fixed; change shapes before fit (or "
+                    "build a new optimizer in a new fit)."
+                )
+            with torch.no_grad():
+                view.copy_(p.data)
+            p.data = view
+            moved.append(index)
+        return moved
+
+    def written_buckets(self) -> list[int]:
+        """Buckets whose device contents differ from what the engine last wrote there."""
+        moved = self.reattach()
+        if not self.checksums:
+            return sorted({self.layout.slots[i].bucket for i in moved})
+        buckets = self.layout.buckets
+        current = [kernels.fingerprint16(self._bucket_words(b)) for b in buckets]
+        recorded = [p if p is not None else torch.zeros_like(c) for p, c in zip(self._prints, current)]
+        differs = (torch.stack(current) != torch.stack(recorded)).tolist()  # one synchronisation
+        return [b.index for b, d in zip(buckets, differs) if d or self._prints[b.index] is None]
+
+    def find_writes(self, bucket: Bucket, published: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where this rank's chunk of ``bucket`` on the device differs from ``published`` (the chunk the
+        device was given, in its dtype): (written mask, the device chunk on the host). Records the bucket."""
+        if self._rounding is not None:  # every rank rounds the whole bucket alike: no collective needed
+            whole = self.flat_params[bucket.flat_start : bucket.flat_start + bucket.padded_numel]
+            whole.copy_(whole.to(self._rounding))
+        rank_start = bucket.flat_start + self.layout.rank * bucket.shard_numel
+        device_chunk = self.flat_params[rank_start : rank_start + bucket.shard_numel].cpu()
+        words = _WORDS[device_chunk.dtype]
+        written = device_chunk.view(words) != published.view(words)
+        self.record(bucket)
+        return written, device_chunk
+
+    def merge_into(self, bucket: Bucket, master: torch.Tensor, published: torch.Tensor | None) -> int:
+        """Make the written elements of this rank's chunk of ``bucket`` the new master values.
+
+        ``published``: the low-precision chunk the device was given (None: ``master`` rounded to the
+        device dtype, which is what it was given unless an update is in flight). Returns how many
+        elements were written.
+        """
+        shard = master[bucket.shard_range]
+        if published is None:
+            published = shard.to(self.flat_params.dtype)
+        written, device_chunk = self.find_writes(bucket, published)
+        count = int(written.sum())
+        if count:
+            shard[written] = device_chunk[written].to(shard.dtype)
+        return count

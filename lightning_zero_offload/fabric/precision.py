@@ -1,0 +1,58 @@
+"""Fabric glue for the precision: what the device holds, the forward's autocast, the loss scale.
+
+The Fabric counterpart of :mod:`lightning_zero_offload.trainer.precision` (the Trainer's); both take their
+precision names from :func:`lightning_zero_offload.core.resolve_precision`.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import Precision
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor
+from torch.nn import Module
+from typing_extensions import override
+
+from lightning_zero_offload.core import OffloadSession, resolve_precision
+from lightning_zero_offload.mixed_precision import forward_context
+
+
+class ZeroOffloadFabricPrecision(Precision):
+    """``"bf16-mixed"``/``"16-mixed"``: low-precision weights on the device, the forward under autocast with
+    the rule of :mod:`lightning_zero_offload.mixed_precision`; ``"32-true"``: fp32. Inputs and outputs are
+    converted as by Fabric's ``MixedPrecision`` (floating point to fp32)."""
+
+    def __init__(self, precision: str = "bf16-mixed") -> None:
+        self.precision, self.param_dtype = resolve_precision(precision)  # type: ignore[assignment]
+        self.device_type = "cpu"  # set by the strategy once the device is known
+        self.session: OffloadSession | None = None
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        if torch.is_grad_enabled() and self.session is not None:
+            self.session.before_training_forward()  # a training forward: unfrozen parameters / added groups
+        return forward_context(self.device_type, self.param_dtype)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return _to_float32(data)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return _to_float32(data)
+
+    @override
+    def backward(self, tensor: Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:
+        if self.session is not None:
+            tensor = self.session.engine.scale_loss(tensor)  # fp16: dynamic loss scale, unscaled in the CPU kernel
+        tensor.backward(*args, **kwargs)
+
+
+def _to_float32(data: Any) -> Any:
+    def convert(t: Tensor) -> Tensor:
+        return t.float() if torch.is_floating_point(t) else t
+
+    return apply_to_collection(data, Tensor, convert)

@@ -1,0 +1,175 @@
+"""``OffloadMetrics``: where each step's time goes, logged to any Lightning logger, and an end-of-fit summary.
+
+Gradients never stay on the device under ``zero_offload`` (they stream to CPU buckets during
+backward), so callbacks that read ``p.grad`` (grad-norm loggers in ``on_before_optimizer_step``) see
+nothing. The global gradient norm is computed on the CPU anyway and logged here as
+``offload/grad_norm``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_zero_offload.engine import OffloadEngine, StepStats
+from lightning_zero_offload.engine.step.streamer import hidden_fraction
+
+_TIMINGS = ("backward", "transfer_wait", "cpu_step", "update_wait", "copy_back")  # the engine's StepStats
+# What plain mixed-precision Adam keeps on the device per parameter: fp32 weights (4), fp32 grads (4),
+# two fp32 Adam moments (8); the paper's fp16-weights + fp32-master variant also totals 16.
+PLAIN_MIXED_ADAM_DEVICE_BYTES = 16
+
+
+class OffloadMetrics(L.Callback):
+    """Logs ``offload/*`` metrics after every optimizer step and prints a summary when fit ends.
+
+    Added automatically by ``ZeroOffloadStrategy`` (``metrics=True``); add it yourself to change its
+    arguments. Metrics: ``forward_ms`` (from ``on_train_batch_start``, or the end of the previous backward,
+    to the start of each backward, summed over the accumulation window: forward, loss and Lightning's
+    bookkeeping around them), ``step_ms`` (wall time of the optimizer step from the window's first
+    ``on_train_batch_start`` to ``on_train_batch_end``; data loading not included), ``backward_ms``,
+    ``transfer_wait_ms`` (gradient transfer not hidden behind
+    backward), ``hidden_transfer_pct``, ``cpu_step_ms``, ``update_wait_ms`` (DPU: background update not
+    hidden), ``copy_back_ms``, ``grad_norm``, ``loss_scale`` (fp16), ``skipped_steps``,
+    ``speculated_fraction`` (``cpu_step="speculative"``: share of the parameters updated during backward
+    this step) and ``rollbacks`` (speculated steps taken back so far: clipping triggered, overflow).
+
+    Args:
+        prog_bar: also show the CPU step time, gradient norm and (fp16) loss scale in the progress bar.
+        summary: print the memory and time summary at the end of fit (rank 0).
+    """
+
+    def __init__(self, prog_bar: bool = True, summary: bool = True) -> None:
+        self.prog_bar = prog_bar
+        self.summary = summary
+        self._seen_steps = 0
+        self._totals: dict[str, float] = defaultdict(float)
+        self._count = 0
+        self._window_start: float | None = None  # first on_train_batch_start since the last optimizer step
+        self._forward_from: float | None = None  # batch start or end of the last backward: forward runs from here
+        self._forward_s = 0.0
+
+    @staticmethod
+    def _engine(trainer: L.Trainer) -> OffloadEngine | None:
+        engine = getattr(trainer.strategy, "engine", None)
+        return engine if isinstance(engine, OffloadEngine) and not engine.closed else None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = self._engine(trainer)
+        self._seen_steps = engine.step_calls if engine is not None else 0
+        self._totals.clear()
+        self._count = 0
+        self._window_start = None
+        self._forward_s = 0.0
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        if self._window_start is None:
+            self._window_start = now
+        self._forward_from = now
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: Any) -> None:
+        if self._forward_from is not None:
+            self._forward_s += time.perf_counter() - self._forward_from
+            self._forward_from = None
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Manual optimization may run another forward before its next backward: that counts as forward too.
+        self._forward_from = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._forward_from = None  # after the last backward of the batch: the optimizer step, not forward
+        engine = self._engine(trainer)
+        if engine is None or engine.step_calls == self._seen_steps:
+            return  # no optimizer step in this batch (gradient accumulation)
+        self._seen_steps = engine.step_calls
+        stats: StepStats = engine.last
+        now = time.perf_counter()
+        step_s = now - self._window_start if self._window_start is not None else 0.0
+        forward_s, self._forward_s, self._window_start = self._forward_s, 0.0, None
+        metrics = {"offload/forward_ms": 1e3 * forward_s}
+        metrics.update({f"offload/{name}_ms": 1e3 * getattr(stats, f"{name}_s") for name in _TIMINGS})
+        metrics["offload/step_ms"] = 1e3 * step_s
+        metrics["offload/hidden_transfer_pct"] = 100.0 * stats.hidden_transfer_fraction
+        metrics["offload/grad_norm"] = stats.grad_norm
+        metrics["offload/skipped_steps"] = float(engine.skipped_steps)
+        metrics["offload/speculated_fraction"] = stats.speculated_fraction
+        metrics["offload/rollbacks"] = float(engine.schedule.rollbacks)
+        if engine.scaler is not None:
+            metrics["offload/loss_scale"] = stats.loss_scale
+        on_bar = {"offload/cpu_step_ms", "offload/grad_norm", "offload/loss_scale"} if self.prog_bar else set()
+        for name, value in metrics.items():
+            pl_module.log(name, value, prog_bar=name in on_bar, on_step=True, on_epoch=False, rank_zero_only=True)
+        for name in _TIMINGS:
+            self._totals[name] += getattr(stats, f"{name}_s")
+        self._totals["forward"] += forward_s
+        self._totals["step"] += step_s
+        self._totals["transfer"] += stats.transfer_s
+        self._totals["speculated_fraction"] += stats.speculated_fraction
+        self._count += 1
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = self._engine(trainer)
+        if self.summary and engine is not None:
+            rank_zero_info(format_summary(engine, self._totals, self._count))
+
+
+# Why the speculative schedule ran as sync at the end of fit (engine/schedules/speculative.py).
+_SNAPSHOT_DOES_NOT_FIT = (
+    "; speculation off at the end: copying the state's snapshot takes longer than forward and backward, so "
+    "speculating would cost more than it hides (speculation_rollback='undo' needs no snapshot, but is inexact "
+    "after a clipped spike)"
+)
+
+
+def format_summary(engine: OffloadEngine, totals: dict[str, float], steps: int) -> str:
+    report = engine.memory_report()
+    n = max(1, report["params"])
+    world = engine.layout.world_size
+    device_param = report["device_param_bytes"] / n
+    buckets = report["device_total_bytes"] - report["device_param_bytes"]  # gradient buckets, collective temporaries
+    lines = [
+        f"zero_offload: {report['params']:,} trainable parameters, {engine.param_dtype} on {engine.device}, "
+        f"world size {world}, {engine.num_threads} CPU thread(s) per rank",
+    ]
+    if engine.in_place:
+        lines.append(
+            f"  in place on the CPU (nothing to offload): the parameters are the fp32 master weights, "
+            f"{report['host_state_bytes'] / 2**20:.1f} MiB with the Adam moments ({report['host_state_bytes'] / n:.1f} "
+            "B/param); gradients stay where backward puts them, as in plain training"
+        )
+    else:
+        lines += [
+            f"  device, model states: {device_param:.1f} B/param (parameters) + {buckets / 2**20:.1f} MiB of gradient "
+            f"buckets, vs {PLAIN_MIXED_ADAM_DEVICE_BYTES} B/param for plain mixed-precision Adam "
+            f"({PLAIN_MIXED_ADAM_DEVICE_BYTES / device_param:.0f}x less)",
+            f"  CPU, this rank: {report['host_state_bytes'] / 2**20:.1f} MiB optimizer state in "
+            f"{str(engine.resolved.state_dtype).removeprefix('torch.')} "
+            f"({report['host_state_bytes'] * world / n:.1f} B/param over all ranks) + "
+            f"{report['host_staging_bytes'] / 2**20:.1f} MiB staging "
+            f"({report['host_pinned_bytes'] / 2**20:.1f} MiB of host memory pinned)",
+        ]
+    if steps:
+        per = {k: 1e3 * v / steps for k, v in totals.items()}
+        hidden = 100 * hidden_fraction(totals["transfer"], totals["transfer_wait"])
+        lines.append(
+            f"  per optimizer step over {steps} steps ({per.get('step', 0.0):.1f} ms): forward "
+            f"{per.get('forward', 0.0):.1f} ms, backward {per['backward']:.1f} ms, transfer wait "
+            f"{per['transfer_wait']:.1f} ms ({hidden:.0f}% of transfers hidden), CPU step {per['cpu_step']:.1f} ms, "
+            f"DPU wait {per['update_wait']:.1f} ms, copy-back {per['copy_back']:.1f} ms; "
+            f"skipped steps {engine.skipped_steps}"
+        )
+        lines.append(
+            f"  CPU step schedule: {engine.schedule.name}; {100 * totals['speculated_fraction'] / steps:.0f}% of the "
+            f"parameters updated during backward on average, {engine.schedule.rollbacks} rollback(s)"
+            + ("" if getattr(engine.schedule, "snapshot_fits", True) else _SNAPSHOT_DOES_NOT_FIT)
+        )
+    return "\n".join(lines)

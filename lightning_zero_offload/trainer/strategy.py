@@ -1,0 +1,181 @@
+"""``ZeroOffloadStrategy``: ZeRO-Offload (and ZeRO-2 across ranks) behind Lightning's unchanged Trainer loop.
+
+Lightning glue only: the Trainer's hooks as calls on an :class:`~lightning_zero_offload.core.OffloadSession`
+(built in ``setup`` from the optimizer that ``configure_optimizers`` returns), the core the Fabric strategy
+shares. The step itself is taken by :class:`~lightning_zero_offload.trainer.precision.ZeroOffloadPrecision`;
+processes and ranks are DDP's without its wrapper (:mod:`lightning_zero_offload.trainer.ranks`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import _MockOptimizer
+from lightning.pytorch.plugins.environments import ClusterEnvironment
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_zero_offload.core import (
+    OPTION_NAMES,
+    OPTIONS_DOC,
+    OffloadedOptimizer,
+    OffloadSession,
+    SessionStrategy,
+    coerced_precision,
+    collective_timeout,
+    make_offload_options,
+    release_after_failure,
+)
+from lightning_zero_offload.trainer.callbacks import OffloadMetrics
+from lightning_zero_offload.trainer.checkpoint_hooks import TrainerCheckpoints
+from lightning_zero_offload.trainer.precision import ZeroOffloadPrecision
+from lightning_zero_offload.trainer.ranks import ParallelLikeDDP
+
+__all__ = ["ZeroOffloadStrategy"]
+
+
+class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
+    __doc__ = f"""Low-precision params, forward and backward on the device; fp32 master weights and Adam on the CPU.
+
+    Args:
+{OPTIONS_DOC}        metrics: add the :class:`~lightning_zero_offload.OffloadMetrics` callback (per-step time
+            breakdown, gradient norm and loss scale as ``offload/*`` metrics, and a summary at the end of fit).
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        bucket_size_mb: float = 25.0,
+        pin_memory: bool = True,
+        overlap: bool | None = None,
+        cpu_threads: int | None = None,
+        cpu_step: Literal["auto", "sync", "speculative", "delayed"] = "auto",
+        cpu_state: Literal["fp32", "bf16"] = "fp32",
+        speculation_rollback: Literal["auto", "undo", "snapshot"] = "auto",
+        loss_scale_init: float = 2.0**16,
+        loss_scale_growth_interval: int = 1000,
+        loss_scale_growth_factor: float = 2.0,
+        loss_scale_backoff_factor: float = 0.5,
+        loss_scale_hysteresis: int = 2,
+        loss_scale_min: float = 1.0,
+        dpu_warmup_steps: int = 40,
+        dpu_weight_prediction: bool = False,
+        checkpoint_format: Literal["full", "sharded"] = "full",
+        metrics: bool = True,
+        max_consecutive_skipped_steps: int | None = 20,
+        in_place_on_cpu: bool | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | float | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        # Every offload option above, by name, validated in one place for both front ends.
+        self.options = make_offload_options(**{name: value for name, value in locals().items() if name in OPTION_NAMES})
+        super().__init__(
+            process_group_backend,
+            collective_timeout(timeout),
+            start_method,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.metrics = metrics
+        self.session: OffloadSession | None = None
+        self._preflight_error: MemoryError | None = None
+
+    @property
+    def _param_keys(self) -> list[list[str]]:  # read by tests that check saved weights key by key
+        return self.session.param_keys if self.session is not None else []
+
+    # Lightning assigns a generic plugin built from `precision=`; the offload step needs this one.
+    precision_plugin = coerced_precision(ZeroOffloadPrecision, "_precision_plugin")  # type: ignore[assignment]
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.device_type = self.root_device.type
+        module = self.lightning_module
+        assert module is not None
+        if trainer.state.fn == TrainerFn.FITTING:
+            if self._layer_sync:
+                raise ValueError("zero_offload does not support sync_batchnorm=True")
+            self.setup_optimizers(trainer)
+            if any(isinstance(optimizer, _MockOptimizer) for optimizer in self.optimizers):
+                raise ValueError(
+                    "zero_offload trains with the optimizer that configure_optimizers returns, and it returned None. "
+                    "Return a torch.optim.AdamW/Adam (or lightning_zero_offload.CPUAdam) over self.parameters()."
+                )
+            precision, world = self.precision_plugin.precision, self.num_nodes * self.num_processes
+            try:
+                self.session = OffloadSession.start(
+                    module, self.optimizers, self.root_device, precision, self.options, world, self.num_processes
+                )
+            except MemoryError as error:
+                self._preflight_error = error  # teardown must not replace it (see teardown)
+                raise
+            self.precision_plugin.attach(self.session)
+            # The optimizer Lightning and users hold from now on: its step, zero_grad and state are the engine's.
+            self.optimizers = [OffloadedOptimizer(self.session)]
+            if self.metrics and not any(isinstance(c, OffloadMetrics) for c in trainer.callbacks):
+                trainer.callbacks.append(OffloadMetrics())
+        self.model_to_device()
+        self.setup_precision_plugin()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """This rank failed: release the engine and the process group without a collective (the other
+        ranks then fail at once instead of at the collective timeout)."""
+        release_after_failure(self.session, self.is_distributed)
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.session is not None and self.session.training:
+            self.session.begin_backward()
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.session is not None and self.session.training:
+            self.session.finish_backward()
+
+    def _sync_engine(self) -> None:
+        if self.session is not None and self.session.training:
+            self.session.engine.sync()  # evaluation sees fully updated parameters, also with a delayed update
+
+    @override
+    def on_validation_start(self) -> None:
+        self._sync_engine()
+
+    on_test_start = on_predict_start = on_validation_start
+
+    @override
+    def teardown(self) -> None:
+        if self.session is not None:
+            # Hand the module back holding the trained fp32 master weights; the CPU optimizer state stays
+            # with the closed engine so `trainer.save_checkpoint` after fit still saves it.
+            self.session.close()
+        # Lightning's teardown moves optimizer state to the CPU through optimizer.state; the engine's is there
+        # already (and at several ranks optimizer.state refuses: the moments are sharded).
+        optimizers, self._optimizers = self._optimizers, []
+        try:
+            super().teardown()
+        except Exception:
+            # A refused pre-flight is what the user must fix; a module that cannot move back (one on the
+            # meta device: "Cannot copy out of meta tensor") must not take its place.
+            if self._preflight_error is None:
+                raise
+            raise self._preflight_error from None
+        finally:
+            self._optimizers = optimizers
