@@ -17,6 +17,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from lightning_zero_offload import ZeroOffloadFabricStrategy, ZeroOffloadStrategy, convert_checkpoint_to_fp32_state_dict
 from lightning_zero_offload.checkpoints import META_FILE, CheckpointError, current_version, shard_file
+from lightning_zero_offload.warning import ZeroOffloadWarning
 
 
 def run(fmt, epochs, ckpt_path=None, model=None, checkpoint_io=None, fit_kwargs=None, **kwargs):
@@ -296,3 +297,60 @@ def test_an_interrupted_sharded_save_is_named_as_such_on_load(tmp_path):
     assert [p.name for p in path.iterdir()] == [current_version(path).name] != [version]
     _, resumed = validated_run("sharded", 2, ckpt_path=path)
     assert resumed.global_step == 8
+
+
+# -- one path under both front ends: each guard and warning holds for Fabric too -------------------------------
+
+
+class FabricRecordingIO(RecordingIO):
+    def load_checkpoint(self, path, map_location=None, weights_only=None):
+        self.calls.append(("load", str(path)))
+        return torch.load(path, map_location="cpu", weights_only=weights_only is not False)
+
+
+@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
+def test_a_custom_checkpoint_io_is_told_that_it_does_not_write_a_sharded_checkpoint(tmp_path, front_end):
+    io = FabricRecordingIO()
+    warned = pytest.warns(ZeroOffloadWarning, match='checkpoint_format="sharded" writes its shards through fsspec, not')
+    if front_end == "trainer":
+        _, trainer = run("sharded", 1, checkpoint_io=io)
+        with warned:
+            trainer.save_checkpoint(tmp_path / "s.ckpt")
+    else:
+        strategy = ZeroOffloadFabricStrategy(checkpoint_format="sharded", checkpoint_io=io)
+        f = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+        f.launch()
+        net = make_net()
+        model, optimizer = f.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        with warned:
+            f.save(tmp_path / "s.ckpt", {"model": model, "optimizer": optimizer})
+    assert io.calls == [] and current_version(tmp_path / "s.ckpt") is not None
+
+
+def test_fabric_reads_a_full_checkpoint_memory_mapped_and_names_a_damaged_one(tmp_path, monkeypatch):
+    from lightning_zero_offload.checkpoints import files
+
+    f, (model, optimizer) = fabric_setup("full")
+    path = tmp_path / "f.ckpt"
+    f.save(path, {"model": model, "optimizer": optimizer})
+    loads = []
+    torch_load = files.torch.load
+    monkeypatch.setattr(
+        files.torch, "load", lambda *args, **kwargs: loads.append(kwargs) or torch_load(*args, **kwargs)
+    )
+    f.load(path, {"model": model, "optimizer": optimizer})
+    assert [(kwargs["mmap"], kwargs["weights_only"]) for kwargs in loads] == [(True, True)]
+    path.write_bytes(path.read_bytes()[:1000])  # truncated
+    with pytest.raises(CheckpointError, match=rf"checkpoint {re.escape(str(path))} is truncated or corrupt"):
+        f.load(path, {"model": model, "optimizer": optimizer})
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_fabric_loads_python_objects_only_with_weights_only_false(tmp_path, fmt):
+    f, (model, optimizer) = fabric_setup(fmt)
+    path = tmp_path / "p.ckpt"
+    f.save(path, {"model": model, "optimizer": optimizer, "where": pathlib.Path("/data/run")})
+    with pytest.raises(CheckpointError, match="refused by weights_only loading: it holds Python objects"):
+        f.load(path, {"model": model, "optimizer": optimizer})
+    state = {"model": model, "optimizer": optimizer, "where": None}
+    assert f.load(path, state, weights_only=False) == {} and state["where"] == pathlib.Path("/data/run")

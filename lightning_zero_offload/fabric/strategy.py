@@ -21,7 +21,6 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.strategies.strategy import _validate_keys_for_strict_loading
 from lightning.fabric.wrappers import _unwrap_objects
 from torch import Tensor
@@ -30,7 +29,7 @@ from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_zero_offload.checkpoints import FABRIC_KEY, atomic_save, is_sharded_checkpoint, load_sharded
+from lightning_zero_offload.checkpoints import FABRIC_KEY, FORMAT_KEY
 from lightning_zero_offload.core import (
     OPTIONS_DOC,
     OffloadedOptimizer,
@@ -41,6 +40,7 @@ from lightning_zero_offload.core import (
     make_offload_options,
     move_untrained_to,
 )
+from lightning_zero_offload.core.checkpoint_io import load_checkpoint, save_checkpoint, uses_own_writer
 from lightning_zero_offload.fabric.checkpoints import (
     fabric_checkpoint_from_sharded,
     restore_objects,
@@ -250,23 +250,24 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         }
         # Views of the engine's buffers rather than a second copy of the fp32 state, when the writer is
         # the strategy's own (done when it returns; a user's CheckpointIO may write in the background).
-        own_writer = storage_options is None and type(self.checkpoint_io) is TorchCheckpointIO
-        with self.session.shared_buffers(own_writer) if self.session is not None else nullcontext():
+        share = uses_own_writer(self.checkpoint_io, storage_options)
+        with self.session.shared_buffers(share) if self.session is not None else nullcontext():
             checkpoint = self._convert_stateful_objects_in_state(state, filter=filter or {})
+        sharded = keys["model"] is not None and self.session.sharded
         if keys["model"] is not None:
             checkpoint[FABRIC_KEY] = keys  # where the weights are, for the fp32 export and sharded loading
-        if keys["model"] is not None and self.session.sharded:
-            meta = sharded_from_fabric_checkpoint(checkpoint)
-            self.session.save_sharded(meta, path, self.global_rank, self.broadcast)
-        elif own_writer and self.session is not None:  # every rank: at several, buckets stream to rank 0
-            self.session.save_full(
-                checkpoint, self.global_rank, self.broadcast, lambda ckpt, streamed: atomic_save(ckpt, path, streamed)
-            )
-        elif self.is_global_zero:
-            if own_writer:
-                atomic_save(checkpoint, path)
-            else:  # a custom CheckpointIO (e.g. remote storage) decides how to write
-                self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        if sharded:
+            checkpoint = sharded_from_fabric_checkpoint(checkpoint)
+        save_checkpoint(
+            self.session,
+            checkpoint,
+            path,
+            checkpoint_io=self.checkpoint_io,
+            storage_options=storage_options,
+            rank=self.global_rank,
+            broadcast=self.broadcast,
+            sharded=sharded,
+        )
 
     @override
     def load_checkpoint(
@@ -277,10 +278,10 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """As Fabric's, for both formats; the sharded one is reassembled at this world size."""
-        if is_sharded_checkpoint(path):
-            checkpoint = fabric_checkpoint_from_sharded(load_sharded(path, with_optimizer=_wants_optimizer(state)))
+        checkpoint = load_checkpoint(path, self.checkpoint_io, weights_only, with_optimizer=_wants_optimizer(state))
+        if FORMAT_KEY in checkpoint:  # sharded: back under the names the Fabric run gave its entries
+            checkpoint = fabric_checkpoint_from_sharded(checkpoint)
         else:
-            checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
             checkpoint.pop(FABRIC_KEY, None)
         if isinstance(state, dict):
             _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)

@@ -175,16 +175,16 @@ def test_a_full_save_at_one_rank_adds_under_1_byte_per_parameter_of_host_memory(
 
 
 def test_fabric_full_save_writes_the_engine_buffers_and_loads_back(tmp_path, monkeypatch):
-    import lightning_zero_offload.fabric.strategy as fabric_module
+    import lightning_zero_offload.core.checkpoint_io as checkpoint_io  # the one checkpoint path
 
     written = {}
-    real_atomic_save = fabric_module.atomic_save
+    real_atomic_save = checkpoint_io.atomic_save
 
     def record(checkpoint, path, streamed=None):
         written["checkpoint"] = checkpoint
         real_atomic_save(checkpoint, path, streamed)
 
-    monkeypatch.setattr(fabric_module, "atomic_save", record)
+    monkeypatch.setattr(checkpoint_io, "atomic_save", record)
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=ZeroOffloadFabricStrategy(), precision="bf16-mixed")
     fabric.launch()
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
