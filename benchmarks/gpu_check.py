@@ -563,6 +563,8 @@ def throughput_variants(tiny: bool) -> list[tuple[str, int]]:
         ("zero_offload:speculative", 50),
         ("plain", 40),
         ("zero_offload:sync", 50),
+        # the exact rollback (a snapshot copied behind the forward) against the undo, the default before it
+        ("zero_offload:speculative@speculation_rollback=undo", 50),
         (f"zero_offload:speculative@cpu_threads={fewer}", 50),
         ("zero_offload:delayed", 50),
         ("deepspeed", 90),
