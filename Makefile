@@ -48,7 +48,7 @@ test-oldest:
 	$(OLDEST_VENV)/bin/python -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(OLDEST_VENV)/bin/python -m pip install --quiet torch==2.13.0 lightning==$(OLDEST_LIGHTNING) \
 		pytorch-lightning==$(OLDEST_LIGHTNING) -e . 'pytest>=7'
-	$(OLDEST_VENV)/bin/python -m pytest -q -m 'slow or not slow' tests/test_strategy.py tests/test_precision.py \
+	$(OLDEST_VENV)/bin/python -m pytest -q -m 'slow or not slow' tests/trainer/test_strategy.py tests/trainer/test_precision.py \
 		tests/test_cli.py
 
 bench: $(INSTALLED)

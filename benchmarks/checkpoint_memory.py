@@ -4,7 +4,8 @@
     python benchmarks/checkpoint_memory.py --params 20e6        # quicker
     python benchmarks/checkpoint_memory.py --repeats 2 --label after   # names the result file
 
-Each (format, world size) runs in a fresh process, started by the tests' rank launcher (``tests/ranks.py``;
+Each (format, world size) runs in a fresh process, started by the rank launcher
+(``lightning_zero_offload/testing/ranks.py``;
 Lightning's own launcher starts the other ranks): a Trainer on the CPU (bf16-mixed,
 ``in_place_on_cpu=False``, so the engine holds separate fp32 master and moments as it does with a GPU)
 trains one step, then every rank saves while a sampling thread reads its RSS from ``/proc/self/statm``
@@ -30,7 +31,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from memory_probe import PeakSampler, anonymous_rss, linear_stack, rss  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -130,7 +130,7 @@ def training_bytes_per_param(world: int, precision: str = "bf16-mixed") -> float
 
 
 def run_once(fmt: str, world: int, args: argparse.Namespace) -> list[dict]:
-    from tests.ranks import launch
+    from lightning_zero_offload.testing.ranks import launch
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("CHECKPOINT_MEMORY_DIR")) as out:
         command = [sys.executable, __file__, "--child", fmt, "--world", str(world), "--out", out]

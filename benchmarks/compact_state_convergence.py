@@ -1,4 +1,4 @@
-"""Does ``cpu_state="bf16"`` converge like ``"fp32"``? One arm of issue 19's convergence cases per call.
+"""Does ``cpu_state="bf16"`` converge like ``"fp32"``? One arm of the convergence cases per call.
 
 Each call trains one arm (``--case``, ``--state``) with the same seed and data order as every other arm and
 writes its per-step train loss and its periodic validation loss to ``--out/<case>_<state>.json``;
@@ -44,7 +44,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "compact_state"
 FIGURE = ROOT / "docs" / "figures" / "compact_state_convergence.png"
 CASES = ("demo", "llama", "llama-low-lr")
 STATES = ("fp32", "bf16", "bf16-nearest", "fp32-sr-weights", "fp32-sr-moments", "fp32-sr-once")
-BAR = {"demo": 0.005, "llama": 0.005, "llama-low-lr": 0.01}  # issue 19's bars on the final val loss
+BAR = {"demo": 0.005, "llama": 0.005, "llama-low-lr": 0.01}  # the bars on the final val loss (docs/compact-state.md)
 SEED = 1234
 DEFAULT_STEPS = {"demo": 600, "llama": 1000, "llama-low-lr": 1000}
 LLAMA_LR = {"llama": 1e-3, "llama-low-lr": 1e-4}

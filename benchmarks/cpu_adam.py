@@ -30,7 +30,7 @@ for the threads an accelerator run keeps busy (launch thread, autograd thread):
 
     python benchmarks/cpu_adam.py --thread-rows --threads cores cores-2 --busy 0 2
 
-bf16 state (``--bf16-state``, issue 19): kernels.adam_step_bf16_state (bf16 p, m, v, stochastically
+bf16 state (``--bf16-state``): kernels.adam_step_bf16_state (bf16 p, m, v, stochastically
 rounded; fp32 or bf16 grad) beside the fp32-state step that publishes the same bf16 params, on one flat
 tensor, every row interleaved in one measurement per (threads, N), with each row's byte count and its
 fraction of the roofline for that byte count, the per-repetition ratios' quartiles (each repetition
@@ -609,7 +609,7 @@ def main() -> None:
     parser.add_argument("--thread-rows", action="store_true", help="only the offload step per --threads count")
     parser.add_argument("--busy", type=int, nargs="+", default=[0], help="--thread-rows: spinning processes beside")
     parser.add_argument(
-        "--bf16-state", action="store_true", help=f"only the bf16-state rows (issue 19), to {RESULTS_BF16_STATE.name}"
+        "--bf16-state", action="store_true", help=f"only the bf16-state rows, to {RESULTS_BF16_STATE.name}"
     )
     parser.add_argument(
         "--baseline-native",

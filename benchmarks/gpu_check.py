@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests")]  # tests/: the rank launcher
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU time at ~2 GHz, per delayed copy
 DEADLINE = float("inf")  # this sub-check's own end (time.time()), set by --run from the driver's timeout
 
@@ -229,7 +229,7 @@ def check_micro(device: torch.device, tiny: bool, results: Path) -> dict[str, An
     for busy in (0, 2):
         out["cpu_adam"].append(thread_rows(micro_thread_counts(tiny), n, reps, busy))
         save_partial(results, "micro", out)
-    # the fastest count alone and beside busy threads: the number issue 20 item 5 decides the default on
+    # the fastest count alone and beside busy threads: the number the default thread count is chosen on
     out["fastest_threads"] = {
         f"busy={row['busy']}": min(row["threads"], key=lambda t: row["offload_time_vs_first"][t])
         for row in out["cpu_adam"]
@@ -262,7 +262,7 @@ def check_correctness(device: torch.device, tiny: bool, results: Path) -> dict[s
     """zero_offload with its defaults (speculative on a GPU) against plain bf16 AMP AdamW, through the Trainer.
 
     Same weights, batches and 30 steps. Under AMP the weights are fp32, under zero_offload bf16 on the
-    device, so the losses differ by weight rounding only: within 2% step by step (tests/test_models.py's
+    device, so the losses differ by weight rounding only: within 2% step by step (tests/trainer/test_models.py's
     bound), and both learn the same amount (the data is learnable, the lr high enough to show it).
     """
     import lightning as L
@@ -436,7 +436,7 @@ def check_fp16_overflow(device: torch.device, tiny: bool, results: Path) -> dict
 
 
 def _rank(rank: int, device_name: str, tiny: bool) -> torch.Tensor:
-    """One of two gloo ranks sharing one device (tests/ranks.py made the group): its final master weights."""
+    """One of two gloo ranks sharing one device (``testing.ranks`` made the group): its final master weights."""
     device = torch.device(device_name)
     model = gpt(device, tiny)
     engine = engine_for(model, device, torch.bfloat16, bucket_size_mb=0.05)
@@ -450,10 +450,10 @@ def _rank(rank: int, device_name: str, tiny: bool) -> torch.Tensor:
 
 def check_two_ranks(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
     """Two gloo ranks sharing one GPU against world size 1 on the full batch (same global batch)."""
-    from ranks import run_ranks
+    from lightning_zero_offload.testing.ranks import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
-        # The package (and with it Lightning) imported before the group exists: see tests/ranks.py.
+        # The package (and with it Lightning) imported before the group exists: see testing/ranks.py.
         preload = ("lightning_zero_offload.demo.model", "lightning_zero_offload.engine")
         rank = functools.partial(_rank, device_name=str(device), tiny=tiny)
         two = run_ranks(rank, 2, tmp, timeout=time_left(), preload=preload)[0]
@@ -558,7 +558,7 @@ def check_fit_resume(device: torch.device, tiny: bool, results: Path) -> dict[st
 def throughput_variants(tiny: bool) -> list[tuple[str, int]]:
     """(variant, budget in seconds on the GPU), in priority order: the default schedule and plain first;
     DeepSpeed last (optional, and its JIT build gets the longest to finish beside the others)."""
-    fewer = max(1, usable_cores() - 2)  # issue 20 item 5: the engine's real thread mix at cores and cores - 2
+    fewer = max(1, usable_cores() - 2)  # the engine's real thread mix at cores and cores - 2
     return [
         ("zero_offload:speculative", 50),
         ("plain", 40),

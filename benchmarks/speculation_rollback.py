@@ -89,7 +89,7 @@ def main() -> None:
     adam()
     stepped = [t.clone() for t in state]
     undo()
-    # the restored state's largest error, as a fraction of the largest change the step made (issue 10's measure)
+    # the restored state's largest error, as a fraction of the largest change the step made
     errors = {
         name: float((t - o).abs().max() / (s - o).abs().max())
         for name, t, o, s in zip(("param", "exp_avg", "exp_avg_sq"), state, original, stepped)

@@ -47,10 +47,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero_offload import ZeroOffloadStrategy, kernels
+from lightning_zero_offload.testing.ranks import launch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from ranks import launch  # noqa: E402  (the rank launcher of the tests)
 
 START_ENV = dict(os.environ)
 SCHEDULES = ("sync", "speculative", "delayed")
@@ -58,7 +57,7 @@ SCHEDULES = ("sync", "speculative", "delayed")
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {"model": "gpt", "config": {"n_layer": 2, "n_embd": 128, "n_head": 4}, "batch": 4, "seq": 64},
     "gpt-19m": {"model": "gpt", "config": {"n_layer": 6, "n_embd": 512, "n_head": 8}, "batch": 4, "seq": 128},
-    # held-out models of the kinds measured in issue 13 (5.2M, batch 8x128 and 49.5M, batch 1x16)
+    # held-out models of the kinds measured before (5.2M, batch 8x128 and 49.5M, batch 1x16)
     "llama-compute": {
         "model": "llama",
         "config": {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 6},

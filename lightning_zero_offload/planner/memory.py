@@ -1,6 +1,6 @@
 """Memory of one configuration in bytes: the engine's host buffers, the device's model states, the
 activations, and what a checkpoint save adds; mirrored from engine/step/cpu_state.py, engine/step/publisher.py,
-engine/step/streamer.py and the schedules buffer by buffer (tests/test_planner.py compares them with the engine)."""
+engine/step/streamer.py and the schedules buffer by buffer (tests/planner/ compares them with the engine)."""
 
 from __future__ import annotations
 

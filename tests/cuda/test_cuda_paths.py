@@ -8,7 +8,6 @@ import contextlib
 import pytest
 import torch
 from engine_helpers import batches, loss_fn, options, two_gpu_checks
-from ranks import run_ranks
 from torch import nn
 
 from lightning_zero_offload.engine import LossScalerConfig, OffloadEngine
@@ -16,6 +15,7 @@ from lightning_zero_offload.engine.infra import memory
 from lightning_zero_offload.engine.infra.ledger import HOST_PINNED, MemoryLedger
 from lightning_zero_offload.engine.step import streamer as grads
 from lightning_zero_offload.engine.step.streamer import DEVICE_BUFFER_CAP
+from lightning_zero_offload.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

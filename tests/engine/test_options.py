@@ -69,7 +69,7 @@ def test_every_auto_is_resolved_per_device_dtype_and_world():
     accelerator = resolve(OffloadOptions(), CUDA, torch.bfloat16, world_size=2, local_world_size=2)
     assert (accelerator.cpu_step, accelerator.overlap, accelerator.pin_memory) == ("speculative", True, True)
     assert accelerator.cpu_threads == max(1, CORES // 2)
-    # a rolled-back step equals sync bitwise by default, whatever the dtype (tests/engine/test_schedules.py)
+    # a rolled-back step equals sync bitwise by default, whatever the dtype (tests/engine/schedules/test_schedules.py)
     assert accelerator.speculation_rollback == "snapshot" and accelerator.delayed is None
     assert resolve(OffloadOptions(), CUDA, torch.float16).speculation_rollback == "snapshot"
     delayed = resolve(OffloadOptions(cpu_step="delayed", delayed=DelayedOptions(7)), CUDA, torch.bfloat16)

@@ -9,7 +9,8 @@ lost the moments or step counts of the layers that stayed differs by > 1e-3.
 import pytest
 import torch
 from engine_helpers import unfreeze_reference, unfreeze_training
-from ranks import run_ranks
+
+from lightning_zero_offload.testing.ranks import run_ranks
 
 ATOL = 1e-6
 

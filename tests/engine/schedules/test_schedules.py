@@ -1,0 +1,261 @@
+"""The speculative schedule against the synchronous one (the exactness contract), and resume at every schedule.
+
+Each run drives the engine as the strategy does: ``expect_step()`` before the backward that ends an
+accumulation window, ``begin_backward()`` / ``finish_backward()`` around every backward, then ``step()``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from engine_helpers import CPU, batches, options
+from torch import nn
+
+from lightning_zero_offload.engine import LossScalerConfig, OffloadEngine, StepStats
+from lightning_zero_offload.testing.ranks import run_ranks
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class Net(nn.Module):
+    """Two param groups, a tied weight, a frozen layer and a layer that gets no gradient on odd steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 32)
+        self.frozen = nn.Linear(32, 32).requires_grad_(False)
+        self.hidden = nn.Linear(32, 32)
+        self.tied = nn.Linear(32, 32, bias=False)
+        self.out = nn.Linear(32, 4)
+        self.unused_on_odd = nn.Linear(32, 4)
+        self.poison = False  # inf gradient for the first layer only: later layers' buckets stay finite
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.inp(x)
+        if self.poison and h.requires_grad:
+            h.register_hook(lambda g: g * float("inf"))
+        h = torch.nn.functional.gelu(h)
+        h = torch.nn.functional.gelu(self.hidden(self.frozen(h)))
+        h = self.tied(torch.tanh(self.tied(h)))  # one parameter used twice
+        return self.out(h) + (self.unused_on_odd(h) if step % 2 == 0 else 0)
+
+    def optimizer(self) -> torch.optim.Optimizer:
+        first = [*self.inp.parameters(), *self.hidden.parameters(), *self.frozen.parameters()]
+        second = [*self.tied.parameters(), *self.out.parameters(), *self.unused_on_odd.parameters()]
+        return torch.optim.AdamW(
+            [{"params": first, "weight_decay": 0.1, "betas": (0.8, 0.99)}, {"params": second, "lr": 3e-2}],
+            lr=1e-2,
+            weight_decay=0.01,
+        )
+
+
+def train(
+    cpu_step: str,
+    dtype: torch.dtype = torch.bfloat16,
+    steps: int = 12,
+    accumulate: int = 2,
+    clip_norm: float | None = None,
+    clip_value: float | None = None,
+    inf_at: int | None = None,
+    spike: tuple[int, float] | None = None,
+    announce_every_backward: bool = False,
+    rank: int = 0,
+    **kwargs,
+) -> tuple[OffloadEngine, Net, list[StepStats]]:
+    net = Net()
+    engine = OffloadEngine(net.optimizer(), CPU, dtype, options(cpu_step=cpu_step, dpu_warmup_steps=2, **kwargs))
+    data = batches(steps * accumulate, seed=3 + rank)
+    history = []
+    for step in range(steps):
+        for micro in range(accumulate):
+            x, y = data[step * accumulate + micro]
+            if micro == accumulate - 1 or announce_every_backward:
+                engine.expect_step(publish_early=True)
+            engine.begin_backward()
+            net.poison = step == inf_at and micro == accumulate - 1
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                # with two ranks the odd-step layer gets a gradient on one of them only
+                loss = nn.functional.cross_entropy(net(x, step + rank).float(), y) / accumulate
+            if spike is not None and step == spike[0]:
+                loss = loss * spike[1]  # one step's gradient this many times its usual size
+            engine.scale_loss(loss).backward()
+            engine.finish_backward()
+        history.append(engine.step(clip_norm=clip_norm, clip_value=clip_value))
+        for group in engine.optimizer.param_groups:
+            group["lr"] *= 0.9  # an LR scheduler: hyperparameters change every step
+    return engine, net, history
+
+
+def snapshot(engine: OffloadEngine, net: Net) -> list[torch.Tensor]:
+    engine.sync()
+    state = engine.optimizer_state_dict()["state"]
+    moments = [t for entry in state.values() for t in (entry["exp_avg"], entry["exp_avg_sq"])]
+    return [*engine.master_params(), *moments, *(p.detach().clone() for p in net.parameters())]
+
+
+def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("clip_norm", [None, 1e6], ids=["no-clip", "clip-not-triggered"])
+def test_speculative_is_bitwise_sync_when_nothing_triggers(dtype, clip_norm):
+    sync, sync_net, _ = train("sync", dtype, clip_norm=clip_norm)
+    spec, spec_net, history = train("speculative", dtype, clip_norm=clip_norm)
+    assert_bitwise(snapshot(spec, spec_net), snapshot(sync, sync_net))
+    # the steps really ran during backward (else the test would pass trivially); buckets holding a
+    # parameter without gradient (odd steps) wait for the all-reduce, the others are speculated
+    assert all(s.speculated_fraction > 0.3 for s in history)
+    assert min(s.speculated_fraction for s in history[1::2]) < max(s.speculated_fraction for s in history[::2]) <= 1
+    assert spec.schedule.rollbacks == 0 and not any(s.rolled_back for s in history)
+
+
+def median_norm() -> float:
+    _, _, history = train("sync")
+    norms = sorted(s.grad_norm for s in history)
+    return norms[len(norms) // 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factor", [1.0, 1e1, 1e2, 1e3, 1e4, 1e5])
+@pytest.mark.parametrize("clip", [{"clip_norm": 1.0}, {"clip_value": 1.0}], ids=["norm", "value"])
+def test_a_clipped_spike_is_rolled_back_to_sync_bitwise_by_default(dtype, factor, clip):
+    """One step's gradient x``factor`` under clipping, with the default rollback: the speculated step is
+    taken back and redone as sync does it, whatever the strength (the undo's moments cancel there)."""
+    sync, sync_net, sync_history = train("sync", dtype, spike=(6, factor), **clip)
+    spec, spec_net, history = train("speculative", dtype, spike=(6, factor), **clip)
+    assert spec.resolved.speculation_rollback == "snapshot"
+    assert history[6].rolled_back or factor == 1.0  # the spike's step was speculated, then clipped
+    assert_bitwise(snapshot(spec, spec_net), snapshot(sync, sync_net))
+
+
+@pytest.mark.parametrize("rollback", ["snapshot", "undo"])
+def test_clipping_that_triggers_on_some_steps_is_corrected(rollback):
+    clip = median_norm()  # triggers on about half of the steps
+    sync, sync_net, sync_history = train("sync", clip_norm=clip)
+    spec, spec_net, history = train("speculative", clip_norm=clip, speculation_rollback=rollback)
+    assert spec.schedule.rollbacks > 0 and any(s.rolled_back for s in history)
+    assert any(s.speculated_fraction > 0 for s in history)
+    if rollback == "snapshot":
+        assert_bitwise(snapshot(spec, spec_net), snapshot(sync, sync_net))
+    else:  # the inverted step is exact up to one fp32 rounding per value
+        for ours, ref in zip(snapshot(spec, spec_net), snapshot(sync, sync_net)):
+            torch.testing.assert_close(ours.float(), ref.float(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("rollback", ["snapshot", "undo"])
+def test_clip_by_value_redoes_only_the_buckets_over_the_limit(rollback):
+    sync, sync_net, _ = train("sync", torch.float32, clip_value=0.02)
+    spec, spec_net, history = train("speculative", torch.float32, clip_value=0.02, speculation_rollback=rollback)
+    assert spec.schedule.rollbacks > 0
+    tolerance = {"rtol": 0, "atol": 0} if rollback == "snapshot" else {"rtol": 1e-6, "atol": 1e-7}
+    for ours, ref in zip(snapshot(spec, spec_net), snapshot(sync, sync_net)):
+        torch.testing.assert_close(ours, ref, **tolerance)
+
+
+def test_speculation_pauses_while_clipping_triggers_and_resumes_after():
+    spec, _, history = train("speculative", steps=14, clip_norm=1e-3)  # clips every step
+    schedule = spec.schedule
+    triggers = schedule.PAUSE_TRIGGERS
+    assert schedule.rollbacks == triggers  # then paused: no more wasted passes
+    assert all(s.speculated_fraction == 0 for s in history[triggers:])
+    schedule.recent.extend([False] * schedule.WINDOW)  # the trigger rate fell
+    assert not schedule.paused
+
+
+def test_fp16_overflow_is_skipped_and_rolled_back_exactly_as_sync():
+    scaler = LossScalerConfig(hysteresis=1)
+    sync, sync_net, sync_history = train("sync", torch.float16, inf_at=5, loss_scaler=scaler)
+    spec, spec_net, history = train("speculative", torch.float16, inf_at=5, loss_scaler=scaler)
+    assert history[5].skipped and sync_history[5].skipped and spec.skipped_steps == sync.skipped_steps == 1
+    assert spec.loss_scale == sync.loss_scale < 2.0**16  # backed off
+    assert_bitwise(snapshot(spec, spec_net), snapshot(sync, sync_net))
+    assert history[5].rolled_back and spec.schedule.rollbacks == 1  # the finite buckets were speculated
+    assert history[4].speculated_fraction > 0 and history[6].speculated_fraction > 0
+
+
+def test_an_announced_step_that_never_comes_is_rolled_back():
+    """A caller announces a step on every backward: the accumulation backward's speculation is undone."""
+    sync, sync_net, _ = train("sync")
+    spec, spec_net, _ = train("speculative", announce_every_backward=True, speculation_rollback="snapshot")
+    assert spec.schedule.rollbacks == 12  # one per accumulation window
+    assert_bitwise(snapshot(spec, spec_net), snapshot(sync, sync_net))
+
+
+def test_auto_is_sync_on_a_cpu_device_and_options_resolve_per_device():
+    engine, _, history = train("auto", steps=1, overlap=None, cpu_threads=None)
+    assert engine.schedule.name == "sync" and not engine.overlap
+    assert engine.num_threads == min(torch.get_num_threads(), len(os.sched_getaffinity(0)))
+
+
+@pytest.mark.parametrize("cpu_step", ["sync", "speculative", "delayed"])
+def test_resume_from_engine_state_is_bitwise(cpu_step):
+    full, full_net, _ = train(cpu_step, steps=8, clip_norm=0.5)
+    first, first_net, _ = train(cpu_step, steps=4, clip_norm=0.5)
+    saved = {
+        "engine": first.state_dict(),
+        "optimizer": first.optimizer_state_dict(),
+        "master": first.master_params(),
+    }
+    if cpu_step == "delayed":
+        assert "pending" in saved["engine"]["schedule"]  # stale device weights in use
+    # a fresh engine on a fresh model, loaded as the strategy does: weights, optimizer, engine state
+    net = Net()
+    engine = OffloadEngine(net.optimizer(), CPU, torch.bfloat16, options(cpu_step=cpu_step, dpu_warmup_steps=2))
+    engine.load_master_params(saved["master"])
+    engine.load_optimizer_state_dict(saved["optimizer"])
+    engine.load_state_dict(saved["engine"])
+    data = batches(16, seed=3)
+    for step in range(4, 8):
+        for micro in range(2):
+            x, y = data[step * 2 + micro]
+            if micro == 1:
+                engine.expect_step(publish_early=True)
+            engine.begin_backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(net(x, step).float(), y) / 2
+            loss.backward()
+            engine.finish_backward()
+        engine.step(clip_norm=0.5)
+        for group in engine.optimizer.param_groups:
+            group["lr"] *= 0.9
+    assert_bitwise(snapshot(engine, net), snapshot(full, full_net))
+
+
+@pytest.mark.slow  # two ranks in processes
+def test_speculative_equals_sync_at_two_ranks(tmp_path):
+    from workers.schedules import speculative_against_sync  # it imports this module by its plain name
+
+    run_ranks(speculative_against_sync, 2, tmp_path, timeout=240)  # every rank checks its results
+
+
+def test_speculation_gives_way_to_sync_where_its_snapshot_does_not_hide_and_is_tried_again(monkeypatch):
+    """The chooser, on a clock of its own: speculating steps that wait for the snapshot take 12 units, sync
+    steps 10; it measures sync after a late step, keeps the faster, and measures speculation again later."""
+    from lightning_zero_offload.engine.schedules import chooser as chooser_module
+
+    now = [0.0]
+    monkeypatch.setattr(chooser_module.time, "perf_counter", lambda: now[0])
+    chooser = chooser_module.SpeculationChooser()
+
+    def step(waited: float, speculating_takes: float = 12.0, sync_takes: float = 10.0) -> bool:  # seconds
+        speculated = chooser.speculating
+        chooser.forward_started()
+        chooser.waited_for_snapshot(waited if speculated else 0.0)
+        now[0] += speculating_takes if speculated else sync_takes
+        chooser.step_done(speculated)
+        return speculated
+
+    assert all(step(waited=0.0) for _ in range(5))  # the snapshot hid: nothing measured, nothing changes
+    assert step(waited=1.0) and step(waited=0.0) and step(waited=1.0)  # one late step at a time: nothing either
+    modes = [step(waited=1.0) for _ in range(8)]
+    assert modes[:5] == [True, False, False, False, False]  # late twice in a row, then three sync steps: sync wins
+    # sync holds for HOLD_STEPS steps from the choice (4 of them above), then speculation is measured again
+    assert not any(step(waited=1.0) for _ in range(chooser_module.SpeculationChooser.HOLD_STEPS - 4))
+    modes = [step(waited=1.0, speculating_takes=8.0) for _ in range(6)]
+    assert modes == [True] * 6  # faster now: it stays

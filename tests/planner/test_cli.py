@@ -1,0 +1,74 @@
+import json
+
+import pytest
+from planner_helpers import H200_BOX, h200
+
+from lightning_zero_offload.demo.model import GPT
+from lightning_zero_offload.planner import (
+    largest_models,
+)
+from lightning_zero_offload.planner.cli import main
+
+
+def test_cli_with_presets(capsys):
+    code = main(["--params", "1.3e9", "--batch-size", "4", "--seq-len", "1024", "--host", "Grace (GH200, LPDDR5X)"]
+                + ["--device", "GH200 (NVLink-C2C)"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and "1300.0M trainable params" in out and "recommended: cpu_step=" in out and "GH200" in out
+    main(["--model", "lightning_zero_offload.demo.GPT", "--model-args", '{"n_layer": 2}', "--json", "--batch-size"]
+         + ["2", "--seq-len", "64", "--host", "Grace (GH200, LPDDR5X)", "--device", "GH200 (NVLink-C2C)"]
+         + ["--h2d-gbs", "1"])  # fmt: skip
+    data = json.loads(capsys.readouterr().out)
+    assert data["params"] == sum(p.numel() for p in GPT(n_layer=2).parameters())
+    assert data["machine"]["h2d_gbs"] == 1.0 and data["fits"] is True
+
+
+def test_cli_errors(capsys):
+    with pytest.raises(SystemExit, match="go together"):
+        main(["--params", "10", "--batch-size", "1", "--seq-len", "8", "--host", "Grace (GH200, LPDDR5X)"])
+    with pytest.raises(SystemExit) as exc:  # no silent 1-token step: batch and sequence length are required
+        main(["--params", "10", "--host", "Grace (GH200, LPDDR5X)", "--device", "GH200 (NVLink-C2C)"])
+    assert exc.value.code == 2 and "--batch-size, --seq-len" in capsys.readouterr().err
+
+
+H200_ARGS = ["--host", "server (1 socket, 8ch DDR4-3200)", "--device", "H200 SXM (PCIe 5)", "--host-memory-gb", "128"]
+
+
+def test_cli_largest(capsys):
+    box = [*H200_ARGS, "--device-memory-gb", "141", "--cpu-cores", "16"]
+    assert main(["--largest", *box]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("largest model that trains on") and "micro-batch 1 x 2048 tokens" in " ".join(out.split())
+    assert str(largest_models(H200_BOX)) in out  # the same machine as H200_BOX
+    assert main(["--largest", *box, "--seq-len", "4096", "--activation-checkpointing", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert "micro-batch 1 x 4096 tokens, activation checkpointing on" in data["assumptions"]
+    assert [r["setup"] for r in data["rows"]][:3] == ["plain", "fp32", "bf16"]
+    tiny = ["--host-memory-gb", "1", "--device-memory-gb", "1"]  # nothing of 32 layers x 2048 tokens fits
+    assert main(["--largest", *H200_ARGS, *tiny, "--n-layer", "32", "--batch-size", "64"]) == 3
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match="--largest needs a GPU"):
+        main(["--largest", *H200_ARGS, "--device-type", "cpu"])
+
+
+@pytest.mark.slow  # the CLI in a fresh interpreter
+def test_a_configuration_that_does_not_fit_exits_non_zero():
+    import subprocess
+    import sys
+
+    args = ["--params", "70e9", "--n-layer", "80", "--hidden", "8192", "--batch-size", "1", "--seq-len", "2048"]
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_zero_offload.planner", *args, *H200_ARGS],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert done.stdout.splitlines()[3].startswith("DOES NOT FIT") and "device memory per GPU" in done.stdout
+    fits = ["--params", "1.3e9", "--n-layer", "24", "--batch-size", "1", "--seq-len", "2048"]
+    assert main([*fits, *H200_ARGS]) == 0
+
+
+def test_the_bf16_state_fix_is_offered_when_the_user_asked_for_the_undo_rollback():
+    """The fix is bf16 state with its own (snapshot) rollback: asking for "undo" must not make planning fail."""
+    p = h200("7B", speculation_rollback="undo")
+    assert not p.fits
+    assert any(f.startswith('cpu_state="bf16"') for f in p.fixes)

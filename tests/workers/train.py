@@ -1,0 +1,85 @@
+"""Multi-process training scenarios, launched by Lightning's own launcher (devices=N on the CPU).
+
+Run by tests/trainer/test_distributed.py in a subprocess: several runs one after another in the same ranks (a
+launch costs more than a run). A run is a dict: ``strategy`` ("zero_offload" or "ddp"), ``precision``,
+``max_steps``, ``max_epochs``, ``accumulate``, ``clip`` (gradient_clip_val, by norm), ``format``
+(checkpoint_format), ``dpu`` (DPU with weight prediction after 3 steps), ``resume``, ``save``, ``out``.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import QUIET, Classifier, GradNorms, loader  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+import lightning_zero_offload  # noqa: E402,F401
+from lightning_zero_offload import ZeroOffloadStrategy  # noqa: E402
+
+
+class ShardedData(Classifier):
+    """Samples each rank's part of the same shuffled global batch, whatever the world size (also 1)."""
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = loader(n=192).dataset
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=7)
+        return DataLoader(dataset, batch_size=48 // world, sampler=sampler)
+
+
+def fit(run: dict, devices: int) -> None:
+    """One training run; rank 0 writes what the test compares to ``run["out"]``."""
+    if run.get("strategy", "zero_offload") == "zero_offload":
+        dpu = {"cpu_step": "delayed", "dpu_warmup_steps": 3, "dpu_weight_prediction": True} if run.get("dpu") else {}
+        strategy = ZeroOffloadStrategy(checkpoint_format=run.get("format", "full"), bucket_size_mb=0.002, **dpu)
+    else:
+        strategy = run["strategy"]
+    model = ShardedData(width=31)  # odd sizes: buckets need padding at world sizes 2 and 3
+    norms = GradNorms()
+    trainer = L.Trainer(
+        strategy=strategy,
+        precision=run.get("precision", "32-true"),
+        max_steps=run.get("max_steps", -1),
+        max_epochs=run.get("max_epochs"),
+        gradient_clip_val=run.get("clip", 1.0),  # by norm
+        accumulate_grad_batches=run.get("accumulate", 2),
+        use_distributed_sampler=False,
+        callbacks=[norms],
+        **{**QUIET, "devices": devices},
+    )
+    # 192 samples, global batch 48: the same global batches at world sizes 1, 2 and 3.
+    trainer.fit(model, ckpt_path=run.get("resume"))
+    if run.get("save"):
+        trainer.save_checkpoint(run["save"])
+    result = {
+        "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+        "losses": model.losses,
+        "grad_norms": norms.norms,  # before clipping: the engine's, or DDP's averaged .grad
+    }
+    if isinstance(trainer.strategy, ZeroOffloadStrategy):
+        result["memory"] = trainer.strategy.engine.memory_report()
+        result["threads"] = trainer.strategy.engine.num_threads
+    if trainer.is_global_zero:
+        torch.save(result, run["out"])
+    trainer.strategy.barrier()  # every rank is done with the group before any of them exits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--runs", required=True, help="a JSON list of runs, trained one after another")
+    args = parser.parse_args()
+    # Every run after the first reuses the ranks and the process group of the first (Lightning's launcher
+    # starts the other ranks once; they run this same list).
+    for run in json.loads(Path(args.runs).read_text()):
+        fit(run, args.devices)
+
+
+if __name__ == "__main__":
+    main()
