@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 import torch
@@ -31,7 +31,7 @@ from lightning_zero_offload.engine.infra.ledger import COLLECTIVE, MemoryLedger,
 from lightning_zero_offload.engine.infra.memory import BufferPool, DeviceBufferPool, device_empty
 from lightning_zero_offload.engine.infra.streams import on_stream, record_event, side_stream, wait_event, worker_pool
 from lightning_zero_offload.engine.step.cpu_state import CpuState
-from lightning_zero_offload.engine.step.launch_order import LaunchOrder
+from lightning_zero_offload.engine.step.launch_order import Launch, LaunchOrder
 from lightning_zero_offload.engine.step.layout import Bucket, Layout
 
 # Device gradient buffers: one filling while up to two transfers are in flight.
@@ -116,9 +116,7 @@ class GradientStreamer:
 
         n_buckets = len(layout.buckets)
         self._bucket_buffer: list[torch.Tensor | None] = [None] * n_buckets
-        self.launch_order = LaunchOrder(
-            layout, process_group, device, DEVICE_BUFFER_CAP, self._launch, lambda: self.device_buffers_live
-        )
+        self.launch_order = LaunchOrder(layout, process_group, device, DEVICE_BUFFER_CAP)
         self._seen = [False] * len(params)  # got a gradient in this pass (a second one is refused)
         self._open = False  # a backward pass has produced gradients that finish_backward has not flushed
         # Across an accumulation window: which params got a gradient, whether a bucket was written yet.
@@ -154,13 +152,13 @@ class GradientStreamer:
         buffer[slot.bucket_offset : slot.bucket_offset + slot.numel].copy_(grad.reshape(-1))
         param.grad = None
         self.has_grad[index] = True
-        self.launch_order.arrived(index, slot.bucket)
+        self._send(self.launch_order.arrived(index, slot.bucket))
 
     def _acquire_bucket_buffer(self, bucket_index: int, make_room: bool = False) -> torch.Tensor:
         buffer = self._bucket_buffer[bucket_index]
         if buffer is None:
             if make_room:
-                self.launch_order.make_room()
+                self._send(self.launch_order.make_room())
             buffer = self.device_buffers.acquire()
             bucket = self.layout.buckets[bucket_index]
             buffer[bucket.numel : bucket.padded_numel].zero_()
@@ -169,11 +167,16 @@ class GradientStreamer:
             self.device_buffers_peak = max(self.device_buffers_peak, self.device_buffers_live)
         return buffer
 
-    def _launch(self, bucket: Bucket, evict: bool = False) -> None:
-        """Send the bucket's buffer; ``evict``: only to make room, before all its gradients have arrived."""
+    def _send(self, launches: Iterable[Launch]) -> None:
+        """Send the buckets the launch order lets go, each before it decides the next."""
+        for launch in launches:
+            self._launch(launch)
+
+    def _launch(self, launch: Launch) -> None:
+        """Send one bucket's buffer (what it holds and whether it is final: engine/step/launch_order.py)."""
         self.check_worker()
+        bucket, filled, final = launch
         buffer = self._acquire_bucket_buffer(bucket.index)
-        filled, final = self.launch_order.contents(bucket, evict)
         for index in bucket.param_indices:
             if index not in filled:  # no gradient (yet) in this buffer: it counts as zero
                 slot = self.layout.slots[index]
@@ -196,7 +199,6 @@ class GradientStreamer:
             self._device_spans.append((started, copied))
         self._bucket_buffer[bucket.index] = None
         self.device_buffers.release(buffer, copied, bucket.index)
-        self.launch_order.sent(bucket, evict)
         self.device_buffers_live -= 1
         if self.overlap:
             self._futures.append(self.worker.submit(self._accumulate, bucket, staging, copied, True, final))
@@ -259,7 +261,7 @@ class GradientStreamer:
         self._open = False
         backward_end = time.perf_counter()
         backward_end_event = record_event(self.device, timing=True)
-        self.launch_order.flush()
+        self._send(self.launch_order.flush())
         self.wait()
         self._account_pass(backward_end, backward_end_event)
         self.launch_order.end_pass(self._seen)
