@@ -255,7 +255,7 @@ class EngineLifecycle:
             return
         self._settle()
         self.schedule.close()
-        self.updater.shutdown(wait=True)
+        self.update_worker.shutdown(wait=True)
         self.grads.close()
         for p, weight, dtype in zip(self.params, self.master_params(), self._original_dtypes):
             p.data = weight.to(dtype)
@@ -278,9 +278,9 @@ class EngineLifecycle:
         """
         # Stop the worker threads first: they are not daemons, so one left waiting for a buffer that the
         # failed main thread will never return would keep the process from exiting (and its peers waiting).
-        self.updater.shutdown(wait=False, cancel_futures=True)
+        self.update_worker.shutdown(wait=False, cancel_futures=True)
         self.publisher.release_waiters()  # unblock an update waiting for a free buffer
-        self.updater.shutdown(wait=True)
+        self.update_worker.shutdown(wait=True)
         self.grads.close()
         self.schedule.abandon()  # host-side only: a running update finishes, unvalidated work is dropped
         single = self.layout.world_size == 1

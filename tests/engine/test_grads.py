@@ -141,10 +141,9 @@ def test_buffers_beyond_the_cap_are_freed_once_their_transfer_has_completed():
 def peaks_per_step(net: nn.Module, engine: OffloadEngine, data) -> list[int]:
     peaks = []
     for batch in data:
-        engine.grads.device_buffers_peak = 0
         loss_fn(net, batch).backward()
         engine.step()
-        peaks.append(engine.grads.device_buffers_peak)
+        peaks.append(engine.grads.take_device_buffer_peak())
     return peaks
 
 

@@ -31,6 +31,7 @@ from lightning_zero_offload.engine.infra.ledger import COLLECTIVE, MemoryLedger,
 from lightning_zero_offload.engine.infra.memory import BufferPool, DeviceBufferPool, device_empty
 from lightning_zero_offload.engine.infra.streams import on_stream, record_event, side_stream, wait_event, worker_pool
 from lightning_zero_offload.engine.step.cpu_state import CpuState
+from lightning_zero_offload.engine.step.gradient_source import BucketArrivals
 from lightning_zero_offload.engine.step.launch_order import Launch, LaunchOrder
 from lightning_zero_offload.engine.step.layout import Bucket, Layout
 
@@ -85,6 +86,7 @@ class GradientStreamer:
         num_threads: int,
         process_group: dist.ProcessGroup | None = None,
         overlap: bool = True,
+        arrivals: BucketArrivals | None = None,
     ) -> None:
         self.layout = layout
         self.params = params
@@ -107,8 +109,8 @@ class GradientStreamer:
         self._device_buffer_numel = max_bucket
         self.device_buffers = DeviceBufferPool(max_bucket, grad_dtype, device, DEVICE_BUFFER_CAP, self.ledger)
         self._stream = side_stream(device)
-        self.device_buffers_live = 0
-        self.device_buffers_peak = 0
+        self._buffers_held = 0  # device gradient buffers holding gradients now, and the most since last asked
+        self._buffers_peak = 0
         self._staging = BufferPool(2, max_shard, grad_dtype, pin_memory, self.ledger)
         self.worker = worker_pool("zero-offload-grads", device)
         self._futures: list[Future] = []
@@ -132,9 +134,8 @@ class GradientStreamer:
         self._device_origin: torch.Event | None = None
         self._transfer_s = 0.0
         self._hidden_s = 0.0
-        # Called on the worker once a bucket's gradient is in the CPU buffer (the speculative step's cue),
-        # with whether that launch was the bucket's last of this backward pass (LaunchOrder.contents).
-        self.on_accumulated: Callable[[Bucket, bool], None] | None = None
+        # Told on the worker once a bucket's gradient is in the CPU buffer (the speculative step's cue).
+        self.arrivals = arrivals if arrivals is not None else BucketArrivals()
         self._hooks = register_grad_hooks(params, self._on_grad)
 
     # -- backward side -------------------------------------------------------------------------
@@ -163,8 +164,8 @@ class GradientStreamer:
             bucket = self.layout.buckets[bucket_index]
             buffer[bucket.numel : bucket.padded_numel].zero_()
             self._bucket_buffer[bucket_index] = buffer
-            self.device_buffers_live += 1
-            self.device_buffers_peak = max(self.device_buffers_peak, self.device_buffers_live)
+            self._buffers_held += 1
+            self._buffers_peak = max(self._buffers_peak, self._buffers_held)
         return buffer
 
     def _send(self, launches: Iterable[Launch]) -> None:
@@ -199,7 +200,7 @@ class GradientStreamer:
             self._device_spans.append((started, copied))
         self._bucket_buffer[bucket.index] = None
         self.device_buffers.release(buffer, copied, bucket.index)
-        self.device_buffers_live -= 1
+        self._buffers_held -= 1
         if self.overlap:
             self._futures.append(self.worker.submit(self._accumulate, bucket, staging, copied, True, final))
         else:  # measured baseline: backward stops while each bucket is accumulated
@@ -222,8 +223,7 @@ class GradientStreamer:
             self.bucket_sumsq[bucket.index] = sumsq
             self.bucket_nonfinite[bucket.index] = nonfinite
             self._host_spans.append((start, time.perf_counter(), overlaps))
-            if self.on_accumulated is not None:
-                self.on_accumulated(bucket, final)
+            self.arrivals.report(bucket, final, nonfinite)
         except BaseException as error:
             self._fail(error, bucket)
             raise
@@ -248,15 +248,14 @@ class GradientStreamer:
         """A backward pass starts: its flush will launch every bucket, even if this rank got no gradient."""
         self._open = True
 
-    def finish_backward(self) -> None:
-        """Launch what is left (parameters without a gradient count as zero) and wait for the CPU.
-
-        A second call without a backward in between only waits, so the collectives of a backward are
-        issued exactly once.
+    def finish_backward(self) -> bool:
+        """End the open backward pass, if any: launch what is left (parameters without a gradient count as
+        zero) and wait for the CPU. Returns whether a pass was open; without one nothing is in flight, and
+        this only raises the worker's error, if it had one.
         """
         if not self._open:
             self.wait()
-            return
+            return False
         self.check_worker()
         self._open = False
         backward_end = time.perf_counter()
@@ -266,6 +265,7 @@ class GradientStreamer:
         self._account_pass(backward_end, backward_end_event)
         self.launch_order.end_pass(self._seen)
         self._seen = [False] * len(self.params)
+        return True
 
     def _account_pass(self, backward_end: float, backward_end_event: torch.Event | None) -> None:
         """Add this pass's transfer time, and the part of it that overlapped backward, to the totals."""
@@ -356,14 +356,23 @@ class GradientStreamer:
         """(sum of squares, any inf/nan) of this rank's accumulated gradients."""
         return sum(self.bucket_sumsq), any(self.bucket_nonfinite)
 
-    def checks_in_update(self, clips: bool, undoable: Callable[[], bool]) -> bool:
-        """Never: the sums come with the accumulate pass, so the step has them before it updates."""
-        return False
+    def expect_clipping(self, clips: bool) -> None:
+        """Nothing to change: every bucket is summed as it is accumulated."""
 
     def for_each_grad_range(self, fn: Callable[[torch.Tensor], None]) -> None:
         for bucket in self.layout.buckets:
             if not self._fresh[bucket.index]:
                 fn(self.state.grad[bucket.shard_range])
+
+    @property
+    def device_buffers_held(self) -> int:
+        """Device gradient buffers holding gradients now."""
+        return self._buffers_held
+
+    def take_device_buffer_peak(self) -> int:
+        """The most device gradient buffers held at once since the last call (or since built)."""
+        peak, self._buffers_peak = self._buffers_peak, self._buffers_held
+        return peak
 
     @property
     def device_buffer_nbytes(self) -> int:
