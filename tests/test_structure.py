@@ -24,6 +24,7 @@ MAX_LINES = 400  # per file
 LAYERS = {
     "kernels": 0,
     "mixed_precision": 0,
+    "warning": 0,  # the package's warning classes
     "optim": 1,
     "engine": 2,
     "checkpoints": 3,

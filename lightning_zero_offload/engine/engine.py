@@ -51,7 +51,7 @@ from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, SyncSchedule, make_schedule
 from lightning_zero_offload.engine.stats import StepStats
 from lightning_zero_offload.engine.step.cpu_state import CpuState, ParkedState, rounding_seed
-from lightning_zero_offload.engine.step.gradient_source import BucketArrivals, GradientSource
+from lightning_zero_offload.engine.step.gradient_source import BucketArrivals
 from lightning_zero_offload.engine.step.in_place import InPlaceGradients, InPlaceUpdate
 from lightning_zero_offload.engine.step.layout import Layout, build_layout
 from lightning_zero_offload.engine.step.parts import ScheduleParts, U, Update
@@ -157,53 +157,46 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         # The device copy of the parameters, the gradients' way to the CPU and the update: in place, neither
         # moves and the update is one native call per param group (only the sync schedule runs there).
         arrivals = BucketArrivals()  # the gradient source reports each landed bucket there, a schedule listens
-        self.publisher: Publisher | NullPublisher
-        self.grads: GradientSource
         self.cpu_update: Update
         # In place the update can take the norm and the inf/nan check itself (engine.step).
         self._in_place_update: InPlaceUpdate | None = None
         if self.in_place:
             self.publisher = NullPublisher(self.layout, self.params, self.master)
-            in_place_grads = InPlaceGradients(self.params, self.num_threads)
-            self.grads = in_place_grads
-            self._in_place_update = InPlaceUpdate(
-                optimizer, self.group_of, self.state, in_place_grads, self.num_threads
-            )
-            self.cpu_update = self._in_place_update
-            self.schedule = SyncSchedule(self._schedule_parts(arrivals, self._in_place_update))
-        else:
-            group, ledger = self.process_group, self.ledger
-            publisher = Publisher(
-                self.layout, self.params, device, param_dtype, self.pin, group, ledger, self.state.dtype
-            )
-            self.publisher = publisher
-            self.grads = GradientStreamer(
-                self.layout,
-                self.params,
-                self.state,
-                device,
-                param_dtype,
-                self.pin,
-                self.num_threads,
-                self.process_group,
-                self.overlap,
-                arrivals,
-            )
-            pipeline = UpdatePipeline(
-                optimizer,
-                self.group_of,
-                self.layout,
-                self.state,
-                publisher,
-                self.update_worker,
-                self.overlap,
-                self.num_threads,
-            )
-            self.cpu_update = pipeline
-            self.schedule = make_schedule(self.cpu_step, self._schedule_parts(arrivals, pipeline))
+            self.grads = in_place_grads = InPlaceGradients(self.params, self.num_threads)
+            update = InPlaceUpdate(optimizer, self.group_of, self.state, in_place_grads, self.num_threads)
+            self.cpu_update = self._in_place_update = update
+            self.schedule = SyncSchedule(self._schedule_parts(arrivals, update))
+            return
+        group, ledger = self.process_group, self.ledger
+        publisher = Publisher(self.layout, self.params, device, param_dtype, self.pin, group, ledger, self.state.dtype)
+        self.publisher = publisher
+        self.grads = GradientStreamer(
+            self.layout,
+            self.params,
+            self.state,
+            device,
+            param_dtype,
+            self.pin,
+            self.num_threads,
+            self.process_group,
+            self.overlap,
+            arrivals,
+        )
+        pipeline = UpdatePipeline(
+            optimizer,
+            self.group_of,
+            self.layout,
+            self.state,
+            publisher,
+            self.update_worker,
+            self.overlap,
+            self.num_threads,
+        )
+        self.cpu_update = pipeline
         if self.state.dtype != param_dtype and param_dtype == torch.float32:
             # bf16 state under fp32 parameters: the device computes with the master's (bf16) values from the start.
-            self.publisher.refresh(self.state.master)
+            publisher.refresh(self.state.master)
+        self.schedule = make_schedule(self.cpu_step, self._schedule_parts(arrivals, pipeline))
 
     def _schedule_parts(self, arrivals: BucketArrivals, update: U) -> ScheduleParts[U]:
         return ScheduleParts(

@@ -24,8 +24,9 @@ from torch import nn
 
 from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.engine.infra import memory, streams
+from lightning_zero_offload.engine.stats import hidden_fraction
 from lightning_zero_offload.engine.step import streamer as grads
-from lightning_zero_offload.engine.step.streamer import DEVICE_BUFFER_CAP, hidden_fraction
+from lightning_zero_offload.engine.step.streamer import DEVICE_BUFFER_CAP
 
 
 class StandInEvent:

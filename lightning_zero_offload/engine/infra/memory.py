@@ -84,15 +84,6 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return _libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
 
 
-def transparent_huge_pages() -> str:
-    """Linux's transparent-huge-page mode ("always", "madvise" or "never"), or "absent" elsewhere."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "absent"
-
-
 def host_zeros(
     numel: int, dtype: torch.dtype, pin: bool, kind: str = "state", ledger: MemoryLedger | None = None
 ) -> torch.Tensor:

@@ -39,13 +39,6 @@ from lightning_zero_offload.engine.step.layout import Bucket, Layout
 DEVICE_BUFFER_CAP = 3
 
 
-def hidden_fraction(transfer_s: float, exposed_s: float) -> float:
-    """Share of the transfer work that overlapped backward, in [0, 1] (0 when there was none)."""
-    if transfer_s <= 0:
-        return 0.0
-    return min(1.0, max(0.0, 1.0 - exposed_s / transfer_s))
-
-
 def check_gradient(grad: torch.Tensor, seen: bool) -> None:
     """Refuse what neither data path can take: sparse gradients, and a gradient twice in one pass."""
     if grad.is_sparse:
