@@ -80,14 +80,15 @@ def test_pageable_sources_reach_the_target_through_pinned_staging(driver):
     target = torch.zeros(20)
     pinned = memory.host_empty(8, torch.float32, pin=True).copy_(torch.arange(8.0))
     stager.copy(target[:8], pinned)  # already pinned: copied directly
-    assert stager.staged_copies == 0 and stager._pool is None
+    assert stager.staged_copies == 0 and stager.staging_buffers == []
     for start, end in ((8, 11), (11, 15), (15, 20)):  # pageable: staged, through two pinned buffers in turn
         source = torch.arange(float(start), float(end))
         stager.copy(target[start:end], source)
         source.fill_(-1)  # the caller may reuse its memory at once
     assert stager.staged_copies == 3
     assert torch.equal(target, torch.arange(20.0))
-    assert all(memory.is_pinned_here(b) for b in stager._pool.buffers)
+    staging = stager.staging_buffers
+    assert len(staging) == 2 and all(memory.is_pinned_here(b) for b in staging)
 
 
 def reachable_storages(root) -> dict[int, int]:

@@ -220,6 +220,11 @@ class HostToDevice:
         self._pool.release(buffer, record_event(self.device))
         self.staged_copies += 1
 
+    @property
+    def staging_buffers(self) -> list[torch.Tensor]:
+        """The pinned buffers pageable sources go through (none before the first such copy)."""
+        return [] if self._pool is None else list(self._pool.buffers)
+
 
 # -- device buffers ----------------------------------------------------------------------------
 

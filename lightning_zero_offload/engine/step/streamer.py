@@ -39,6 +39,20 @@ from lightning_zero_offload.engine.step.layout import Bucket, Layout
 DEVICE_BUFFER_CAP = 3
 
 
+def device_transfer_times(
+    origin: torch.Event, spans: list[tuple[torch.Event, torch.Event]], backward_end: torch.Event
+) -> tuple[float, float]:
+    """(seconds of transfer, seconds of it before ``backward_end``) of device ``spans`` (start and end
+    events of each transfer), all timed on one device clock from ``origin``."""
+    end_ms = origin.elapsed_time(backward_end)
+    transfer_s = hidden_s = 0.0
+    for started, copied in spans:  # milliseconds after the origin
+        a, b = origin.elapsed_time(started), origin.elapsed_time(copied)
+        transfer_s += (b - a) / 1e3
+        hidden_s += max(0.0, min(b, end_ms) - a) / 1e3
+    return transfer_s, hidden_s
+
+
 def check_gradient(grad: torch.Tensor, seen: bool) -> None:
     """Refuse what neither data path can take: sparse gradients, and a gradient twice in one pass."""
     if grad.is_sparse:
@@ -272,11 +286,9 @@ class GradientStreamer:
         if origin is None or backward_end_event is None:
             return
         wait_event(backward_end_event)
-        end_ms = origin.elapsed_time(backward_end_event)
-        for started, copied in device_spans:  # milliseconds after the origin, all on one device clock
-            a, b = origin.elapsed_time(started), origin.elapsed_time(copied)
-            self._transfer_s += (b - a) / 1e3
-            self._hidden_s += max(0.0, min(b, end_ms) - a) / 1e3
+        transfer_s, hidden_s = device_transfer_times(origin, device_spans, backward_end_event)
+        self._transfer_s += transfer_s
+        self._hidden_s += hidden_s
 
     def wait(self) -> None:
         """Wait for every accumulate in flight; raises the worker's error if it had one."""
