@@ -57,7 +57,7 @@ def train_blocks(order: str, bucket_numel: int, rank: int, world: int) -> dict:
         "buckets": len(engine.layout.buckets),
         "peaks": peaks,
         "kept": engine.grads.device_buffers.allocated,
-        "most": engine.grads.device_buffers_allocated,
+        "most": engine.grads.device_buffers_allocated_peak,
         "master": engine.master_params(),
     }
 

@@ -73,6 +73,10 @@ class GradientSource(Protocol):
     def local_summary(self) -> tuple[float, bool]:
         """(sum of squares, any inf/nan) of this rank's gradients of the window."""
 
+    def held(self) -> list[torch.Tensor | None] | None:
+        """Each parameter's gradient as a tensor of its own, where the source holds them so (in place); None
+        where they lie in the CPU state's flat gradient buffer."""
+
     def for_each_grad_range(self, fn: Callable[[torch.Tensor], None]) -> None:
         """Call ``fn`` on every stored gradient range of the window, in place."""
 

@@ -364,6 +364,10 @@ class GradientStreamer:
     def expect_clipping(self, clips: bool) -> None:
         """Nothing to change: every bucket is summed as it is accumulated."""
 
+    def held(self) -> None:
+        """None: the gradients lie in the CPU state's flat buffer (``state.grad``)."""
+        return None
+
     def for_each_grad_range(self, fn: Callable[[torch.Tensor], None]) -> None:
         for bucket in self.layout.buckets:
             if not self._fresh[bucket.index]:
@@ -384,7 +388,7 @@ class GradientStreamer:
         return self._device_buffer_numel * torch.empty(0, dtype=self.grad_dtype).element_size()
 
     @property
-    def device_buffers_allocated(self) -> int:
+    def device_buffers_allocated_peak(self) -> int:
         """The most device gradient buffers that existed at once (the pool keeps at most the cap)."""
         return self.device_buffers.peak
 
