@@ -26,6 +26,8 @@ from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.engine.infra import memory, streams
 from lightning_zero_offload.engine.stats import hidden_fraction
 from lightning_zero_offload.engine.step import streamer as grads
+from lightning_zero_offload.engine.step.launch_order import Launch, LaunchOrder
+from lightning_zero_offload.engine.step.layout import build_layout
 from lightning_zero_offload.engine.step.streamer import DEVICE_BUFFER_CAP
 
 
@@ -312,3 +314,28 @@ def test_several_ranks_stay_within_the_cap_on_the_first_backward(tmp_path, world
 
     fn = streaming_ranks.every_order_two_ranks if world == 2 else streaming_ranks.every_order_three_ranks
     check_every_order(run_ranks(fn, world, tmp_path), world)
+
+
+def test_the_launch_order_yields_each_bucket_to_send_with_what_its_buffer_holds():
+    """One rank, room for one device buffer: LaunchOrder decides, and hands back what to send (no callback)."""
+    layout = build_layout([torch.Size([4])] * 4, bucket_numel=8)  # buckets (3, 2) and (1, 0)
+    order = LaunchOrder(layout, None, CPU, cap=1)
+    b01, b23 = layout.buckets[layout.slots[0].bucket], layout.buckets[layout.slots[2].bucket]
+    assert list(order.arrived(0, b01.index)) == []  # its bucket waits for parameter 1
+    # Parameter 2 needs a buffer: the held bucket leaves with what it has, not final (the rest follows).
+    assert list(order.make_room()) == [Launch(b01, frozenset({0}), final=False)]
+    assert list(order.arrived(2, b23.index)) == []
+    assert list(order.arrived(3, b23.index)) == [Launch(b23, frozenset({2, 3}), final=True)]
+    assert list(order.arrived(1, b01.index)) == [Launch(b01, frozenset({1}), final=False)]  # the evicted rest
+    assert list(order.flush()) == []  # nothing is held any more
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_backward_pass_is_finished_once_and_the_step_does_not_finish_it_again(in_place):
+    net = make_net()
+    engine = OffloadEngine(two_groups(net), CPU, torch.float32, options(in_place_on_cpu=in_place))
+    loss_fn(net, batches(1)[0]).backward()  # no begin_backward: the first gradient opens the pass
+    assert engine.grads.finish_backward() and not engine.grads.finish_backward()
+    engine.begin_backward()  # opens one even before any gradient
+    assert engine.grads.finish_backward() and not engine.grads.finish_backward()
+    assert not engine.step().skipped
