@@ -71,6 +71,7 @@ from lightning_zero_offload.optim import CPUAdam
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import roofline  # noqa: E402
+from memory_probe import transparent_huge_pages  # noqa: E402
 
 HP = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01}
 ADAMW = kernels.AdamArgs(**HP, adamw_mode=True)
@@ -585,7 +586,7 @@ def cpu_model() -> str:
 
 def machine_info() -> dict[str, object]:
     model = cpu_model()
-    pages = "4 KiB" if SMALL_PAGES else f"huge-page advice, transparent_hugepage {memory.transparent_huge_pages()}"
+    pages = "4 KiB" if SMALL_PAGES else f"huge-page advice, transparent_hugepage {transparent_huge_pages()}"
     return {
         "cpu": model,
         "machine": platform.machine(),

@@ -29,7 +29,7 @@ from lightning_zero_offload.core import make_offload_options
 from lightning_zero_offload.engine import OffloadEngine, memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_probe import mappings  # noqa: E402
+from memory_probe import mappings, transparent_huge_pages  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "huge_pages.json"
 
@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--cpu-state", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    mode = memory.transparent_huge_pages()
+    mode = transparent_huge_pages()
     print(f"transparent_hugepage/enabled: {mode}")
     rows = []
     for cpu_state in args.cpu_state:

@@ -79,11 +79,10 @@ def layers_training(
     peaks = []
     for x, y in batches(steps):
         share = len(x) // world
-        engine.grads.device_buffers_peak = 0
         mine = slice(rank * share, (rank + 1) * share)
         loss_fn(net, (x[mine].to(device), y[mine].to(device))).backward()
         engine.step()
-        peaks.append(engine.grads.device_buffers_peak)
+        peaks.append(engine.grads.take_device_buffer_peak())
     return peaks, engine.master_params()
 
 
@@ -93,7 +92,7 @@ def fp16_headroom(device: torch.device = CPU) -> tuple[float, bool]:
     engine = OffloadEngine(torch.optim.AdamW([p]), device, torch.float16, options())
     (p.float() * 40000).sum().backward()
     engine.finish_backward()
-    return float(engine.grad.max()), any(engine.grads.bucket_nonfinite)
+    return float(engine.grad.max()), engine.grads.local_summary()[1]
 
 
 def two_rank_checks(rank: int) -> tuple:

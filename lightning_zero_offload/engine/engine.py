@@ -13,7 +13,7 @@ step()             -> global norm + overflow (one all-reduce) -> skip, or clip x
 The parts: the CPU state (master, moments, gradient buffer, step counts), the gradient source
 (engine/step/gradient_source.py: the streamer, or the in-place source), the publisher (or a null one in
 place) and the schedule (engine/schedules/: *when* each bucket's update runs), which gets the parts
-through engine/step/parts.py's ``ScheduleParts``, with this class only behind its four-member
+through engine/step/parts.py's ``ScheduleParts``, with this class only behind its three-member
 ``StepControl``. This module builds them and makes the decisions they share (norm, overflow, clip,
 skip); engine/lifecycle.py holds the rest of the engine's life (re-planning, state in and out,
 teardown, the failure path).
@@ -37,7 +37,6 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from lightning_zero_offload import kernels
 from lightning_zero_offload.engine import state_dicts
 from lightning_zero_offload.engine.failures import NonFinitePolicy
 from lightning_zero_offload.engine.infra.ledger import records_allocations
@@ -49,13 +48,13 @@ from lightning_zero_offload.engine.optimizer_support import check_optimizer
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
 from lightning_zero_offload.engine.save_sharing import SaveSharing
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
-from lightning_zero_offload.engine.schedules import StepInputs, make_schedule
+from lightning_zero_offload.engine.schedules import StepInputs, SyncSchedule, make_schedule
 from lightning_zero_offload.engine.stats import StepStats
 from lightning_zero_offload.engine.step.cpu_state import CpuState, ParkedState, rounding_seed
-from lightning_zero_offload.engine.step.gradient_source import GradientSource
+from lightning_zero_offload.engine.step.gradient_source import BucketArrivals
 from lightning_zero_offload.engine.step.in_place import InPlaceGradients, InPlaceUpdate
 from lightning_zero_offload.engine.step.layout import Layout, build_layout
-from lightning_zero_offload.engine.step.parts import ScheduleParts, Update
+from lightning_zero_offload.engine.step.parts import ScheduleParts, U, Update
 from lightning_zero_offload.engine.step.publisher import LOW_PRECISION, NullPublisher, Publisher
 from lightning_zero_offload.engine.step.streamer import GradientStreamer
 from lightning_zero_offload.engine.step.update import UpdatePipeline
@@ -104,7 +103,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.overlap = resolved.overlap
         self.num_threads = resolved.cpu_threads
         self.scaler = DynamicLossScaler(options.loss_scaler) if param_dtype == torch.float16 else None
-        self.updater = worker_pool("zero-offload-step", device)
+        self.update_worker = worker_pool("zero-offload-step", device)  # the thread CPU updates run on
         self._world, self._rank = world, rank
         self._backward_start: float | None = None
         self._backward_s = 0.0
@@ -156,59 +155,64 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         state_dicts.load_shard(self.layout, self.master, [p.detach() for p in self.params])
 
         # The device copy of the parameters, the gradients' way to the CPU and the update: in place, neither
-        # moves and the update is one native call per param group.
-        self.publisher: Publisher | NullPublisher
-        self.grads: GradientSource
-        self.update: Update
+        # moves and the update is one native call per param group (only the sync schedule runs there).
+        arrivals = BucketArrivals()  # the gradient source reports each landed bucket there, a schedule listens
+        self.cpu_update: Update
+        # In place the update can take the norm and the inf/nan check itself (engine.step).
+        self._in_place_update: InPlaceUpdate | None = None
         if self.in_place:
             self.publisher = NullPublisher(self.layout, self.params, self.master)
-            in_place_grads = InPlaceGradients(self.params, self.num_threads)
-            self.grads = in_place_grads
-            self.update = InPlaceUpdate(optimizer, self.group_of, self.state, in_place_grads, self.num_threads)
-        else:
-            group, ledger = self.process_group, self.ledger
-            publisher = Publisher(
-                self.layout, self.params, device, param_dtype, self.pin, group, ledger, self.state.dtype
-            )
-            self.publisher = publisher
-            self.update = UpdatePipeline(
-                optimizer,
-                self.group_of,
-                self.layout,
-                self.state,
-                publisher,
-                self.updater,
-                self.overlap,
-                self.num_threads,
-            )
-            self.grads = GradientStreamer(
-                self.layout,
-                self.params,
-                self.state,
-                device,
-                param_dtype,
-                self.pin,
-                self.num_threads,
-                self.process_group,
-                self.overlap,
-            )
+            self.grads = in_place_grads = InPlaceGradients(self.params, self.num_threads)
+            update = InPlaceUpdate(optimizer, self.group_of, self.state, in_place_grads, self.num_threads)
+            self.cpu_update = self._in_place_update = update
+            self.schedule = SyncSchedule(self._schedule_parts(arrivals, update))
+            return
+        group, ledger = self.process_group, self.ledger
+        publisher = Publisher(self.layout, self.params, device, param_dtype, self.pin, group, ledger, self.state.dtype)
+        self.publisher = publisher
+        self.grads = GradientStreamer(
+            self.layout,
+            self.params,
+            self.state,
+            device,
+            param_dtype,
+            self.pin,
+            self.num_threads,
+            self.process_group,
+            self.overlap,
+            arrivals,
+        )
+        pipeline = UpdatePipeline(
+            optimizer,
+            self.group_of,
+            self.layout,
+            self.state,
+            publisher,
+            self.update_worker,
+            self.overlap,
+            self.num_threads,
+        )
+        self.cpu_update = pipeline
         if self.state.dtype != param_dtype and param_dtype == torch.float32:
             # bf16 state under fp32 parameters: the device computes with the master's (bf16) values from the start.
-            self.publisher.refresh(self.state.master)
-        parts = ScheduleParts(
+            publisher.refresh(self.state.master)
+        self.schedule = make_schedule(self.cpu_step, self._schedule_parts(arrivals, pipeline))
+
+    def _schedule_parts(self, arrivals: BucketArrivals, update: U) -> ScheduleParts[U]:
+        return ScheduleParts(
             self.layout,
             self.state,
             self.grads,
+            arrivals,
             self.publisher,
-            self.update,
+            update,
             self.params,
-            device,
-            param_dtype,
+            self.device,
+            self.param_dtype,
             self.num_threads,
             self.resolved,
             control=self,
         )
-        self.schedule = make_schedule(self.cpu_step, parts)
 
     # -- training ------------------------------------------------------------------------------
 
@@ -264,11 +268,16 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.grads.begin()
 
     def finish_backward(self) -> None:
+        """End the backward pass: every gradient it produced is in place for the step.
+
+        Once per pass: where none is open (a front end ended it before ``step()``, or no backward ran) this
+        only raises a failure of the gradient worker, so nothing trains on incomplete gradients.
+        """
         if self._backward_start is not None:
             self._backward_s += time.perf_counter() - self._backward_start
             self._backward_start = None
-        self.grads.finish_backward()
-        self.schedule.on_backward_end()
+        if self.grads.finish_backward():
+            self.schedule.on_backward_end()
 
     def step(
         self, clip_norm: float | None = None, clip_value: float | None = None, keep_grads: bool = False
@@ -288,8 +297,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         # No backward since the last step: torch steps again with the gradients that step left.
         self._take_up_carried("optimizer.step() twice without a backward in between")
         start = time.perf_counter()
-        self.grads.finish_backward()
-        self.schedule.on_backward_end()
+        self.finish_backward()
         self._step_expected = self._publish_early = False
         stats = StepStats(loss_scale=self.loss_scale, backward_s=self._backward_s)
         stats.transfer_wait_s, stats.transfer_s = self.grads.take_timings()
@@ -300,10 +308,13 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.wait_publish()
         self.step_calls += 1
         clips = clip_norm is not None or clip_value is not None
-        # The in-place source can take the norm and the inf/nan check from the update itself (hooks need
-        # the skip known before the update).
-        if self.grads.checks_in_update(clips, self._undoable) and not has_step_hooks(self.optimizer):
-            self._step_checked(stats, keep_grads)
+        # In place the update can take the norm and the inf/nan check itself (hooks need the skip known first).
+        checking = self._in_place_update
+        if checking is not None and not checking.can_check_in_update(clips):
+            checking = None
+        self.grads.expect_clipping(clips)  # the next window's step likely does as this one
+        if checking is not None and not has_step_hooks(self.optimizer):
+            self._step_checked(checking, stats, keep_grads)
             stats.total_s = time.perf_counter() - start
             return stats
         sumsq, overflow, has_grad = self._global_grad_summary()
@@ -337,13 +348,9 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.nonfinite.after_step(stats.skipped, scale)
         return stats
 
-    def _undoable(self) -> bool:
-        return all(kernels.can_undo(hp) for hp in self.update.hyperparams())
-
-    def _step_checked(self, stats: StepStats, keep_grads: bool) -> None:
+    def _step_checked(self, update: InPlaceUpdate, stats: StepStats, keep_grads: bool) -> None:
         """The in-place step without clipping: applied only if the gradients are finite, as the others."""
-        assert isinstance(self.update, InPlaceUpdate)  # only the in-place source checks in the update
-        applied, sumsq, stats.cpu_step_s = self.update.update_checked()
+        applied, sumsq, stats.cpu_step_s = update.update_checked()
         stats.grad_norm = math.sqrt(sumsq) if applied else math.inf
         if applied:
             self.optimizer._opt_called = True  # type: ignore[attr-defined]

@@ -84,7 +84,7 @@ class EngineLifecycle:
 
     @property
     def steps(self) -> tuple[int, ...]:
-        """Each trainable parameter's step count, as of now (counted by :meth:`CpuState.count_steps` only)."""
+        """Each trainable parameter's step count, as of now (the CPU state owns them: engine/step/cpu_state.py)."""
         return tuple(self.state.steps)
 
     # -- the trainable set ---------------------------------------------------------------------
@@ -124,7 +124,8 @@ class EngineLifecycle:
         kept_masters = {id(p): weight for p, weight in zip(self.params, masters)}
         self._build()
         state_dicts.load_shard(self.layout, self.master, [kept_masters.get(id(p), p.detach()) for p in self.params])
-        exp_avgs, exp_avg_sqs, self.state.steps = self._parked.unpark(self.params)
+        exp_avgs, exp_avg_sqs, steps = self._parked.unpark(self.params)
+        self.state.load_steps(steps)
         state_dicts.load_shard(self.layout, self.exp_avg, exp_avgs)
         state_dicts.load_shard(self.layout, self.exp_avg_sq, exp_avg_sqs)
         self.refresh_device_params()
@@ -255,7 +256,7 @@ class EngineLifecycle:
             return
         self._settle()
         self.schedule.close()
-        self.updater.shutdown(wait=True)
+        self.update_worker.shutdown(wait=True)
         self.grads.close()
         for p, weight, dtype in zip(self.params, self.master_params(), self._original_dtypes):
             p.data = weight.to(dtype)
@@ -278,9 +279,9 @@ class EngineLifecycle:
         """
         # Stop the worker threads first: they are not daemons, so one left waiting for a buffer that the
         # failed main thread will never return would keep the process from exiting (and its peers waiting).
-        self.updater.shutdown(wait=False, cancel_futures=True)
+        self.update_worker.shutdown(wait=False, cancel_futures=True)
         self.publisher.release_waiters()  # unblock an update waiting for a free buffer
-        self.updater.shutdown(wait=True)
+        self.update_worker.shutdown(wait=True)
         self.grads.close()
         self.schedule.abandon()  # host-side only: a running update finishes, unvalidated work is dropped
         single = self.layout.world_size == 1

@@ -9,29 +9,25 @@ what the engine does. Options that do not apply there come back as notes, which 
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 import torch
 
+from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.option_values import check_bool, check_choice, check_int, check_real
 from lightning_zero_offload.engine.scaler import LossScalerConfig
 
 CheckpointFormat = Literal["full", "sharded"]
 CpuStep = Literal["auto", "sync", "speculative", "delayed"]
-Schedule = Literal["sync", "speculative", "delayed"]
+ScheduleName = Literal["sync", "speculative", "delayed"]  # a resolved cpu_step: the schedule that runs
 SpeculationRollback = Literal["auto", "undo", "snapshot"]
 CpuStateDtype = Literal["fp32", "bf16"]
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the cpu_state option -> the state's dtype
 CPU_STATES = tuple(STATE_DTYPES)
 CPU_STEPS = ("auto", "sync", "speculative", "delayed")
 SPECULATION_ROLLBACKS = ("auto", "undo", "snapshot")
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
@@ -118,7 +114,7 @@ class Resolved:
     each option given that does not apply here (or only in part), and why.
     """
 
-    cpu_step: Schedule
+    cpu_step: ScheduleName
     overlap: bool
     cpu_threads: int
     in_place: bool
@@ -169,14 +165,14 @@ def resolve(
     worker overlaps backward, the CPU step is speculated behind it, and each rank gets its share of the
     node's cores (docs/benchmarks.md has the measurements behind both).
     """
-    cores = usable_cores() if cores is None else cores
+    cores = kernels.usable_cores() if cores is None else cores
     accelerator = device.type != "cpu"
     notes = []
     compact = options.cpu_state == "bf16"
     if options.cpu_step == "auto":
         # bf16 state is chosen for memory: speculating it needs a snapshot of the state (6 more B/param, a
         # stochastically rounded step cannot be undone), so "auto" keeps it at its 8 B/param with sync.
-        cpu_step: Schedule = "speculative" if accelerator and not compact else "sync"
+        cpu_step: ScheduleName = "speculative" if accelerator and not compact else "sync"
         step_said = f"cpu_step='auto' runs {cpu_step!r} on a {device.type} device" + (
             " with cpu_state='bf16'" if compact else ""
         )
@@ -279,7 +275,7 @@ def with_compact_state(options: OffloadOptions) -> OffloadOptions:
     return replace(options, cpu_state="bf16", speculative=speculative)
 
 
-def _check_compact_state(options: OffloadOptions, param_dtype: torch.dtype, cpu_step: Schedule) -> None:
+def _check_compact_state(options: OffloadOptions, param_dtype: torch.dtype, cpu_step: ScheduleName) -> None:
     """Refuse what ``cpu_state="bf16"`` cannot run, naming the fix (docs/compact-state.md)."""
     if param_dtype == torch.float16:
         raise ValueError(

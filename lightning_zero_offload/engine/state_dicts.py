@@ -130,12 +130,12 @@ def load_optimizer_state_dict(engine: ShardedState, state_dict: dict[str, Any]) 
         )
     state = {int(k): v for k, v in state_dict["state"].items()}
     _note_conversion(engine, [entry["exp_avg"].dtype for entry in state.values()])
-    exp_avg, exp_avg_sq = [], []
+    exp_avg, exp_avg_sq, steps = [], [], []
     for index, torch_index in enumerate(engine.torch_index):
         entry = state.get(torch_index)
         shape = engine.params[index].shape
         if entry is None:
-            engine.state.steps[index] = 0
+            steps.append(0)
             exp_avg.append(torch.zeros(shape, dtype=engine.state.dtype))
             exp_avg_sq.append(torch.zeros(shape, dtype=engine.state.dtype))
             continue
@@ -144,9 +144,10 @@ def load_optimizer_state_dict(engine: ShardedState, state_dict: dict[str, Any]) 
                 f"optimizer state for parameter {torch_index} has shape {tuple(entry['exp_avg'].shape)}, "
                 f"the parameter has {tuple(shape)}"
             )
-        engine.state.steps[index] = int(float(entry["step"]))
+        steps.append(int(float(entry["step"])))
         exp_avg.append(entry["exp_avg"])
         exp_avg_sq.append(entry["exp_avg_sq"])
+    engine.state.load_steps(steps)
     load_shard(engine.layout, engine.state.exp_avg, exp_avg)
     load_shard(engine.layout, engine.state.exp_avg_sq, exp_avg_sq)
     for group, saved in zip(optimizer.param_groups, groups):

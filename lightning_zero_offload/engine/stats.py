@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def hidden_fraction(transfer_s: float, exposed_s: float) -> float:
+    """Share of the transfer work that overlapped backward, in [0, 1] (0 when there was none)."""
+    if transfer_s <= 0:
+        return 0.0
+    return min(1.0, max(0.0, 1.0 - exposed_s / transfer_s))
+
+
 @dataclass
 class StepStats:
     """What the last optimizer step did and where its time went (seconds).
@@ -31,6 +38,4 @@ class StepStats:
 
     @property
     def hidden_transfer_fraction(self) -> float:
-        if self.transfer_s <= 0:
-            return 0.0
-        return max(0.0, 1.0 - self.transfer_wait_s / self.transfer_s)
+        return hidden_fraction(self.transfer_s, self.transfer_wait_s)

@@ -39,7 +39,6 @@ class AccumulationWindow:
     grads: GradientSource
     schedule: Schedule
     scaler: DynamicLossScaler | None
-    in_place: bool
     process_group: dist.ProcessGroup | None
     device: torch.device
     _grad_summary: tuple[float, bool, list[bool]] | None
@@ -66,8 +65,9 @@ class AccumulationWindow:
         self.finish_backward()
         if self.layout.world_size == 1:  # every gradient is here whole: views, no summary needed
             has_grad = self.grads.has_grad
-            if self.in_place:
-                values = self.grads.held()
+            held = self.grads.held()
+            if held is not None:
+                values = held
             else:
                 with state_dicts.buffers_shared_for_save(self):
                     values = self.full_tensors(self.state.grad)  # type: ignore[arg-type]

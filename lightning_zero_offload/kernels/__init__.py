@@ -50,6 +50,7 @@ from lightning_zero_offload.kernels.backends import (
     get_num_threads,
     set_backend,
     set_num_threads,
+    usable_cores,
 )
 from lightning_zero_offload.kernels.reference import adamw_decay
 
@@ -70,6 +71,7 @@ __all__ = [
     "set_backend",
     "set_num_threads",
     "sum_of_squares",
+    "usable_cores",
 ]
 
 

@@ -48,8 +48,12 @@ REFERENCE = TorchBackend()
 _BACKENDS: dict[str, Backend] = {name: NativeBackend(name) for name in _native.supported_isas()} | {"torch": REFERENCE}
 
 
-def _default_num_threads() -> int:
-    """The cores this process may run on (not OMP_NUM_THREADS, which torchrun sets to 1)."""
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity; not OMP_NUM_THREADS, which torchrun sets to 1).
+
+    The one count of them: the kernels' default thread count, the engine's options and the planner's
+    machine probe all ask here.
+    """
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # no sched_getaffinity (macOS, Windows)
@@ -57,7 +61,7 @@ def _default_num_threads() -> int:
 
 
 _active: Backend = REFERENCE
-_num_threads = _default_num_threads()
+_num_threads = usable_cores()
 
 
 def active() -> Backend:

@@ -16,7 +16,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_zero_offload.engine import OffloadEngine, StepStats
-from lightning_zero_offload.engine.step.streamer import hidden_fraction
+from lightning_zero_offload.engine.stats import hidden_fraction
 
 _TIMINGS = ("backward", "transfer_wait", "cpu_step", "update_wait", "copy_back")  # the engine's StepStats
 # What plain mixed-precision Adam keeps on the device per parameter: fp32 weights (4), fp32 grads (4),

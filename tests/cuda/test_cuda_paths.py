@@ -107,7 +107,7 @@ def test_slow_transfers_never_make_backward_wait_for_the_latest_one():
 
 def test_transfers_overlap_backward_on_a_fast_path():
     engine = train(deep_net(width=1024), torch.bfloat16, steps=6, bucket_size_mb=1.0)
-    assert engine.grads.device_buffers_peak <= 2
+    assert engine.grads.take_device_buffer_peak() <= 2
     assert 0 <= engine.last.transfer_wait_s <= engine.last.transfer_s and engine.last.transfer_s > 0
 
 
@@ -115,7 +115,7 @@ def test_worker_threads_run_on_the_engine_device():
     device = torch.device("cuda", torch.cuda.device_count() - 1)
     engine = train(deep_net(), torch.bfloat16, steps=1, device=device)
     assert engine.grads.worker.submit(torch.cuda.current_device).result() == device.index
-    assert engine.updater.submit(torch.cuda.current_device).result() == device.index
+    assert engine.update_worker.submit(torch.cuda.current_device).result() == device.index
 
 
 def test_fp16_overflow_on_the_device_skips_the_step():

@@ -202,8 +202,8 @@ def test_closing_after_a_failure_never_waits_for_a_blocked_worker():
     net = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
     engine = OffloadEngine(torch.optim.AdamW(net.parameters()), torch.device("cpu"), torch.bfloat16, options())
     held = [engine.publisher.pool.acquire(), engine.publisher.pool.acquire()]  # the failed main thread's
-    blocked = engine.updater.submit(engine.publisher.pool.acquire)
-    queued = engine.updater.submit(time.sleep, 60)
+    blocked = engine.update_worker.submit(engine.publisher.pool.acquire)
+    queued = engine.update_worker.submit(time.sleep, 60)
     closer = threading.Thread(target=engine.close, kwargs={"after_failure": True}, daemon=True)
     closer.start()
     closer.join(timeout=20)

@@ -48,17 +48,16 @@ def train_blocks(order: str, bucket_numel: int, rank: int, world: int) -> dict:
     for _ in range(STEPS):
         x = torch.randn(6, WIDTH, generator=g)
         share = len(x) // world
-        engine.grads.device_buffers_peak = 0
         engine.begin_backward()
         net(x[rank * share : (rank + 1) * share]).square().mean().backward()
         engine.finish_backward()
         engine.step()
-        peaks.append(engine.grads.device_buffers_peak)
+        peaks.append(engine.grads.take_device_buffer_peak())
     return {
         "buckets": len(engine.layout.buckets),
         "peaks": peaks,
         "kept": engine.grads.device_buffers.allocated,
-        "most": engine.grads.device_buffers_allocated,
+        "most": engine.grads.device_buffers_allocated_peak,
         "master": engine.master_params(),
     }
 

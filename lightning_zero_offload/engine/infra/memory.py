@@ -84,15 +84,6 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return _libc.madvise(start, end - start, _MADV_HUGEPAGE) == 0
 
 
-def transparent_huge_pages() -> str:
-    """Linux's transparent-huge-page mode ("always", "madvise" or "never"), or "absent" elsewhere."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return "absent"
-
-
 def host_zeros(
     numel: int, dtype: torch.dtype, pin: bool, kind: str = "state", ledger: MemoryLedger | None = None
 ) -> torch.Tensor:
@@ -228,6 +219,11 @@ class HostToDevice:
         target.copy_(staging, non_blocking=True)
         self._pool.release(buffer, record_event(self.device))
         self.staged_copies += 1
+
+    @property
+    def staging_buffers(self) -> list[torch.Tensor]:
+        """The pinned buffers pageable sources go through (none before the first such copy)."""
+        return [] if self._pool is None else list(self._pool.buffers)
 
 
 # -- device buffers ----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs
@@ -11,11 +12,15 @@ from lightning_zero_offload.engine.schedules.sync import SyncSchedule
 
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.step.parts import ScheduleParts
+    from lightning_zero_offload.engine.step.update import UpdatePipeline
 
-SCHEDULES: dict[str, type[Schedule]] = {s.name: s for s in (SyncSchedule, SpeculativeSchedule, DelayedSchedule)}
+SCHEDULES: dict[str, Callable[[ScheduleParts[UpdatePipeline]], Schedule]] = {
+    s.name: s for s in (SyncSchedule, SpeculativeSchedule, DelayedSchedule)
+}
 
 
-def make_schedule(name: str, parts: ScheduleParts) -> Schedule:
+def make_schedule(name: str, parts: ScheduleParts[UpdatePipeline]) -> Schedule:
+    """The schedule ``cpu_step=name`` on the offload path (in place the engine runs ``SyncSchedule`` only)."""
     return SCHEDULES[name](parts)
 
 

@@ -10,7 +10,6 @@ pending update, speculated buckets), including its part of a checkpoint. It gets
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -21,7 +20,7 @@ from lightning_zero_offload.engine.step.layout import Bucket
 
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.step.gradient_source import GradientSource
-    from lightning_zero_offload.engine.step.parts import ScheduleParts
+    from lightning_zero_offload.engine.step.parts import ScheduleParts, Update
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class Schedule:
     # (torch keeps .grad until zero_grad); the delayed schedule's update reads them behind the next forward.
     keeps_gradients_after_step = True
 
-    def __init__(self, parts: ScheduleParts) -> None:
+    def __init__(self, parts: ScheduleParts[Update]) -> None:
         self.parts = parts
 
     def before_forward(self) -> None:
@@ -111,20 +110,17 @@ class Schedule:
             self.settle()
 
 
-def apply_now(
-    parts: ScheduleParts,
-    inputs: StepInputs,
-    stats: StepStats,
-    done: Collection[int] = (),
-    done_out: torch.Tensor | None = None,
-    published: Collection[int] = (),
-) -> None:
-    """The synchronous step: clamp, plan, then update (all buckets not in ``done``) and publish (all but
-    ``published``)."""
-    if inputs.clamp_limit is not None:
-        clamp_grads(parts.grads, inputs.clamp_limit)
-    update_s, stats.copy_back_s = parts.update.update_now(inputs.has_grad, inputs.multiplier, done, done_out, published)
+def apply_now(parts: ScheduleParts[Update], inputs: StepInputs, stats: StepStats) -> None:
+    """The synchronous step: clamp, plan, then update and publish every bucket."""
+    clamp_if_asked(parts.grads, inputs)
+    update_s, stats.copy_back_s = parts.update.update_now(inputs.has_grad, inputs.multiplier)
     stats.cpu_step_s += update_s
+
+
+def clamp_if_asked(grads: GradientSource, inputs: StepInputs) -> None:
+    """Clip by value (where the step does) on the stored gradients, before anything reads them for the update."""
+    if inputs.clamp_limit is not None:
+        clamp_grads(grads, inputs.clamp_limit)
 
 
 def clamp_grads(grads: GradientSource, limit: float) -> None:

@@ -31,14 +31,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_zero_offload.engine.infra.memory import host_zeros
-from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs, apply_now, clamp_grads
+from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs, apply_now, clamp_if_asked
 from lightning_zero_offload.engine.state_dicts import load_shard
 from lightning_zero_offload.engine.stats import StepStats
 from lightning_zero_offload.engine.step.layout import Bucket
-from lightning_zero_offload.engine.step.update import Plan, Run, UpdatePipeline
+from lightning_zero_offload.engine.step.update import Plan, Run
 
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.step.parts import ScheduleParts
+    from lightning_zero_offload.engine.step.update import UpdatePipeline
 
 # What the device was last given (DelayedSchedule.device_holds).
 MASTER, NEXT, SAVED, EVALUATION = "master", "next", "saved", "evaluation"
@@ -47,9 +48,9 @@ MASTER, NEXT, SAVED, EVALUATION = "master", "next", "saved", "evaluation"
 class DelayedSchedule(Schedule):
     name = "delayed"
 
-    def __init__(self, parts: ScheduleParts) -> None:
+    def __init__(self, parts: ScheduleParts[UpdatePipeline]) -> None:
         super().__init__(parts)
-        assert isinstance(parts.update, UpdatePipeline)  # resolve() runs only the sync schedule in place
+        self.parts: ScheduleParts[UpdatePipeline] = parts
         self.pipeline = parts.update
         settings = parts.resolved.delayed  # checked by engine/options.resolve (prediction needs bf16/fp16)
         assert settings is not None
@@ -123,8 +124,7 @@ class DelayedSchedule(Schedule):
             self.device_holds = MASTER
             return
         state = self.parts.state
-        if inputs.clamp_limit is not None:
-            clamp_grads(self.parts.grads, inputs.clamp_limit)
+        clamp_if_asked(self.parts.grads, inputs)
         plan = self.pipeline.plan(inputs.has_grad, inputs.multiplier)
         grad = state.grad
         self.next_from_checkpoint = False
@@ -245,7 +245,7 @@ class DelayedSchedule(Schedule):
         """Wait for the update and swap its parameters in on the device."""
         waited = self.wait_update(keep_published=False)
         if self.publish_due:
-            self.parts.control.absorb_param_writes()  # before the swap-in overwrites them (refused while an update ran)
+            self._merge_param_writes()  # before the swap-in overwrites them (refused while an update ran)
             for bucket in self.parts.layout.buckets:
                 source = None if self.next_params is None else self.next_params[bucket.shard_range]
                 self.pipeline.publish(bucket, source, pooled=False)
@@ -253,6 +253,13 @@ class DelayedSchedule(Schedule):
             self.publish_due = False
             self.device_holds = NEXT if self.extrapolate else MASTER
         return waited
+
+    def _merge_param_writes(self) -> None:
+        """Make every write to the parameters since the device was last given weights the master's (and the
+        kept weights'), bucket by bucket, as the engine does before it uses the master."""
+        buckets = self.parts.layout.buckets
+        for index in self.parts.publisher.written_buckets():
+            self.merge_param_writes(buckets[index])
 
     def merge_param_writes(self, bucket: Bucket) -> int:
         """A write after the update has landed (a checkpoint ran it before the next forward): the written
@@ -282,7 +289,7 @@ class DelayedSchedule(Schedule):
             return
         if self.pending is not None:  # started by a training forward whose step has not come yet
             self.wait_update()
-            self.parts.control.absorb_param_writes()  # refused as at the step: written during forward/backward
+            self._merge_param_writes()  # refused as at the step: written during forward/backward
             load_shard(self.parts.layout, self.spare_grad, [p.detach() for p in self.parts.params])
             self.device_holds = SAVED
         else:
@@ -292,14 +299,14 @@ class DelayedSchedule(Schedule):
 
     def _begin_evaluation(self) -> None:
         """SAVED -> EVALUATION: the device shows the master; what it held stays in the spare gradient buffer."""
-        self.parts.control.absorb_param_writes()  # into the kept weights too, before the device changes
+        self._merge_param_writes()  # into the kept weights too, before the device changes
         self.parts.publisher.refresh(self.parts.state.master)
         self.device_holds = EVALUATION
 
     def _end_evaluation(self) -> None:
         """EVALUATION -> SAVED: writes made since the evaluation began are merged (the master and the kept
         weights take them, as writes between steps), then the device gets the kept weights back."""
-        self.parts.control.absorb_param_writes()
+        self._merge_param_writes()
         self.parts.publisher.refresh(self.spare_grad)
         self.device_holds = SAVED
 

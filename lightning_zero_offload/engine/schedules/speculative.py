@@ -72,14 +72,15 @@ import torch
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.infra.memory import host_zeros
 from lightning_zero_offload.engine.infra.streams import on_stream, side_stream
-from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs, apply_now
+from lightning_zero_offload.engine.schedules.base import Schedule, StepInputs, clamp_if_asked
 from lightning_zero_offload.engine.schedules.chooser import SpeculationChooser
 from lightning_zero_offload.engine.stats import StepStats
 from lightning_zero_offload.engine.step.layout import Bucket
-from lightning_zero_offload.engine.step.update import Run, UpdatePipeline
+from lightning_zero_offload.engine.step.update import Run
 
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.step.parts import ScheduleParts
+    from lightning_zero_offload.engine.step.update import UpdatePipeline
 
 
 class SpeculativeSchedule(Schedule):
@@ -88,9 +89,9 @@ class SpeculativeSchedule(Schedule):
     PAUSE_TRIGGERS = 4
     publish_during_backward = True  # see the module docstring; False publishes only after validation
 
-    def __init__(self, parts: ScheduleParts) -> None:
+    def __init__(self, parts: ScheduleParts[UpdatePipeline]) -> None:
         super().__init__(parts)
-        assert isinstance(parts.update, UpdatePipeline)  # resolve() runs only the sync schedule in place
+        self.parts: ScheduleParts[UpdatePipeline] = parts
         self.pipeline = parts.update
         shard = parts.layout.shard_numel
         self.mode = parts.resolved.speculation_rollback  # "undo" or "snapshot" (engine/options.resolve)
@@ -119,7 +120,7 @@ class SpeculativeSchedule(Schedule):
         # (None: not kept; such a bucket is published again before anything compares with it).
         self.stale: dict[int, torch.Tensor | None] = {}
         self.early_published = 0  # buckets published during backward, over the schedule's life
-        parts.grads.on_accumulated = self._on_bucket
+        parts.arrivals.listen(self._on_bucket)
 
     @property
     def updates_during_backward(self) -> bool:  # type: ignore[override]
@@ -182,16 +183,16 @@ class SpeculativeSchedule(Schedule):
         if self.early:  # the copies and checksums queued during backward: done before anything reads them
             self.parts.publisher.wait()
 
-    def _on_bucket(self, bucket: Bucket, final: bool) -> None:
+    def _on_bucket(self, bucket: Bucket, final: bool, nonfinite: bool) -> None:
         """Gradient worker: ``bucket``'s gradient was just accumulated. Speculate its step if it is final
-        (every parameter's gradient of this pass is in, and the bucket will not be sent again)."""
+        (every parameter's gradient of this pass is in, and the bucket will not be sent again) and finite."""
         parts, index = self.parts, bucket.index
         if index in self.speculated:
             raise RuntimeError(
                 "A backward pass added gradient to a bucket whose optimizer step was already speculated. "
                 "Call engine.begin_backward() before every backward pass (it takes unvalidated speculation back)."
             )
-        if not self.armed or not final or parts.grads.bucket_nonfinite[index]:
+        if not self.armed or not final or nonfinite:
             return
         runs = self.pipeline.plan_bucket(bucket, parts.grads.has_grad, self.multiplier, self.hparams)
         if self.mode == "undo" and not all(kernels.can_undo(run.hparams) for run in runs if run.hparams is not None):
@@ -249,7 +250,10 @@ class SpeculativeSchedule(Schedule):
         # The synchronous step for the rest; stale buckets are not in done, so they are updated again and
         # published.
         self._state_changes()
-        apply_now(self.parts, inputs, stats, done, self.out, published)
+        clamp_if_asked(self.parts.grads, inputs)
+        plan = self.pipeline.plan(inputs.has_grad, inputs.multiplier)
+        update_s, stats.copy_back_s = self.pipeline.run(plan, done, self.out, published)
+        stats.cpu_step_s += update_s
         self.stale = {}
         self.chooser.step_done(self.armed_this_step)
         self.armed_this_step = False

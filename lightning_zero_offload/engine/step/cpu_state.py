@@ -1,10 +1,13 @@
-"""The CPU state: this rank's shard of the optimizer state, and the only place steps are counted.
+"""The CPU state: this rank's shard of the optimizer state, and the one owner of the step counts.
 
 It owns the master weights, the two Adam moments, the gradient buffer(s) backward accumulates into
 (none in place: there the gradients stay where autograd left them), each parameter's step count, and
 the Adam update of a run of the shard. Everything else reads these buffers through it: the gradient
 source accumulates into :attr:`CpuState.grad`, the schedules' plans run through :meth:`CpuState.update`,
 the publisher copies from the master, and engine/state_dicts.py gathers or loads them for checkpoints.
+Each parameter's step count changes here only: counted by a step (:meth:`CpuState.count_steps`), set as
+a user sets ``optimizer.state[p]["step"]`` (:meth:`CpuState.set_step`), or loaded whole
+(:meth:`CpuState.load_steps`: a checkpoint, a re-plan); everyone else reads :attr:`CpuState.steps`.
 
 The state is fp32 (``cpu_state="fp32"``: exact to torch's AdamW) or bf16 (``"bf16"``, docs/compact-state.md):
 master, moments and gradient buffers in bf16, the update computed in fp32 and stored with stochastic
@@ -52,7 +55,7 @@ class CpuState:
         self.exp_avg_sq = self.new_buffer()
         # The buffer backward accumulates into now (in place: gradients stay in the tensors autograd made).
         self.grad: torch.Tensor | None = self.new_buffer() if keeps_grad else None
-        self.steps = [0] * len(layout.slots)
+        self._steps = [0] * len(layout.slots)
         # Each bucket's shift from this rank's shard positions to the elements' global numbers.
         self._element_base = []
         before = 0
@@ -139,16 +142,25 @@ class CpuState:
             num_threads=num_threads,
         )
 
+    @property
+    def steps(self) -> Sequence[int]:
+        """Each trainable parameter's step count (read-only: it changes through the methods below)."""
+        return self._steps
+
     def count_steps(self, indices: Iterable[int]) -> None:
         """One optimizer step more for each of these parameters (those that got a gradient)."""
         for index in indices:
-            self.steps[index] += 1
+            self._steps[index] += 1
 
     def set_step(self, index: int, step: int) -> None:
         """A parameter's step count as a user set it (``optimizer.state[p]["step"]``; 0: fresh moments follow)."""
-        if step < 0:
-            raise ValueError(f"a step count must be >= 0, got {step}")
-        self.steps[index] = step
+        self._steps[index] = _checked_step(step)
+
+    def load_steps(self, steps: Sequence[int]) -> None:
+        """Every parameter's step count, as a checkpoint or the state before a re-plan has it."""
+        if len(steps) != len(self._steps):
+            raise ValueError(f"{len(steps)} step counts for {len(self._steps)} trainable parameters")
+        self._steps = [_checked_step(step) for step in steps]
 
     def swap_grad(self, other: torch.Tensor) -> torch.Tensor:
         """Make ``other`` the buffer backward accumulates into; returns the one it replaces."""
@@ -173,6 +185,12 @@ class CpuState:
             [buffer[r] for r in ranges] for buffer in (self.master, self.exp_avg, self.exp_avg_sq)
         )
         return master, exp_avg, exp_avg_sq
+
+
+def _checked_step(step: int) -> int:
+    if step < 0:
+        raise ValueError(f"a step count must be >= 0, got {step}")
+    return step
 
 
 def rounding_seed(process_group: dist.ProcessGroup | None, device: torch.device, world_size: int) -> int:

@@ -8,8 +8,10 @@ Two sources implement it:
 - :class:`~lightning_zero_offload.engine.step.in_place.InPlaceGradients` (nothing to offload): each gradient
   stays the tensor autograd made, and the step reads it there.
 
-The engine never asks which one it holds: what differs between them (whether the update itself can
-check the gradients for inf/nan) is a question the source answers.
+The engine never asks which one it holds (in place, the update itself may check the gradients for
+inf/nan: engine/step/in_place.py's ``InPlaceUpdate.can_check_in_update``). News that a bucket's gradient has
+landed in the CPU buffer flows one way, through the :class:`BucketArrivals` the engine gives the source
+when it builds it (the speculative schedule listens there).
 """
 
 from __future__ import annotations
@@ -24,21 +26,43 @@ import torch.distributed as dist
 from lightning_zero_offload.engine.infra.collectives import all_reduce_sum
 from lightning_zero_offload.engine.step.layout import Bucket
 
+# Heard on the gradient worker as a bucket's gradient lands in the CPU buffer: (bucket, final: the bucket's
+# last launch of this backward pass, any inf/nan in the bucket's gradient of the window).
+BucketListener = Callable[[Bucket, bool, bool], None]
+
+
+class BucketArrivals:
+    """Where the gradient source reports each bucket whose gradient has landed, for one listener.
+
+    Made by the engine before the parts that use it, and given to both: the gradient source reports
+    (:meth:`report`), a schedule that acts on buckets as they land listens (:meth:`listen`).
+    """
+
+    def __init__(self) -> None:
+        self._listener: BucketListener | None = None
+
+    def listen(self, listener: BucketListener) -> None:
+        if self._listener is not None:
+            raise RuntimeError("a listener already hears these bucket arrivals")
+        self._listener = listener
+
+    def report(self, bucket: Bucket, final: bool, nonfinite: bool) -> None:
+        if self._listener is not None:
+            self._listener(bucket, final, nonfinite)
+
 
 class GradientSource(Protocol):
     """One accumulation window's gradients, from the first backward after a step to the next step."""
 
     has_grad: list[bool]  # per trainable parameter: it got a gradient in this window (on this rank)
-    # Called with (bucket, final) as a bucket's gradients land (the speculative schedule's hook).
-    on_accumulated: Callable[[Bucket, bool], None] | None
-    device_buffers_live: int
-    device_buffers_peak: int
 
     def begin(self) -> None:
         """A backward pass starts."""
 
-    def finish_backward(self) -> None:
-        """The backward pass ended: every gradient it produced is in place for the step (idempotent)."""
+    def finish_backward(self) -> bool:
+        """End the backward pass if one is open (:meth:`begin` was called or a gradient arrived since the last
+        end): every gradient it produced is then in place for the step. Returns whether one was open; either
+        way raises the error of work that failed in the background."""
 
     def wait(self) -> None:
         """Wait for background work on gradients that have arrived."""
@@ -49,14 +73,16 @@ class GradientSource(Protocol):
     def local_summary(self) -> tuple[float, bool]:
         """(sum of squares, any inf/nan) of this rank's gradients of the window."""
 
+    def held(self) -> list[torch.Tensor | None] | None:
+        """Each parameter's gradient as a tensor of its own, where the source holds them so (in place); None
+        where they lie in the CPU state's flat gradient buffer."""
+
     def for_each_grad_range(self, fn: Callable[[torch.Tensor], None]) -> None:
         """Call ``fn`` on every stored gradient range of the window, in place."""
 
-    def checks_in_update(self, clips: bool, undoable: Callable[[], bool]) -> bool:
-        """Whether the coming step may take its norm and inf/nan check from the update itself (and undo
-        it on inf/nan) instead of summing first. ``clips``: the step clips (it needs the norm first);
-        ``undoable``: every param group's update can be undone. Also tells the source whether the next
-        window's step will need its sums before the update."""
+    def expect_clipping(self, clips: bool) -> None:
+        """Whether the next window's step is expected to clip (as this one): it then needs the gradients'
+        sums before its update, so they are taken as the gradients arrive."""
 
     def new_window(self) -> None:
         """``zero_grad()``: drop every gradient (a step keeps them, as torch keeps ``.grad``)."""

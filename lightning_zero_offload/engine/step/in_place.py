@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,9 +38,6 @@ if TYPE_CHECKING:
 class InPlaceGradients:
     """Holds each parameter's gradient for the step; the in-place counterpart of ``GradientStreamer``."""
 
-    device_buffers_live = device_buffers_peak = device_buffers_allocated = device_buffer_nbytes = 0
-    on_accumulated = None  # nothing is streamed, so nothing can be speculated on
-
     def __init__(self, params: list[torch.nn.Parameter], num_threads: int) -> None:
         self.params = params
         self.num_threads = num_threads
@@ -51,6 +48,7 @@ class InPlaceGradients:
         self._nonfinite = [False] * n
         self._summed = [False] * n
         self._seen = [False] * n
+        self._open = False  # a backward pass began or produced gradients and was not finished yet
         # Sum each gradient as it arrives (the last step clipped, so the next one needs the norm first);
         # otherwise leave it to the step's kernel. Either way local_summary() can sum what is missing.
         self.eager_sums = True
@@ -62,6 +60,7 @@ class InPlaceGradients:
             return
         check_gradient(grad, self._seen[index])
         self._seen[index] = True
+        self._open = True
         # Taken out of .grad, as the offload path does: the next micro-batch's gradient then arrives as a
         # fresh tensor instead of being added into this one by autograd (a second pass over memory).
         param.grad = None
@@ -89,9 +88,13 @@ class InPlaceGradients:
 
     def begin(self) -> None:
         """A backward pass starts (nothing to prepare: gradients are taken as they come)."""
+        self._open = True
 
-    def finish_backward(self) -> None:
+    def finish_backward(self) -> bool:
+        """End the open backward pass, if any (each gradient is in place as it arrives: nothing to wait for)."""
+        was_open, self._open = self._open, False
         self._seen = [False] * len(self.params)
+        return was_open
 
     def wait(self) -> None:
         """Nothing runs in the background."""
@@ -111,13 +114,9 @@ class InPlaceGradients:
                 self._sum(index)
         return sum(self._sumsq), any(self._nonfinite)
 
-    def checks_in_update(self, clips: bool, undoable: Callable[[], bool]) -> bool:
-        """Whether the step's kernel may sum the gradients and check them for inf/nan as it reads them
-        (``kernels.adam_step_multi_if_finite``), undoing the update on inf/nan: only without clipping
-        (which needs the norm first), with gradients not summed yet, and where the update can be undone."""
-        checked = not clips and self.sums_pending and undoable()
-        self.eager_sums = clips  # the next window's norm is needed before its step only if it clips
-        return checked
+    def expect_clipping(self, clips: bool) -> None:
+        """Sum the next window's gradients as they arrive only if its step needs the norm first (it clips)."""
+        self.eager_sums = clips
 
     def for_each_grad_range(self, fn: Callable[[torch.Tensor], None]) -> None:
         for grad in self.grads:
@@ -205,16 +204,9 @@ class InPlaceUpdate(CpuUpdate):
             indices.append(index)
         return calls
 
-    def update_now(
-        self,
-        has_grad: list[bool],
-        multiplier: float,
-        done: Collection[int] = (),
-        done_out: torch.Tensor | None = None,
-        published: Collection[int] = (),
-    ) -> tuple[float, float]:
+    def update_now(self, has_grad: list[bool], multiplier: float) -> tuple[float, float]:
         """The step (every parameter's gradient is where autograd left it); returns (update seconds, 0):
-        nothing is published, the parameters are the master. Nothing speculates in place (sync only)."""
+        nothing is published, the parameters are the master."""
         hparams = self.hyperparams()
         t = time.perf_counter()
         for group, (p, g, m, v, indices) in self.calls().items():
@@ -224,6 +216,12 @@ class InPlaceUpdate(CpuUpdate):
             )
             self.state.count_steps(indices)
         return time.perf_counter() - t, 0.0
+
+    def can_check_in_update(self, clips: bool) -> bool:
+        """Whether the step's kernel may sum the gradients and check them for inf/nan as it reads them
+        (:meth:`update_checked`), undoing the update on inf/nan: only without clipping (which needs the norm
+        first), with gradients not summed yet, and where every param group's update can be undone."""
+        return not clips and self.grads.sums_pending and all(kernels.can_undo(hp) for hp in self.hyperparams())
 
     def update_checked(self) -> tuple[bool, float, float]:
         """The step without clipping, with the norm and inf/nan check inside the update; returns

@@ -25,12 +25,14 @@ ranks (buckets whose gradients arrive in launch order need two); later backward 
 ranks may hold more for a model whose buckets complete out of the agreed order, and the pool frees
 buffers beyond the cap once their transfer completes.
 
-This module decides; the streamer (engine/step/streamer.py) holds the buffers and moves the bytes.
+This module decides and yields its decisions (:class:`Launch`); the streamer (engine/step/streamer.py)
+holds the buffers and moves the bytes, and never calls back into it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Generator, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,29 +41,32 @@ from lightning_zero_offload.engine.infra.collectives import all_reduce_sum, broa
 from lightning_zero_offload.engine.step.layout import Bucket, Layout
 
 
+class Launch(NamedTuple):
+    """One bucket to send now: what its device buffer holds, and why it leaves."""
+
+    bucket: Bucket
+    filled: frozenset[int]  # the parameters whose gradient is in the buffer (the rest count as zero)
+    # Every parameter's gradient of this pass is in this launch, and no rank can send the bucket again in
+    # this pass (a late relaunch needs a parameter the bucket does not wait for, and a bucket sent to make
+    # room is sent again for the ranks that did not have all of it).
+    final: bool
+
+
 class LaunchOrder:
     """Which gradients each bucket holds in this backward pass, and when each bucket leaves.
 
-    ``send(bucket, evict)`` launches a bucket (``evict``: only to make room, before all its gradients
-    have arrived) and reports it back through :meth:`contents` and :meth:`sent`; ``held()`` is how many
-    device gradient buffers are held now, and ``cap`` how many may be held before buckets must leave.
+    Every method that lets buckets leave yields them, one at a time, in the order they must be sent: the
+    caller sends each before taking the next, so its transfer's collective comes before the next round of
+    agreement, as on every other rank. A bucket counts as sent once yielded. A bucket holds a
+    device gradient buffer from its first gradient of a pass until it is sent, and ``cap`` is how many
+    such buffers may be held before buckets must leave.
     """
 
-    def __init__(
-        self,
-        layout: Layout,
-        process_group: dist.ProcessGroup | None,
-        device: torch.device,
-        cap: int,
-        send: Callable[[Bucket, bool], None],
-        held: Callable[[], int],
-    ) -> None:
+    def __init__(self, layout: Layout, process_group: dist.ProcessGroup | None, device: torch.device, cap: int) -> None:
         self.layout = layout
         self.process_group = process_group
         self.device = device
         self.cap = cap
-        self._send = send
-        self._held = held
         n_buckets = len(layout.buckets)
         # Parameters written into each bucket's current device buffer, and whether it left in this pass.
         self._filled: list[list[int]] = [[] for _ in range(n_buckets)]
@@ -81,44 +86,41 @@ class LaunchOrder:
         self._learned = False
         self._agreement_done = False  # first backward, several ranks: the last round said every rank finished
 
-    def make_room(self) -> None:
-        """Before a new buffer is taken: send buckets until fewer than the cap are held (see the module doc)."""
+    def _held(self) -> int:
+        """Device gradient buffers held now: one per bucket holding gradients not sent yet."""
+        return sum(1 for filled in self._filled if filled)
+
+    def _leave(self, bucket: Bucket, evict: bool) -> Launch:
+        """``bucket`` leaves now (``evict``: only to make room, before all its gradients have arrived)."""
+        filled = frozenset(self._filled[bucket.index])
+        whole = len(bucket.param_indices)
+        final = len(filled) == whole and (self.layout.world_size == 1 or self._expected[bucket.index] == whole)
+        self._filled[bucket.index] = []
+        self._launched[bucket.index] = True
+        self._evicted[bucket.index] = evict
+        return Launch(bucket, filled, final and not evict)
+
+    def make_room(self) -> Iterator[Launch]:
+        """Before a new buffer is taken: the buckets to send until fewer than the cap are held (see the
+        module doc)."""
         while self._held() >= self.cap:
             if self.layout.world_size == 1:  # no peer to agree with: send the fullest held bucket, partially
                 held = [b for b in range(len(self._filled)) if self._filled[b]]
-                self._send(self.layout.buckets[max(held, key=lambda b: len(self._filled[b]))], True)
+                yield self._leave(self.layout.buckets[max(held, key=lambda b: len(self._filled[b]))], True)
             elif not self._learned:
-                self._agree(finished=False)
+                yield from self._agree(finished=False)
             else:  # the agreed order cannot change within a pass: the pool allocates past its cap
                 return
 
-    def arrived(self, index: int, bucket_index: int) -> None:
-        """Parameter ``index``'s gradient is in its bucket's buffer: send what is ready now."""
+    def arrived(self, index: int, bucket_index: int) -> Iterator[Launch]:
+        """Parameter ``index``'s gradient is in its bucket's buffer: the buckets ready to leave now."""
         self._filled[bucket_index].append(index)
         self._arrived[bucket_index] += 1
         self._last_arrival[bucket_index] = self._arrivals
         self._arrivals += 1
-        self._launch_ready(bucket_index)
+        yield from self._launch_ready(bucket_index)
 
-    def contents(self, bucket: Bucket, evict: bool) -> tuple[set[int], bool]:
-        """The parameters whose gradient is in ``bucket``'s buffer, and whether this launch is final.
-
-        Final: every parameter's gradient of this pass is in this launch, and no rank can send the bucket
-        again in this pass (a late relaunch needs a parameter the bucket does not wait for, and a bucket
-        sent to make room is sent again for the ranks that did not have all of it).
-        """
-        filled = set(self._filled[bucket.index])
-        whole = len(bucket.param_indices)
-        final = len(filled) == whole and (self.layout.world_size == 1 or self._expected[bucket.index] == whole)
-        return filled, final and not evict
-
-    def sent(self, bucket: Bucket, evict: bool) -> None:
-        """``bucket``'s buffer has left: it holds no gradient of this pass any more."""
-        self._filled[bucket.index] = []
-        self._launched[bucket.index] = True
-        self._evicted[bucket.index] = evict
-
-    def _agree(self, finished: bool) -> list[float]:
+    def _agree(self, finished: bool) -> Generator[Launch, None, list[float]]:
         """First backward at several ranks: one round of agreement on what leaves now (see the module doc).
 
         Returns how many ranks hold each bucket; the round is the last one when every rank has finished.
@@ -134,20 +136,20 @@ class LaunchOrder:
         ready, holders = total[:n], total[n : 2 * n]
         agreed = [b for b in range(n) if ready[b] == world]
         for b in agreed:
-            self._send(buckets[b], False)
+            yield self._leave(buckets[b], False)
         if not agreed and total[2 * n] > 0:  # a rank needs room and no bucket is complete everywhere
             forced = max(range(n), key=lambda b: (holders[b], -b))
-            self._send(buckets[forced], True)
+            yield self._leave(buckets[forced], True)
         self._agreement_done = total[2 * n + 1] == world
         return holders
 
-    def _launch_ready(self, bucket_index: int) -> None:
+    def _launch_ready(self, bucket_index: int) -> Iterator[Launch]:
         if self.layout.world_size == 1:
             # Ready once every gradient it waits for has arrived; one that left early to make room sends the
             # rest then. A late gradient (its bucket already left whole) waits for the flush, sent with others.
             ready = self._filled[bucket_index] and self._arrived[bucket_index] >= self._expected[bucket_index]
             if ready and (not self._launched[bucket_index] or self._evicted[bucket_index]):
-                self._send(self.layout.buckets[bucket_index], False)
+                yield self._leave(self.layout.buckets[bucket_index], False)
             return
         if not self._learned:  # the first backward: buckets leave by agreement only (_agree)
             return
@@ -155,16 +157,16 @@ class LaunchOrder:
             bucket = self.layout.buckets[self._order[self._next_launch]]
             if len(self._filled[bucket.index]) < self._expected[bucket.index]:
                 return
-            self._send(bucket, False)
+            yield self._leave(bucket, False)
             self._next_launch += 1
 
-    def flush(self) -> None:
-        """Backward has ended: send what is left (parameters without a gradient count as zero)."""
+    def flush(self) -> Iterator[Launch]:
+        """Backward has ended: the buckets left to send (parameters without a gradient count as zero)."""
         buckets = self.layout.buckets
         if self.layout.world_size == 1:
             for bucket in buckets:
                 if self._filled[bucket.index]:
-                    self._send(bucket, False)
+                    yield self._leave(bucket, False)
             return
         # Every rank launches every bucket, in the agreed order, so the collectives always match.
         if self._learned:
@@ -172,11 +174,11 @@ class LaunchOrder:
         else:  # rounds until every rank has finished; then the rest, the buckets every rank holds first
             self._agreement_done = False
             while not self._agreement_done:
-                holders = self._agree(finished=True)
+                holders = yield from self._agree(finished=True)
                 remaining = [b for b in range(len(buckets)) if not self._launched[b]]
             remaining.sort(key=lambda b: (-holders[b], b))
         for index in remaining:
-            self._send(buckets[index], False)
+            yield self._leave(buckets[index], False)
         # Evictions are agreed, so every rank takes this branch alike.
         if any(self._evicted) or any(e < len(b.param_indices) for e, b in zip(self._expected, buckets)):
             # Some bucket may have left before a gradient no rank had on the first backward: relaunch
@@ -185,7 +187,7 @@ class LaunchOrder:
             late = all_reduce_sum(late, self.process_group, self.device)
             for bucket in buckets:
                 if late[bucket.index] > 0:
-                    self._send(bucket, False)
+                    yield self._leave(bucket, False)
 
     def end_pass(self, seen: list[bool]) -> None:
         """The pass's transfers are done; ``seen``: which parameters got a gradient in it."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 import torch
@@ -31,18 +31,26 @@ from lightning_zero_offload.engine.infra.ledger import COLLECTIVE, MemoryLedger,
 from lightning_zero_offload.engine.infra.memory import BufferPool, DeviceBufferPool, device_empty
 from lightning_zero_offload.engine.infra.streams import on_stream, record_event, side_stream, wait_event, worker_pool
 from lightning_zero_offload.engine.step.cpu_state import CpuState
-from lightning_zero_offload.engine.step.launch_order import LaunchOrder
+from lightning_zero_offload.engine.step.gradient_source import BucketArrivals
+from lightning_zero_offload.engine.step.launch_order import Launch, LaunchOrder
 from lightning_zero_offload.engine.step.layout import Bucket, Layout
 
 # Device gradient buffers: one filling while up to two transfers are in flight.
 DEVICE_BUFFER_CAP = 3
 
 
-def hidden_fraction(transfer_s: float, exposed_s: float) -> float:
-    """Share of the transfer work that overlapped backward, in [0, 1] (0 when there was none)."""
-    if transfer_s <= 0:
-        return 0.0
-    return min(1.0, max(0.0, 1.0 - exposed_s / transfer_s))
+def device_transfer_times(
+    origin: torch.Event, spans: list[tuple[torch.Event, torch.Event]], backward_end: torch.Event
+) -> tuple[float, float]:
+    """(seconds of transfer, seconds of it before ``backward_end``) of device ``spans`` (start and end
+    events of each transfer), all timed on one device clock from ``origin``."""
+    end_ms = origin.elapsed_time(backward_end)
+    transfer_s = hidden_s = 0.0
+    for started, copied in spans:  # milliseconds after the origin
+        a, b = origin.elapsed_time(started), origin.elapsed_time(copied)
+        transfer_s += (b - a) / 1e3
+        hidden_s += max(0.0, min(b, end_ms) - a) / 1e3
+    return transfer_s, hidden_s
 
 
 def check_gradient(grad: torch.Tensor, seen: bool) -> None:
@@ -85,6 +93,7 @@ class GradientStreamer:
         num_threads: int,
         process_group: dist.ProcessGroup | None = None,
         overlap: bool = True,
+        arrivals: BucketArrivals | None = None,
     ) -> None:
         self.layout = layout
         self.params = params
@@ -107,8 +116,8 @@ class GradientStreamer:
         self._device_buffer_numel = max_bucket
         self.device_buffers = DeviceBufferPool(max_bucket, grad_dtype, device, DEVICE_BUFFER_CAP, self.ledger)
         self._stream = side_stream(device)
-        self.device_buffers_live = 0
-        self.device_buffers_peak = 0
+        self._buffers_held = 0  # device gradient buffers holding gradients now, and the most since last asked
+        self._buffers_peak = 0
         self._staging = BufferPool(2, max_shard, grad_dtype, pin_memory, self.ledger)
         self.worker = worker_pool("zero-offload-grads", device)
         self._futures: list[Future] = []
@@ -116,9 +125,7 @@ class GradientStreamer:
 
         n_buckets = len(layout.buckets)
         self._bucket_buffer: list[torch.Tensor | None] = [None] * n_buckets
-        self.launch_order = LaunchOrder(
-            layout, process_group, device, DEVICE_BUFFER_CAP, self._launch, lambda: self.device_buffers_live
-        )
+        self.launch_order = LaunchOrder(layout, process_group, device, DEVICE_BUFFER_CAP)
         self._seen = [False] * len(params)  # got a gradient in this pass (a second one is refused)
         self._open = False  # a backward pass has produced gradients that finish_backward has not flushed
         # Across an accumulation window: which params got a gradient, whether a bucket was written yet.
@@ -134,9 +141,8 @@ class GradientStreamer:
         self._device_origin: torch.Event | None = None
         self._transfer_s = 0.0
         self._hidden_s = 0.0
-        # Called on the worker once a bucket's gradient is in the CPU buffer (the speculative step's cue),
-        # with whether that launch was the bucket's last of this backward pass (LaunchOrder.contents).
-        self.on_accumulated: Callable[[Bucket, bool], None] | None = None
+        # Told on the worker once a bucket's gradient is in the CPU buffer (the speculative step's cue).
+        self.arrivals = arrivals if arrivals is not None else BucketArrivals()
         self._hooks = register_grad_hooks(params, self._on_grad)
 
     # -- backward side -------------------------------------------------------------------------
@@ -154,26 +160,31 @@ class GradientStreamer:
         buffer[slot.bucket_offset : slot.bucket_offset + slot.numel].copy_(grad.reshape(-1))
         param.grad = None
         self.has_grad[index] = True
-        self.launch_order.arrived(index, slot.bucket)
+        self._send(self.launch_order.arrived(index, slot.bucket))
 
     def _acquire_bucket_buffer(self, bucket_index: int, make_room: bool = False) -> torch.Tensor:
         buffer = self._bucket_buffer[bucket_index]
         if buffer is None:
             if make_room:
-                self.launch_order.make_room()
+                self._send(self.launch_order.make_room())
             buffer = self.device_buffers.acquire()
             bucket = self.layout.buckets[bucket_index]
             buffer[bucket.numel : bucket.padded_numel].zero_()
             self._bucket_buffer[bucket_index] = buffer
-            self.device_buffers_live += 1
-            self.device_buffers_peak = max(self.device_buffers_peak, self.device_buffers_live)
+            self._buffers_held += 1
+            self._buffers_peak = max(self._buffers_peak, self._buffers_held)
         return buffer
 
-    def _launch(self, bucket: Bucket, evict: bool = False) -> None:
-        """Send the bucket's buffer; ``evict``: only to make room, before all its gradients have arrived."""
+    def _send(self, launches: Iterable[Launch]) -> None:
+        """Send the buckets the launch order lets go, each before it decides the next."""
+        for launch in launches:
+            self._launch(launch)
+
+    def _launch(self, launch: Launch) -> None:
+        """Send one bucket's buffer (what it holds and whether it is final: engine/step/launch_order.py)."""
         self.check_worker()
+        bucket, filled, final = launch
         buffer = self._acquire_bucket_buffer(bucket.index)
-        filled, final = self.launch_order.contents(bucket, evict)
         for index in bucket.param_indices:
             if index not in filled:  # no gradient (yet) in this buffer: it counts as zero
                 slot = self.layout.slots[index]
@@ -196,8 +207,7 @@ class GradientStreamer:
             self._device_spans.append((started, copied))
         self._bucket_buffer[bucket.index] = None
         self.device_buffers.release(buffer, copied, bucket.index)
-        self.launch_order.sent(bucket, evict)
-        self.device_buffers_live -= 1
+        self._buffers_held -= 1
         if self.overlap:
             self._futures.append(self.worker.submit(self._accumulate, bucket, staging, copied, True, final))
         else:  # measured baseline: backward stops while each bucket is accumulated
@@ -220,8 +230,7 @@ class GradientStreamer:
             self.bucket_sumsq[bucket.index] = sumsq
             self.bucket_nonfinite[bucket.index] = nonfinite
             self._host_spans.append((start, time.perf_counter(), overlaps))
-            if self.on_accumulated is not None:
-                self.on_accumulated(bucket, final)
+            self.arrivals.report(bucket, final, nonfinite)
         except BaseException as error:
             self._fail(error, bucket)
             raise
@@ -246,24 +255,24 @@ class GradientStreamer:
         """A backward pass starts: its flush will launch every bucket, even if this rank got no gradient."""
         self._open = True
 
-    def finish_backward(self) -> None:
-        """Launch what is left (parameters without a gradient count as zero) and wait for the CPU.
-
-        A second call without a backward in between only waits, so the collectives of a backward are
-        issued exactly once.
+    def finish_backward(self) -> bool:
+        """End the open backward pass, if any: launch what is left (parameters without a gradient count as
+        zero) and wait for the CPU. Returns whether a pass was open; without one nothing is in flight, and
+        this only raises the worker's error, if it had one.
         """
         if not self._open:
             self.wait()
-            return
+            return False
         self.check_worker()
         self._open = False
         backward_end = time.perf_counter()
         backward_end_event = record_event(self.device, timing=True)
-        self.launch_order.flush()
+        self._send(self.launch_order.flush())
         self.wait()
         self._account_pass(backward_end, backward_end_event)
         self.launch_order.end_pass(self._seen)
         self._seen = [False] * len(self.params)
+        return True
 
     def _account_pass(self, backward_end: float, backward_end_event: torch.Event | None) -> None:
         """Add this pass's transfer time, and the part of it that overlapped backward, to the totals."""
@@ -277,11 +286,9 @@ class GradientStreamer:
         if origin is None or backward_end_event is None:
             return
         wait_event(backward_end_event)
-        end_ms = origin.elapsed_time(backward_end_event)
-        for started, copied in device_spans:  # milliseconds after the origin, all on one device clock
-            a, b = origin.elapsed_time(started), origin.elapsed_time(copied)
-            self._transfer_s += (b - a) / 1e3
-            self._hidden_s += max(0.0, min(b, end_ms) - a) / 1e3
+        transfer_s, hidden_s = device_transfer_times(origin, device_spans, backward_end_event)
+        self._transfer_s += transfer_s
+        self._hidden_s += hidden_s
 
     def wait(self) -> None:
         """Wait for every accumulate in flight; raises the worker's error if it had one."""
@@ -354,9 +361,12 @@ class GradientStreamer:
         """(sum of squares, any inf/nan) of this rank's accumulated gradients."""
         return sum(self.bucket_sumsq), any(self.bucket_nonfinite)
 
-    def checks_in_update(self, clips: bool, undoable: Callable[[], bool]) -> bool:
-        """Never: the sums come with the accumulate pass, so the step has them before it updates."""
-        return False
+    def expect_clipping(self, clips: bool) -> None:
+        """Nothing to change: every bucket is summed as it is accumulated."""
+
+    def held(self) -> None:
+        """None: the gradients lie in the CPU state's flat buffer (``state.grad``)."""
+        return None
 
     def for_each_grad_range(self, fn: Callable[[torch.Tensor], None]) -> None:
         for bucket in self.layout.buckets:
@@ -364,11 +374,21 @@ class GradientStreamer:
                 fn(self.state.grad[bucket.shard_range])
 
     @property
+    def device_buffers_held(self) -> int:
+        """Device gradient buffers holding gradients now."""
+        return self._buffers_held
+
+    def take_device_buffer_peak(self) -> int:
+        """The most device gradient buffers held at once since the last call (or since built)."""
+        peak, self._buffers_peak = self._buffers_peak, self._buffers_held
+        return peak
+
+    @property
     def device_buffer_nbytes(self) -> int:
         return self._device_buffer_numel * torch.empty(0, dtype=self.grad_dtype).element_size()
 
     @property
-    def device_buffers_allocated(self) -> int:
+    def device_buffers_allocated_peak(self) -> int:
         """The most device gradient buffers that existed at once (the pool keeps at most the cap)."""
         return self.device_buffers.peak
 

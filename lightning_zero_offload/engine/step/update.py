@@ -162,16 +162,9 @@ class UpdatePipeline(CpuUpdate):
         source = self.state.master[bucket.shard_range] if out is None else out[: bucket.shard_numel]
         self.publisher.publish(bucket, source, out, pooled)
 
-    def update_now(
-        self,
-        has_grad: list[bool],
-        multiplier: float,
-        done: Collection[int] = (),
-        done_out: torch.Tensor | None = None,
-        published: Collection[int] = (),
-    ) -> tuple[float, float]:
-        """Plan the step (counting it), then :meth:`run` it."""
-        return self.run(self.plan(has_grad, multiplier), done, done_out, published)
+    def update_now(self, has_grad: list[bool], multiplier: float) -> tuple[float, float]:
+        """Plan the step (counting it), then :meth:`run` all of it."""
+        return self.run(self.plan(has_grad, multiplier))
 
     def run(
         self,

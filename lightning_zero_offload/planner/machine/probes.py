@@ -33,10 +33,6 @@ def median_seconds(fn: Callable[[], None], repeats: int, sync: Callable[[], None
     return statistics.median(times)
 
 
-def cpu_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 CGROUP_ROOT_ENV = "LZO_CGROUP_ROOT"  # where the cgroup filesystem is mounted (tests point it at a fake tree)
 DEFAULT_CGROUP_ROOT = "/sys/fs/cgroup"
 UNLIMITED_V1 = 2**62  # cgroup v1 writes "no limit" as 2**63 - 1 rounded down to a page

@@ -6,6 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from lightning_zero_offload import kernels
 from lightning_zero_offload.planner.machine import probes
 
 GB = 1e9
@@ -67,7 +68,7 @@ def measure_machine(
     matmuls run far below the peak, and how far depends on the shape). Default: one 1024 x 4096 layer.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cores = probes.cpu_cores()
+    cores = kernels.usable_cores()
     threads = threads or cores
     per_thread = probes.host_bandwidth(1)
     node = probes.host_bandwidth(threads) if threads > 1 else per_thread

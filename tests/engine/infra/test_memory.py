@@ -17,7 +17,7 @@ from lightning_zero_offload.engine.infra import memory
 from lightning_zero_offload.engine.infra.ledger import COLLECTIVE, HOST, HOST_PINNED, MemoryLedger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
-from memory_probe import mappings  # noqa: E402  (the smaps reader benchmarks/huge_pages.py uses)
+from memory_probe import mappings, transparent_huge_pages  # noqa: E402  (the readers benchmarks/huge_pages.py uses)
 
 
 class StandInDriver:
@@ -80,14 +80,15 @@ def test_pageable_sources_reach_the_target_through_pinned_staging(driver):
     target = torch.zeros(20)
     pinned = memory.host_empty(8, torch.float32, pin=True).copy_(torch.arange(8.0))
     stager.copy(target[:8], pinned)  # already pinned: copied directly
-    assert stager.staged_copies == 0 and stager._pool is None
+    assert stager.staged_copies == 0 and stager.staging_buffers == []
     for start, end in ((8, 11), (11, 15), (15, 20)):  # pageable: staged, through two pinned buffers in turn
         source = torch.arange(float(start), float(end))
         stager.copy(target[start:end], source)
         source.fill_(-1)  # the caller may reuse its memory at once
     assert stager.staged_copies == 3
     assert torch.equal(target, torch.arange(20.0))
-    assert all(memory.is_pinned_here(b) for b in stager._pool.buffers)
+    staging = stager.staging_buffers
+    assert len(staging) == 2 and all(memory.is_pinned_here(b) for b in staging)
 
 
 def reachable_storages(root) -> dict[int, int]:
@@ -230,13 +231,13 @@ def test_a_failed_pool_wakes_a_waiting_acquire_and_refuses_later_ones():
             pool.acquire()
 
 
-@pytest.mark.skipif(memory.transparent_huge_pages() == "absent", reason="no transparent huge pages here")
+@pytest.mark.skipif(transparent_huge_pages() == "absent", reason="no transparent huge pages here")
 def test_model_sized_host_buffers_ask_for_huge_pages_and_get_them():
     tensor = memory.host_zeros(16 << 20, torch.float32, pin=False)  # 64 MiB: mmap'd, several whole 2 MiB pages
     middle = tensor.data_ptr() + tensor.numel() * 2
     (mapping,) = mappings(middle, middle + 1)
     assert "hg" in mapping["VmFlags"].split()  # MADV_HUGEPAGE on the buffer's whole 2 MiB pages
-    if memory.transparent_huge_pages() != "never":
+    if transparent_huge_pages() != "never":
         assert int(mapping["AnonHugePages"].split()[0]) >= 32 << 10  # kB: at least half of it, faulted in huge
     assert torch.count_nonzero(tensor) == 0
 

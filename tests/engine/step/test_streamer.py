@@ -23,8 +23,11 @@ from torch import nn
 
 from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.engine.infra import memory, streams
+from lightning_zero_offload.engine.stats import hidden_fraction
 from lightning_zero_offload.engine.step import streamer as grads
-from lightning_zero_offload.engine.step.streamer import DEVICE_BUFFER_CAP, hidden_fraction
+from lightning_zero_offload.engine.step.launch_order import Launch, LaunchOrder
+from lightning_zero_offload.engine.step.layout import build_layout
+from lightning_zero_offload.engine.step.streamer import DEVICE_BUFFER_CAP
 from lightning_zero_offload.testing.ranks import run_ranks
 
 
@@ -135,16 +138,17 @@ def test_buffers_beyond_the_cap_are_freed_once_their_transfer_has_completed():
     for event in events:
         event.done = True
     assert pool.acquire() is buffers[2] and pool.allocated == 3  # the first two returned were the extra ones
-    assert pool.peak == 5 and len(pool._free) == 2
+    assert pool.peak == 5
+    kept = [pool.acquire() for _ in range(2)]  # the two others kept, taken without allocating
+    assert pool.allocated == 3 and all(any(b is k for b in buffers) for k in kept)
 
 
 def peaks_per_step(net: nn.Module, engine: OffloadEngine, data) -> list[int]:
     peaks = []
     for batch in data:
-        engine.grads.device_buffers_peak = 0
         loss_fn(net, batch).backward()
         engine.step()
-        peaks.append(engine.grads.device_buffers_peak)
+        peaks.append(engine.grads.take_device_buffer_peak())
     return peaks
 
 
@@ -231,7 +235,7 @@ def test_hidden_fraction_stays_a_fraction():
     assert hidden_fraction(1.0, -1e-9) == 1.0
 
 
-def test_device_timing_counts_only_the_part_after_backward_as_exposed(monkeypatch):
+def test_device_timing_counts_only_the_part_after_backward_as_exposed():
     """Side-stream transfers timed with events: spans before the backward-end event are hidden."""
     clock = iter(range(100))
 
@@ -244,16 +248,12 @@ def test_device_timing_counts_only_the_part_after_backward_as_exposed(monkeypatc
         def elapsed_time(self, other):
             return other.t - self.t
 
-    monkeypatch.setattr(grads, "record_event", lambda device, timing=False: Timed())
-    streamer = bf16_run(make_net(width=64), 0).grads
-    streamer._device_origin = Timed()  # t=0
-    streamer._device_spans = [(Timed(), Timed()), (Timed(), Timed())]  # [1, 2] and [3, 4] ms
+    origin = Timed()  # t=0
+    spans = [(Timed(), Timed()), (Timed(), Timed())]  # [1, 2] and [3, 4] ms
     end = Timed()  # backward ends at 5 ms: both spans hidden
-    late = (Timed(), Timed())  # [6, 7] ms: after the end, exposed
-    streamer._device_spans.append(late)
-    streamer._account_pass(backward_end=0.0, backward_end_event=end)
-    exposed, total = streamer.take_timings()
-    assert total == pytest.approx(3e-3) and exposed == pytest.approx(1e-3)
+    spans.append((Timed(), Timed()))  # [6, 7] ms: after the end, exposed
+    total, hidden = grads.device_transfer_times(origin, spans, end)
+    assert total == pytest.approx(3e-3) and total - hidden == pytest.approx(1e-3)
 
 
 @pytest.mark.slow  # ranks in processes
@@ -314,3 +314,28 @@ def test_several_ranks_stay_within_the_cap_on_the_first_backward(tmp_path, world
 
     fn = streaming.every_order_two_ranks if world == 2 else streaming.every_order_three_ranks
     check_every_order(run_ranks(fn, world, tmp_path), world)
+
+
+def test_the_launch_order_yields_each_bucket_to_send_with_what_its_buffer_holds():
+    """One rank, room for one device buffer: LaunchOrder decides, and hands back what to send (no callback)."""
+    layout = build_layout([torch.Size([4])] * 4, bucket_numel=8)  # buckets (3, 2) and (1, 0)
+    order = LaunchOrder(layout, None, CPU, cap=1)
+    b01, b23 = layout.buckets[layout.slots[0].bucket], layout.buckets[layout.slots[2].bucket]
+    assert list(order.arrived(0, b01.index)) == []  # its bucket waits for parameter 1
+    # Parameter 2 needs a buffer: the held bucket leaves with what it has, not final (the rest follows).
+    assert list(order.make_room()) == [Launch(b01, frozenset({0}), final=False)]
+    assert list(order.arrived(2, b23.index)) == []
+    assert list(order.arrived(3, b23.index)) == [Launch(b23, frozenset({2, 3}), final=True)]
+    assert list(order.arrived(1, b01.index)) == [Launch(b01, frozenset({1}), final=False)]  # the evicted rest
+    assert list(order.flush()) == []  # nothing is held any more
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_backward_pass_is_finished_once_and_the_step_does_not_finish_it_again(in_place):
+    net = make_net()
+    engine = OffloadEngine(two_groups(net), CPU, torch.float32, options(in_place_on_cpu=in_place))
+    loss_fn(net, batches(1)[0]).backward()  # no begin_backward: the first gradient opens the pass
+    assert engine.grads.finish_backward() and not engine.grads.finish_backward()
+    engine.begin_backward()  # opens one even before any gradient
+    assert engine.grads.finish_backward() and not engine.grads.finish_backward()
+    assert not engine.step().skipped
