@@ -23,9 +23,8 @@ single copy (or one all-gather). The CPU holds only this rank's shard: master, t
 gradient buffer, fp32 (16 bytes per owned parameter) or bf16 with ``cpu_state="bf16"`` (8), plus a few
 bucket-sized staging buffers.
 Where nothing would be offloaded (a CPU device, fp32, one process, the sync step) the engine runs in
-place instead (engine/step/in_place.py): an in-place gradient source and a null publisher, the parameters
-views of the fp32 master and gradients where backward left them.
-Plain torch: no Lightning imports, so it can be driven and tested without a Trainer.
+place (engine/step/in_place.py): the parameters views of the fp32 master, gradients where backward left
+them. Plain torch: no Lightning imports, so it can be driven and tested without a Trainer.
 """
 
 from __future__ import annotations
@@ -59,6 +58,7 @@ from lightning_zero_offload.engine.step.publisher import LOW_PRECISION, NullPubl
 from lightning_zero_offload.engine.step.streamer import GradientStreamer
 from lightning_zero_offload.engine.step.update import UpdatePipeline
 from lightning_zero_offload.engine.window import AccumulationWindow, CarriedGradients
+from lightning_zero_offload.warning import ZeroOffloadRuntimeWarning
 
 __all__ = ["OffloadEngine", "StepStats"]
 
@@ -370,7 +370,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         warnings.warn(
             "Non-finite gradients (inf/nan): the optimizer step was skipped and the parameters are "
             "unchanged. Check the loss for nan/inf or lower the learning rate.",
-            RuntimeWarning,
+            ZeroOffloadRuntimeWarning,
             stacklevel=3,
         )
 

@@ -18,6 +18,7 @@ import torch
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.option_values import check_bool, check_choice, check_int, check_real
 from lightning_zero_offload.engine.scaler import LossScalerConfig
+from lightning_zero_offload.warning import ZeroOffloadWarning
 
 CheckpointFormat = Literal["full", "sharded"]
 CpuStep = Literal["auto", "sync", "speculative", "delayed"]
@@ -127,7 +128,7 @@ class Resolved:
     def warn(self) -> None:
         """Warn once for each note (the engine calls this when it is built; re-planning does not)."""
         for note in self.notes:
-            warnings.warn(note, UserWarning, stacklevel=3)
+            warnings.warn(note, ZeroOffloadWarning, stacklevel=3)
 
 
 def _changed(options: OffloadOptions, group: str) -> list[str]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_zero_offload.engine.infra.collectives import gather_host
+from lightning_zero_offload.warning import ZeroOffloadWarning
 
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.step.layout import Layout
@@ -112,7 +113,7 @@ def _note_conversion(engine: ShardedState, saved: list[torch.dtype]) -> None:
     warnings.warn(
         f"zero_offload: the checkpoint's optimizer state is {other}, this run's cpu_state keeps {kept}: "
         f"converted, {how}.",
-        UserWarning,
+        ZeroOffloadWarning,
         stacklevel=4,
     )
 

@@ -20,6 +20,7 @@ from lightning_zero_offload.kernels import _native
 from lightning_zero_offload.kernels.arguments import AdamCall, FlatAdamCall, check_threads
 from lightning_zero_offload.kernels.native import NativeBackend
 from lightning_zero_offload.kernels.reference import TorchBackend
+from lightning_zero_offload.warning import ZeroOffloadRuntimeWarning
 
 
 class Backend(Protocol):
@@ -117,7 +118,7 @@ def select_initial_backend() -> None:
             "torch fallback. To build them, install a C compiler (e.g. gcc) and reinstall: "
             "`pip install --force-reinstall --no-deps -e .` in a source checkout, or "
             "`pip install --force-reinstall --no-deps lightning-zero-offload`.",
-            RuntimeWarning,
+            ZeroOffloadRuntimeWarning,
             stacklevel=2,
         )
     if requested:
@@ -131,6 +132,6 @@ def select_initial_backend() -> None:
         warnings.warn(
             "lightning_zero_offload: the native kernels were built without OpenMP and run single-threaded; "
             "install OpenMP for your compiler (e.g. libomp) and reinstall the package to use all cores.",
-            RuntimeWarning,
+            ZeroOffloadRuntimeWarning,
             stacklevel=2,
         )

@@ -35,6 +35,7 @@ from lightning_zero_offload.engine.infra.ledger import (
     record_allocation,
 )
 from lightning_zero_offload.engine.infra.streams import record_event, stream_wait_event, wait_event
+from lightning_zero_offload.warning import ZeroOffloadRuntimeWarning
 
 # -- host buffers ------------------------------------------------------------------------------
 
@@ -112,7 +113,7 @@ def _register_pinned(tensor: torch.Tensor) -> bool:
             f"Pinning {nbytes / 2**20:.1f} MiB of host memory failed ({error}); using pageable memory, so "
             "host-device copies of this buffer are synchronous. Raise the locked-memory limit or pass "
             "pin_memory=False to the strategy to silence this.",
-            RuntimeWarning,
+            ZeroOffloadRuntimeWarning,
             stacklevel=3,
         )
         return False
