@@ -118,7 +118,10 @@ def reachable_storages(root) -> dict[int, int]:
 def test_memory_report_accounts_for_every_buffer_the_engine_holds(dpu):
     net = make_net()
     engine = OffloadEngine(
-        two_groups(net), CPU, torch.bfloat16, options(cpu_step="delayed" if dpu else "sync", dpu_warmup_steps=1)
+        two_groups(net),
+        CPU,
+        torch.bfloat16,
+        options(cpu_step="delayed", dpu_warmup_steps=1) if dpu else options(cpu_step="sync"),
     )
     for batch in batches(3):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -143,7 +146,10 @@ def test_32_true_and_dpu_pin_only_bucket_sized_buffers(driver, monkeypatch):
     def train(dtype: torch.dtype, dpu: bool) -> OffloadEngine:
         net = make_net()
         engine = OffloadEngine(
-            two_groups(net), CPU, dtype, options(cpu_step="delayed" if dpu else "sync", dpu_warmup_steps=1)
+            two_groups(net),
+            CPU,
+            dtype,
+            options(cpu_step="delayed", dpu_warmup_steps=1) if dpu else options(cpu_step="sync"),
         )
         for batch in batches(3):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):

@@ -52,6 +52,11 @@ class Net(nn.Module):
         )
 
 
+def warmup(cpu_step: str) -> dict:
+    """Two warm-up steps for the delayed update (the option has no effect on the other schedules)."""
+    return {"dpu_warmup_steps": 2} if cpu_step == "delayed" else {}
+
+
 def train(
     cpu_step: str,
     dtype: torch.dtype = torch.bfloat16,
@@ -66,7 +71,7 @@ def train(
     **kwargs,
 ) -> tuple[OffloadEngine, Net, list[StepStats]]:
     net = Net()
-    engine = OffloadEngine(net.optimizer(), CPU, dtype, options(cpu_step=cpu_step, dpu_warmup_steps=2, **kwargs))
+    engine = OffloadEngine(net.optimizer(), CPU, dtype, options(cpu_step=cpu_step, **warmup(cpu_step), **kwargs))
     data = batches(steps * accumulate, seed=3 + rank)
     history = []
     for step in range(steps):
@@ -206,7 +211,7 @@ def test_resume_from_engine_state_is_bitwise(cpu_step):
         assert "pending" in saved["engine"]["schedule"]  # stale device weights in use
     # a fresh engine on a fresh model, loaded as the strategy does: weights, optimizer, engine state
     net = Net()
-    engine = OffloadEngine(net.optimizer(), CPU, torch.bfloat16, options(cpu_step=cpu_step, dpu_warmup_steps=2))
+    engine = OffloadEngine(net.optimizer(), CPU, torch.bfloat16, options(cpu_step=cpu_step, **warmup(cpu_step)))
     engine.load_master_params(saved["master"])
     engine.load_optimizer_state_dict(saved["optimizer"])
     engine.load_state_dict(saved["engine"])

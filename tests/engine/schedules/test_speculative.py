@@ -186,7 +186,7 @@ def test_clipping_that_triggers_publishes_the_corrected_buckets_again(rollback):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_skipped_step_gives_the_device_the_master_back(dtype):
     with pytest.warns(RuntimeWarning, match="Non-finite gradients"):
-        sync, sync_net, sync_history = train("sync", dtype, inf_at=3, speculation_rollback="snapshot")
+        sync, sync_net, sync_history = train("sync", dtype, inf_at=3)
     with pytest.warns(RuntimeWarning, match="Non-finite gradients"):
         spec, spec_net, history = train("speculative", dtype, inf_at=3, speculation_rollback="snapshot")
     assert history[3].skipped and sync_history[3].skipped
@@ -222,9 +222,8 @@ def test_a_skipped_step_after_early_publish_restores_the_device_bitwise():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_writes_between_backward_and_step_are_merged_as_in_sync(dtype):
-    kwargs = {"write_at": 2, "speculation_rollback": "snapshot"}
-    sync, sync_net, _ = train("sync", dtype, **kwargs)
-    spec, spec_net, _ = train("speculative", dtype, **kwargs)
+    sync, sync_net, _ = train("sync", dtype, write_at=2)
+    spec, spec_net, _ = train("speculative", dtype, write_at=2, speculation_rollback="snapshot")
     assert spec.schedule.rollbacks >= 1  # the written buckets were taken back and updated from the writes
     assert_equal(state(spec, spec_net), state(sync, sync_net))
 
