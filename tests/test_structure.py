@@ -24,6 +24,7 @@ MAX_LINES = 400  # per file
 LAYERS = {
     "kernels": 0,
     "mixed_precision": 0,
+    "warning": 0,  # the package's warning classes, raised from every layer
     "optim": 1,
     "engine": 2,
     "checkpoints": 3,
@@ -39,7 +40,7 @@ LAYERS = {
     "__main__": 7,
     "": 7,  # the package's __init__.py
 }
-TORCH_ONLY = ("kernels", "mixed_precision", "optim", "engine", "checkpoints", "planner", "core")
+TORCH_ONLY = ("warning", "kernels", "mixed_precision", "optim", "engine", "checkpoints", "planner", "core")
 
 
 def module_name(path: pathlib.Path) -> str:
