@@ -99,7 +99,7 @@ class GradNorms(L.Callback):
     """Each optimizer step's global gradient norm before clipping, and its largest gradient element.
 
     Under zero_offload the gradients never stay on the parameters: the norm is the one the engine
-    computed and clipped with (``engine.last.grad_norm``; no element maximum). Under plain strategies
+    computed and clipped with (``strategy.last_step_stats.grad_norm``; no element maximum). Under plain strategies
     (``"auto"``, ``"ddp"``) it is computed from ``p.grad`` in ``on_before_optimizer_step``, which runs
     after the gradients are unscaled and averaged and before Lightning clips them (automatic
     optimization only: in manual optimization the user clips before ``opt.step()``).
@@ -111,22 +111,22 @@ class GradNorms(L.Callback):
         self._step_calls = 0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        engine = getattr(trainer.strategy, "engine", None)
-        self._step_calls = engine.step_calls if engine is not None else 0
+        session = getattr(trainer.strategy, "session", None)
+        self._step_calls = session.step_calls if session is not None else 0
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
-        if getattr(trainer.strategy, "engine", None) is not None:
+        if getattr(trainer.strategy, "session", None) is not None:
             return
         grads = [p.grad.detach().double() for p in pl_module.parameters() if p.grad is not None]
         self.norms.append(float(torch.cat([g.flatten() for g in grads]).norm()))
         self.max_abs.append(float(max(g.abs().max() for g in grads)))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
-        engine = getattr(trainer.strategy, "engine", None)
-        if engine is None or engine.step_calls == self._step_calls:
+        session = getattr(trainer.strategy, "session", None)
+        if session is None or session.step_calls == self._step_calls:
             return  # a plain strategy, or no optimizer step in this batch (gradient accumulation)
-        self._step_calls = engine.step_calls
-        self.norms.append(engine.last.grad_norm)
+        self._step_calls = session.step_calls
+        self.norms.append(trainer.strategy.last_step_stats.grad_norm)
 
 
 def assert_clipping_triggered(norms: list[float], clip: float, at_least: int = 3) -> None:

@@ -1,8 +1,9 @@
 """The core both front ends share: plain torch and the engine, no Trainer and no Fabric.
 
 :mod:`.options` holds what they take (options, precision, timeout, validated once); :mod:`.session`
-what they do (build the engine, the master-weight state dict, saving and loading, the pending clip,
-``zero_grad``); :mod:`.optimizer` the optimizer for a loop that steps itself; :mod:`.gradients` what
+what they do, the one door to the engine (build it, the backward window, the pending clip, the step,
+``zero_grad``, what the engine did), with :mod:`.session_checkpoints` its state dicts and saves;
+:mod:`.optimizer` the optimizer for a loop that steps itself; :mod:`.gradients` what
 ``p.grad`` says; :mod:`.checkpoint_io` the one checkpoint path of both front ends; :mod:`.model_rules` the
 models the engine refuses; :mod:`.teardown` the end of a run. ``trainer/`` and ``fabric/`` translate
 Lightning's hooks into it.
@@ -24,6 +25,7 @@ from lightning_zero_offload.core.session import (
     SessionStrategy,
     all_gather_objects,
     move_untrained_to,
+    training_session,
 )
 from lightning_zero_offload.core.teardown import release_after_failure, release_process_group
 
@@ -43,4 +45,5 @@ __all__ = [
     "release_after_failure",
     "release_process_group",
     "resolve_precision",
+    "training_session",
 ]

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from lightning_zero_offload.core.session import ENGINE_STATE_KEY, OffloadSession
+from lightning_zero_offload.checkpoints import ENGINE_STATE_KEY
+from lightning_zero_offload.core.session import OffloadSession, training_session
 from lightning_zero_offload.engine import OffloadEngine
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -40,14 +41,14 @@ class OffloadedOptimizer:
 
     def __init__(self, session: OffloadSession) -> None:
         self._session = session
-        self._optimizer = session.engine.optimizer
+        self._optimizer = session.optimizer
         self.__class__ = type(
             "ZeroOffload" + self._optimizer.__class__.__name__, (OffloadedOptimizer, self._optimizer.__class__), {}
         )
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        return self._session.engine.optimizer
+        return self._session.optimizer
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """The step on the CPU; with a ``closure``, that closure (forward and backward) runs first and its
@@ -56,8 +57,7 @@ class OffloadedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._training_engine()
-        self._session.step()
+        self._training_session().step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -77,43 +77,44 @@ class OffloadedOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         state = self._session.optimizer_state_to_save()
-        state[ENGINE_STATE_KEY] = self._session.engine.state_dict()
+        state[ENGINE_STATE_KEY] = self._session.engine_state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        engine = self._training_engine()
-        engine.load_optimizer_state_dict(state_dict)
+        session = self._training_session()
+        session.load_optimizer_state(state_dict)
         if ENGINE_STATE_KEY in state_dict:
-            engine.load_state_dict(state_dict[ENGINE_STATE_KEY])
+            session.load_engine_state(state_dict[ENGINE_STATE_KEY])
 
-    def _training_engine(self) -> OffloadEngine:
-        if not self._session.training:
+    def _training_session(self) -> OffloadSession:
+        session = training_session(self._session)
+        if session is None:
             raise RuntimeError("The offload engine is closed: training with this optimizer has ended")
-        return self._session.engine
+        return session
 
     def __eq__(self, other: object) -> bool:
-        return other is self or other is self._session.engine.optimizer
+        return other is self or other is self._session.optimizer
 
     def __hash__(self) -> int:
-        return hash(self._session.engine.optimizer)
+        return hash(self._session.optimizer)
 
     def __getattr__(self, item: str) -> Any:
         if item in ("_optimizer", "_session"):  # not set yet (copy/unpickle): do not recurse
             raise AttributeError(item)
-        return getattr(self._session.engine.optimizer, item)
+        return getattr(self._session.optimizer, item)
 
 
 class ParamStates(MutableMapping):
     """``optimizer.state``: for each trainable parameter that has taken a step, its entry (below)."""
 
     def __init__(self, session: OffloadSession) -> None:
-        engine = session.engine
-        if engine.layout.world_size != 1:
+        if session.world_size != 1:
             raise RuntimeError(
-                f"zero_offload shards the optimizer state across {engine.layout.world_size} ranks, so "
+                f"zero_offload shards the optimizer state across {session.world_size} ranks, so "
                 "optimizer.state cannot show a parameter's moments whole. Read them with optimizer.state_dict() "
                 "and change them with optimizer.load_state_dict() (both on every rank)."
             )
+        engine = session.engine  # its CPU state, shown as torch's optimizer.state
         self._engine = engine
         self._index = {id(p): i for i, p in enumerate(engine.params)}
 

@@ -1,15 +1,19 @@
 """What both front ends do, written once: one module and its optimizer trained by the offload engine.
 
-Plain torch and the engine; no Trainer and no Fabric. The Trainer strategy (``trainer/strategy.py`` with
-``trainer/precision.py``) and the Fabric strategy (``fabric/strategy.py``) translate Lightning's hooks
-into calls on an :class:`OffloadSession`, as Lightning's own ``pytorch/strategies/fsdp.py`` imports its helpers from
-``fabric/strategies/fsdp.py``:
+Plain torch and the engine; no Trainer and no Fabric. The session is the one door to the engine: the
+Trainer strategy (``trainer/strategy.py`` with ``trainer/precision.py`` and ``trainer/callbacks.py``) and
+the Fabric strategy (``fabric/strategy.py``) translate Lightning's hooks into calls on an
+:class:`OffloadSession` and read what the engine did through it, as Lightning's own
+``pytorch/strategies/fsdp.py`` imports its helpers from ``fabric/strategies/fsdp.py``; users reach it
+through the strategies (:class:`SessionStrategy`):
 
 - setup: :func:`move_untrained_to`, then :meth:`OffloadSession.start` (model checks, host-memory
   pre-flight, the engine);
-- training: re-planning before a training forward, the pending clip, the step, ``zero_grad``;
-- checkpoints: the master-weight state dict, the optimizer state to save, the full save (streamed to
-  rank 0 at several ranks), the sharded save, loading weights back;
+- training: re-planning before a training forward, the loss scale, the announced step, the pending clip,
+  the step, ``zero_grad``, bringing the device parameters up to date before evaluation;
+- what the engine is and did: its resolved options, the last step's statistics, step counts, memory;
+- checkpoints (``core/session_checkpoints.py``): the master-weight state dict, the optimizer and engine
+  state to save and load, the full save (streamed to rank 0 at several ranks), the sharded save;
 - the end: :meth:`OffloadSession.close`.
 
 Around it: the optimizer for a loop that calls ``step()`` itself (``core/optimizer.py``), the end of a
@@ -19,19 +23,14 @@ run after a failure or at exit (``core/teardown.py``) and Fabric's checkpoint la
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from lightning_zero_offload.checkpoints import ENGINE_STATE_KEY, FORMAT_KEY, PathLike, save_sharded, sharded_layout
-from lightning_zero_offload.checkpoints.streamed import BucketStream, serve_full_save
-from lightning_zero_offload.checkpoints.writer import StreamedStorages
+from lightning_zero_offload.checkpoints import ENGINE_STATE_KEY
 from lightning_zero_offload.core.gradients import GradientView
 from lightning_zero_offload.core.model_rules import (
     check_param_dtypes,
@@ -40,17 +39,19 @@ from lightning_zero_offload.core.model_rules import (
     describe_model,
 )
 from lightning_zero_offload.core.options import STRATEGY_DESCRIPTION, resolve_precision
+from lightning_zero_offload.core.session_checkpoints import SessionCheckpoints, all_gather_objects, state_dict_keys
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions, StepStats
 from lightning_zero_offload.engine.infra.collectives import broadcast_tensors_
-from lightning_zero_offload.engine.state_dicts import buffers_shared_for_save
+from lightning_zero_offload.engine.options import Resolved
 from lightning_zero_offload.planner import check_host_memory
 
 
-class OffloadSession:
+class OffloadSession(SessionCheckpoints):
     """The engine training ``module``'s parameters through one optimizer, and what the front ends ask of it.
 
-    Built by :meth:`start`. ``engine`` stays after :meth:`close` (closed), so the optimizer state can
-    still be saved after training, as with a plain torch optimizer.
+    Built by :meth:`start`. The engine stays after :meth:`close` (closed), so the optimizer state can
+    still be saved after training, as with a plain torch optimizer. ``engine`` is for the engine's own
+    tests and for reading its parts; the front ends and users go through the session's methods.
     """
 
     def __init__(self, module: nn.Module, engine: OffloadEngine) -> None:
@@ -59,7 +60,7 @@ class OffloadSession:
         self.gradients = GradientView(engine)  # what p.grad says between backward and zero_grad
         self._clip: dict[str, float] = {}  # recorded between backward and the step, applied by step()
         # Refuses, now, an optimizer holding parameters of another module.
-        self._param_keys = _state_dict_keys(module, engine.params)
+        self._param_keys = state_dict_keys(module, engine.params)
         self._keyed_params = tuple(map(id, engine.params))
 
     @classmethod
@@ -99,21 +100,86 @@ class OffloadSession:
         return cls(module, engine)
 
     @property
-    def param_keys(self) -> list[list[str]]:
-        """For each of the engine's trainable parameters, every state-dict key it appears under (tied
-        weights appear under several); follows the engine when it re-plans its trainable set."""
-        params = self.engine.params
-        if tuple(map(id, params)) != self._keyed_params:
-            self._param_keys = _state_dict_keys(self.module, params)
-            self._keyed_params = tuple(map(id, params))
-        return self._param_keys
-
-    @property
     def training(self) -> bool:
-        """The engine is set up and not closed yet."""
+        """The engine is set up and not closed yet (:func:`training_session` asks this for the front ends)."""
         return not self.engine.closed
 
+    # -- what the engine is and did --------------------------------------------------------------
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The user's optimizer, whose ``param_groups`` the engine reads live."""
+        return self.engine.optimizer
+
+    @property
+    def options(self) -> OffloadOptions:
+        """The offload options as given."""
+        return self.engine.options
+
+    @property
+    def resolved(self) -> Resolved:
+        """The options with every "auto" decided for this device and world size: the CPU step schedule
+        (``cpu_step``), the CPU threads, in place or offloaded (``in_place``), the CPU state's dtype."""
+        return self.engine.resolved
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype of the parameters and gradients on the device."""
+        return self.engine.param_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the optimizer state is sharded over."""
+        return self.engine.layout.world_size
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16's dynamic loss scale now; None without loss scaling (bf16, fp32)."""
+        return self.engine.loss_scale if self.engine.scaler is not None else None
+
+    @property
+    def last_step(self) -> StepStats:
+        """What the last optimizer step did and where its time went."""
+        return self.engine.last
+
+    @property
+    def step_calls(self) -> int:
+        """Optimizer steps called so far (skipped ones included), across resumes."""
+        return self.engine.step_calls
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for inf/nan gradients so far, across resumes."""
+        return self.engine.skipped_steps
+
+    @property
+    def rollbacks(self) -> int:
+        """Speculated CPU steps taken back so far (``cpu_step="speculative"``: a clip or an overflow)."""
+        return self.engine.schedule.rollbacks
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes the engine holds, by kind (device parameters and buckets, host state, staging, pinned),
+        and ``params``, the trainable parameter count; after :meth:`close` too."""
+        return self.engine.memory_report()
+
     # -- training --------------------------------------------------------------------------------
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call ``backward`` on: fp16 multiplies it by the loss scale (unscaled in the CPU kernel)."""
+        return self.engine.scale_loss(loss)
+
+    def expect_step(self, publish_early: bool = False) -> None:
+        """The next backward ends an accumulation window: a step follows it, so the speculative schedule
+        may run the CPU step during that backward (without this, after it, as in sync).
+
+        ``publish_early``: nothing reads or writes the parameters between that backward and the step, so
+        each speculated bucket may be copied to the device during backward too.
+        """
+        self.engine.expect_step(publish_early=publish_early)
 
     def before_training_forward(self) -> None:
         """Re-plan if parameters were unfrozen or param groups added, before the forward uses them, and
@@ -137,7 +203,7 @@ class OffloadSession:
         """The real gradients in ``p.grad`` for user code that may read or change them before the step
         (a collective at several ranks); False where they cannot be shown exactly: fp16, where unscaled
         gradients would underflow in the parameters' dtype (``p.grad`` then refuses to be read)."""
-        if not self.training or self.engine.scaler is not None:
+        if not self.training or self.loss_scale is not None:
             return False
         self.gradients.show()
         return True
@@ -163,7 +229,7 @@ class OffloadSession:
         """
         self.gradients.take_back()
         norm = self.engine.grad_norm()
-        if error_if_nonfinite and math.isinf(norm) and self.engine.scaler is None:
+        if error_if_nonfinite and math.isinf(norm) and self.loss_scale is None:
             raise RuntimeError(
                 "The total norm of the gradients is non-finite, so it cannot be clipped. "
                 "Pass error_if_nonfinite=False to clip_gradients to skip this step instead."
@@ -186,6 +252,10 @@ class OffloadSession:
         self.engine.expect_step(False)
         self.finish_backward()
 
+    def sync(self) -> None:
+        """Bring the device parameters fully up to date (before evaluation; a delayed update too)."""
+        self.engine.sync()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad()``: drop the gradients (``set_to_none=False``: make them zero, so their
         parameters are still stepped), and the clip recorded for them."""
@@ -195,132 +265,66 @@ class OffloadSession:
             self.engine.zero_grad(set_to_none)
             self.gradients.mark()
 
-    # -- checkpoints -----------------------------------------------------------------------------
-
-    @property
-    def sharded(self) -> bool:
-        return self.engine.options.checkpoint_format == "sharded"
-
-    def shared_buffers(self, share: bool = True) -> AbstractContextManager[None]:
-        """Inside: the master weights and moments come as views of the engine's buffers, not copies, for
-        a writer that is done when it returns (``share=False``: copies, e.g. for a background writer)."""
-        return buffers_shared_for_save(self.engine, share)
-
-    def master_state_dict(self) -> dict[str, Any]:
-        """``module.state_dict()`` with the fp32 master weights in place of the low-precision device copies.
-
-        A collective with several ranks: call it on every rank.
-        """
-        state = self.module.state_dict()
-        if not self.training:
-            return state  # closed: the module holds the master weights itself
-        for keys, weight in zip(self.param_keys, self.engine.master_params()):
-            for key in keys:
-                state[key] = weight
-        return state
-
-    def module_state_to_save(self) -> dict[str, Any]:
-        """The master state dict; sharded, without the trainable weights (each rank saves its shard)."""
-        if not (self.sharded and self.training):
-            return self.master_state_dict()
-        state = self.module.state_dict()
-        for key in (key for keys in self.param_keys for key in keys):
-            state.pop(key, None)
-        return state
-
-    def optimizer_state_to_save(self) -> dict[str, Any]:
-        """The optimizer state in torch AdamW's format; sharded, only the param groups (the moments are
-        in the shards)."""
-        if self.sharded:
-            return {"state": {}, "param_groups": self.engine.param_groups_state()}
-        return self.engine.optimizer_state_dict()
-
-    def save_full(
-        self,
-        checkpoint: dict[str, Any],
-        rank: int,
-        broadcast: Callable,
-        write: Callable[[dict[str, Any], StreamedStorages | None], None],
-    ) -> None:
-        """Rank 0 writes ``checkpoint`` with ``write(checkpoint, streamed)``; call it on every rank.
-
-        At several ranks a checkpoint built inside :meth:`shared_buffers` holds placeholders for the
-        gathered buckets of the master weights and moments: while rank 0 writes, every other rank sends
-        its part of each bucket as the file reaches it (one bucket at a time), and every rank raises if
-        rank 0's write failed. ``broadcast(obj)``: rank 0's ``obj`` on every rank.
-        """
-        if self.engine.layout.world_size == 1:
-            if rank == 0:
-                write(checkpoint, None)
-            return
-        if rank != 0:
-            serve_full_save(self.engine, broadcast, "the full-format checkpoint")
-            return
-        stream = BucketStream(self.engine, broadcast)
-        try:
-            write(checkpoint, stream)
-        except BaseException as error:
-            with contextlib.suppress(Exception):  # the write's error is the one to report
-                stream.finish(error)  # the other ranks return and raise too, instead of waiting for buckets
-            raise
-        stream.finish(None)
-
-    def save_sharded(self, checkpoint: dict[str, Any], path: PathLike, rank: int, broadcast: Callable) -> None:
-        """Every rank writes its shard of the master weights and moments, rank 0 also ``checkpoint`` (with
-        the layout a loader needs at any world size) as ``meta.pt``: a new version directory, complete
-        before it replaces an existing one. ``broadcast(obj)``: rank 0's ``obj`` on every rank."""
-        engine = self.engine
-        if rank == 0:
-            checkpoint[FORMAT_KEY] = sharded_layout(engine.layout, self.param_keys, engine.steps, engine.torch_index)
-        meta = checkpoint if rank == 0 else None
-        save_sharded(path, engine.shard_state_dict(), meta, rank, broadcast, all_gather_objects)
-
-    def load_master_weights(self, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """The trainable weights of a module state dict into the master weights (and the device copies).
-
-        A weight the state dict lacks keeps its value; with ``strict`` that is a ``KeyError``.
-        """
-        if not self.training:
-            return
-        keys = [keys[0] for keys in self.param_keys]
-        missing = [key for key in keys if key not in state_dict]
-        if missing and strict:
-            raise KeyError(f"The checkpoint has no weights for {missing[:5]}")
-        current = self.engine.master_params() if missing else []
-        self.engine.load_master_params([state_dict[k] if k in state_dict else current[i] for i, k in enumerate(keys)])
-
-    def close(self) -> None:
+    def close(self, after_failure: bool = False) -> None:
         """Hand the module back holding the trained fp32 master weights (the optimizer state is kept) and
-        no gradients."""
-        if self.training:
-            self.gradients.clear()
-        self.engine.close()
+        no gradients. ``after_failure``: without any collective (the other ranks may be gone)."""
+        try:
+            if self.training:
+                self.gradients.clear()
+        finally:
+            self.engine.close(after_failure=after_failure)
+
+
+def training_session(session: OffloadSession | None) -> OffloadSession | None:
+    """``session`` while it trains (set up and not closed); None before setup and after teardown.
+
+    The one "is it training" guard of both front ends, the callbacks and the optimizer.
+    """
+    return session if session is not None and session.training else None
 
 
 class SessionStrategy:
     """Mixed into both front ends' strategies (before Lightning's base class): the session once set up,
-    its engine (what users, callbacks and tests read), and the ``zero_offload`` registry entry."""
+    what users read and announce through it, and the ``zero_offload`` registry entry."""
 
     strategy_name = "zero_offload"
     session: OffloadSession | None = None
 
     @property
     def engine(self) -> OffloadEngine | None:
-        """The offload engine once set up (after training: closed, still holding the optimizer state)."""
+        """The offload engine once set up (after training: closed, still holding the optimizer state).
+
+        For the engine's own tests and advanced reading of its parts; the supported route is the strategy's
+        methods below and :attr:`session`, which stay when the engine's insides change.
+        """
         return self.session.engine if self.session is not None else None
+
+    def expect_step(self, publish_early: bool = False) -> None:
+        """Say, before the backward that ends an accumulation window, that ``optimizer.step()`` follows it:
+        the speculative schedule may then run the CPU step during that backward (Fabric loops; the Trainer
+        says it itself). ``publish_early``: nothing reads or writes the weights between that backward and
+        the step, so the updated weights may also reach the device during backward."""
+        session = training_session(self.session)
+        if session is None:
+            raise RuntimeError("zero_offload is not training (not set up yet, or torn down): no step to announce")
+        session.expect_step(publish_early)
+
+    @property
+    def last_step_stats(self) -> StepStats | None:
+        """What the last optimizer step did and where its time went (gradient norm, loss scale, skipped,
+        time breakdown); None before setup."""
+        return self.session.last_step if self.session is not None else None
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes the engine holds on the device and the host, by kind, and the trainable parameter count
+        (``params``); also after training."""
+        if self.session is None:
+            raise RuntimeError("zero_offload is not set up yet: no memory to report")
+        return self.session.memory_report()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description=STRATEGY_DESCRIPTION, override=True)
-
-
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order, on every rank (``[obj]`` without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
 
 
 def move_untrained_to(module: nn.Module, device: torch.device) -> None:
@@ -357,22 +361,11 @@ def _check_model(
         check_same_on_all_ranks(describe_model(module, optimizer, options, precision), device)
 
 
-def _state_dict_keys(module: nn.Module, params: list[torch.nn.Parameter]) -> list[list[str]]:
-    keys: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        keys.setdefault(id(p), []).append(name)
-    if any(id(p) not in keys for p in params):
-        raise ValueError(
-            "The optimizer holds parameters that are not parameters of the module it trains; build the optimizer "
-            "from the module's parameters (self.parameters() in configure_optimizers, model.parameters() for Fabric)"
-        )
-    return [keys[id(p)] for p in params]
-
-
 __all__ = [
     "ENGINE_STATE_KEY",
     "OffloadSession",
     "SessionStrategy",
     "all_gather_objects",
     "move_untrained_to",
+    "training_session",
 ]

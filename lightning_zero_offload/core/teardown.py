@@ -26,9 +26,8 @@ def release_after_failure(session: OffloadSession | None, distributed: bool) -> 
     ends device work still waiting for a peer, which the engine's workers may be waiting for.
     """
     releases: list[Callable[[], None]] = [abandon_process_group] if distributed else []
-    if session is not None:
-        releases.append(session.gradients.clear)  # no gradient placeholder left on the user's module
-        releases.append(lambda: session.engine.close(after_failure=True))
+    if session is not None:  # no gradient placeholder left on the user's module, the engine closed
+        releases.append(lambda: session.close(after_failure=True))
     for release in releases:
         try:
             release()

@@ -47,7 +47,7 @@ class ZeroOffloadFabricPrecision(Precision):
     @override
     def backward(self, tensor: Tensor, model: Module | None, *args: Any, **kwargs: Any) -> None:
         if self.session is not None:
-            tensor = self.session.engine.scale_loss(tensor)  # fp16: dynamic loss scale, unscaled in the CPU kernel
+            tensor = self.session.scale_loss(tensor)  # fp16: dynamic loss scale, unscaled in the CPU kernel
         tensor.backward(*args, **kwargs)
 
 

@@ -6,7 +6,8 @@ core the Trainer strategy shares. ``fabric.setup(model, optimizer)`` starts it, 
 known), and hands back an :class:`~lightning_zero_offload.core.OffloadedOptimizer`, whose ``step()`` runs on
 the CPU. Methods that take a module take the ``_FabricModule`` that Fabric returned as well as the module
 itself. Processes and ranks: :mod:`lightning_zero_offload.fabric.ranks`. Checkpoints have the Trainer
-strategy's two formats.
+strategy's two formats. A loop announces the step that follows a backward with ``strategy.expect_step()``
+and reads what the step did from ``strategy.last_step_stats`` (:class:`~lightning_zero_offload.core.SessionStrategy`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from lightning_zero_offload.core import (
     collective_timeout,
     make_offload_options,
     move_untrained_to,
+    training_session,
 )
 from lightning_zero_offload.core.checkpoint_io import load_checkpoint, save_checkpoint, uses_own_writer
 from lightning_zero_offload.fabric.checkpoints import (
@@ -208,14 +210,15 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         self._training_session().clip_value(clip_val)
 
     def _training_session(self) -> OffloadSession:
+        session = training_session(self.session)
+        if session is not None:
+            return session
         if self.session is None:
             raise RuntimeError(
                 "zero_offload trains once an optimizer is set up, and none was: call "
                 "fabric.setup_optimizers(optimizer) after setup_module, or fabric.setup(model, optimizer)"
             )
-        if not self.session.training:
-            raise RuntimeError("zero_offload's engine is closed (teardown): training with this Fabric has ended")
-        return self.session
+        raise RuntimeError("zero_offload's engine is closed (teardown): training with this Fabric has ended")
 
     # -- checkpoints -----------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_zero_offload.engine import OffloadEngine, StepStats
+from lightning_zero_offload.core import OffloadSession, training_session
 from lightning_zero_offload.engine.stats import hidden_fraction
 
 _TIMINGS = ("backward", "transfer_wait", "cpu_step", "update_wait", "copy_back")  # the engine's StepStats
@@ -54,13 +54,13 @@ class OffloadMetrics(L.Callback):
         self._forward_s = 0.0
 
     @staticmethod
-    def _engine(trainer: L.Trainer) -> OffloadEngine | None:
-        engine = getattr(trainer.strategy, "engine", None)
-        return engine if isinstance(engine, OffloadEngine) and not engine.closed else None
+    def _session(trainer: L.Trainer) -> OffloadSession | None:
+        session = getattr(trainer.strategy, "session", None)
+        return training_session(session) if isinstance(session, OffloadSession) else None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        engine = self._engine(trainer)
-        self._seen_steps = engine.step_calls if engine is not None else 0
+        session = self._session(trainer)
+        self._seen_steps = session.step_calls if session is not None else 0
         self._totals.clear()
         self._count = 0
         self._window_start = None
@@ -87,11 +87,11 @@ class OffloadMetrics(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._forward_from = None  # after the last backward of the batch: the optimizer step, not forward
-        engine = self._engine(trainer)
-        if engine is None or engine.step_calls == self._seen_steps:
+        session = self._session(trainer)
+        if session is None or session.step_calls == self._seen_steps:
             return  # no optimizer step in this batch (gradient accumulation)
-        self._seen_steps = engine.step_calls
-        stats: StepStats = engine.last
+        self._seen_steps = session.step_calls
+        stats = session.last_step
         now = time.perf_counter()
         step_s = now - self._window_start if self._window_start is not None else 0.0
         forward_s, self._forward_s, self._window_start = self._forward_s, 0.0, None
@@ -100,10 +100,10 @@ class OffloadMetrics(L.Callback):
         metrics["offload/step_ms"] = 1e3 * step_s
         metrics["offload/hidden_transfer_pct"] = 100.0 * stats.hidden_transfer_fraction
         metrics["offload/grad_norm"] = stats.grad_norm
-        metrics["offload/skipped_steps"] = float(engine.skipped_steps)
+        metrics["offload/skipped_steps"] = float(session.skipped_steps)
         metrics["offload/speculated_fraction"] = stats.speculated_fraction
-        metrics["offload/rollbacks"] = float(engine.schedule.rollbacks)
-        if engine.scaler is not None:
+        metrics["offload/rollbacks"] = float(session.rollbacks)
+        if session.loss_scale is not None:
             metrics["offload/loss_scale"] = stats.loss_scale
         on_bar = {"offload/cpu_step_ms", "offload/grad_norm", "offload/loss_scale"} if self.prog_bar else set()
         for name, value in metrics.items():
@@ -117,30 +117,23 @@ class OffloadMetrics(L.Callback):
         self._count += 1
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        engine = self._engine(trainer)
-        if self.summary and engine is not None:
-            rank_zero_info(format_summary(engine, self._totals, self._count))
+        session = self._session(trainer)
+        if self.summary and session is not None:
+            rank_zero_info(format_summary(session, self._totals, self._count))
 
 
-# Why the speculative schedule ran as sync at the end of fit (engine/schedules/speculative.py).
-_SNAPSHOT_DOES_NOT_FIT = (
-    "; speculation off at the end: copying the state's snapshot takes longer than forward and backward, so "
-    "speculating would cost more than it hides (speculation_rollback='undo' needs no snapshot, but is inexact "
-    "after a clipped spike)"
-)
-
-
-def format_summary(engine: OffloadEngine, totals: dict[str, float], steps: int) -> str:
-    report = engine.memory_report()
+def format_summary(session: OffloadSession, totals: dict[str, float], steps: int) -> str:
+    report = session.memory_report()
+    resolved = session.resolved
     n = max(1, report["params"])
-    world = engine.layout.world_size
+    world = session.world_size
     device_param = report["device_param_bytes"] / n
     buckets = report["device_total_bytes"] - report["device_param_bytes"]  # gradient buckets, collective temporaries
     lines = [
-        f"zero_offload: {report['params']:,} trainable parameters, {engine.param_dtype} on {engine.device}, "
-        f"world size {world}, {engine.num_threads} CPU thread(s) per rank",
+        f"zero_offload: {report['params']:,} trainable parameters, {session.param_dtype} on {session.device}, "
+        f"world size {world}, {resolved.cpu_threads} CPU thread(s) per rank",
     ]
-    if engine.in_place:
+    if resolved.in_place:
         lines.append(
             f"  in place on the CPU (nothing to offload): the parameters are the fp32 master weights, "
             f"{report['host_state_bytes'] / 2**20:.1f} MiB with the Adam moments ({report['host_state_bytes'] / n:.1f} "
@@ -152,7 +145,7 @@ def format_summary(engine: OffloadEngine, totals: dict[str, float], steps: int) 
             f"buckets, vs {PLAIN_MIXED_ADAM_DEVICE_BYTES} B/param for plain mixed-precision Adam "
             f"({PLAIN_MIXED_ADAM_DEVICE_BYTES / device_param:.0f}x less)",
             f"  CPU, this rank: {report['host_state_bytes'] / 2**20:.1f} MiB optimizer state in "
-            f"{str(engine.resolved.state_dtype).removeprefix('torch.')} "
+            f"{str(resolved.state_dtype).removeprefix('torch.')} "
             f"({report['host_state_bytes'] * world / n:.1f} B/param over all ranks) + "
             f"{report['host_staging_bytes'] / 2**20:.1f} MiB staging "
             f"({report['host_pinned_bytes'] / 2**20:.1f} MiB of host memory pinned)",
@@ -165,11 +158,10 @@ def format_summary(engine: OffloadEngine, totals: dict[str, float], steps: int) 
             f"{per.get('forward', 0.0):.1f} ms, backward {per['backward']:.1f} ms, transfer wait "
             f"{per['transfer_wait']:.1f} ms ({hidden:.0f}% of transfers hidden), CPU step {per['cpu_step']:.1f} ms, "
             f"DPU wait {per['update_wait']:.1f} ms, copy-back {per['copy_back']:.1f} ms; "
-            f"skipped steps {engine.skipped_steps}"
+            f"skipped steps {session.skipped_steps}"
         )
         lines.append(
-            f"  CPU step schedule: {engine.schedule.name}; {100 * totals['speculated_fraction'] / steps:.0f}% of the "
-            f"parameters updated during backward on average, {engine.schedule.rollbacks} rollback(s)"
-            + ("" if getattr(engine.schedule, "snapshot_fits", True) else _SNAPSHOT_DOES_NOT_FIT)
+            f"  CPU step schedule: {resolved.cpu_step}; {100 * totals['speculated_fraction'] / steps:.0f}% of the "
+            f"parameters updated during backward on average, {session.rollbacks} rollback(s)"
         )
     return "\n".join(lines)

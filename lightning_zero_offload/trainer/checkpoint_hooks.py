@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_zero_offload.core import OffloadSession
+from lightning_zero_offload.core import OffloadSession, training_session
 from lightning_zero_offload.core.checkpoint_io import load_checkpoint, save_checkpoint, uses_own_writer
 
 
@@ -32,6 +33,11 @@ def _weights_only_resume_message(path: Any) -> str:
         "checkpoint_format) and call trainer.fit without ckpt_path; validate/test/predict(ckpt_path=...) load them as "
         "they are"
     )
+
+
+def fitting(trainer: Trainer | None) -> bool:
+    """``trainer`` runs ``fit`` (not validate, test or predict): the session trains and loads optimizer state."""
+    return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
 
 class TrainerCheckpoints(Strategy):
@@ -91,13 +97,9 @@ class TrainerCheckpoints(Strategy):
         if weights_only is None:
             weights_only = getattr(self, "_weights_only", None)
         checkpoint = load_checkpoint(checkpoint_path, self.checkpoint_io, weights_only)
-        if "optimizer_states" not in checkpoint and self._fitting():
+        if "optimizer_states" not in checkpoint and fitting(getattr(self.lightning_module, "_trainer", None)):
             raise KeyError(_weights_only_resume_message(checkpoint_path))
         return checkpoint
-
-    def _fitting(self) -> bool:
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
@@ -107,9 +109,10 @@ class TrainerCheckpoints(Strategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        if self.session is None or not self.session.training:
+        session = training_session(self.session)
+        if session is None:
             return super().load_optimizer_state_dict(checkpoint)
         states = checkpoint["optimizer_states"]
         if len(states) != 1:
             raise ValueError(f"expected one optimizer state in the checkpoint, found {len(states)}")
-        self.session.engine.load_optimizer_state_dict(states[0])
+        session.load_optimizer_state(states[0])

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_zero_offload.core import ENGINE_STATE_KEY, OffloadSession, resolve_precision
+from lightning_zero_offload.core import ENGINE_STATE_KEY, OffloadSession, resolve_precision, training_session
 from lightning_zero_offload.mixed_precision import forward_context
 from lightning_zero_offload.trainer.callbacks import OffloadMetrics
 
@@ -53,18 +53,18 @@ class ZeroOffloadPrecision(Precision):
     @override
     def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:
         tensor = super().pre_backward(tensor, module)
-        return self.session.engine.scale_loss(tensor) if self.session is not None else tensor
+        return self.session.scale_loss(tensor) if self.session is not None else tensor
 
     @override
     def post_backward(self, tensor: Tensor, module: Any) -> Tensor:
         """Lightning runs ``on_after_backward`` here: ``p.grad`` shows the window's gradients so far where a
         hook may read them (one rank, or the end of the window: at several ranks a micro-batch inside the
         window has no local gradient to show, its gradient having left reduced across ranks)."""
-        session = self.session
-        if session is None or not session.training:
+        session = training_session(self.session)
+        if session is None:
             return super().post_backward(tensor, module)
         session.finish_backward()  # the strategy's post_backward, after these hooks, repeats it (a no-op)
-        world = session.engine.layout.world_size
+        world = session.world_size
         automatic = getattr(module, "automatic_optimization", True)
         show = _hook_reading_gradients(module, _AFTER_BACKWARD_HOOKS) is not None and (
             world == 1 or self._window_ends or not automatic
@@ -87,12 +87,11 @@ class ZeroOffloadPrecision(Precision):
         # step follows it: the speculative schedule may run the CPU step during that backward. (Manual
         # optimization has run its backward already; its step then runs after it, as in sync.)
         hook = _hook_before_step(model)
-        engine = session.engine
         if (
             hook is not None
             and not self._told_hook
-            and engine.cpu_step == "speculative"
-            and engine.layout.world_size == 1
+            and session.resolved.cpu_step == "speculative"
+            and session.world_size == 1
         ):
             self._told_hook = True
             rank_zero_info(
@@ -101,7 +100,7 @@ class ZeroOffloadPrecision(Precision):
                 "of during it. If that hook neither reads nor writes a parameter, set `reads_weights_before_step = "
                 "False` on its class."
             )
-        engine.expect_step(publish_early=hook is None)
+        session.expect_step(publish_early=hook is None)
         self._window_ends = True
         try:
             closure_result = closure()
@@ -141,9 +140,10 @@ class ZeroOffloadPrecision(Precision):
             session.clip_norm(clip_val)
 
     def _training_session(self, what: str) -> OffloadSession:
-        if self.session is None or not self.session.training:
+        session = training_session(self.session)
+        if session is None:
             raise RuntimeError(f"{what} only possible during fit")
-        return self.session
+        return session
 
     # The engine's state is a top-level checkpoint entry, ENGINE_STATE_KEY, rather than this plugin's
     # class-name entry, so a Fabric run reads the same state.
@@ -155,7 +155,7 @@ class ZeroOffloadPrecision(Precision):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.session is not None:
-            checkpoint[ENGINE_STATE_KEY] = self.session.engine.state_dict()
+            checkpoint[ENGINE_STATE_KEY] = self.session.engine_state_dict()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -172,17 +172,18 @@ class ZeroOffloadPrecision(Precision):
             self._load_engine_state(state)
 
     def _load_engine_state(self, state: dict[str, Any]) -> None:
-        if self.session is None or not self.session.training:
+        session = training_session(self.session)
+        if session is None:
             self._pending_state = state
         else:
-            self.session.engine.load_state_dict(state)
+            session.load_engine_state(state)
 
     def attach(self, session: OffloadSession) -> None:
         self.session = session
-        if self.param_dtype == torch.float32 and not session.engine.in_place:
+        if self.param_dtype == torch.float32 and not session.resolved.in_place:
             # The point of offloading is a 2-byte device copy. The plugin cannot tell a passed "32-true" from
             # Lightning's default, so the text holds for both; in place there is no device copy to shrink.
-            master = session.engine.options.cpu_state
+            master = session.options.cpu_state
             rank_zero_warn(
                 "zero_offload is training in '32-true' (the precision passed, or Lightning's default when none is "
                 "given): the device holds fp32 weights and gradients (4 B/param). Pass precision='bf16-mixed' (or "
@@ -191,7 +192,7 @@ class ZeroOffloadPrecision(Precision):
                 "bf16 (AVX-512 BF16, AMX), where fp32 is faster, this warning can be ignored."
             )
         if self._pending_state is not None:
-            session.engine.load_state_dict(self._pending_state)
+            session.load_engine_state(self._pending_state)
             self._pending_state = None
 
 

@@ -19,7 +19,6 @@ from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_zero_offload.core import (
@@ -32,9 +31,10 @@ from lightning_zero_offload.core import (
     collective_timeout,
     make_offload_options,
     release_after_failure,
+    training_session,
 )
 from lightning_zero_offload.trainer.callbacks import OffloadMetrics
-from lightning_zero_offload.trainer.checkpoint_hooks import TrainerCheckpoints
+from lightning_zero_offload.trainer.checkpoint_hooks import TrainerCheckpoints, fitting
 from lightning_zero_offload.trainer.precision import ZeroOffloadPrecision
 from lightning_zero_offload.trainer.ranks import ParallelLikeDDP
 
@@ -95,10 +95,6 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         self.session: OffloadSession | None = None
         self._preflight_error: MemoryError | None = None
 
-    @property
-    def _param_keys(self) -> list[list[str]]:  # read by tests that check saved weights key by key
-        return self.session.param_keys if self.session is not None else []
-
     # Lightning assigns a generic plugin built from `precision=`; the offload step needs this one.
     precision_plugin = coerced_precision(ZeroOffloadPrecision, "_precision_plugin")  # type: ignore[assignment]
 
@@ -109,7 +105,7 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         self.precision_plugin.device_type = self.root_device.type
         module = self.lightning_module
         assert module is not None
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting(trainer):
             if self._layer_sync:
                 raise ValueError("zero_offload does not support sync_batchnorm=True")
             self.setup_optimizers(trainer)
@@ -142,21 +138,18 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        if self.session is not None and self.session.training:
-            self.session.begin_backward()
+        if (session := training_session(self.session)) is not None:
+            session.begin_backward()
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self.session is not None and self.session.training:
-            self.session.finish_backward()
-
-    def _sync_engine(self) -> None:
-        if self.session is not None and self.session.training:
-            self.session.engine.sync()  # evaluation sees fully updated parameters, also with a delayed update
+        if (session := training_session(self.session)) is not None:
+            session.finish_backward()
 
     @override
     def on_validation_start(self) -> None:
-        self._sync_engine()
+        if (session := training_session(self.session)) is not None:
+            session.sync()  # evaluation sees fully updated parameters, also with a delayed update
 
     on_test_start = on_predict_start = on_validation_start
 

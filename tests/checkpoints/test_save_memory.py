@@ -57,14 +57,14 @@ def test_the_full_format_checkpoint_holds_views_of_the_engine_buffers_at_one_ran
     def check(trainer):
         engine = trainer.strategy.engine
         checkpoint = trainer._checkpoint_connector.dump_checkpoint()
-        weights = [checkpoint["state_dict"][keys[0]] for keys in trainer.strategy._param_keys]
+        weights = [checkpoint["state_dict"][keys[0]] for keys in trainer.strategy.session.param_keys]
         assert {storage_of(w) for w in weights} == {storage_of(engine.master)}
         moments = [
             t for s in checkpoint["optimizer_states"][0]["state"].values() for t in (s["exp_avg"], s["exp_avg_sq"])
         ]
         assert len(moments) == 2 * len(weights)
         assert {storage_of(t) for t in moments} == {storage_of(engine.exp_avg), storage_of(engine.exp_avg_sq)}
-        for keys, weight, param in zip(trainer.strategy._param_keys, weights, engine.params):
+        for keys, weight, param in zip(trainer.strategy.session.param_keys, weights, engine.params):
             assert weight.shape == param.shape and weight.dtype == torch.float32, keys
 
     fit_with(check)
@@ -95,7 +95,7 @@ def test_the_file_saved_from_the_buffers_loads_without_this_package_and_training
 
     def check(trainer):
         trainer.save_checkpoint(path)
-        keys = trainer.strategy._param_keys
+        keys = trainer.strategy.session.param_keys
         saved["master"] = {k[0]: w.clone() for k, w in zip(keys, trainer.strategy.engine.master_params())}
 
     model = fit_with(check)

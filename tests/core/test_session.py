@@ -10,6 +10,7 @@ import torch
 from engine_helpers import CPU, batches, loss_fn, make_net, options, two_groups
 from torch import nn
 
+from lightning_zero_offload import ZeroOffloadFabricStrategy, ZeroOffloadStrategy
 from lightning_zero_offload.checkpoints import FABRIC_KEY, FORMAT_KEY, load_sharded
 from lightning_zero_offload.core import (
     ENGINE_STATE_KEY,
@@ -20,6 +21,7 @@ from lightning_zero_offload.core import (
     make_offload_options,
     release_after_failure,
     resolve_precision,
+    training_session,
 )
 from lightning_zero_offload.engine import LossScalerConfig, OffloadOptions
 from lightning_zero_offload.fabric.checkpoints import (
@@ -55,7 +57,7 @@ def train(session: OffloadSession, steps: list, clip: float | None = None) -> No
         loss = loss_fn(session.module, batch)
         session.zero_grad()
         session.begin_backward()
-        session.engine.scale_loss(loss).backward()
+        session.scale_loss(loss).backward()
         session.finish_backward()
         if clip is not None:
             session.clip_norm(clip)
@@ -99,8 +101,6 @@ def test_offload_options_from_keywords_validate_once_with_the_engine_defaults():
 
 
 def test_the_trainer_strategy_forwards_every_option_by_name():
-    from lightning_zero_offload.trainer.strategy import ZeroOffloadStrategy
-
     parameters = inspect.signature(ZeroOffloadStrategy.__init__).parameters
     assert set(OPTION_NAMES) <= set(parameters)
     assert ZeroOffloadStrategy().options == OffloadOptions()  # its signature's defaults are the engine's
@@ -186,6 +186,30 @@ def test_zero_grad_drops_the_window_and_skip_step_drops_the_clip(start):
     assert_equal(weights(reference), weights(skipped))
 
 
+def test_what_the_engine_did_is_read_through_the_session(start):
+    net = make_net()
+    session = start(net)
+    assert training_session(session) is session and training_session(None) is None
+    train(session, batches(2))
+    stats = session.last_step
+    assert session.step_calls == 2 and session.skipped_steps == 0 and session.rollbacks == 0
+    assert stats.grad_norm > 0 and not stats.skipped
+    assert session.loss_scale is None and session.world_size == 1  # fp32: no loss scaling
+    assert session.memory_report()["params"] == sum(p.numel() for p in net.parameters())
+    session.close()
+    assert training_session(session) is None and session.step_calls == 2  # the counts stay after the close
+
+
+@pytest.mark.parametrize("front_end", ["trainer", "fabric"])
+def test_the_strategies_user_api_before_setup_says_what_is_missing(front_end):
+    strategy = ZeroOffloadStrategy() if front_end == "trainer" else ZeroOffloadFabricStrategy()
+    assert strategy.session is None and strategy.engine is None and strategy.last_step_stats is None
+    with pytest.raises(RuntimeError, match="not training"):
+        strategy.expect_step()
+    with pytest.raises(RuntimeError, match="not set up yet"):
+        strategy.memory_report()
+
+
 def test_param_keys_follow_the_engine_when_a_frozen_layer_becomes_trainable(start):
     net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))  # equal shapes: a shifted key shows
     net[1].requires_grad_(False)
@@ -234,7 +258,7 @@ def test_full_save_and_load_round_trip_resumes_bitwise(start, tmp_path):
     resumed.module.load_state_dict(checkpoint["model"])
     resumed.load_master_weights(checkpoint["model"])
     OffloadedOptimizer(resumed).load_state_dict(checkpoint["optimizer"])
-    assert resumed.engine.step_calls == 4
+    assert resumed.step_calls == 4
     train(resumed, data[4:])
     assert_equal(weights(straight), weights(resumed))
 
@@ -249,14 +273,14 @@ def test_sharded_save_and_load_round_trip_resumes_bitwise(start, tmp_path):
     module_state = first.module_state_to_save()
     assert not any(key in module_state for keys in first.param_keys for key in keys)  # the shards hold them
     meta = {"state_dict": module_state, "optimizer_states": [first.optimizer_state_to_save()]}
-    meta[ENGINE_STATE_KEY] = first.engine.state_dict()
+    meta[ENGINE_STATE_KEY] = first.engine_state_dict()
     first.save_sharded(meta, tmp_path / "s.ckpt", 0, broadcast=lambda obj: obj)
     checkpoint = load_sharded(tmp_path / "s.ckpt")
 
     resumed = start(make_net(seed=7), checkpoint_format="sharded")
     resumed.load_master_weights(checkpoint["state_dict"])
-    resumed.engine.load_optimizer_state_dict(checkpoint["optimizer_states"][0])
-    resumed.engine.load_state_dict(checkpoint[ENGINE_STATE_KEY])
+    resumed.load_optimizer_state(checkpoint["optimizer_states"][0])
+    resumed.load_engine_state(checkpoint[ENGINE_STATE_KEY])
     train(resumed, data[4:])
     assert_equal(weights(straight), weights(resumed))
 
@@ -302,15 +326,14 @@ def test_restore_objects_loads_modules_first_and_returns_the_rest():
     assert restore_objects(None, {"a": 1}, lambda m, w: None) == {"a": 1}
 
 
-def test_release_after_failure_never_raises(start):
+def test_release_after_failure_never_raises(start, monkeypatch):
     session = start(make_net())
 
     def fails(after_failure: bool = False) -> None:
         raise OSError("disk gone")
 
-    session.engine.close = fails
+    monkeypatch.setattr(session, "close", fails)  # undone before the fixture closes the session
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         release_after_failure(session, distributed=False)
     assert any("cleaning up after the failure also failed" in str(w.message) for w in caught)
-    del session.engine.close  # the real close, for the fixture

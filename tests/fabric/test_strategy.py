@@ -121,16 +121,16 @@ def test_fp16_loss_scale_lowered_by_natural_overflows_resumes(tmp_path):
     full = train(f, steps=16, save=ckpt, save_at=8)
     saved = torch.load(ckpt, weights_only=True)["optimizer"]["zero_offload_engine"]
     assert saved["loss_scaler"]["scale"] < scaler["loss_scale_init"] and saved["skipped_steps"] > 0
-    assert f.strategy.engine.skipped_steps > saved["skipped_steps"]  # overflows after the save too
+    assert f.strategy.session.skipped_steps > saved["skipped_steps"]  # overflows after the save too
 
     loaded = fabric(plugins=fp16, **scaler)
     train(loaded, steps=8, resume=ckpt)  # loads and runs no step
-    assert loaded.strategy.engine.scaler.state_dict() == saved["loss_scaler"]
+    assert loaded.strategy.session.engine_state_dict()["loss_scaler"] == saved["loss_scaler"]
     g = fabric(plugins=fp16, **scaler)
     resumed = train(g, steps=16, resume=ckpt)
     assert resumed["losses"] == full["losses"][8:]
     assert all(torch.equal(resumed["params"][k], v) for k, v in full["params"].items())
-    assert g.strategy.engine.loss_scale == f.strategy.engine.loss_scale
+    assert g.strategy.session.loss_scale == f.strategy.session.loss_scale
 
 
 def test_litgpt_learns_under_bf16_mixed():
@@ -184,11 +184,11 @@ def _fabric_loop(cpu_step: str, announce: bool) -> tuple[list[torch.Tensor], lis
     speculated = []
     for batch in batches(6):
         if announce:  # a step follows this backward, and nothing reads the weights in between
-            f.strategy.engine.expect_step(publish_early=True)
+            f.strategy.expect_step(publish_early=True)
         f.backward(loss_fn(model, batch))
         optimizer.step()
         optimizer.zero_grad()
-        speculated.append(f.strategy.engine.last.speculated_fraction)
+        speculated.append(f.strategy.last_step_stats.speculated_fraction)
     return [p.detach().clone() for p in model.parameters()], speculated
 
 

@@ -43,7 +43,7 @@ LAYERS = {
     "__main__": 7,
     "": 7,  # the package's __init__.py
 }
-TORCH_ONLY = ("kernels", "mixed_precision", "optim", "engine", "checkpoints", "planner", "core")
+TORCH_ONLY = ("warning", "kernels", "mixed_precision", "optim", "engine", "checkpoints", "planner", "core")
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -8,7 +8,7 @@ from helpers import QUIET, Classifier, loader
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_zero_offload import OffloadMetrics, ZeroOffloadPrecision, ZeroOffloadStrategy
-from lightning_zero_offload.engine import OffloadEngine
+from lightning_zero_offload.core import OffloadSession
 from lightning_zero_offload.trainer.callbacks import format_summary
 
 
@@ -84,15 +84,17 @@ def test_fp16_logs_the_loss_scale_and_metrics_can_be_turned_off():
 
 
 def test_summary_reports_the_hidden_share_of_transfers_as_a_percentage():
-    engine = OffloadEngine(torch.optim.AdamW(make_net().parameters()), CPU, torch.float32, options())
+    net = make_net()
+    session = OffloadSession.start(net, [torch.optim.AdamW(net.parameters())], CPU, "32-true", options(), 1, 1)
     totals = dict.fromkeys(
         ("forward", "backward", "transfer_wait", "cpu_step", "update_wait", "copy_back", "speculated_fraction", "step"),
         0.0,
     )
     totals.update(transfer=1.0, transfer_wait=0.25)
-    assert "(75% of transfers hidden)" in format_summary(engine, totals, 1)
+    assert "(75% of transfers hidden)" in format_summary(session, totals, 1)
     totals["transfer_wait"] = 2.8  # a wait longer than the work (thread wake-up on a busy machine): was -180%
-    assert "(0% of transfers hidden)" in format_summary(engine, totals, 1)
+    assert "(0% of transfers hidden)" in format_summary(session, totals, 1)
+    session.close()
 
 
 def test_speculation_metrics_and_summary(caplog):
@@ -108,5 +110,5 @@ def test_speculation_metrics_and_summary(caplog):
         trainer.fit(Classifier(), loader())
     metrics = trainer.logged_metrics
     assert 0 <= metrics["offload/speculated_fraction"] <= 1
-    assert metrics["offload/rollbacks"] == trainer.strategy.engine.schedule.rollbacks > 0
+    assert metrics["offload/rollbacks"] == trainer.strategy.session.rollbacks > 0
     assert "CPU step schedule: speculative" in caplog.text and "rollback(s)" in caplog.text

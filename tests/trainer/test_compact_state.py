@@ -97,11 +97,11 @@ class Steps(L.Callback):
         self._calls = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        engine = trainer.strategy.engine
-        if engine.step_calls != self._calls:  # not on the first micro-batch of an accumulation window
-            self._calls = engine.step_calls
-            self.norms.append(engine.last.grad_norm)
-            self.speculated.append(engine.last.speculated_fraction)
+        session, stats = trainer.strategy.session, trainer.strategy.last_step_stats
+        if session.step_calls != self._calls:  # not on the first micro-batch of an accumulation window
+            self._calls = session.step_calls
+            self.norms.append(stats.grad_norm)
+            self.speculated.append(stats.speculated_fraction)
 
 
 def assert_equal_weights(a: dict, b: dict) -> None:
@@ -123,14 +123,13 @@ class Runs:
             ckpt_dir = self.tmp / "-".join(key)
             steps = Steps()
             model, trainer = fit(strategy(cpu_state, cpu_step, fmt), precision, callbacks=[steps], ckpt_dir=ckpt_dir)
-            engine = trainer.strategy.engine
             self.done[key] = {
                 "losses": model.losses,
                 "weights": weights(model),  # the master weights, handed back widened to fp32
                 "norms": steps.norms,
                 "speculated": steps.speculated,
-                "memory": engine.memory_report(),
-                "rollbacks": getattr(engine.schedule, "rollbacks", 0),
+                "memory": trainer.strategy.memory_report(),
+                "rollbacks": trainer.strategy.session.rollbacks,
                 "ckpt": ckpt_dir / "epoch=0.ckpt",  # after EPOCH steps
             }
         return self.done[key]
@@ -189,9 +188,8 @@ class Conversions(L.Callback):
     """The conversion notes a resume gives, and the engine's state when training starts (after the load)."""
 
     def on_train_start(self, trainer, pl_module):
-        engine = trainer.strategy.engine
-        self.master = [t.clone() for t in engine.master_params()]
-        self.optimizer = engine.optimizer_state_dict()
+        self.master = [t.clone() for t in trainer.strategy.engine.master_params()]
+        self.optimizer = trainer.strategy.session.optimizer_state_to_save()
 
 
 def in_optimizer_order(state_dict: dict) -> list[torch.Tensor]:
@@ -255,7 +253,7 @@ def test_fp32_state_checkpoint_resumes_with_bf16_state_rounded_to_nearest(runs):
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(entry[name], saved[name].to(torch.bfloat16)), (index, name)
         assert entry["step"] == saved["step"]
-    assert trainer.strategy.engine.step_calls == 2 * EPOCH and all(torch.isfinite(torch.tensor(model.losses)))
+    assert trainer.strategy.session.step_calls == 2 * EPOCH and all(torch.isfinite(torch.tensor(model.losses)))
 
 
 def test_bf16_state_checkpoint_resumes_with_fp32_state_widened_exactly(runs):
@@ -275,7 +273,7 @@ def test_bf16_state_checkpoint_resumes_with_fp32_state_widened_exactly(runs):
         saved = ckpt["optimizer_states"][0]["state"][index]
         for name in ("exp_avg", "exp_avg_sq"):
             assert entry[name].dtype == torch.float32 and torch.equal(entry[name], saved[name].float())
-    assert trainer.strategy.engine.step_calls == 2 * EPOCH and all(torch.isfinite(torch.tensor(model.losses)))
+    assert trainer.strategy.session.step_calls == 2 * EPOCH and all(torch.isfinite(torch.tensor(model.losses)))
 
 
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
@@ -331,7 +329,7 @@ def test_fabric_trains_saves_loads_and_resumes_bitwise(tmp_path, fmt):
     ckpt = tmp_path / "state.ckpt"
     f = fabric("bf16-mixed", **options)
     full = fabric_train(f, steps=8, save=str(ckpt), save_at=4)
-    memory = f.strategy.engine.memory_report()
+    memory = f.strategy.memory_report()
     assert memory["host_state_bytes"] == 8 * memory["params"]
     reference = fabric_train(fabric("bf16-mixed", checkpoint_format=fmt), steps=8)  # fp32 state, same data
     # As in the Trainer's runs: observed 2.4% of how far the fp32-state weights moved; margin 3x.
@@ -384,10 +382,9 @@ class StateAround(L.Callback):
 
     @staticmethod
     def state(trainer) -> list[torch.Tensor]:
-        engine = trainer.strategy.engine
-        optimizer = engine.optimizer_state_dict()["state"]
+        optimizer = trainer.strategy.session.optimizer_state_to_save()["state"]
         moments = [entry[name] for entry in optimizer.values() for name in ("exp_avg", "exp_avg_sq")]
-        return [t.clone() for t in engine.master_params()] + moments
+        return [t.clone() for t in trainer.strategy.engine.master_params()] + moments
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.batch:
@@ -409,7 +406,7 @@ def test_a_nan_loss_skips_the_step_leaving_master_and_moments_bitwise(cpu_step):
     )
     with pytest.warns(RuntimeWarning, match="Non-finite gradients"):
         trainer.fit(model, loader(n=40))
-    assert trainer.strategy.engine.skipped_steps == 1
+    assert trainer.strategy.session.skipped_steps == 1
     assert len(probe.before) == 6 + 12 and all(torch.equal(a, b) for a, b in zip(probe.before, probe.after))
     assert all(torch.isfinite(t).all() for t in probe.after)
     assert not all(torch.equal(a, b) for a, b in zip(probe.after, probe.next))  # the next step trains

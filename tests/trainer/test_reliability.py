@@ -124,18 +124,18 @@ def test_persistent_nan_loss_raises_naming_the_count(precision):
     strategy = ZeroOffloadStrategy(max_consecutive_skipped_steps=5)
     with pytest.raises(NonFiniteLossError, match="5 consecutive optimizer steps were skipped .*inf/nan"):
         fit(strategy, _NanFromStep2(), precision, max_steps=30)
-    assert strategy.engine.skipped_steps == 5
-    assert strategy.engine.closed  # the exception path closed it
+    assert strategy.session.skipped_steps == 5
+    assert not strategy.session.training  # the exception path closed it
 
 
 def test_occasional_nan_steps_and_disabled_policy_keep_training():
     strategy = ZeroOffloadStrategy(max_consecutive_skipped_steps=2)
     trainer = fit(strategy, _NanFromStep2(period=2), max_steps=12)  # never two in a row
-    assert trainer.global_step == 12 and strategy.engine.skipped_steps == 5
+    assert trainer.global_step == 12 and strategy.session.skipped_steps == 5
     strategy = ZeroOffloadStrategy(max_consecutive_skipped_steps=None)
     with pytest.warns(RuntimeWarning, match="Non-finite gradients"):
         fit(strategy, _NanFromStep2(), max_steps=30)
-    assert strategy.engine.skipped_steps == 28
+    assert strategy.session.skipped_steps == 28
 
 
 def test_fp16_raises_when_the_loss_scale_is_at_its_minimum_and_still_overflows():
@@ -144,7 +144,7 @@ def test_fp16_raises_when_the_loss_scale_is_at_its_minimum_and_still_overflows()
     )
     with pytest.raises(NonFiniteLossError, match=r"minimum loss scale \(loss_scale_min=1.0\): 3 consecutive"):
         fit(strategy, _NanFromStep2(), precision=None, plugins=[ZeroOffloadPrecision("16-mixed")], max_steps=30)
-    assert strategy.engine.scaler.scale == 1.0  # 4 -> 2 -> 1, then an overflow at 1 raised
+    assert strategy.session.loss_scale == 1.0  # 4 -> 2 -> 1, then an overflow at 1 raised
 
 
 class _DuplicateParam(Classifier):
@@ -259,9 +259,9 @@ def test_consecutive_skipped_steps_survive_a_resume(tmp_path):
     """The run that resumes raises after the same total of skipped steps in a row as one without a pause."""
     first = ZeroOffloadStrategy(max_consecutive_skipped_steps=5)
     trainer = fit(first, _NanFromStep2(), max_steps=5)  # steps 2, 3, 4 skipped
-    assert first.engine.nonfinite.consecutive == 3
+    assert first.session.engine_state_dict()["nonfinite"]["consecutive"] == 3
     trainer.save_checkpoint(tmp_path / "skipping.ckpt")
     resumed = ZeroOffloadStrategy(max_consecutive_skipped_steps=5)
     with pytest.raises(NonFiniteLossError, match="5 consecutive optimizer steps were skipped"):
         fit(resumed, _NanFromStep2(), max_steps=30, ckpt_path=tmp_path / "skipping.ckpt")
-    assert resumed.engine.skipped_steps == 5  # 3 before the save, 2 after it
+    assert resumed.session.skipped_steps == 5  # 3 before the save, 2 after it

@@ -44,7 +44,7 @@ def test_32_true_matches_plain_lightning_with_groups_scheduler_clipping_accumula
     strategy = ZeroOffloadStrategy() if in_place is None else ZeroOffloadStrategy(in_place_on_cpu=in_place)
     ours, trainer = fit(strategy, callbacks=[norms], **common)
     assert trainer.global_step == 32
-    assert trainer.strategy.engine.in_place == (in_place is None)
+    assert trainer.strategy.session.resolved.in_place == (in_place is None)
     assert_clipping_triggered(ref_norms.norms, clip)
     # The engine's global norm (what it clipped with) is torch's, step by step: observed 5e-8 relative
     # (fp32 sums in another order), margin 20x; a norm from part of the gradients is off by >10%.
@@ -118,11 +118,11 @@ def test_fp16_scale_lowered_by_natural_overflows_resumes_bitwise(tmp_path):
     first.save_checkpoint(tmp_path / "fp16.ckpt")
     saved = torch.load(tmp_path / "fp16.ckpt", weights_only=True)[ENGINE_STATE_KEY]
     assert saved["loss_scaler"]["scale"] < 2.0**20 and saved["skipped_steps"] > 0
-    assert full_trainer.strategy.engine.skipped_steps > saved["skipped_steps"]  # and after the save
+    assert full_trainer.strategy.session.skipped_steps > saved["skipped_steps"]  # and after the save
 
     class ScaleAtStart(L.Callback):
         def on_train_start(self, trainer, pl_module):
-            self.scaler = trainer.strategy.engine.scaler.state_dict()
+            self.scaler = trainer.strategy.session.engine_state_dict()["loss_scaler"]
 
     probe = ScaleAtStart()
     resumed = Classifier()
@@ -137,7 +137,7 @@ def test_fp16_scale_lowered_by_natural_overflows_resumes_bitwise(tmp_path):
     assert probe.scaler == saved["loss_scaler"]
     assert resumed.losses == full.losses[10:]
     assert all(torch.equal(p, q) for p, q in zip(full.parameters(), resumed.parameters()))
-    assert trainer.strategy.engine.loss_scale == full_trainer.strategy.engine.loss_scale
+    assert trainer.strategy.session.loss_scale == full_trainer.strategy.session.loss_scale
 
 
 @pytest.mark.slow  # a fresh interpreter loads the checkpoint
@@ -436,10 +436,10 @@ def test_optimizer_step_outside_fit_and_mismatched_optimizer_state_fail_clearly(
     with pytest.raises(RuntimeError, match="only possible during fit"):
         plugin.optimizer_step(None, Classifier(), lambda: None)
     model, trainer = fit(max_steps=2)
-    state = trainer.strategy.engine.optimizer_state_dict()
+    state = trainer.strategy.session.optimizer_state_to_save()
     state["param_groups"] = state["param_groups"][:1]
     with pytest.raises(ValueError, match="different number of param groups"):
-        trainer.strategy.engine.load_optimizer_state_dict(state)
+        trainer.strategy.session.load_optimizer_state(state)
 
 
 @pytest.mark.slow  # Trainer runs of several epochs
@@ -490,9 +490,8 @@ def test_speculative_step_through_the_trainer_is_bitwise_sync(clip):
     spec, trainer = fit(strategy, **common)
     assert spec.losses == sync.losses
     assert all(torch.equal(p, q) for p, q in zip(sync.parameters(), spec.parameters()))
-    engine = trainer.strategy.engine
-    assert (engine.schedule.rollbacks > 0) == (clip < 1)  # the triggered steps were rolled back and redone
-    assert clip < 1 or engine.last.speculated_fraction > 0  # else the steps really ran during backward
+    assert (trainer.strategy.session.rollbacks > 0) == (clip < 1)  # the triggered steps were rolled back and redone
+    assert clip < 1 or trainer.strategy.last_step_stats.speculated_fraction > 0  # else they ran during backward
 
 
 @pytest.mark.slow  # Trainer runs of several epochs
@@ -504,7 +503,7 @@ def test_32_true_on_a_cpu_runs_in_place_bitwise_the_offload_path():
     in_place, trainer = fit("zero_offload", callbacks=[norms], **common)
     assert_clipping_triggered(norms.norms, clip, at_least=2)
     offload, offload_trainer = fit(ZeroOffloadStrategy(in_place_on_cpu=False), **common)
-    assert trainer.strategy.engine.in_place and not offload_trainer.strategy.engine.in_place
+    assert trainer.strategy.session.resolved.in_place and not offload_trainer.strategy.session.resolved.in_place
     assert in_place.losses == offload.losses
     for p, q in zip(in_place.parameters(), offload.parameters()):
         assert torch.equal(p, q)

@@ -85,7 +85,7 @@ def test_a_training_step_returning_none_steps_on_the_windows_gradients_as_under_
     reference, ours, trainer = against_auto(lambda: NoneOn(period, position), options, accumulate_grad_batches=window)
     assert moved(untrained, reference) > 1e-2
     assert_same_weights(ours, reference, ATOL)
-    assert trainer.global_step == 8 and trainer.strategy.engine.skipped_steps == 0
+    assert trainer.global_step == 8 and trainer.strategy.session.skipped_steps == 0
 
 
 # -- zero_grad and the lifetime of gradients ----------------------------------------------------
@@ -399,6 +399,6 @@ def test_optimizer_state_at_several_ranks_refuses_and_names_the_state_dict_route
 
     from lightning_zero_offload.core.optimizer import ParamStates
 
-    sharded = SimpleNamespace(engine=SimpleNamespace(layout=SimpleNamespace(world_size=2)))
+    sharded = SimpleNamespace(world_size=2)  # a session at two ranks
     with pytest.raises(RuntimeError, match="across 2 ranks.*optimizer.state_dict\\(\\).*load_state_dict\\(\\)"):
         ParamStates(sharded)

@@ -91,7 +91,7 @@ class LoadStateMidFit(L.Callback):
 def test_parameter_writes_between_steps_match_auto_in_32_true(options, callback):
     reference, _ = fit("auto", callbacks=[callback()])
     ours, trainer = fit(ZeroOffloadStrategy(**options), callbacks=[callback()])
-    assert trainer.strategy.engine.in_place == (options == {})
+    assert trainer.strategy.session.resolved.in_place == (options == {})
     assert_same_weights(ours, reference, ATOL)
 
 
@@ -344,7 +344,7 @@ def test_parameter_writes_under_the_delayed_update_match_the_delayed_reference(
     reference, _ = fit_delayed(callbacks(), True, precision, prediction, **kwargs)
     ours, trainer = fit_delayed(callbacks(), False, precision, prediction, **kwargs)
     plain, _ = fit_delayed([], False, precision, prediction, **kwargs)
-    assert trainer.strategy.engine.cpu_step == "delayed" and not trainer.strategy.engine.in_place
+    assert trainer.strategy.session.resolved.cpu_step == "delayed" and not trainer.strategy.session.resolved.in_place
     assert max(float((a - b).abs().max()) for a, b in zip(params(ours), params(plain))) > 5e-2  # writes mattered
     # 32-true: the reference steps with the engine's kernel, bitwise equal (observed). bf16: its bf16-true
     # forward rounds otherwise than autocast (observed <= 1e-3), margin 3x; the writes move >= 9e-2.
@@ -538,7 +538,7 @@ def test_user_code_under_bf16_state_does_what_it_does_under_fp32_state(scenario)
     fp32 = fit(ZeroOffloadStrategy(in_place_on_cpu=False), **make(True))[0]
     bf16, trainer = fit(ZeroOffloadStrategy(cpu_state="bf16"), **make(True))
     without = fit(ZeroOffloadStrategy(in_place_on_cpu=False), **make(False))[0]
-    assert trainer.strategy.engine.state.dtype == torch.bfloat16
+    assert trainer.strategy.session.resolved.state_dtype == torch.bfloat16
     effect = mean_difference(fp32, without)
     assert effect > 5e-3  # the feature changes the model
     assert mean_difference(bf16, fp32) < 0.2 * effect

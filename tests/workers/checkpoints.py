@@ -38,7 +38,7 @@ def train(session: OffloadSession, rank: int, steps: range) -> None:
         session.before_training_forward()
         session.zero_grad()
         session.begin_backward()
-        session.engine.scale_loss(session.module(x).pow(2).mean()).backward()
+        session.scale_loss(session.module(x).pow(2).mean()).backward()
         session.finish_backward()
         session.step()
 
@@ -63,7 +63,7 @@ def to_save(session: OffloadSession) -> dict:
             "state_dict": session.module_state_to_save(),
             "optimizer_states": [session.optimizer_state_to_save()],
         }
-    checkpoint[ENGINE_STATE_KEY] = session.engine.state_dict()
+    checkpoint[ENGINE_STATE_KEY] = session.engine_state_dict()
     return checkpoint
 
 
@@ -76,8 +76,8 @@ def resume(path: str, rank: int, world: int) -> OffloadSession:
     session = start(seed=7, world=world)  # other initial weights: everything must come from the file
     session.module.load_state_dict(checkpoint["state_dict"])
     session.load_master_weights(checkpoint["state_dict"])
-    session.engine.load_optimizer_state_dict(checkpoint["optimizer_states"][0])
-    session.engine.load_state_dict(checkpoint[ENGINE_STATE_KEY])
+    session.load_optimizer_state(checkpoint["optimizer_states"][0])
+    session.load_engine_state(checkpoint[ENGINE_STATE_KEY])
     return session
 
 
@@ -118,8 +118,8 @@ def streamed_save(tmp: str, rank: int) -> dict:
     # The gathered copies (what a user's CheckpointIO gets, the values the file held before streaming).
     copies = {
         "state_dict": session.master_state_dict(),
-        "optimizer_states": [session.engine.optimizer_state_dict()],
-        ENGINE_STATE_KEY: session.engine.state_dict(),
+        "optimizer_states": [session.optimizer_state_to_save()],
+        ENGINE_STATE_KEY: session.engine_state_dict(),
     }
     if rank == 0:
         torch.save(copies, reference)

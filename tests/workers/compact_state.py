@@ -46,10 +46,11 @@ def fit(run: dict, devices: int) -> None:
         **{**QUIET, "devices": devices, "max_steps": -1, "enable_checkpointing": bool(callbacks)},
     )
     trainer.fit(model, ckpt_path=run.get("resume"))
-    memory = trainer.strategy.engine.memory_report()
+    memory = trainer.strategy.memory_report()
     if trainer.is_global_zero:
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
-        torch.save({"params": params, "memory": memory, "seed": trainer.strategy.engine.state.seed}, run["out"])
+        seed = trainer.strategy.session.engine_state_dict()["cpu_state"]["seed"]  # of the bf16 state's rounding
+        torch.save({"params": params, "memory": memory, "seed": seed}, run["out"])
     else:
         torch.save({"memory": memory}, f"{run['out']}.rank{trainer.global_rank}")
     trainer.strategy.barrier()  # every rank is done with the group before any of them exits

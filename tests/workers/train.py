@@ -63,8 +63,8 @@ def fit(run: dict, devices: int) -> None:
         "grad_norms": norms.norms,  # before clipping: the engine's, or DDP's averaged .grad
     }
     if isinstance(trainer.strategy, ZeroOffloadStrategy):
-        result["memory"] = trainer.strategy.engine.memory_report()
-        result["threads"] = trainer.strategy.engine.num_threads
+        result["memory"] = trainer.strategy.memory_report()
+        result["threads"] = trainer.strategy.session.resolved.cpu_threads
     if trainer.is_global_zero:
         torch.save(result, run["out"])
     trainer.strategy.barrier()  # every rank is done with the group before any of them exits

@@ -103,8 +103,8 @@ def weights(model: nn.Module) -> list[torch.Tensor]:
 
 
 def on_offload_path(trainer: L.Trainer) -> None:
-    engine = trainer.strategy.engine
-    assert not engine.in_place and engine.layout.world_size == 2 and len(engine.layout.buckets) > 1
+    session = trainer.strategy.session
+    assert not session.resolved.in_place and session.world_size == 2 and len(session.engine.layout.buckets) > 1
 
 
 # -- writes into the parameters ----------------------------------------------------------------------
@@ -161,7 +161,7 @@ DELAYED = {"cpu_step": "delayed", "dpu_warmup_steps": 3}
 def delayed(make: Callable[[], L.Callback], devices: int = 2) -> Result:
     """A writing callback under the delayed update, 12 steps, the global batch split over ``devices``."""
     model, trainer = train(zero(**DELAYED), callbacks=(make(),), devices=devices, batch_size=16 // devices)
-    assert trainer.strategy.engine.cpu_step == "delayed"
+    assert trainer.strategy.session.resolved.cpu_step == "delayed"
     return {"delayed": weights(model)}
 
 
