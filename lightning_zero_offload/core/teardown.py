@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from lightning_zero_offload.engine.infra.collectives import abandon_process_group
+from lightning_zero_offload.warning import ZeroOffloadRuntimeWarning
 
 if TYPE_CHECKING:
     from lightning_zero_offload.core.session import OffloadSession
@@ -32,7 +33,11 @@ def release_after_failure(session: OffloadSession | None, distributed: bool) -> 
         try:
             release()
         except Exception as error:  # noqa: BLE001 -- the caller would report this error instead of the real one
-            warnings.warn(f"zero_offload: cleaning up after the failure also failed: {error!r}", stacklevel=2)
+            warnings.warn(
+                f"zero_offload: cleaning up after the failure also failed: {error!r}",
+                ZeroOffloadRuntimeWarning,
+                stacklevel=2,
+            )
 
 
 def release_process_group() -> None:

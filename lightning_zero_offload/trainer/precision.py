@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_zero_offload.core import ENGINE_STATE_KEY, OffloadSession, resolve_precision, training_session
 from lightning_zero_offload.mixed_precision import forward_context
 from lightning_zero_offload.trainer.callbacks import OffloadMetrics
+from lightning_zero_offload.warning import ZeroOffloadWarning
 
 __all__ = ["ENGINE_STATE_KEY", "ZeroOffloadPrecision"]
 
@@ -189,7 +190,8 @@ class ZeroOffloadPrecision(Precision):
                 "given): the device holds fp32 weights and gradients (4 B/param). Pass precision='bf16-mixed' (or "
                 f"'16-mixed' on GPUs without bf16) to keep a 2 B/param copy on the device with {master} master "
                 "weights on the CPU; if fp32 on the device is what you want, or the device is a CPU without native "
-                "bf16 (AVX-512 BF16, AMX), where fp32 is faster, this warning can be ignored."
+                "bf16 (AVX-512 BF16, AMX), where fp32 is faster, this warning can be ignored.",
+                category=ZeroOffloadWarning,
             )
         if self._pending_state is not None:
             session.load_engine_state(self._pending_state)

@@ -25,7 +25,7 @@ MAX_LINES = 400  # per file
 # Each unit's layer: a module imports its own unit's modules and those of lower layers only.
 LAYERS = {
     "testing": 0,  # the rank launcher: the standard library only
-    "warning": 0,  # the package's warning classes
+    "warning": -1,  # the package's warning classes: every layer raises them
     "kernels": 0,
     "mixed_precision": 0,
     "optim": 1,

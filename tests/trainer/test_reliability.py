@@ -122,7 +122,10 @@ class _NanFromStep2(Classifier):
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_persistent_nan_loss_raises_naming_the_count(precision):
     strategy = ZeroOffloadStrategy(max_consecutive_skipped_steps=5)
-    with pytest.raises(NonFiniteLossError, match="5 consecutive optimizer steps were skipped .*inf/nan"):
+    with (
+        pytest.warns(RuntimeWarning, match="Non-finite gradients"),
+        pytest.raises(NonFiniteLossError, match="5 consecutive optimizer steps were skipped .*inf/nan"),
+    ):
         fit(strategy, _NanFromStep2(), precision, max_steps=30)
     assert strategy.session.skipped_steps == 5
     assert not strategy.session.training  # the exception path closed it
@@ -130,7 +133,8 @@ def test_persistent_nan_loss_raises_naming_the_count(precision):
 
 def test_occasional_nan_steps_and_disabled_policy_keep_training():
     strategy = ZeroOffloadStrategy(max_consecutive_skipped_steps=2)
-    trainer = fit(strategy, _NanFromStep2(period=2), max_steps=12)  # never two in a row
+    with pytest.warns(RuntimeWarning, match="Non-finite gradients"):
+        trainer = fit(strategy, _NanFromStep2(period=2), max_steps=12)  # never two in a row
     assert trainer.global_step == 12 and strategy.session.skipped_steps == 5
     strategy = ZeroOffloadStrategy(max_consecutive_skipped_steps=None)
     with pytest.warns(RuntimeWarning, match="Non-finite gradients"):
@@ -258,10 +262,14 @@ def test_resuming_from_a_checkpoint_holding_a_pickle_payload_never_runs_it(tmp_p
 def test_consecutive_skipped_steps_survive_a_resume(tmp_path):
     """The run that resumes raises after the same total of skipped steps in a row as one without a pause."""
     first = ZeroOffloadStrategy(max_consecutive_skipped_steps=5)
-    trainer = fit(first, _NanFromStep2(), max_steps=5)  # steps 2, 3, 4 skipped
+    with pytest.warns(RuntimeWarning, match="Non-finite gradients"):
+        trainer = fit(first, _NanFromStep2(), max_steps=5)  # steps 2, 3, 4 skipped
     assert first.session.engine_state_dict()["nonfinite"]["consecutive"] == 3
     trainer.save_checkpoint(tmp_path / "skipping.ckpt")
     resumed = ZeroOffloadStrategy(max_consecutive_skipped_steps=5)
-    with pytest.raises(NonFiniteLossError, match="5 consecutive optimizer steps were skipped"):
+    with (
+        pytest.warns(RuntimeWarning, match="Non-finite gradients"),
+        pytest.raises(NonFiniteLossError, match="5 consecutive optimizer steps were skipped"),
+    ):
         fit(resumed, _NanFromStep2(), max_steps=30, ckpt_path=tmp_path / "skipping.ckpt")
     assert resumed.session.skipped_steps == 5  # 3 before the save, 2 after it

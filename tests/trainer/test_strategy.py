@@ -180,7 +180,7 @@ def test_resume_is_bitwise_identical_and_checkpoint_is_portable(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(__file__))}  # tests/: helpers
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    expected = float(sum(p.double().sum() for p in first.parameters()))
+    expected = float(sum(p.detach().double().sum() for p in first.parameters()))
     assert float(out.stdout.strip().splitlines()[-1]) == pytest.approx(expected, rel=1e-12)
 
 

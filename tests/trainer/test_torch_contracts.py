@@ -383,7 +383,7 @@ def test_fabric_steps_with_a_closure_and_refuses_a_backward_outside_fabric():
             fabric.backward(loss)
             return loss
 
-        losses = [float(optimizer.step(lambda: closure(x, y))) for x, y in list(loader())[:4]]  # noqa: B023
+        losses = [optimizer.step(lambda: closure(x, y)).item() for x, y in list(loader())[:4]]  # noqa: B023
         return model, losses
 
     reference, reference_losses = train("auto")
