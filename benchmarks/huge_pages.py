@@ -1,7 +1,7 @@
 """Does backing the host state with 2 MiB pages speed the CPU step? Two engines side by side, one process.
 
 Both engines train the same 2^25-element parameter on the CPU, on the offload path (``in_place_on_cpu=False``,
-the sync step), with the state of ``--cpu-state``; one allocates its host buffers as ``engine/memory.py``
+the sync step), with the state of ``--cpu-state``; one allocates its host buffers as ``engine/infra/memory.py``
 does (``advise_huge_pages``), the other with the advice switched off while it is built (4 KiB pages).
 Steps alternate between the two, so the machine's noise hits both alike; the engine's own ``cpu_step_s``
 and the whole step (backward of a one-multiply loss, then ``engine.step()``) are reported as medians with
@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from lightning_zero_offload.core import make_offload_options
-from lightning_zero_offload.engine import OffloadEngine, memory
+from lightning_zero_offload.engine import OffloadEngine
+from lightning_zero_offload.engine.infra import memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_probe import mappings, transparent_huge_pages  # noqa: E402

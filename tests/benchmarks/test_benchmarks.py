@@ -248,3 +248,19 @@ def test_cpu_adam_bf16_state_rows_run_from_a_cold_cache(tmp_path):
     (row,) = report["rows"]
     assert row["n"] == 1 << 16 and all(s > 0 for s in row["seconds"].values())
     assert set(row["ratios"]) == {f"{a} / {b}" for a, b in load_benchmark("cpu_adam").BF16_STATE_PAIRS}
+
+
+SCRIPTS = sorted(
+    path.relative_to(ROOT).as_posix()
+    for path in [*ROOT.glob("benchmarks/*.py"), *ROOT.glob("scripts/*.py")]
+    if 'if __name__ == "__main__":' in path.read_text()
+)
+
+
+@pytest.mark.slow  # a fresh interpreter per script
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_imports_and_answers_help(script):
+    """A moved module breaks a benchmark's imports long before anyone runs it again: each one at least starts."""
+    done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage:" in done.stdout

@@ -9,7 +9,6 @@ AdamW to within rounding (observed <= 3e-7 on these runs), so fp32 comparisons u
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import lightning as L
@@ -19,11 +18,21 @@ from engine_helpers import DelayedReference
 from helpers import QUIET, Classifier, assert_same_weights, loader
 from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging, WeightAveraging
 from torch import nn
+from user_code_helpers import (
+    CLAMP,
+    Backbone,
+    ClampThroughParameter,
+    ClampWeights,
+    LoadStateMidFit,
+    ReassignData,
+    UnfreezeAt,
+    UnusedAndTwoLosses,
+    frozen_backbone,
+)
 
 from lightning_zero_offload import CPUAdam, ZeroOffloadStrategy
 
 ATOL = 2e-6
-CLAMP = 0.05
 
 
 def fit(strategy, precision="32-true", model=None, callbacks=(), max_steps=12, **kwargs):
@@ -44,45 +53,6 @@ OFFLOAD_32 = [
     pytest.param(dict(in_place_on_cpu=False, cpu_step="speculative"), id="offload-speculative"),
     pytest.param(dict(), id="in-place"),
 ]
-
-
-class ClampWeights(L.Callback):
-    """Max-norm / WGAN-style weight clipping after every step, the classic way (``p.data.clamp_``)."""
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        for p in pl_module.parameters():
-            p.data.clamp_(-CLAMP, CLAMP)
-
-
-class ClampThroughParameter(L.Callback):
-    """The same, written through the parameter itself under no_grad."""
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        with torch.no_grad():
-            for p in pl_module.parameters():
-                p.clamp_(-CLAMP, CLAMP)
-
-
-class ReassignData(L.Callback):
-    """Replaces ``p.data`` with a new tensor (a reset of one layer at step 5)."""
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == 5:
-            weight = pl_module.net[0].weight
-            weight.data = torch.full_like(weight, 0.01)
-
-
-class LoadStateMidFit(L.Callback):
-    """Restores the weights saved at step 3 once, at step 7 (as a "rewind on spike" callback would)."""
-
-    def __init__(self) -> None:
-        self.saved = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step == 3:
-            self.saved = copy.deepcopy({k: v.float() for k, v in pl_module.state_dict().items()})
-        if trainer.global_step == 7:
-            pl_module.load_state_dict(self.saved)
 
 
 @pytest.mark.slow  # Trainer runs of several seconds
@@ -351,46 +321,6 @@ def test_parameter_writes_under_the_delayed_update_match_the_delayed_reference(
     assert_same_weights(ours, reference, atol=0 if precision == "32-true" else 3e-3)
 
 
-class Backbone(L.LightningModule):
-    """A backbone and a head; the backbone starts frozen (BackboneFinetuning's setting)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.backbone = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU())
-        self.head = nn.Linear(32, 4)
-
-    def forward(self, x):
-        return self.head(self.backbone(x))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.cross_entropy(self(x).float(), y)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=1e-2)
-
-
-class UnfreezeAt(L.Callback):
-    """``requires_grad_(True)`` on the frozen backbone at a step; with ``add_group`` also a param group for it."""
-
-    def __init__(self, step: int, add_group: bool) -> None:
-        self.step, self.add_group = step, add_group
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step != self.step:
-            return
-        pl_module.backbone.requires_grad_(True)
-        if self.add_group:
-            trainer.optimizers[0].add_param_group({"params": list(pl_module.backbone.parameters()), "lr": 3e-3})
-
-
-def frozen_backbone() -> Backbone:
-    model = Backbone()
-    model.backbone.requires_grad_(False)
-    return model
-
-
 @pytest.mark.slow  # Trainer runs of several seconds
 @pytest.mark.parametrize("options", OFFLOAD_32)
 @pytest.mark.parametrize("add_group", [False, True], ids=["requires_grad", "add_param_group"])
@@ -433,25 +363,6 @@ def test_backbone_finetuning_trains_the_backbone_as_under_auto(options):
         assert_same_weights(ours, reference, ATOL)
     else:  # bf16 weights on the device: the same training within bf16 rounding of the forward
         assert_same_weights(ours, reference, atol=2e-2)
-
-
-class UnusedAndTwoLosses(Classifier):
-    """A layer that never gets a gradient, and two backward calls per step in manual optimization."""
-
-    def __init__(self, manual: bool) -> None:
-        super().__init__(scheduler=False, lr=3e-2)
-        self.unused = nn.Linear(4, 4)
-        self.automatic_optimization = not manual
-
-    def training_step(self, batch, batch_idx):
-        if self.automatic_optimization:
-            return super().training_step(batch, batch_idx)
-        opt = self.optimizers()
-        x, y = batch
-        opt.zero_grad()
-        self.manual_backward(nn.functional.cross_entropy(self(x[:4]).float(), y[:4]))
-        self.manual_backward(nn.functional.cross_entropy(self(x[4:]).float(), y[4:]))
-        opt.step()
 
 
 @pytest.mark.slow  # Trainer runs of several seconds

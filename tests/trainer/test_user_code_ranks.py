@@ -18,11 +18,8 @@ import functools
 
 import pytest
 import torch
-
-# isort: off
-from workers import user_code  # puts tests/trainer on the path: the cases are test_user_code's
-from test_user_code import CLAMP
-# isort: on
+from user_code_helpers import CLAMP
+from workers import user_code
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]  # launches two processes
 

@@ -9,15 +9,13 @@ offload path (32-true with in_place_on_cpu=False, and bf16-mixed) and, for 32-tr
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import lightning as L
 import pytest
 import torch
 from helpers import QUIET
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils.data import DataLoader, TensorDataset
+from user_code_helpers import AdamWWithDefaults, HookedTiny, Tiny, data
 
 import lightning_zero_offload  # noqa: F401  (registers "zero_offload")
 from lightning_zero_offload import ZeroOffloadFabricStrategy, ZeroOffloadStrategy
@@ -47,53 +45,6 @@ class GradientCentralizedAdamW(torch.optim.AdamW):
                     p.grad.sub_(p.grad.mean(dim=1, keepdim=True))
         super().step()
         return loss
-
-
-class AdamWWithDefaults(torch.optim.AdamW):
-    """Overrides only __init__: the update is AdamW's own."""
-
-    def __init__(self, params) -> None:
-        super().__init__(params, lr=2e-2, weight_decay=0.05)
-
-
-class Tiny(L.LightningModule):
-    """An MLP regressor; ``extra`` adds one parameter of the kind under test, used by ``forward``."""
-
-    def __init__(self, optimizer: Callable = lambda ps: torch.optim.AdamW(ps, lr=1e-2), extra: str = "") -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-        self.make_optimizer = optimizer
-        self.extra = extra
-        if extra == "complex":
-            self.z = nn.Parameter(torch.randn(4, dtype=torch.cfloat))
-        elif extra == "real-view":  # the parameterisation the complex refusal recommends
-            self.z = nn.Parameter(torch.view_as_real(torch.randn(4, dtype=torch.cfloat)).clone())
-        elif extra == "float64":
-            self.head = nn.Linear(8, 1).double()
-        elif extra == "expanded":
-            self.rows = nn.Parameter(torch.randn(1, 8).expand(3, 8))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        pred = self.net(x).float()[:, 0]
-        if self.extra in ("complex", "real-view"):
-            z = self.z if self.extra == "complex" else torch.complex(self.z[..., 0].float(), self.z[..., 1].float())
-            pred = pred + (x[:, :4] * z).real.sum(-1)
-        elif self.extra == "float64":
-            pred = pred + self.head(x.double())[:, 0].float()
-        elif self.extra == "expanded":
-            pred = pred + (x @ self.rows.t()).sum(-1)
-        return nn.functional.mse_loss(pred, y)
-
-    def configure_optimizers(self):
-        return self.make_optimizer(self.parameters())
-
-
-def data(n: int = 40) -> DataLoader:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, 8, generator=g)
-    return DataLoader(TensorDataset(x, x[:, :3].sum(-1)), batch_size=8)
 
 
 def fit(model: L.LightningModule, precision: str, options: dict | None = None, **kwargs) -> L.Trainer:
@@ -135,28 +86,6 @@ def test_a_subclass_that_only_overrides_init_trains_as_under_auto(precision, opt
 
 
 # -- step hooks ----------------------------------------------------------------------------------
-
-
-class HookedTiny(Tiny):
-    """Registers per-optimizer step hooks in configure_optimizers; the pre-hook also warms the LR up."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[str] = []
-        self.hook_optimizers: list[torch.optim.Optimizer] = []
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        self.optimizer_made = optimizer
-
-        def pre(opt, args, kwargs):
-            self.calls.append("pre")
-            self.hook_optimizers.append(opt)
-            opt.param_groups[0]["lr"] = 5e-3 * (1 + len(self.hook_optimizers))
-
-        optimizer.register_step_pre_hook(pre)
-        optimizer.register_step_post_hook(lambda opt, args, kwargs: self.calls.append("post"))
-        return optimizer
 
 
 @pytest.fixture

@@ -10,12 +10,12 @@ import functools
 import os
 import sys
 
-import torch
-import torch.distributed as dist
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the helpers
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "engine", "schedules"))
-from test_schedules import snapshot  # noqa: E402
-from test_schedules import train as train_one_rank  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from schedule_helpers import snapshot  # noqa: E402
+from schedule_helpers import train as train_one_rank  # noqa: E402
 
 from lightning_zero_offload.engine import LossScalerConfig  # noqa: E402
 

@@ -22,29 +22,30 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# The tests' helpers and the Trainer tests whose cases this runs, as pytest's conftest puts them on the path.
-TESTS = Path(__file__).resolve().parents[1]
-sys.path[:0] = [path for path in (str(TESTS), str(TESTS / "trainer")) if path not in sys.path]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from helpers import QUIET, Classifier, loader  # noqa: E402
 from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging, WeightAveraging  # noqa: E402
-from test_user_code import (  # noqa: E402
-    Backbone,
-    ClampThroughParameter,
-    ClampWeights,
-    LoadStateMidFit,
-    ReassignData,
-    UnfreezeAt,
-    UnusedAndTwoLosses,
-    frozen_backbone,
-)
-from test_user_optimizers import AdamWWithDefaults, HookedTiny, Tiny, data  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+from user_code_helpers import (  # noqa: E402
+    AdamWWithDefaults,
+    Backbone,
+    ClampThroughParameter,
+    ClampWeights,
+    HookedTiny,
+    LoadStateMidFit,
+    ReassignData,
+    Tiny,
+    UnfreezeAt,
+    UnusedAndTwoLosses,
+    data,
+    frozen_backbone,
+)
 
 from lightning_zero_offload import ZeroOffloadStrategy  # noqa: E402
 
