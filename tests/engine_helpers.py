@@ -95,16 +95,6 @@ def fp16_headroom(device: torch.device = CPU) -> tuple[float, bool]:
     return float(engine.grad.max()), engine.grads.local_summary()[1]
 
 
-def two_rank_checks(rank: int) -> tuple:
-    return fp16_headroom(), *layers_training(rank, 2)
-
-
-def two_gpu_checks(rank: int) -> tuple:
-    """``two_rank_checks`` over NCCL, one GPU per rank."""
-    device = torch.device("cuda", rank)
-    return fp16_headroom(device), *layers_training(rank, 2, device=device)
-
-
 def unfreeze_training(rank: int, world: int, unfreeze_at: int = 3, steps: int = 6) -> dict:
     """AdamW with the first layer frozen until ``unfreeze_at`` (then trainable: the engine re-plans), on
     this rank's share of each batch; the full master weights and the optimizer state at the end."""

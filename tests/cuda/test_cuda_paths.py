@@ -7,8 +7,9 @@ import contextlib
 
 import pytest
 import torch
-from engine_helpers import batches, loss_fn, options, two_gpu_checks
+from engine_helpers import batches, loss_fn, options
 from torch import nn
+from workers.streaming import two_gpu_checks
 
 from lightning_zero_offload.engine import LossScalerConfig, OffloadEngine
 from lightning_zero_offload.engine.infra import memory

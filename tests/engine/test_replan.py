@@ -9,6 +9,7 @@ lost the moments or step counts of the layers that stayed differs by > 1e-3.
 import pytest
 import torch
 from engine_helpers import unfreeze_reference, unfreeze_training
+from workers.replan import unfreeze_two_ranks
 
 from lightning_zero_offload.testing.ranks import run_ranks
 
@@ -29,10 +30,6 @@ def test_unfreezing_at_one_rank_trains_as_torch():
     reference = unfreeze_reference()
     assert float(reference["state"][0]["step"]) == 3  # the first layer trained only after the unfreeze
     assert_matches_reference(unfreeze_training(0, 1), reference)
-
-
-def unfreeze_two_ranks(rank: int) -> dict:
-    return unfreeze_training(rank, 2)
 
 
 @pytest.mark.slow  # two ranks in processes

@@ -3,6 +3,7 @@ host memory, its file, and failed saves (top-level functions: ``run_ranks(functo
 
 import gc
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -10,7 +11,14 @@ from engine_helpers import CPU, options
 from torch import nn
 
 import lightning_zero_offload  # noqa: F401 - imported before the rank's group exists (see ranks._rank_main)
-from lightning_zero_offload.checkpoints import CheckpointError, atomic_save, load_checkpoint_file
+from lightning_zero_offload import checkpoints as ckpt
+from lightning_zero_offload.checkpoints import (
+    FORMAT_KEY,
+    CheckpointError,
+    atomic_save,
+    load_checkpoint_file,
+)
+from lightning_zero_offload.checkpoints import sharded as checkpoint_sharded
 from lightning_zero_offload.core import ENGINE_STATE_KEY, OffloadSession
 
 WIDTH, LAYERS = 512, 32  # 8.4M parameters: gathering the fp32 state (12 B/param) would add about 100 MB
@@ -190,3 +198,39 @@ def failed_saves(tmp: str, rank: int) -> dict:
     full = session.master_state_dict()["0.weight"]
     session.close()
     return {"errors": errors, "kept": kept, "saved_after": torch.equal(master, full), "left": sorted(os.listdir(tmp))}
+
+
+def save_weights_only_at_rank(path: str, rank: int) -> list[str]:
+    """Rank ``rank`` of two saves ``w`` = 0..4 (3 values on rank 0, 2 and padding on rank 1) in a checkpoint
+    without optimizer state (only rank 0 holds it: the others learn it from rank 0); its shard's entries."""
+    import torch.distributed as dist
+
+    def broadcast(obj):
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(obj):
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    meta = None
+    if rank == 0:
+        meta = {
+            "state_dict": {},
+            FORMAT_KEY: {
+                "format": "sharded",
+                "version": 2,
+                "world_size": 2,
+                "buckets": [{"shard_start": 0, "shard_numel": 3}],
+                "params": [{"keys": ["w"], "shape": [5], "bucket": 0, "offset": 0, "step": 1, "torch_index": 0}],
+            },
+        }
+    flat = torch.arange(6.0)[3 * rank : 3 * rank + 3]
+    ckpt.save_sharded(path, {name: flat for name in checkpoint_sharded.SHARD_KEYS}, meta, rank, broadcast, gather)
+    return sorted(torch.load(in_version(path, ckpt.shard_file(rank)), weights_only=True))
+
+
+def in_version(root, name: str) -> Path:
+    return Path(checkpoint_sharded.current_version(root).path) / name

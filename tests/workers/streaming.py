@@ -2,7 +2,7 @@
 its device gradient buffers (top-level functions, so ``ranks.run_ranks`` can start them)."""
 
 import torch
-from engine_helpers import CPU, options
+from engine_helpers import CPU, fp16_headroom, layers_training, options
 from torch import nn
 
 from lightning_zero_offload.engine import OffloadEngine
@@ -89,3 +89,13 @@ def every_order_two_ranks(rank: int) -> dict:
 
 def every_order_three_ranks(rank: int) -> dict:
     return every_order(rank, 3)
+
+
+def two_rank_checks(rank: int) -> tuple:
+    return fp16_headroom(), *layers_training(rank, 2)
+
+
+def two_gpu_checks(rank: int) -> tuple:
+    """``two_rank_checks`` over NCCL, one GPU per rank."""
+    device = torch.device("cuda", rank)
+    return fp16_headroom(device), *layers_training(rank, 2, device=device)

@@ -17,9 +17,9 @@ from engine_helpers import (
     make_net,
     options,
     two_groups,
-    two_rank_checks,
 )
 from torch import nn
+from workers.streaming import two_rank_checks
 
 from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.engine.infra import memory, streams
