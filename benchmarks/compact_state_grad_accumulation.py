@@ -1,7 +1,7 @@
 """What a bf16 gradient buffer costs under accumulation: its error against an fp32 buffer, per micro-batch count.
 
 With ``cpu_state="bf16"`` the gradient buffer is bf16 (2 B/param instead of 4): each backward pass's
-gradient is added in fp32 and the sum rounded to nearest once per pass (engine/cpu_state.py,
+gradient is added in fp32 and the sum rounded to nearest once per pass (engine/step/cpu_state.py,
 ``CpuState.accumulate``). This measures what that rounding does to the accumulated gradient of a real model
 (the demo's GPT on the demo corpus), for K micro-batches per step: the relative error of the bf16 buffer
 against the same gradients summed in fp32, next to the error a single bf16 rounding of the fp32 sum

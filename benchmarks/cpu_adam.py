@@ -256,14 +256,10 @@ def build_cases(sizes: list[int], threads: int) -> dict[str, Callable[[], None]]
     return cases
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def thread_count(token: str) -> int:
     """``"8"``, ``"cores"`` or ``"cores-2"`` (the usable cores minus 2, at least 1)."""
     if token.startswith("cores"):
-        return max(1, usable_cores() + int(token[5:] or 0))  # the suffix is signed: cores-2 is cores + (-2)
+        return max(1, kernels.usable_cores() + int(token[5:] or 0))  # the suffix is signed: cores-2 is cores + (-2)
     return int(token)
 
 
@@ -334,7 +330,7 @@ def thread_rows(threads: list[int], n: int, reps: int, busy: int = 0) -> dict[st
         "n": n,
         "busy": busy,
         "threads": threads,
-        "cores_usable": usable_cores(),
+        "cores_usable": kernels.usable_cores(),
         "load_average_1min": load,
         "seconds": medians,
         "mparam_per_s": {k: n / t / 1e6 for k, t in medians.items()},

@@ -1,4 +1,4 @@
-"""What watching for writes to the parameters costs the offload path (engine/param_writes.py), step by step
+"""What watching for writes to the parameters costs the offload path (engine/step/param_writes.py), step by step
 in one process.
 
 Two engines over the same model shape take turns step by step (the order alternates every round): one as

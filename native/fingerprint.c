@@ -1,6 +1,6 @@
 /* A position-weighted checksum of 16-bit words: sum over i of x[i] * (i + 1), modulo 2^64, x read
  * as signed. The engine compares it before and after user code runs to learn whether the device
- * parameters were written (engine/param_writes.py): any single changed element or any swap of two
+ * parameters were written (engine/step/param_writes.py): any single changed element or any swap of two
  * different elements changes it. Integer arithmetic, so the result is the same for any thread count
  * and on any backend (torch computes the same sum from row and column sums on accelerators).
  *

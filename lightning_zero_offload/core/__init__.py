@@ -6,14 +6,14 @@ what they do, the one door to the engine (build it, the backward window, the pen
 :mod:`.optimizer` the optimizer for a loop that steps itself; :mod:`.gradients` what
 ``p.grad`` says; :mod:`.checkpoint_io` the one checkpoint path of both front ends; :mod:`.model_rules` the
 models the engine refuses; :mod:`.teardown` the end of a run. ``trainer/`` and ``fabric/`` translate
-Lightning's hooks into it.
+Lightning's hooks into it and import nothing from the engine: what it did reaches them as its
+:class:`StepStats` (with :func:`hidden_fraction`), re-exported here.
 """
 
 from lightning_zero_offload.core.optimizer import OffloadedOptimizer
 from lightning_zero_offload.core.options import (
     OPTION_NAMES,
     OPTIONS_DOC,
-    STRATEGY_DESCRIPTION,
     coerced_precision,
     collective_timeout,
     make_offload_options,
@@ -23,23 +23,23 @@ from lightning_zero_offload.core.session import (
     ENGINE_STATE_KEY,
     OffloadSession,
     SessionStrategy,
-    all_gather_objects,
     move_untrained_to,
     training_session,
 )
 from lightning_zero_offload.core.teardown import release_after_failure, release_process_group
+from lightning_zero_offload.engine.stats import StepStats, hidden_fraction
 
 __all__ = [
     "ENGINE_STATE_KEY",
     "OPTIONS_DOC",
     "OPTION_NAMES",
-    "STRATEGY_DESCRIPTION",
     "OffloadSession",
     "OffloadedOptimizer",
     "SessionStrategy",
-    "all_gather_objects",
+    "StepStats",
     "coerced_precision",
     "collective_timeout",
+    "hidden_fraction",
     "make_offload_options",
     "move_untrained_to",
     "release_after_failure",

@@ -39,7 +39,7 @@ from lightning_zero_offload.core.model_rules import (
     describe_model,
 )
 from lightning_zero_offload.core.options import STRATEGY_DESCRIPTION, resolve_precision
-from lightning_zero_offload.core.session_checkpoints import SessionCheckpoints, all_gather_objects, state_dict_keys
+from lightning_zero_offload.core.session_checkpoints import SessionCheckpoints, state_dict_keys
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions, StepStats
 from lightning_zero_offload.engine.infra.collectives import broadcast_tensors_
 from lightning_zero_offload.engine.options import Resolved
@@ -365,7 +365,6 @@ __all__ = [
     "ENGINE_STATE_KEY",
     "OffloadSession",
     "SessionStrategy",
-    "all_gather_objects",
     "move_untrained_to",
     "training_session",
 ]

@@ -53,7 +53,7 @@ from lightning_zero_offload.engine.step.cpu_state import CpuState, ParkedState, 
 from lightning_zero_offload.engine.step.gradient_source import BucketArrivals
 from lightning_zero_offload.engine.step.in_place import InPlaceGradients, InPlaceUpdate
 from lightning_zero_offload.engine.step.layout import Layout, build_layout
-from lightning_zero_offload.engine.step.parts import ScheduleParts, U, Update
+from lightning_zero_offload.engine.step.parts import ScheduleParts, U
 from lightning_zero_offload.engine.step.publisher import LOW_PRECISION, NullPublisher, Publisher
 from lightning_zero_offload.engine.step.streamer import GradientStreamer
 from lightning_zero_offload.engine.step.update import UpdatePipeline
@@ -157,14 +157,13 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         # The device copy of the parameters, the gradients' way to the CPU and the update: in place, neither
         # moves and the update is one native call per param group (only the sync schedule runs there).
         arrivals = BucketArrivals()  # the gradient source reports each landed bucket there, a schedule listens
-        self.cpu_update: Update
         # In place the update can take the norm and the inf/nan check itself (engine.step).
         self._in_place_update: InPlaceUpdate | None = None
         if self.in_place:
             self.publisher = NullPublisher(self.layout, self.params, self.master)
             self.grads = in_place_grads = InPlaceGradients(self.params, self.num_threads)
             update = InPlaceUpdate(optimizer, self.group_of, self.state, in_place_grads, self.num_threads)
-            self.cpu_update = self._in_place_update = update
+            self._in_place_update = update
             self.schedule = SyncSchedule(self._schedule_parts(arrivals, update))
             return
         group, ledger = self.process_group, self.ledger
@@ -192,7 +191,6 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
             self.overlap,
             self.num_threads,
         )
-        self.cpu_update = pipeline
         if self.state.dtype != param_dtype and param_dtype == torch.float32:
             # bf16 state under fp32 parameters: the device computes with the master's (bf16) values from the start.
             publisher.refresh(self.state.master)

@@ -12,7 +12,7 @@ the extension is missing or when ``set_backend("torch")``/``LZO_BACKEND=torch`` 
 package, in the order a call runs through it:
 
 - this module: the public functions; each checks its arguments and calls the active backend;
-- ``checks``: the argument checks, and :class:`AdamArgs`, the hyperparameters checked once;
+- ``arguments``: the argument checks, and :class:`AdamArgs`, the hyperparameters checked once;
 - ``backends``: the one active backend object, its selection and the default thread count;
 - ``native``: the native backend (cffi calls); ``_native``: loading the extension;
 - ``reference``: the torch backend, the reference the native kernels are tested against.

@@ -15,10 +15,10 @@ active during forward looks at each torch call's arguments for parameters of the
 level inside lists and tuples, and views of them made during the forward):
 
 - ops that autocast runs in low precision on that device type (linear, matmul, conv, bmm, attention;
-  :data:`_AUTOCAST_LOW_PRECISION`) and functions that feed the weights only to such ops
+  :data:`.rules.AUTOCAST_LOW_PRECISION`) and functions that feed the weights only to such ops
   (``multi_head_attention_forward``, the RNNs) get the parameter as it is: no copy. Its first such use in a
   forward is the parameter itself; later uses reach it through a zero-memory fp32 stand-in
-  (:class:`_FloatGradientSum`) where autograd sums their gradients in fp32 before one rounding;
+  (:class:`.functions.FloatGradientSum`) where autograd sums their gradients in fp32 before one rounding;
 - ``embedding`` looks its rows up in low precision and returns them as fp32, as AMP's fp32 table does
   (exact; no fp32 copy of the table). On the CPU its backward sums repeated rows in fp32
   (torch's CPU kernel sums them in the table's dtype; the CUDA kernel already sums in fp32);

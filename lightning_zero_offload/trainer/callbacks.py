@@ -15,8 +15,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_zero_offload.core import OffloadSession, training_session
-from lightning_zero_offload.engine.stats import hidden_fraction
+from lightning_zero_offload.core import OffloadSession, hidden_fraction, training_session
 
 _TIMINGS = ("backward", "transfer_wait", "cpu_step", "update_wait", "copy_back")  # the engine's StepStats
 # What plain mixed-precision Adam keeps on the device per parameter: fp32 weights (4), fp32 grads (4),

@@ -1,4 +1,4 @@
-"""engine.model_checks.check_param_dtypes: trainable parameters the flat, real, single-dtype device buffer
+"""core.model_rules.check_param_dtypes: trainable parameters the flat, real, single-dtype device buffer
 would silently change are refused at setup, naming the parameter and the fix."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The forward rule for low-precision device weights (lightning_zero_offload/mixed_precision.py): every op sees
+"""The forward rule for low-precision device weights (lightning_zero_offload/mixed_precision/): every op sees
 what it sees under AMP on the fp32 model with the weights rounded to bf16/fp16, and each parameter's uses sum
 their gradients in fp32.
 

@@ -133,6 +133,20 @@ def test_the_lower_layers_import_no_lightning(torch_only):
     assert found == []
 
 
+FRONT_ENDS = ("trainer", "fabric", "strategy", "precision", "callbacks", "cli")
+
+
+def test_the_front_ends_reach_the_engine_only_through_the_session():
+    reaching = [
+        f"{name} imports {imported}"
+        for name, path in MODULES.items()
+        if unit(name) in FRONT_ENDS
+        for imported in imports(path)
+        if imported.startswith(f"{PACKAGE}.engine")
+    ]
+    assert reaching == []
+
+
 def test_no_schedule_or_part_imports_the_orchestrator():
     graph = package_graph()
     engine = f"{PACKAGE}.engine"
