@@ -132,8 +132,8 @@ OPTIONS_DOC = """\
             triggers or a gradient overflows: ``"undo"`` inverts the Adam step algebraically (no extra memory;
             equal to sync within fp32 rounding), ``"snapshot"`` copies the bucket's state before speculating
             (bitwise equal to sync; 12 bytes of host memory per parameter, 6 with ``cpu_state="bf16"``, where
-            it is the only rollback). ``"auto"``: snapshot for fp16
-            (overflows are routine there), undo otherwise.
+            it is the only rollback). ``"auto"``: the snapshot (after a clipped
+            spike the undo's moments lose precision to cancellation: docs/dpu.md).
         loss_scale_init: fp16 only: initial dynamic loss scale.
         loss_scale_growth_interval: fp16 only: overflow-free steps before the scale grows.
         loss_scale_growth_factor: fp16 only: factor by which the scale grows.
@@ -159,6 +159,11 @@ OPTIONS_DOC = """\
             Default (None): exactly there. ``False``: always run the offload data path that an accelerator
             runs (on a CPU, its copies are real copies; useful to test it). ``True``: require it (an error
             says which condition is not met).
+        offload_params: keep the parameters on the CPU too, sharded across ranks with torch FSDP2, each
+            block's weights brought to the device just before it runs (docs/offload-params.md): the model is
+            no longer limited by device memory, at about 2 bytes per parameter moved in each of forward and
+            backward. The CPU step is this project's (the sharded parameter is the master). Also registered as
+            ``strategy="zero_offload_params"``.
         process_group_backend: torch.distributed backend (default: nccl on CUDA, gloo on CPU).
         timeout: how long any collective (the engine's, checkpointing's and Lightning's own) may wait for the
             other ranks before it raises: a ``timedelta`` or seconds. Default: torch's 30 minutes. A rank that

@@ -84,6 +84,7 @@ class OffloadOptions:
     checkpoint_format: CheckpointFormat = "full"
     max_consecutive_skipped_steps: int | None = 20
     in_place_on_cpu: bool | None = None
+    offload_params: bool = False
 
     def __post_init__(self) -> None:
         check_real("bucket_size_mb", self.bucket_size_mb, "> 0 (megabytes)", lambda v: v > 0)
@@ -99,6 +100,7 @@ class OffloadOptions:
         check_choice("checkpoint_format", self.checkpoint_format, ("full", "sharded"))
         check_int("max_consecutive_skipped_steps", self.max_consecutive_skipped_steps, 1, optional=True)
         check_bool("in_place_on_cpu", self.in_place_on_cpu, optional=True)
+        check_bool("offload_params", self.offload_params)
         if self.delayed.weight_prediction and self.cpu_step != "delayed":
             raise ValueError("dpu_weight_prediction=True only changes the delayed update; set cpu_step='delayed' too")
 
@@ -124,6 +126,7 @@ class Resolved:
     delayed: DelayedOptions | None
     state_dtype: torch.dtype = torch.float32
     notes: tuple[str, ...] = ()
+    offload_params: bool = False
 
     def warn(self) -> None:
         """Warn once for each note (the engine calls this when it is built; re-planning does not)."""
@@ -205,6 +208,7 @@ def resolve(
             (f"there are {world_size} processes, not 1", world_size != 1),
             (f"cpu_step is {cpu_step!r}, not 'sync'", cpu_step != "sync"),
             ("cpu_state is 'bf16', not 'fp32'", options.cpu_state != "fp32"),
+            ("offload_params is True (the parameters are FSDP2 shards)", options.offload_params),
         )
         if fails
     ]
@@ -230,6 +234,8 @@ def resolve(
 
     if compact:
         _check_compact_state(options, param_dtype, cpu_step)
+    if options.offload_params:
+        notes.extend(_check_offload_params(options, cpu_step))
 
     rollback: Literal["undo", "snapshot"] | None = None
     if cpu_step == "speculative":
@@ -266,7 +272,18 @@ def resolve(
 
     pin = options.pin_memory and device.type == "cuda"  # page-locked staging speeds up CUDA copies only
     state_dtype = STATE_DTYPES[options.cpu_state]
-    return Resolved(cpu_step, overlap, max(1, threads), in_place, pin, rollback, delayed, state_dtype, tuple(notes))
+    return Resolved(
+        cpu_step,
+        overlap,
+        max(1, threads),
+        in_place,
+        pin,
+        rollback,
+        delayed,
+        state_dtype,
+        tuple(notes),
+        options.offload_params,
+    )
 
 
 def with_compact_state(options: OffloadOptions) -> OffloadOptions:
@@ -274,6 +291,23 @@ def with_compact_state(options: OffloadOptions) -> OffloadOptions:
     refuses "undo"); :func:`resolve` still refuses what bf16 state cannot run (fp16, weight prediction)."""
     speculative = SpeculativeOptions() if options.speculative.rollback == "undo" else options.speculative
     return replace(options, cpu_state="bf16", speculative=speculative)
+
+
+def _check_offload_params(options: OffloadOptions, cpu_step: ScheduleName) -> list[str]:
+    """Refuse what ``offload_params=True`` cannot run, naming the fix; the notes for options it ignores."""
+    if cpu_step == "delayed":
+        raise ValueError(
+            "cpu_step='delayed' lets the device compute with weights one step old while the CPU updates the master; "
+            "with offload_params=True FSDP2 gathers the master shard itself, so there is no older copy to "
+            "compute with: "
+            "use cpu_step='speculative' (the step overlaps backward) or 'sync'"
+        )
+    if options.bucket_size_mb != OffloadOptions.bucket_size_mb:
+        return [
+            f"bucket_size_mb={options.bucket_size_mb} has no effect with offload_params=True: FSDP2 moves and "
+            "reduces gradients one wrapped block at a time (the blocks are the buckets)"
+        ]
+    return []
 
 
 def _check_compact_state(options: OffloadOptions, param_dtype: torch.dtype, cpu_step: ScheduleName) -> None:
