@@ -1,0 +1,419 @@
+"""The parameter-offload engine: this project's CPU step over a model whose parameters FSDP2 keeps on the host.
+
+```
+forward/backward (device)  FSDP2 gathers each block's shards to the device just before it runs, and
+                           reduce-scatters its gradients back to the host shard's p.grad after
+[speculative]              FSDP2's post-accumulate-grad hook: the shard's step starts (speculation.py)
+step()                     global norm + inf/nan check (one all-reduce) -> skip, or clip x unscale factor
+                           -> fused CPU Adam (kernels) on each local shard in place: the shard is the master
+next forward               FSDP2's all-gather brings the updated shards to the device
+```
+
+The parameters are ``fully_shard``-ed before the engine sees them (placement.py); the optimizer's
+param groups hold those sharded parameters and are read live at every step (schedulers, callbacks), as
+the ZeRO-2 engine reads them. Gradients stay where torch and FSDP2 put them, in ``p.grad`` (DTensors on
+the host), so user code reads and clips them as under FSDP2; ``zero_grad`` drops them.
+Plain torch: no Lightning imports.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_zero_offload import kernels
+from lightning_zero_offload.engine.failures import NonFinitePolicy
+from lightning_zero_offload.engine.infra.streams import worker_pool
+from lightning_zero_offload.engine.offload_params.shards import ShardSlot
+from lightning_zero_offload.engine.offload_params.speculation import Speculation
+from lightning_zero_offload.engine.optimizer_hooks import step_hooks
+from lightning_zero_offload.engine.optimizer_support import check_optimizer, read_hyperparams
+from lightning_zero_offload.engine.options import OffloadOptions, resolve
+from lightning_zero_offload.engine.scaler import DynamicLossScaler
+from lightning_zero_offload.engine.stats import StepStats
+from lightning_zero_offload.engine.step.cpu_state import rounding_seed
+from lightning_zero_offload.warning import ZeroOffloadRuntimeWarning
+
+__all__ = ["ParamOffloadEngine"]
+
+Group = tuple[kernels.AdamArgs, list[ShardSlot]]
+
+
+class ParamOffloadEngine:
+    """Owns the Adam moments of the sharded trainable parameters of ``optimizer`` and steps them on the CPU.
+
+    Args:
+        optimizer: the user's Adam/AdamW/CPUAdam over the ``fully_shard``-ed module's parameters; only its
+            ``param_groups`` are used (read live).
+        device: where forward/backward run (FSDP2's mesh device).
+        param_dtype: the compute dtype (FSDP2's ``MixedPrecisionPolicy.param_dtype``).
+        options: engine settings; ``offload_params`` is implied.
+        world_size: ranks sharing the parameters (torch.distributed's default group).
+        local_world_size: ranks on this node, for the default CPU thread count.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        param_dtype: torch.dtype,
+        options: OffloadOptions,
+        world_size: int = 1,
+        local_world_size: int = 1,
+    ) -> None:
+        check_optimizer(optimizer)
+        self.optimizer, self.device, self.param_dtype, self.world_size = optimizer, device, param_dtype, world_size
+        self.options = options
+        self.resolved = resolve(options, device, param_dtype, world_size, local_world_size)
+        if self.resolved.cpu_step == "speculative" and self.resolved.speculation_rollback != "snapshot":
+            raise ValueError(
+                "speculation_rollback='undo' is not available with offload_params=True: use 'snapshot' (or 'auto')"
+            )
+        self.resolved.warn()
+        self.state_dtype = self.resolved.state_dtype
+        self.scaler = DynamicLossScaler(options.loss_scaler) if param_dtype == torch.float16 else None
+        self.nonfinite = NonFinitePolicy(options.max_consecutive_skipped_steps, self.scaler)
+        self._seed = rounding_seed(None, device, world_size) if self.state_dtype == torch.bfloat16 else 0
+        self._threads = self.resolved.cpu_threads
+        self._slots: dict[int, ShardSlot] = {}
+        self._next_element = 0
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        speculative = self.resolved.cpu_step == "speculative"
+        self._worker = worker_pool("lzo-shard-step", device) if speculative and self.resolved.overlap else None
+        self.speculation = Speculation(self._step_shard, self._worker, self._threads) if speculative else None
+        self._groups()  # every trainable parameter gets its state now, so the memory is known up front
+        self.step_calls = self.skipped_steps = 0
+        self.last = StepStats()
+        self._carried = 1.0  # what the last step did to p.grad (clip x unscale), applied when it is next read
+        self._summary: tuple[float, bool] | None = None
+        self._backward_start: float | None = None
+        self._backward_s = 0.0
+        self._closed = False
+
+    # -- the parameters ----------------------------------------------------------------------------
+
+    def _slot(self, param: nn.Parameter) -> ShardSlot:
+        slot = self._slots.get(id(param))
+        if slot is None:
+            slot = ShardSlot.for_param(param, self.state_dtype, self._next_element)
+            _check_shard(param, slot, self.state_dtype)
+            self._next_element += param.numel()
+            self._slots[id(param)] = slot
+            if self.speculation is not None:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_gradient))
+        return slot
+
+    def _on_gradient(self, param: torch.Tensor) -> None:
+        assert self.speculation is not None
+        self.speculation.on_gradient(self._slots[id(param)])
+
+    def _groups(self) -> list[Group]:
+        """Each param group's hyperparameters now, with the slots of its trainable parameters."""
+        groups = []
+        for index, group in enumerate(self.optimizer.param_groups):
+            hparams = read_hyperparams(self.optimizer, group, index)
+            groups.append((hparams, [self._slot(p) for p in group["params"] if p.requires_grad]))
+        return groups
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The trainable parameters, in the optimizer's order."""
+        return [slot.param for slot in self._slots.values()]
+
+    @property
+    def slots(self) -> list[ShardSlot]:
+        return list(self._slots.values())
+
+    def _with_grads(self) -> Iterator[ShardSlot]:
+        return (slot for slot in self._slots.values() if slot.param.grad is not None)
+
+    # -- training ----------------------------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def expect_step(self, publish_early: bool = False) -> None:
+        """The next backward ends an accumulation window. ``publish_early``: nothing reads or writes the
+        parameters between it and the step, so (speculative) each shard may be stepped during it."""
+        if self.speculation is not None and publish_early:
+            hparams = {slot: args for args, slots in self._groups() for slot in slots}
+            self.speculation.arm(hparams, 1.0 / self.loss_scale)
+
+    def begin_backward(self) -> None:
+        """Before a backward, which adds to ``p.grad``: the last step's clip applies to what it adds to."""
+        self._settle_carried()
+        if self.speculation is not None:
+            self.speculation.take_back()  # an earlier backward's speculated steps: more gradient is coming
+        self._summary = None
+        self._backward_start = time.perf_counter()
+
+    def finish_backward(self) -> None:
+        if self._backward_start is not None:
+            self._backward_s += time.perf_counter() - self._backward_start
+            self._backward_start = None
+        if self.speculation is not None:
+            self.speculation.finish_backward()
+
+    def before_user_code(self) -> None:
+        """User code may read or change ``p.grad`` now (the front end's gradient hooks)."""
+        self._settle_carried()
+        if self.speculation is not None:
+            self.speculation.before_user_code()
+
+    def after_user_code(self) -> None:
+        self._summary = None
+        if self.speculation is not None:
+            self.speculation.after_user_code()
+
+    def grad_norm(self) -> float:
+        """The global 2-norm of the unscaled gradients (one all-reduce, reused by the coming step)."""
+        self.finish_backward()
+        self._settle_carried()
+        sumsq, _ = self._global_summary({})
+        return math.sqrt(sumsq) / self.loss_scale if math.isfinite(sumsq) else math.inf
+
+    def _global_summary(self, known: dict[ShardSlot, float]) -> tuple[float, bool]:
+        """(sum of squares of every rank's gradient shards, any inf/nan), summed in slot order on every rank."""
+        if self._summary is None:
+            sumsq, nonfinite = 0.0, False
+            for slot in self._with_grads():
+                if slot in known:
+                    sumsq += known[slot]
+                    continue
+                grad = slot.grad
+                assert grad is not None
+                part, bad = kernels.sum_of_squares(grad, num_threads=self._threads)
+                sumsq, nonfinite = sumsq + part, nonfinite or bad
+            if self.world_size > 1:
+                summary = torch.tensor([sumsq, float(nonfinite)], dtype=torch.float64)
+                dist.all_reduce(summary)
+                sumsq, nonfinite = float(summary[0]), bool(summary[1] > 0)
+            self._summary = (sumsq, nonfinite or not math.isfinite(sumsq))
+        return self._summary
+
+    def step(self, clip_norm: float | None = None, clip_value: float | None = None) -> StepStats:
+        """Clip, unscale and Adam-step every shard that has a gradient; skip on inf/nan. ``p.grad`` is kept
+        as torch's step leaves it (clipped, unscaled) until :meth:`zero_grad`."""
+        _check_clip("clip_norm", clip_norm)
+        _check_clip("clip_value", clip_value)
+        start = time.perf_counter()
+        self.finish_backward()
+        self._settle_carried()
+        speculated, speculated_with = self.speculation.take() if self.speculation is not None else ({}, {})
+        stats = StepStats(loss_scale=self.loss_scale, backward_s=self._backward_s)
+        self._backward_s = 0.0
+        self.step_calls += 1
+        scale = self.loss_scale
+        sumsq, overflow = self._global_summary(speculated)
+        stats.grad_norm = math.sqrt(sumsq) / scale if not overflow else math.inf
+        if overflow:
+            self._take_back(list(speculated), stats)
+            self._skip(stats)
+        else:
+            clip_coef = min(1.0, clip_norm / (stats.grad_norm + 1e-6)) if clip_norm is not None else 1.0
+            multiplier = clip_coef / scale
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]  # LR schedulers check it
+            with step_hooks(self.optimizer):  # pre-hooks may change the hyperparameters of this step
+                groups = self._groups()
+                stats.cpu_step_s = self._apply(groups, speculated, speculated_with, clip_coef, clip_value, stats)
+            if self.scaler is not None:
+                self.scaler.update(overflow=False)
+            self._carried = multiplier
+        self._summary = None
+        stats.total_s = time.perf_counter() - start
+        self.last = stats
+        self.nonfinite.after_step(stats.skipped, scale)
+        return stats
+
+    def _apply(
+        self,
+        groups: list[Group],
+        speculated: dict[ShardSlot, float],
+        speculated_with: dict[ShardSlot, kernels.AdamArgs],
+        clip_coef: float,
+        clip_value: float | None,
+        stats: StepStats,
+    ) -> float:
+        """Settle the speculated steps, then step the rest synchronously; returns the CPU step's seconds."""
+        scale = self.loss_scale
+        limit = None if clip_value is None else clip_value * scale
+        hparams_of = {slot: args for args, slots in groups for slot in slots}
+        redo = [
+            slot
+            for slot in speculated
+            if clip_coef != 1.0
+            or hparams_of.get(slot) != speculated_with[slot]
+            or (limit is not None and _exceeds(slot, limit))
+        ]
+        self._take_back(redo, stats)
+        kept = {slot for slot in speculated if slot not in redo}
+        start = time.perf_counter()
+        multiplier = clip_coef / scale
+        stepped = 0
+        for hparams, slots in groups:
+            due = [slot for slot in slots if slot.param.grad is not None and slot not in kept]
+            if limit is not None:
+                for slot in due:
+                    slot.grad.clamp_(-limit, limit)  # type: ignore[union-attr]  # clip_grad_value_, in place
+            self._step_shards(due, hparams, multiplier)
+            stepped += sum(slot.master.numel() for slot in due)
+        for slot in kept:
+            slot.step += 1
+        total = stepped + sum(slot.master.numel() for slot in kept)
+        stats.speculated_fraction = (total - stepped) / total if total else 0.0
+        return time.perf_counter() - start
+
+    def _step_shards(self, slots: list[ShardSlot], hparams: kernels.AdamArgs, grad_scale: float) -> None:
+        if not slots:
+            return
+        if self.state_dtype == torch.bfloat16:
+            for slot in slots:
+                self._step_shard(slot, slot.grad, hparams, grad_scale)  # type: ignore[arg-type]
+                slot.step += 1
+            return
+        kernels.adam_step_multi(
+            [slot.master for slot in slots],
+            [slot.grad for slot in slots],  # type: ignore[misc]
+            [slot.exp_avg for slot in slots],
+            [slot.exp_avg_sq for slot in slots],
+            [slot.step + 1 for slot in slots],
+            hparams=hparams,
+            grad_scale=grad_scale,
+            num_threads=self._threads,
+        )
+        for slot in slots:
+            slot.step += 1
+
+    def _step_shard(self, slot: ShardSlot, grad: torch.Tensor, hparams: kernels.AdamArgs, grad_scale: float) -> None:
+        """One shard's Adam step (step count ``slot.step + 1``; the caller counts it)."""
+        if self.state_dtype == torch.bfloat16:
+            kernels.adam_step_bf16_state(
+                slot.master,
+                grad,
+                slot.exp_avg,
+                slot.exp_avg_sq,
+                hparams=hparams,
+                step=slot.step + 1,
+                seed=self._seed,
+                offset=slot.first_element,
+                grad_scale=grad_scale,
+                num_threads=self._threads,
+            )
+        else:
+            kernels.adam_step_multi(
+                [slot.master],
+                [grad],
+                [slot.exp_avg],
+                [slot.exp_avg_sq],
+                [slot.step + 1],
+                hparams=hparams,
+                grad_scale=grad_scale,
+                num_threads=self._threads,
+            )
+
+    def _take_back(self, slots: list[ShardSlot], stats: StepStats) -> None:
+        if slots and self.speculation is not None:
+            for slot in slots:
+                slot.restore()
+            self.speculation.rollbacks += 1
+            stats.rolled_back = True
+
+    def _skip(self, stats: StepStats) -> None:
+        stats.skipped = True
+        self.skipped_steps += 1
+        if self.scaler is not None:
+            self.scaler.update(overflow=True)
+            return
+        warnings.warn(
+            "Non-finite gradients (inf/nan): the optimizer step was skipped and the parameters are "
+            "unchanged. Check the loss for nan/inf or lower the learning rate.",
+            ZeroOffloadRuntimeWarning,
+            stacklevel=3,
+        )
+
+    def _settle_carried(self) -> None:
+        """Apply the last step's clip x unscale factor to ``p.grad``, as torch's clipping left it in place."""
+        if self._carried != 1.0:
+            for slot in self._with_grads():
+                slot.grad.mul_(self._carried)  # type: ignore[union-attr]
+            self._carried = 1.0
+            self._summary = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad()``: drop the gradients (or make them zero: still stepped next time)."""
+        if self.speculation is not None:
+            self.speculation.take_back()
+        self._carried, self._summary = 1.0, None
+        for slot in self._slots.values():
+            if set_to_none:
+                slot.param.grad = None
+            elif slot.param.grad is not None:
+                slot.param.grad.zero_()
+
+    @property
+    def rollbacks(self) -> int:
+        return self.speculation.rollbacks if self.speculation is not None else 0
+
+    # -- the end -----------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def memory_report(self) -> dict[str, int]:
+        """Host bytes of the optimizer state (moments, snapshots) and ``params``, the trainable count."""
+        slots = self._slots.values()
+        return {
+            "host_state": sum(slot.state_bytes() for slot in slots),
+            "params": sum(slot.param.numel() for slot in slots),
+        }
+
+    def close(self) -> None:
+        """Stop the worker and the hooks; the module keeps its (trained) shards and the state stays."""
+        if self._closed:
+            return
+        if self.speculation is not None:
+            self.speculation.finish_backward()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+        for hook in self._hooks:
+            hook.remove()
+        self._closed = True
+
+
+def _check_shard(param: nn.Parameter, slot: ShardSlot, state_dtype: torch.dtype) -> None:
+    shard = slot.master
+    if shard.device.type != "cpu":
+        raise ValueError(
+            f"a trainable parameter of shape {tuple(param.shape)} has its shard on {shard.device}: offload_params "
+            "needs FSDP2 to keep the shards on the host (fully_shard(..., offload_policy=CPUOffloadPolicy()))"
+        )
+    if shard.dtype != state_dtype:
+        raise ValueError(
+            f"a trainable parameter's shard is {shard.dtype}, and cpu_state asks for {state_dtype} master weights: "
+            "the sharded parameter is the master, so build the model in that dtype before fully_shard "
+            "(or set cpu_state to match)"
+        )
+    if not shard.is_contiguous():
+        raise ValueError(f"a trainable parameter's shard (shape {tuple(shard.shape)}) is not contiguous")
+
+
+def _exceeds(slot: ShardSlot, limit: float) -> bool:
+    """Whether clipping by value changes this shard's gradient."""
+    grad = slot.grad
+    return grad is not None and grad.numel() > 0 and bool(grad.abs().max() > limit)
+
+
+def _check_clip(name: str, value: float | None) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
