@@ -19,6 +19,7 @@ from lightning_zero_offload.core.options import (
     make_offload_options,
     resolve_precision,
 )
+from lightning_zero_offload.core.param_session import ParamOffloadSession
 from lightning_zero_offload.core.session import (
     ENGINE_STATE_KEY,
     OffloadSession,
@@ -34,6 +35,7 @@ __all__ = [
     "OPTIONS_DOC",
     "OPTION_NAMES",
     "OffloadSession",
+    "ParamOffloadSession",
     "OffloadedOptimizer",
     "SessionStrategy",
     "StepStats",

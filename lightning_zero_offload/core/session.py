@@ -325,6 +325,13 @@ class SessionStrategy:
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         strategy_registry.register(cls.strategy_name, cls, description=STRATEGY_DESCRIPTION, override=True)
+        strategy_registry.register(
+            f"{cls.strategy_name}_params",
+            cls,
+            description=f"{STRATEGY_DESCRIPTION}; parameters offloaded too (torch FSDP2)",
+            override=True,
+            offload_params=True,
+        )
 
 
 def move_untrained_to(module: nn.Module, device: torch.device) -> None:

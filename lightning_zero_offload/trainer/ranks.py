@@ -35,6 +35,8 @@ from lightning_zero_offload.trainer.launchers import MultiProcessingLauncher, Su
 class ParallelLikeDDP(ParallelStrategy):
     """A ``ParallelStrategy`` whose processes, ranks and collectives are ``DDPStrategy``'s, minus the wrapper."""
 
+    needs_process_group = False  # at one process too (the parameter-offload mode: FSDP2)
+
     def __init__(
         self,
         process_group_backend: str | None,
@@ -89,7 +91,12 @@ class ParallelLikeDDP(ParallelStrategy):
         super().setup_environment()
         self.set_world_ranks()
         if not self.is_distributed:
-            return  # one process needs no process group (no free port, no NCCL init)
+            if self.needs_process_group and not dist.is_initialized():
+                # FSDP2 shards over a process group even at one rank: one of this process alone (no port).
+                backend = _get_default_process_group_backend_for_device(self.root_device)
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+                atexit.register(release_process_group)
+            return  # otherwise one process needs no process group (no free port, no NCCL init)
         reset_seed()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend

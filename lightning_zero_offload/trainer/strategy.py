@@ -26,6 +26,7 @@ from lightning_zero_offload.core import (
     OPTIONS_DOC,
     OffloadedOptimizer,
     OffloadSession,
+    ParamOffloadSession,
     SessionStrategy,
     coerced_precision,
     collective_timeout,
@@ -75,6 +76,7 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         metrics: bool = True,
         max_consecutive_skipped_steps: int | None = 20,
         in_place_on_cpu: bool | None = None,
+        offload_params: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -92,7 +94,8 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
             precision_plugin=precision_plugin,
         )
         self.metrics = metrics
-        self.session: OffloadSession | None = None
+        self.needs_process_group = self.options.offload_params
+        self.session: OffloadSession | ParamOffloadSession | None = None
         self._preflight_error: MemoryError | None = None
 
     # Lightning assigns a generic plugin built from `precision=`; the offload step needs this one.
@@ -105,18 +108,22 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         self.precision_plugin.device_type = self.root_device.type
         module = self.lightning_module
         assert module is not None
+        precision, world = self.precision_plugin.precision, self.num_nodes * self.num_processes
+        if self._layer_sync:
+            raise ValueError("zero_offload does not support sync_batchnorm=True")
+        if self.options.offload_params:
+            # FSDP2 replaces the parameters: shard before configure_optimizers builds the optimizer over them.
+            ParamOffloadSession.shard(module, self.root_device, precision, self.options, world, children_are_roots=True)
         if fitting(trainer):
-            if self._layer_sync:
-                raise ValueError("zero_offload does not support sync_batchnorm=True")
+            start = ParamOffloadSession.start if self.options.offload_params else OffloadSession.start
             self.setup_optimizers(trainer)
             if any(isinstance(optimizer, _MockOptimizer) for optimizer in self.optimizers):
                 raise ValueError(
                     "zero_offload trains with the optimizer that configure_optimizers returns, and it returned None. "
                     "Return a torch.optim.AdamW/Adam (or lightning_zero_offload.CPUAdam) over self.parameters()."
                 )
-            precision, world = self.precision_plugin.precision, self.num_nodes * self.num_processes
             try:
-                self.session = OffloadSession.start(
+                self.session = start(
                     module, self.optimizers, self.root_device, precision, self.options, world, self.num_processes
                 )
             except MemoryError as error:
@@ -127,7 +134,8 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
             self.optimizers = [OffloadedOptimizer(self.session)]
             if self.metrics and not any(isinstance(c, OffloadMetrics) for c in trainer.callbacks):
                 trainer.callbacks.append(OffloadMetrics())
-        self.model_to_device()
+        if not self.options.offload_params:  # FSDP2 has put the buffers on the device, the shards on the host
+            self.model_to_device()
         self.setup_precision_plugin()
 
     @override

@@ -235,6 +235,13 @@ class ParamOffloadEngine:
         self.nonfinite.after_step(stats.skipped, scale)
         return stats
 
+    def skip_step(self) -> None:
+        """No step for this window (fp16's rule for a training step that returned None): a speculated step is
+        taken back; the gradients stay until :meth:`zero_grad`."""
+        self.finish_backward()
+        if self.speculation is not None:
+            self.speculation.take_back()
+
     def _apply(
         self,
         groups: list[Group],

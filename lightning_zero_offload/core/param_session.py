@@ -1,0 +1,200 @@
+"""The session of ``offload_params=True``: the same door as :class:`~lightning_zero_offload.core.OffloadSession`,
+for the parameter-offload engine (engine/offload_params/).
+
+What differs for the front ends: the module is put on FSDP2 (:meth:`ParamOffloadSession.shard`) before the
+optimizer is built, so the optimizer holds the sharded parameters; gradients are real tensors in ``p.grad``
+(FSDP2's host shards), so user code reads and changes them there and nothing needs to be shown or taken
+back beyond telling a speculated step that they may have changed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from lightning_zero_offload.core.options import resolve_precision
+from lightning_zero_offload.engine import OffloadOptions, StepStats
+from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
+from lightning_zero_offload.engine.offload_params.placement import shard_model
+from lightning_zero_offload.engine.options import Resolved
+
+
+class ParamOffloadSession:
+    """The parameter-offload engine training ``module`` (already sharded) through one optimizer."""
+
+    def __init__(self, module: nn.Module, engine: ParamOffloadEngine) -> None:
+        self.module = module
+        self.engine = engine
+        self._clip: dict[str, float] = {}
+
+    @staticmethod
+    def shard(
+        module: nn.Module,
+        device: torch.device,
+        precision: str,
+        options: OffloadOptions,
+        world_size: int,
+        children_are_roots: bool = False,
+    ) -> None:
+        """Put ``module`` on FSDP2 over ``world_size`` ranks of the default group: its shards on the host,
+        each block gathered to ``device`` as it runs (a module the user sharded keeps its units).
+
+        ``children_are_roots``: ``module``'s own forward is not what runs the model (a LightningModule, whose
+        ``training_step`` calls its submodules): each child holding parameters is sharded as a model of its own.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _, param_dtype = resolve_precision(precision)
+        if options.cpu_state == "bf16":
+            module.to(torch.bfloat16)  # the sharded parameter is the (bf16) master
+        mesh = init_device_mesh(device.type, (world_size,))
+        roots = [module]
+        if children_are_roots:
+            own = [name for name, _ in module.named_parameters(recurse=False)]
+            if own:
+                raise ValueError(
+                    f"offload_params shards the submodules of {type(module).__name__}, whose forward the steps call, "
+                    f"and it holds parameters of its own ({', '.join(own)}): move them into a submodule"
+                )
+            roots = [child for child in module.children() if any(True for _ in child.parameters())]
+        for root in roots:
+            shard_model(root, mesh, param_dtype=param_dtype)
+
+    @classmethod
+    def start(
+        cls,
+        module: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        device: torch.device,
+        precision: str,
+        options: OffloadOptions,
+        world_size: int,
+        local_world_size: int,
+    ) -> ParamOffloadSession:
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"zero_offload takes exactly one optimizer, got {len(optimizers)}. "
+                "Put the parameters in param groups of one optimizer instead."
+            )
+        _, param_dtype = resolve_precision(precision)
+        engine = ParamOffloadEngine(optimizers[0], device, param_dtype, options, world_size, local_world_size)
+        return cls(module, engine)
+
+    # -- what the engine is and did ----------------------------------------------------------------
+
+    @property
+    def training(self) -> bool:
+        return not self.engine.closed
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def options(self) -> OffloadOptions:
+        return self.engine.options
+
+    @property
+    def resolved(self) -> Resolved:
+        return self.engine.resolved
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.engine.param_dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    @property
+    def loss_scale(self) -> float | None:
+        return self.engine.loss_scale if self.engine.scaler is not None else None
+
+    @property
+    def last_step(self) -> StepStats:
+        return self.engine.last
+
+    @property
+    def step_calls(self) -> int:
+        return self.engine.step_calls
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
+
+    @property
+    def rollbacks(self) -> int:
+        return self.engine.rollbacks
+
+    def memory_report(self) -> dict[str, int]:
+        return self.engine.memory_report()
+
+    # -- training ----------------------------------------------------------------------------------
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.engine.scale_loss(loss)
+
+    def expect_step(self, publish_early: bool = False) -> None:
+        self.engine.expect_step(publish_early)
+
+    def before_training_forward(self) -> None:
+        """Nothing to re-plan: parameters unfrozen or added to the optimizer get their state at the step."""
+
+    def begin_backward(self) -> None:
+        self.engine.begin_backward()
+
+    def finish_backward(self) -> None:
+        self.engine.finish_backward()
+
+    def show_gradients(self) -> bool:
+        """User code may now read or change ``p.grad`` (it holds the gradients already); False under fp16,
+        where they are still multiplied by the loss scale."""
+        if not self.training:
+            return False
+        self.engine.before_user_code()
+        return self.loss_scale is None
+
+    def hide_gradients(self) -> None:
+        self.engine.after_user_code()
+
+    def clip_norm(self, max_norm: float) -> None:
+        self._clip["clip_norm"] = float(max_norm)
+
+    def clip_value(self, limit: float) -> None:
+        self._clip["clip_value"] = float(limit)
+
+    def grad_norm(self, error_if_nonfinite: bool = False) -> float:
+        norm = self.engine.grad_norm()
+        if error_if_nonfinite and math.isinf(norm) and self.loss_scale is None:
+            raise RuntimeError(
+                "The total norm of the gradients is non-finite, so it cannot be clipped. "
+                "Pass error_if_nonfinite=False to clip_gradients to skip this step instead."
+            )
+        return norm
+
+    def step(self) -> StepStats:
+        clip, self._clip = self._clip, {}
+        self.engine.after_user_code()  # the Trainer shows the gradients before on_before_optimizer_step
+        return self.engine.step(**clip)
+
+    def skip_step(self) -> None:
+        self._clip = {}
+        self.engine.skip_step()
+
+    def sync(self) -> None:
+        """The parameters are the master: nothing to bring up to date."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._clip = {}
+        if self.training:
+            self.engine.zero_grad(set_to_none)
+
+    def close(self, after_failure: bool = False) -> None:
+        self.engine.close()

@@ -1,0 +1,68 @@
+"""``ZeroOffloadStrategy(offload_params=True)`` in the Trainer against ``strategy="auto"`` (torch AdamW)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from helpers import QUIET
+from offload_params_helpers import Blocks, relative_error, two_groups
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero_offload import ZeroOffloadStrategy
+
+FP32_ROUNDING = 1e-6  # normwise; observed below 2e-7 (the kernel's rounding and the clip norm's)
+
+
+class BlockRegression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = Blocks()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self.model(x).float() - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(two_groups(self.model))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def data() -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    return DataLoader(TensorDataset(torch.randn(96, 8, generator=generator), torch.randn(96, 1, generator=generator)), 8)
+
+
+def fit(strategy, **trainer_args) -> dict[str, torch.Tensor]:
+    module = BlockRegression()
+    trainer = L.Trainer(strategy=strategy, max_steps=5, **{**QUIET, **trainer_args})
+    trainer.fit(module, data())
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+        for name, p in module.model.named_parameters()
+    }
+
+
+@pytest.mark.parametrize("clip", [None, 0.3])
+def test_equals_auto_with_accumulation_clipping_groups_and_a_scheduler(clip):
+    arguments = {"accumulate_grad_batches": 2, "gradient_clip_val": clip}
+    want = fit("auto", **arguments)
+    got = fit(ZeroOffloadStrategy(offload_params=True, cpu_step="sync"), **arguments)
+    assert relative_error(got, want) < FP32_ROUNDING
+
+
+def test_speculative_equals_sync_bitwise_in_the_trainer():
+    arguments = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.3}
+    sync = fit(ZeroOffloadStrategy(offload_params=True, cpu_step="sync"), **arguments)
+    speculated = fit(ZeroOffloadStrategy(offload_params=True, cpu_step="speculative"), **arguments)
+    assert all(torch.equal(speculated[k], sync[k]) for k in sync)
+
+
+def test_the_registered_name_offloads_the_parameters():
+    module = BlockRegression()
+    trainer = L.Trainer(strategy="zero_offload_params", max_steps=1, **QUIET)
+    trainer.fit(module, data())
+    assert trainer.strategy.session.engine.resolved.offload_params
+    assert type(module.model.blocks[0].fc1.weight).__name__ == "DTensor"
