@@ -32,7 +32,8 @@ class BlockRegression(L.LightningModule):
 
 def data() -> DataLoader:
     generator = torch.Generator().manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(96, 8, generator=generator), torch.randn(96, 1, generator=generator)), 8)
+    inputs, targets = torch.randn(96, 8, generator=generator), torch.randn(96, 1, generator=generator)
+    return DataLoader(TensorDataset(inputs, targets), batch_size=8)
 
 
 def fit(strategy, **trainer_args) -> dict[str, torch.Tensor]:
