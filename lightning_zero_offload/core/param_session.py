@@ -10,7 +10,9 @@ back beyond telling a speculated step that they may have changed.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,12 +20,20 @@ from torch import nn
 from lightning_zero_offload.core.options import resolve_precision
 from lightning_zero_offload.engine import OffloadOptions, StepStats
 from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
+from lightning_zero_offload.engine.offload_params.full_state import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
 from lightning_zero_offload.engine.offload_params.placement import shard_model
 from lightning_zero_offload.engine.options import Resolved
 
 
 class ParamOffloadSession:
     """The parameter-offload engine training ``module`` (already sharded) through one optimizer."""
+
+    loads_module_itself = True  # a module state dict goes into the shards here, not through load_state_dict
 
     def __init__(self, module: nn.Module, engine: ParamOffloadEngine) -> None:
         self.module = module
@@ -198,3 +208,46 @@ class ParamOffloadSession:
 
     def close(self, after_failure: bool = False) -> None:
         self.engine.close()
+
+    # -- checkpoints (the full format: gathered whole on rank 0, engine/offload_params/full_state.py) ------
+
+    @property
+    def sharded(self) -> bool:
+        return False  # checkpoint_format="sharded" is refused with offload_params (see make_offload_options)
+
+    def shared_buffers(self, share: bool = True) -> AbstractContextManager[None]:
+        return nullcontext()  # the full state is gathered into new tensors anyway
+
+    def master_state_dict(self) -> dict[str, Any]:
+        """``module.state_dict()`` with every sharded tensor whole (on rank 0; a collective)."""
+        return full_model_state(self.module)
+
+    module_state_to_save = master_state_dict
+
+    def optimizer_state_to_save(self) -> dict[str, Any]:
+        """The optimizer state in torch AdamW's format, the moments whole (a collective)."""
+        return full_optimizer_state(self.engine)
+
+    def engine_state_dict(self) -> dict[str, Any]:
+        return self.engine.state_dict()
+
+    def save_full(
+        self, checkpoint: dict[str, Any], rank: int, broadcast: Callable, write: Callable[[dict[str, Any], None], None]
+    ) -> None:
+        """Rank 0 writes the checkpoint, which holds every tensor whole already."""
+        if rank == 0:
+            write(checkpoint, None)
+
+    @staticmethod
+    def load_module_state(module: nn.Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """A full module state dict into a sharded module (each rank keeps its rows)."""
+        load_full_model_state(module, state_dict, strict)
+
+    def load_master_weights(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        self.load_module_state(self.module, state_dict, strict)
+
+    def load_optimizer_state(self, state_dict: dict[str, Any]) -> None:
+        load_full_optimizer_state(self.engine, state_dict)
+
+    def load_engine_state(self, state: dict[str, Any]) -> None:
+        self.engine.load_state_dict(state)

@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_zero_offload.core import OffloadSession, training_session
+from lightning_zero_offload.core import OffloadSession, ParamOffloadSession, training_session
 from lightning_zero_offload.core.checkpoint_io import load_checkpoint, save_checkpoint, uses_own_writer
 
 
@@ -103,6 +103,10 @@ class TrainerCheckpoints(Strategy):
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        if getattr(self, "options", None) is not None and self.options.offload_params:
+            assert self.lightning_module is not None  # sharded by FSDP2: load_state_dict cannot copy into it
+            ParamOffloadSession.load_module_state(self.lightning_module, checkpoint["state_dict"], strict)
+            return
         super().load_model_state_dict(checkpoint, strict=strict)
         if self.session is not None:
             self.session.load_master_weights(checkpoint["state_dict"], strict=strict)

@@ -30,9 +30,9 @@ class BlockRegression(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def data() -> DataLoader:
+def data(samples: int = 96) -> DataLoader:
     generator = torch.Generator().manual_seed(1)
-    inputs, targets = torch.randn(96, 8, generator=generator), torch.randn(96, 1, generator=generator)
+    inputs, targets = torch.randn(samples, 8, generator=generator), torch.randn(samples, 1, generator=generator)
     return DataLoader(TensorDataset(inputs, targets), batch_size=8)
 
 
@@ -67,3 +67,48 @@ def test_the_registered_name_offloads_the_parameters():
     trainer.fit(module, data())
     assert trainer.strategy.session.engine.resolved.offload_params
     assert type(module.model.blocks[0].fc1.weight).__name__ == "DTensor"
+
+
+def fit_to(strategy, tmp_path, max_steps, ckpt_path=None, save=None) -> dict[str, torch.Tensor]:
+    module = BlockRegression()
+    trainer = L.Trainer(strategy=strategy, max_steps=max_steps, **{**QUIET, "default_root_dir": tmp_path})
+    trainer.fit(module, data(samples=24), ckpt_path=ckpt_path)  # 3 steps an epoch: resumes at an epoch's end
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+        for name, p in module.model.named_parameters()
+    }
+
+
+def resumed(strategy, tmp_path, name) -> dict[str, torch.Tensor]:
+    """3 steps, trainer.save_checkpoint, then a new fit resumed from it to 6 (Lightning's own resume, which
+    differs from an uninterrupted run of 6 under strategy='auto' too: the comparisons are between resumes)."""
+    fit_to(strategy(), tmp_path, 3, save=tmp_path / name)
+    return fit_to(strategy(), tmp_path, 6, ckpt_path=tmp_path / name)
+
+
+def test_a_resumed_fit_equals_auto_resumed_and_speculative_equals_sync_bitwise(tmp_path):
+    want = resumed(lambda: "auto", tmp_path, "auto.ckpt")
+    sync = resumed(lambda: ZeroOffloadStrategy(offload_params=True, cpu_step="sync"), tmp_path, "sync.ckpt")
+    speculated = resumed(lambda: ZeroOffloadStrategy(offload_params=True, cpu_step="speculative"), tmp_path, "s.ckpt")
+    assert relative_error(sync, want) < FP32_ROUNDING
+    assert all(torch.equal(speculated[k], sync[k]) for k in sync)
+    saved = torch.load(tmp_path / "sync.ckpt", weights_only=True)
+    assert saved["state_dict"]["model.blocks.0.fc1.weight"].shape == (32, 16)  # whole, not a shard
+
+
+def test_the_full_checkpoint_resumes_with_parameters_on_the_device_too(tmp_path):
+    """Full checkpoints are the ZeRO-2 mode's format: either mode resumes from the other's."""
+    fit_to(ZeroOffloadStrategy(offload_params=True), tmp_path, 3, save=tmp_path / "params.ckpt")
+    fit_to(ZeroOffloadStrategy(in_place_on_cpu=False), tmp_path, 3, save=tmp_path / "zero2.ckpt")
+    ours = fit_to(ZeroOffloadStrategy(offload_params=True), tmp_path, 6, ckpt_path=tmp_path / "params.ckpt")
+    crossed = fit_to(ZeroOffloadStrategy(in_place_on_cpu=False), tmp_path, 6, ckpt_path=tmp_path / "params.ckpt")
+    back = fit_to(ZeroOffloadStrategy(offload_params=True), tmp_path, 6, ckpt_path=tmp_path / "zero2.ckpt")
+    assert relative_error(crossed, ours) < FP32_ROUNDING
+    assert relative_error(back, ours) < FP32_ROUNDING
+
+
+def test_checkpoint_format_sharded_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="Leave checkpoint_format='full'"):
+        ZeroOffloadStrategy(offload_params=True, checkpoint_format="sharded")

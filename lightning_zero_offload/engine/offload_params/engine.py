@@ -22,6 +22,7 @@ import math
 import time
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,14 @@ from torch import nn
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.failures import NonFinitePolicy
 from lightning_zero_offload.engine.infra.streams import worker_pool
-from lightning_zero_offload.engine.offload_params.shards import ShardSlot
+from lightning_zero_offload.engine.offload_params.shards import (
+    ShardSlot,
+    check_clip,
+    check_shard,
+    exceeds_limit,
+    step_shard,
+    step_shards,
+)
 from lightning_zero_offload.engine.offload_params.speculation import Speculation
 from lightning_zero_offload.engine.optimizer_hooks import step_hooks
 from lightning_zero_offload.engine.optimizer_support import check_optimizer, read_hyperparams
@@ -102,7 +110,7 @@ class ParamOffloadEngine:
         slot = self._slots.get(id(param))
         if slot is None:
             slot = ShardSlot.for_param(param, self.state_dtype, self._next_element)
-            _check_shard(param, slot, self.state_dtype)
+            check_shard(param, slot, self.state_dtype)
             self._next_element += param.numel()
             self._slots[id(param)] = slot
             if self.speculation is not None:
@@ -204,8 +212,8 @@ class ParamOffloadEngine:
     def step(self, clip_norm: float | None = None, clip_value: float | None = None) -> StepStats:
         """Clip, unscale and Adam-step every shard that has a gradient; skip on inf/nan. ``p.grad`` is kept
         as torch's step leaves it (clipped, unscaled) until :meth:`zero_grad`."""
-        _check_clip("clip_norm", clip_norm)
-        _check_clip("clip_value", clip_value)
+        check_clip("clip_norm", clip_norm)
+        check_clip("clip_value", clip_value)
         start = time.perf_counter()
         self.finish_backward()
         self._settle_carried()
@@ -260,7 +268,7 @@ class ParamOffloadEngine:
             for slot in speculated
             if clip_coef != 1.0
             or hparams_of.get(slot) != speculated_with[slot]
-            or (limit is not None and _exceeds(slot, limit))
+            or (limit is not None and exceeds_limit(slot, limit))
         ]
         self._take_back(redo, stats)
         kept = {slot for slot in speculated if slot not in redo}
@@ -281,52 +289,10 @@ class ParamOffloadEngine:
         return time.perf_counter() - start
 
     def _step_shards(self, slots: list[ShardSlot], hparams: kernels.AdamArgs, grad_scale: float) -> None:
-        if not slots:
-            return
-        if self.state_dtype == torch.bfloat16:
-            for slot in slots:
-                self._step_shard(slot, slot.grad, hparams, grad_scale)  # type: ignore[arg-type]
-                slot.step += 1
-            return
-        kernels.adam_step_multi(
-            [slot.master for slot in slots],
-            [slot.grad for slot in slots],  # type: ignore[misc]
-            [slot.exp_avg for slot in slots],
-            [slot.exp_avg_sq for slot in slots],
-            [slot.step + 1 for slot in slots],
-            hparams=hparams,
-            grad_scale=grad_scale,
-            num_threads=self._threads,
-        )
-        for slot in slots:
-            slot.step += 1
+        step_shards(slots, hparams, grad_scale, self._seed, self._threads)
 
     def _step_shard(self, slot: ShardSlot, grad: torch.Tensor, hparams: kernels.AdamArgs, grad_scale: float) -> None:
-        """One shard's Adam step (step count ``slot.step + 1``; the caller counts it)."""
-        if self.state_dtype == torch.bfloat16:
-            kernels.adam_step_bf16_state(
-                slot.master,
-                grad,
-                slot.exp_avg,
-                slot.exp_avg_sq,
-                hparams=hparams,
-                step=slot.step + 1,
-                seed=self._seed,
-                offset=slot.first_element,
-                grad_scale=grad_scale,
-                num_threads=self._threads,
-            )
-        else:
-            kernels.adam_step_multi(
-                [slot.master],
-                [grad],
-                [slot.exp_avg],
-                [slot.exp_avg_sq],
-                [slot.step + 1],
-                hparams=hparams,
-                grad_scale=grad_scale,
-                num_threads=self._threads,
-            )
+        step_shard(slot, grad, hparams, grad_scale, self._seed, self._threads)
 
     def _take_back(self, slots: list[ShardSlot], stats: StepStats) -> None:
         if slots and self.speculation is not None:
@@ -371,6 +337,32 @@ class ParamOffloadEngine:
     def rollbacks(self) -> int:
         return self.speculation.rollbacks if self.speculation is not None else 0
 
+    # -- state beyond the weights and moments -------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs besides weights and moments, in the ZeRO-2 engine's keys (plain numbers)."""
+        state: dict[str, Any] = {
+            "step_calls": self.step_calls,
+            "skipped_steps": self.skipped_steps,
+            "nonfinite": self.nonfinite.state_dict(),
+            "schedule": {"name": self.resolved.cpu_step},
+            "cpu_state": {"dtype": "bf16" if self.state_dtype == torch.bfloat16 else "fp32", "seed": self._seed},
+        }
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """:meth:`state_dict` back (or the ZeRO-2 engine's: its schedule's pending state does not apply here)."""
+        self.step_calls = int(state.get("step_calls", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.nonfinite.load_state_dict(state.get("nonfinite", {}))
+        if state.get("loss_scaler") is not None and self.scaler is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
+        seed = state.get("cpu_state", {}).get("seed")
+        if seed is not None and self.state_dtype == torch.bfloat16:
+            self._seed = int(seed)
+
     # -- the end -----------------------------------------------------------------------------------
 
     @property
@@ -396,31 +388,3 @@ class ParamOffloadEngine:
         for hook in self._hooks:
             hook.remove()
         self._closed = True
-
-
-def _check_shard(param: nn.Parameter, slot: ShardSlot, state_dtype: torch.dtype) -> None:
-    shard = slot.master
-    if shard.device.type != "cpu":
-        raise ValueError(
-            f"a trainable parameter of shape {tuple(param.shape)} has its shard on {shard.device}: offload_params "
-            "needs FSDP2 to keep the shards on the host (fully_shard(..., offload_policy=CPUOffloadPolicy()))"
-        )
-    if shard.dtype != state_dtype:
-        raise ValueError(
-            f"a trainable parameter's shard is {shard.dtype}, and cpu_state asks for {state_dtype} master weights: "
-            "the sharded parameter is the master, so build the model in that dtype before fully_shard "
-            "(or set cpu_state to match)"
-        )
-    if not shard.is_contiguous():
-        raise ValueError(f"a trainable parameter's shard (shape {tuple(shard.shape)}) is not contiguous")
-
-
-def _exceeds(slot: ShardSlot, limit: float) -> bool:
-    """Whether clipping by value changes this shard's gradient."""
-    grad = slot.grad
-    return grad is not None and grad.numel() > 0 and bool(grad.abs().max() > limit)
-
-
-def _check_clip(name: str, value: float | None) -> None:
-    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")

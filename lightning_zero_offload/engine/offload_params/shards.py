@@ -9,12 +9,15 @@ step may be taken back, a snapshot): one :class:`ShardSlot` per trainable parame
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from lightning_zero_offload import kernels
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
@@ -81,3 +84,84 @@ class ShardSlot:
         """Host bytes this slot holds beyond the parameter and its gradient (FSDP2's)."""
         held = [self.exp_avg, self.exp_avg_sq, *(self.saved or ())]
         return sum(t.numel() * t.element_size() for t in held)
+
+
+def check_shard(param: nn.Parameter, slot: ShardSlot, state_dtype: torch.dtype) -> None:
+    shard = slot.master
+    if shard.device.type != "cpu":
+        raise ValueError(
+            f"a trainable parameter of shape {tuple(param.shape)} has its shard on {shard.device}: offload_params "
+            "needs FSDP2 to keep the shards on the host (fully_shard(..., offload_policy=CPUOffloadPolicy()))"
+        )
+    if shard.dtype != state_dtype:
+        raise ValueError(
+            f"a trainable parameter's shard is {shard.dtype}, and cpu_state asks for {state_dtype} master weights: "
+            "the sharded parameter is the master, so build the model in that dtype before fully_shard "
+            "(or set cpu_state to match)"
+        )
+    if not shard.is_contiguous():
+        raise ValueError(f"a trainable parameter's shard (shape {tuple(shard.shape)}) is not contiguous")
+
+
+def exceeds_limit(slot: ShardSlot, limit: float) -> bool:
+    """Whether clipping by value changes this shard's gradient."""
+    grad = slot.grad
+    return grad is not None and grad.numel() > 0 and bool(grad.abs().max() > limit)
+
+
+def check_clip(name: str, value: float | None) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}")
+
+
+def step_shards(slots: list[ShardSlot], hparams: kernels.AdamArgs, grad_scale: float, seed: int, threads: int) -> None:
+    """The Adam step of every shard in ``slots`` (with a gradient), one native call for fp32 state; counted."""
+    if not slots:
+        return
+    if slots[0].exp_avg.dtype == torch.bfloat16:
+        for slot in slots:
+            step_shard(slot, slot.grad, hparams, grad_scale, seed, threads)  # type: ignore[arg-type]
+    else:
+        kernels.adam_step_multi(
+            [slot.master for slot in slots],
+            [slot.grad for slot in slots],  # type: ignore[misc]
+            [slot.exp_avg for slot in slots],
+            [slot.exp_avg_sq for slot in slots],
+            [slot.step + 1 for slot in slots],
+            hparams=hparams,
+            grad_scale=grad_scale,
+            num_threads=threads,
+        )
+    for slot in slots:
+        slot.step += 1
+
+
+def step_shard(
+    slot: ShardSlot, grad: Tensor, hparams: kernels.AdamArgs, grad_scale: float, seed: int, threads: int
+) -> None:
+    """One shard's Adam step (step count ``slot.step + 1``; the caller counts it). The same native call as
+    :func:`step_shards` makes for it, so a speculated step and a synchronous one give the same bits."""
+    if slot.exp_avg.dtype == torch.bfloat16:
+        kernels.adam_step_bf16_state(
+            slot.master,
+            grad,
+            slot.exp_avg,
+            slot.exp_avg_sq,
+            hparams=hparams,
+            step=slot.step + 1,
+            seed=seed,
+            offset=slot.first_element,
+            grad_scale=grad_scale,
+            num_threads=threads,
+        )
+    else:
+        kernels.adam_step_multi(
+            [slot.master],
+            [grad],
+            [slot.exp_avg],
+            [slot.exp_avg_sq],
+            [slot.step + 1],
+            hparams=hparams,
+            grad_scale=grad_scale,
+            num_threads=threads,
+        )
