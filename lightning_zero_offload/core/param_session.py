@@ -48,13 +48,23 @@ class ParamOffloadSession:
         options: OffloadOptions,
         world_size: int,
         children_are_roots: bool = False,
+        optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> None:
         """Put ``module`` on FSDP2 over ``world_size`` ranks of the default group: its shards on the host,
         each block gathered to ``device`` as it runs (a module the user sharded keeps its units).
 
         ``children_are_roots``: ``module``'s own forward is not what runs the model (a LightningModule, whose
         ``training_step`` calls its submodules): each child holding parameters is sharded as a model of its own.
+        ``optimizers`` built over the parameters before (Fabric's ``setup(model, optimizer)``) are given the
+        sharded ones in their place, by name.
         """
+        for optimizer in optimizers:
+            if optimizer.state:
+                raise ValueError(
+                    "offload_params replaces the model's parameters with FSDP2 shards, and the optimizer given has "
+                    "state already: set the model and optimizer up first, then load the optimizer's state"
+                )
+        names = {id(p): name for name, p in module.named_parameters()}
         from torch.distributed.device_mesh import init_device_mesh
 
         _, param_dtype = resolve_precision(precision)
@@ -72,6 +82,10 @@ class ParamOffloadSession:
             roots = [child for child in module.children() if any(True for _ in child.parameters())]
         for root in roots:
             shard_model(root, mesh, param_dtype=param_dtype)
+        sharded = dict(module.named_parameters())
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [sharded[names[id(p)]] for p in group["params"]]
 
     @classmethod
     def start(

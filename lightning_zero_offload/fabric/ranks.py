@@ -11,7 +11,9 @@ from __future__ import annotations
 import atexit
 from typing import Any
 
+import torch.distributed as dist
 from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from torch.nn import Module
 from typing_extensions import override
 
@@ -20,6 +22,8 @@ from lightning_zero_offload.core import release_process_group
 
 class DDPWithoutWrapper(DDPStrategy):
     """Fabric's ``DDPStrategy`` minus ``DistributedDataParallel``, and minus the process group for one process."""
+
+    needs_process_group = False  # at one process too (the parameter-offload mode: FSDP2)
 
     def __init__(self, **ddp_arguments: Any) -> None:  # DDPStrategy's, by name
         super().__init__(**ddp_arguments)
@@ -33,6 +37,10 @@ class DDPWithoutWrapper(DDPStrategy):
             atexit.register(release_process_group)
         else:
             self.accelerator.setup_device(self.root_device)
+            if self.needs_process_group and not dist.is_initialized():  # FSDP2 shards over a group of one
+                backend = _get_default_process_group_backend_for_device(self.root_device)
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+                atexit.register(release_process_group)
 
     @override
     def setup_module(self, module: Module) -> Module:

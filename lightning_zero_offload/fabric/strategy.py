@@ -12,7 +12,7 @@ and reads what the step did from ``strategy.last_step_stats`` (:class:`~lightnin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from datetime import timedelta
 from typing import Any, Literal
@@ -35,6 +35,7 @@ from lightning_zero_offload.core import (
     OPTIONS_DOC,
     OffloadedOptimizer,
     OffloadSession,
+    ParamOffloadSession,
     SessionStrategy,
     coerced_precision,
     collective_timeout,
@@ -89,10 +90,11 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
             timeout=collective_timeout(timeout),
             start_method=start_method,
         )
-        self.session: OffloadSession | None = None
+        self.needs_process_group = self.options.offload_params
+        self.session: OffloadSession | ParamOffloadSession | None = None
         # Modules from setup_module, until setup_optimizer starts the engine with one; weak, as evaluation-only
         # modules may never get an optimizer. Each with its forward pre-hook that moves it for evaluation.
-        self._awaiting_optimizer: WeakKeyDictionary[Module, RemovableHandle] = WeakKeyDictionary()
+        self._awaiting_optimizer: WeakKeyDictionary[Module, RemovableHandle | None] = WeakKeyDictionary()
 
     # Fabric assigns a generic plugin built from `precision=`; the offload forward and backward need this one.
     precision = coerced_precision(ZeroOffloadFabricPrecision, "_precision")  # type: ignore[assignment]
@@ -103,6 +105,8 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
     def module_to_device(self, module: Module) -> None:
         """Before setup, only what the engine will not own moves: the trainable fp32 weights would
         otherwise pass through device memory at 4 bytes per parameter."""
+        if self.options.offload_params:
+            return  # FSDP2 puts the buffers on the device and keeps the shards on the host (setup_module)
         if self.session is not None or not any(p.requires_grad for p in module.parameters()):
             module.to(self.root_device)
         else:
@@ -114,7 +118,15 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
     ) -> tuple[Module, list[Optimizer], Any | None]:
         if self.session is not None:
             raise RuntimeError("zero_offload sets up one model and optimizer per Fabric; create a new Fabric")
+        if self.options.offload_params:
+            self._shard(module, optimizers)
         return module, [self._start_session(module, optimizers)], scheduler  # type: ignore[list-item]
+
+    def _shard(self, module: Module, optimizers: Sequence[Optimizer] = ()) -> None:
+        world = self.num_nodes * self.num_processes
+        ParamOffloadSession.shard(
+            module, self.root_device, self.precision.precision, self.options, world, optimizers=optimizers
+        )
 
     @override
     def setup_module(self, module: Module) -> Module:
@@ -123,6 +135,11 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         with; a forward before that, evaluation, first moves them to the device as they are."""
         if self.session is not None:  # beside the model being trained: evaluation only
             module.to(self.root_device)
+            return module
+        if self.options.offload_params:
+            if module not in self._awaiting_optimizer:
+                self._shard(module)  # before the optimizer is built: it takes the sharded parameters
+                self._awaiting_optimizer[module] = None
             return module
         if module not in self._awaiting_optimizer:
 
@@ -170,13 +187,15 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
     def _start_session(self, module: Module, optimizers: list[Optimizer]) -> OffloadedOptimizer:
         self.precision.device_type = self.root_device.type
         world = self.num_nodes * self.num_processes
-        self.session = OffloadSession.start(
+        start = ParamOffloadSession.start if self.options.offload_params else OffloadSession.start
+        self.session = start(
             module, optimizers, self.root_device, self.precision.precision, self.options, world, self.num_processes
         )
         self.precision.session = self.session
         if (evaluation_hook := self._awaiting_optimizer.pop(module, None)) is not None:
             evaluation_hook.remove()
-        module.to(self.root_device)  # what the engine does not own (frozen parameters, buffers)
+        if not self.options.offload_params:
+            module.to(self.root_device)  # what the engine does not own (frozen parameters, buffers)
         return OffloadedOptimizer(self.session)
 
     # -- training --------------------------------------------------------------------------------
@@ -294,6 +313,9 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
 
     @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        if self.options.offload_params and self._owns(module):  # FSDP2 shards: load_state_dict cannot copy in
+            ParamOffloadSession.load_module_state(_unwrap_objects(module), state_dict, strict)
+            return
         module.load_state_dict(state_dict, strict=strict)
         if self._owns(module):
             self.session.load_master_weights(state_dict, strict=strict)

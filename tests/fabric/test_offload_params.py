@@ -1,0 +1,97 @@
+"""``ZeroOffloadFabricStrategy(offload_params=True)`` under Fabric's loop API, against plain Fabric (torch AdamW)."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from offload_params_helpers import Blocks, batches, loss_of, relative_error, two_groups
+
+import lightning_zero_offload  # noqa: F401  (registers strategy="zero_offload_params" for Fabric)
+from lightning_zero_offload import ZeroOffloadFabricStrategy
+from lightning_zero_offload.core import release_process_group
+
+FP32_ROUNDING = 1e-6  # normwise; observed below 2e-7
+
+
+@pytest.fixture(autouse=True)
+def own_process_group():
+    """The one-process group the strategy starts for FSDP2 ends with each test (see tests/trainer)."""
+    yield
+    release_process_group()
+
+
+def train(strategy, two_calls: bool = False, clip: float | None = 0.3) -> tuple[dict[str, torch.Tensor], object]:
+    """The weights after four steps of two micro-batches, and what the last step did (None: not ours)."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="32-true")
+    fabric.launch()
+    torch.manual_seed(0)
+    model = Blocks()
+    if two_calls:  # the optimizer built over the set-up (sharded) model, as Fabric's FSDP docs say
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(two_groups(model)))
+    else:
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(two_groups(model)))
+    ours = isinstance(fabric.strategy, ZeroOffloadFabricStrategy)
+    for window in batches(steps=4, micro=2):
+        for index, (x, y) in enumerate(window):
+            if ours and index == len(window) - 1:
+                fabric.strategy.expect_step(publish_early=True)  # the speculative step may run in this backward
+            fabric.backward(loss_of(model, x, y, len(window)))
+        if clip is not None:
+            fabric.clip_gradients(model, optimizer, max_norm=clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+    return weights, fabric.strategy.last_step_stats if ours else None
+
+
+@pytest.mark.parametrize("two_calls", [False, True])
+def test_equals_plain_fabric_with_accumulation_clipping_and_groups(two_calls):
+    want, _ = train("auto")
+    got, _ = train(ZeroOffloadFabricStrategy(offload_params=True, cpu_step="sync"), two_calls=two_calls)
+    assert relative_error(got, want) < FP32_ROUNDING
+
+
+def test_the_registered_name_and_speculative_equals_sync_bitwise():
+    sync, _ = train("zero_offload_params")
+    speculated, stats = train(ZeroOffloadFabricStrategy(offload_params=True, cpu_step="speculative"))
+    assert stats.rolled_back  # the clip fired: the speculated steps were redone
+    assert all(torch.equal(speculated[k], sync[k]) for k in sync)
+    unclipped, stats = train(ZeroOffloadFabricStrategy(offload_params=True, cpu_step="speculative"), clip=None)
+    assert stats.speculated_fraction == 1.0
+    assert all(torch.equal(unclipped[k], v) for k, v in train("zero_offload_params", clip=None)[0].items())
+
+
+def run(strategy, data, load=None, save=None) -> dict[str, torch.Tensor]:
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="32-true")
+    fabric.launch()
+    torch.manual_seed(0)
+    model = Blocks()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(two_groups(model)))
+    if load is not None:
+        fabric.load(load, {"model": model, "optimizer": optimizer})
+    for window in data:
+        for x, y in window:
+            fabric.backward(loss_of(model, x, y, len(window)))
+        fabric.clip_gradients(model, optimizer, max_norm=0.3)
+        optimizer.step()
+        optimizer.zero_grad()
+    if save is not None:
+        fabric.save(save, {"model": model, "optimizer": optimizer})
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
+
+
+def test_save_and_load_resume_bitwise(tmp_path):
+    data = batches(steps=4, micro=2)
+    whole = run("zero_offload_params", data)
+    run("zero_offload_params", data[:2], save=tmp_path / "half.ckpt")
+    resumed = run("zero_offload_params", data[2:], load=tmp_path / "half.ckpt")
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+    plain = run("auto", data[2:], load=tmp_path / "half.ckpt")  # the full format: plain Fabric loads it too
+    assert relative_error(plain, whole) < FP32_ROUNDING
