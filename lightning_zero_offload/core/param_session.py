@@ -47,17 +47,18 @@ class ParamOffloadSession:
         precision: str,
         options: OffloadOptions,
         world_size: int,
-        children_are_roots: bool = False,
         optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> None:
         """Put ``module`` on FSDP2 over ``world_size`` ranks of the default group: its shards on the host,
-        each block gathered to ``device`` as it runs (a module the user sharded keeps its units).
+        each block gathered to ``device`` as it runs (a module the user sharded keeps its units). FSDP2
+        gathers the root's own parameters when ``module`` is called: a front end whose steps are other
+        methods routes them through ``module.__call__`` (the Trainer strategy's forward redirection).
 
-        ``children_are_roots``: ``module``'s own forward is not what runs the model (a LightningModule, whose
-        ``training_step`` calls its submodules): each child holding parameters is sharded as a model of its own.
         ``optimizers`` built over the parameters before (Fabric's ``setup(model, optimizer)``) are given the
         sharded ones in their place, by name.
         """
+        from torch.distributed.device_mesh import init_device_mesh
+
         for optimizer in optimizers:
             if optimizer.state:
                 raise ValueError(
@@ -65,23 +66,11 @@ class ParamOffloadSession:
                     "state already: set the model and optimizer up first, then load the optimizer's state"
                 )
         names = {id(p): name for name, p in module.named_parameters()}
-        from torch.distributed.device_mesh import init_device_mesh
-
         _, param_dtype = resolve_precision(precision)
         if options.cpu_state == "bf16":
             module.to(torch.bfloat16)  # the sharded parameter is the (bf16) master
         mesh = init_device_mesh(device.type, (world_size,))
-        roots = [module]
-        if children_are_roots:
-            own = [name for name, _ in module.named_parameters(recurse=False)]
-            if own:
-                raise ValueError(
-                    f"offload_params shards the submodules of {type(module).__name__}, whose forward the steps call, "
-                    f"and it holds parameters of its own ({', '.join(own)}): move them into a submodule"
-                )
-            roots = [child for child in module.children() if any(True for _ in child.parameters())]
-        for root in roots:
-            shard_model(root, mesh, param_dtype=param_dtype)
+        shard_model(module, mesh, param_dtype=param_dtype, pin_memory=options.pin_memory)
         sharded = dict(module.named_parameters())
         for optimizer in optimizers:
             for group in optimizer.param_groups:

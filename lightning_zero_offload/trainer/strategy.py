@@ -9,7 +9,7 @@ processes and ranks are DDP's without its wrapper (:mod:`lightning_zero_offload.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -113,7 +113,7 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
             raise ValueError("zero_offload does not support sync_batchnorm=True")
         if self.options.offload_params:
             # FSDP2 replaces the parameters: shard before configure_optimizers builds the optimizer over them.
-            ParamOffloadSession.shard(module, self.root_device, precision, self.options, world, children_are_roots=True)
+            ParamOffloadSession.shard(module, self.root_device, precision, self.options, world)
         if fitting(trainer):
             start = ParamOffloadSession.start if self.options.offload_params else OffloadSession.start
             self.setup_optimizers(trainer)
@@ -137,6 +137,38 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         if not self.options.offload_params:  # FSDP2 has put the buffers on the device, the shards on the host
             self.model_to_device()
         self.setup_precision_plugin()
+
+    def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        """A LightningModule step through the module's ``__call__``, where FSDP2 gathers the root's own parameters
+        (Lightning's forward redirection, as its FSDP strategy routes steps through the wrapper)."""
+        assert self.lightning_module is not None
+        with context:
+            module = self.lightning_module
+            return self._forward_redirection(module, module, name, *args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.options.offload_params:
+            return super().training_step(*args, **kwargs)
+        return self._step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.options.offload_params:
+            return super().validation_step(*args, **kwargs)
+        return self._step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.options.offload_params:
+            return super().test_step(*args, **kwargs)
+        return self._step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.options.offload_params:
+            return super().predict_step(*args, **kwargs)
+        return self._step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -24,11 +24,18 @@ def find_units(module: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(
-    module: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype = torch.float32,
+    pin_memory: bool = True,
 ) -> None:
-    """``fully_shard`` each unit of :func:`find_units`, then the root, with the shards on the host."""
-    policy = CPUOffloadPolicy(pin_memory=mesh.device_type != "cpu")  # pinning needs an accelerator
-    mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    """``fully_shard`` each unit of :func:`find_units`, then the root, with the shards on the host (page-locked
+    with ``pin_memory`` where the device is an accelerator: pinning needs one)."""
+    policy = CPUOffloadPolicy(pin_memory=pin_memory and mesh.device_type != "cpu")
+    # Inputs keep their dtype (a step's targets too), as under AMP: the front ends' autocast casts per operation.
+    mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     if not any(isinstance(sub, FSDPModule) for sub in module.modules()):
         for unit in find_units(module):
             fully_shard(unit, mesh=mesh, offload_policy=policy, mp_policy=mixed)
