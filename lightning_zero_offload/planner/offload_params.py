@@ -53,9 +53,9 @@ class FsdpUnits:
 
 def _shard(size: torch.Size | tuple[int, ...], world: int) -> int:
     """A tensor's shard: FSDP2 splits dim 0 and pads it to a multiple of the ranks."""
-    if not size or not size[0]:
-        return 1 if not size else 0
-    return -(-size[0] // world) * (math.prod(size) // size[0])
+    if not size:  # a scalar
+        return 1
+    return -(-size[0] // world) * math.prod(size[1:])
 
 
 def fsdp_units(shape: ModelShape, n_layer: int | None, world: int) -> FsdpUnits:
@@ -115,11 +115,12 @@ def host_memory_params(
         buffers["snapshot"] = 3 * state * shard if config.speculation_rollback == "snapshot" else 0
     if device_type == "cpu":  # the "device" is host memory too
         buffers["device_buffers"] = sum(device_memory_params(units, dtype, config.state_dtype).values())
+    shards = state * units.held_shard_numel
     pinned = 0
     if config.pin_memory:  # CPUOffloadPolicy(pin_memory=True) pins the shards, each rounded up
         buffers["pinned_rounding"] = units.pinned_rounding(state)
-        pinned = state * units.held_shard_numel + buffers["pinned_rounding"]
-    shards = state * units.held_shard_numel
+        pinned = shards + buffers["pinned_rounding"]
+        shards = pinned
     if configure_model:
         transient = 4 * units.largest_unit  # the block being materialized, whole, in fp32
         setup = shards + transient

@@ -56,7 +56,7 @@ def test_three_ranks_fp32_state_by_hand():
     assert speculative.per_rank["snapshot"] == 3 * state
     assert sync.per_node == 3 * (4 * state + block_copies + rounding)
     assert sync.pinned_per_rank == state + rounding
-    assert sync.setup_per_rank == state + 4 * 280  # configure_model: the shards and one block whole in fp32
+    assert sync.setup_per_rank == state + rounding + 4 * 280  # configure_model: the shards, one block whole in fp32
     assert sync.checkpoint_save_per_rank == {"full": 4 * 128, "sharded": 3 * 4 * 94}  # one tensor; one block's state
     assert [c.name for c in p.verdict("sync").checks][1] == SETUP_BY_BLOCKS
     # Device (bf16 compute): the root's norm, two blocks unsharded, and the larger moment of a block's backward:
