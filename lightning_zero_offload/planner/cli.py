@@ -9,6 +9,9 @@ Examples::
         --host "server (2 sockets, 8ch DDR4-3200 each)" --device "H100 SXM (PCIe 5)"
     zero-offload-plan --largest --host "server (1 socket, 8ch DDR4-3200)" --device "H200 SXM (PCIe 5)" \\
         --host-memory-gb 128 --device-memory-gb 141          # the largest model plain / fp32 / bf16 state
+    zero-offload-plan --params 70e9 --n-layer 80 --hidden 8192 --batch-size 1 --seq-len 4096 --devices 8 \\
+        --offload-params --configure-model --host "DGX H100 (2 sockets, 8ch DDR5-4800 each, 2 TB)" \\
+        --device "H100 SXM (PCIe 5)"                        # the parameters offloaded too
 
 Exit status (docs/planning.md): 0 when a configuration fits (it is recommended; --largest: some model
 trains with zero_offload), 3 when none fits (the report says why and what would), 2 for a usage error.
@@ -70,7 +73,8 @@ def parser() -> argparse.ArgumentParser:
         "--largest",
         action="store_true",
         help="the largest model that trains on the machine: plain training, zero_offload with cpu_state fp32 and "
-        f"bf16 (a transformer of --n-layer layers, default {LARGEST_DEFAULTS['n_layer']}, widened; "
+        "bf16, with and without offload_params (a transformer of --n-layer layers, default "
+        f"{LARGEST_DEFAULTS['n_layer']}, widened; "
         f"--batch-size default {LARGEST_DEFAULTS['batch_size']}, --seq-len {LARGEST_DEFAULTS['seq_len']})",
     )
     p.add_argument("--model-args", type=json.loads, default={}, help="JSON keyword arguments for --model")
@@ -95,6 +99,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-format", default="full", choices=list(CHECKPOINT_FORMATS))
     p.add_argument(
         "--cpu-state", default="fp32", choices=list(STATE_DTYPES), help="dtype of master, moments and gradient buffers"
+    )
+    p.add_argument(
+        "--offload-params",
+        action="store_true",
+        help="the parameters offloaded too (FSDP2 shards per block on the host, the blocks in flight on the device)",
+    )
+    p.add_argument(
+        "--configure-model",
+        action="store_true",
+        help="the model is built in configure_model or under init_module(empty_init=True) (with --offload-params: "
+        "materialized block by block, never whole)",
     )
     p.add_argument("--host", choices=sorted(presets.HOSTS), help="a typical host instead of measuring this one")
     p.add_argument("--device", choices=sorted(presets.DEVICES), help="a typical accelerator (needs --host)")
@@ -141,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         machine=machine,
         hidden=args.hidden,
         cpu_state=args.cpu_state,
+        offload_params=args.offload_params,
+        configure_model=args.configure_model,
     )
     print(json.dumps(result.to_dict(), indent=1) if args.json else result)
     return EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT

@@ -10,7 +10,7 @@ from lightning_zero_offload.engine.options import STATE_DTYPES, with_compact_sta
 from lightning_zero_offload.planner.machine import GB, format_gb
 from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS, state_bytes_per_param
 from lightning_zero_offload.planner.shape import ModelShape, scaled
-from lightning_zero_offload.planner.verdicts import EXACT_SCHEDULES, Evaluation, evaluate
+from lightning_zero_offload.planner.verdicts import EXACT_SCHEDULES, SETUP_WHOLE, Evaluation, evaluate
 
 
 def fixes_for(shape: ModelShape, args: tuple, memory: Evaluation, asked: str) -> list[str]:
@@ -33,6 +33,17 @@ def fixes_for(shape: ModelShape, args: tuple, memory: Evaluation, asked: str) ->
         fixes.append(f'checkpoint_format="{fitting_format(memory)}" (a save then gathers no copy of the state)')
     failed = {c.name.split(",")[0].split(" per ")[0] for v in memory.verdicts.values() for c in v.failed}
     device_fails = "device memory" in failed
+    setup_fails = any(c.name == SETUP_WHOLE for v in memory.verdicts.values() for c in v.failed)
+    if options.offload_params and setup_fails:  # named even when something else fails too: this peak has one fix
+        blockwise = evaluate(replace(shape, configure_model=True), *args)
+        found = fitting_format(blockwise)
+        before, after = memory.host["sync"].setup_per_node, blockwise.host["sync"].setup_per_node
+        still = [f"{c.name.split(' (')[0]} {format_gb(c.need)}" for c in blockwise.verdicts[f"sync/{asked}"].failed]
+        fixes.append(
+            "build the model in configure_model (or under trainer.init_module(empty_init=True)): it is then "
+            f"materialized block by block into its shards, never whole; host RAM at setup {format_gb(before)} -> "
+            f"{format_gb(after)} per node" + (also(found) if found else f" (still too much: {'; '.join(still)})")
+        )
     if "host RAM" in failed and options.cpu_state == "fp32" and dtype != torch.float16:  # fp16 needs fp32 state
         try:
             compact = evaluate(shape, dtype, machine, devices, num_nodes, with_compact_state(options), *args[5:])
@@ -74,14 +85,19 @@ def fixes_for(shape: ModelShape, args: tuple, memory: Evaluation, asked: str) ->
             if found:
                 fixes.append(f"a micro-batch of {b} (accumulate_grad_batches keeps the tokens per step)" + also(found))
                 break
-    if failed & {"host RAM"} and not device_fails:  # ZeRO-2 shards the CPU state over nodes, never the device's
+    # Both modes shard the CPU state over nodes; neither the device's (ZeRO-2 holds every parameter on every GPU,
+    # offload_params a block in flight whole).
+    if failed & {"host RAM"} and not device_fails:
         for nodes in range(num_nodes + 1, 1025):
             more = evaluate(shape, dtype, machine, devices, nodes, options, batch, seq_len, n_layer, checkpointing)
             found = fitting_format(more)
             if found:
+                blockwise = shape.configure_model and options.offload_params
+                whole = "" if blockwise else "; the module as built is not sharded"
                 fixes.append(
-                    f"{nodes} nodes (num_nodes={nodes}): the CPU state per node is {per_param} B x params / nodes; "
-                    "the module as built is not sharded" + also(found)
+                    f"{nodes} nodes (num_nodes={nodes}): the CPU state per node is {per_param} B x params / nodes"
+                    + whole
+                    + also(found)
                 )
                 break
             if more.host["sync"].transient_model_per_rank * devices >= machine.host_memory_gb * GB:

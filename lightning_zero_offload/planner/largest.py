@@ -1,9 +1,11 @@
-"""The largest model that trains on a machine: plain training on the GPU, and zero_offload with each cpu_state.
+"""The largest model that trains on a machine: plain training on the GPU, and zero_offload with each cpu_state,
+with the parameters on the GPU (ZeRO-2) and offloaded too (``offload_params``).
 
 The models are the planner's family for a parameter count (a transformer of ``n_layer`` layers whose width
 follows from the count, :func:`~lightning_zero_offload.planner.shape.width_for`), built on the host in fp32
-as a module usually is; for each way to train, the largest count whose every memory requirement fits is
-found by bisection, and what a larger model runs out of first is named.
+as a module usually is (with ``offload_params``: in ``configure_model``, block by block); for each way to
+train, the largest count whose every memory requirement fits is found by bisection, and what a larger model
+runs out of first is named.
 """
 
 from __future__ import annotations
@@ -15,12 +17,11 @@ from functools import partial
 
 import torch
 
-from lightning_zero_offload.engine.options import OffloadOptions
+from lightning_zero_offload.engine.options import STATE_DTYPES, OffloadOptions
 from lightning_zero_offload.planner.machine import GB, Machine
 from lightning_zero_offload.planner.memory import (
     PLAIN_DEVICE_BYTES_PER_PARAM,
     PLAIN_GRAD_BYTES_PER_PARAM,
-    SCHEDULES,
     activation_estimate,
     device_runtime_bytes,
 )
@@ -30,6 +31,7 @@ from lightning_zero_offload.planner.verdicts import EXACT_SCHEDULES, Check, eval
 
 PLAIN = "plain"  # no offload: the strategy Lightning picks by itself, AdamW on the GPU
 CPU_STATE_SETUPS = ("fp32", "bf16")
+_HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass
@@ -46,11 +48,14 @@ class Largest:
     binds: list[str]
     built: str = "fp32"  # the module's dtype as built, on the host until setup
     refused: str = ""  # why this setup cannot run with these options at all
+    offload_params: bool = False  # the parameters offloaded too, the model built in configure_model
 
     @property
     def name(self) -> str:
         if self.setup == PLAIN:
             return "plain training (AdamW on the GPU)"
+        if self.offload_params:
+            return f'zero_offload_params, cpu_state="{self.setup}"'
         return f'zero_offload, cpu_state="{self.setup}"' + (f", built in {self.built}" if self.built != "fp32" else "")
 
 
@@ -124,29 +129,38 @@ def largest_models(
     host_need, device_need = (c.need for c in plain_checks(max(1, params)))
     rows = [Largest(PLAIN, params, None, host_need, device_need, binds)]
     # A module built in the 16-bit dtype of the run halves what it holds until setup (the planner's fix).
-    for built in ("fp32",) if dtype == torch.float32 else ("fp32", "bf16" if dtype == torch.bfloat16 else "fp16"):
+    setups = [(built, False) for built in (("fp32",) if dtype == torch.float32 else ("fp32", _HALF[dtype]))]
+    for built, offload_params in [*setups, ("fp32", True)]:
         for cpu_state in CPU_STATE_SETUPS:
             options = OffloadOptions(
                 bucket_size_mb=bucket_size_mb,
                 checkpoint_format=checkpoint_format,  # type: ignore[arg-type]
                 cpu_state=cpu_state,  # type: ignore[arg-type]
+                offload_params=offload_params,
             )
             args = (dtype, machine, devices, num_nodes, options, batch_size, seq_len, n_layer, activation_checkpointing)
-            shape_of = partial(_shape, n_layer, 4 if built == "fp32" else 2)
+            shape_of = partial(_shape, n_layer, 4 if built == "fp32" else 2, offload_params)
             checks = partial(_offload_checks, shape_of, args, checkpoint_format)
+            if offload_params:  # the shards: training needs 4 x the state's bytes per parameter, per node / nodes
+                bound = int(machine.host_memory_gb * GB) * num_nodes // (4 * STATE_DTYPES[cpu_state].itemsize) + 1
+            else:
+                bound = never
             try:
-                params, binds = _largest(checks, never)
+                params, binds = _largest(checks, bound)
             except ValueError as refusal:  # a combination the engine refuses (bf16 state with fp16 parameters)
-                rows.append(Largest(cpu_state, 0, None, 0, 0, [], built, refused=str(refusal)))
+                rows.append(Largest(cpu_state, 0, None, 0, 0, [], built, str(refusal), offload_params))
                 continue
-            row = Largest(cpu_state, params, None, 0, 0, binds, built)
+            row = Largest(cpu_state, params, None, 0, 0, binds, built, offload_params=offload_params)
             if params:
                 shape = shape_of(params)
-                verdicts = evaluate(shape, *args).verdicts
-                fitting = [s for s in SCHEDULES if verdicts[f"{s}/{checkpoint_format}"].fits]
+                evaluation = evaluate(shape, *args)
+                verdicts = evaluation.verdicts
+                fitting = [s for s in evaluation.schedules if verdicts[f"{s}/{checkpoint_format}"].fits]
                 flops = step_flops(shape, batch_size * seq_len, seq_len, n_layer)
                 world = devices * num_nodes
-                chosen = recommend(shape, dtype, machine, devices, world, flops, 1, allowed=fitting, options=options)
+                chosen = recommend(
+                    shape, dtype, machine, devices, world, flops, 1, fitting, options, units=evaluation.units
+                )
                 row.cpu_step = str(chosen["cpu_step"])
                 at = verdicts[f"{row.cpu_step}/{checkpoint_format}"].checks
                 row.host_need = max(c.need for c in at if c.name.startswith("host"))
@@ -161,15 +175,21 @@ def largest_models(
         "weights start from the rounded values), "
         f"{devices} GPU(s) per node x {num_nodes} node(s), "
         f'checkpoint_format="{checkpoint_format}"; plain training keeps fp32 weights, gradients and AdamW '
-        "moments on the GPU (16 B/param)"
+        "moments on the GPU (16 B/param); zero_offload_params: the parameters offloaded too (offload_params=True, "
+        "FSDP2 units of one layer, the model built in configure_model: one layer whole on the host at setup; each "
+        "pinned shard rounded up to a power of two by torch's pinned allocator, for a GPT layer's four matrices)"
     )
     return LargestModels(rows, machine, assumptions)
 
 
-def _shape(n_layer: int, built_bytes_per_param: int, params: int) -> ModelShape:
-    """The planner's model of ``params`` parameters (width from the count), built with these bytes/param."""
+def _shape(n_layer: int, built_bytes_per_param: int, configure_model: bool, params: int) -> ModelShape:
+    """The planner's model of ``params`` parameters (width from the count), built with these bytes/param, or
+    in configure_model."""
     return replace(
-        ModelShape.of(params), hidden=width_for(params, n_layer), module_bytes=built_bytes_per_param * params
+        ModelShape.of(params),
+        hidden=width_for(params, n_layer),
+        module_bytes=built_bytes_per_param * params,
+        configure_model=configure_model,
     )
 
 

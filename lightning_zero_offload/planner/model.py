@@ -29,9 +29,10 @@ from lightning_zero_offload.planner.memory import (
     SCHEDULES,
     device_runtime_bytes,
 )
+from lightning_zero_offload.planner.offload_params import FsdpUnits, ParamsOffload, traffic
 from lightning_zero_offload.planner.report import Plan
 from lightning_zero_offload.planner.shape import ModelShape, assumed_depth, layout_summary, width_for
-from lightning_zero_offload.planner.timing import step_time
+from lightning_zero_offload.planner.timing import step_time, step_time_params
 from lightning_zero_offload.planner.verdicts import EXACT_SCHEDULES, Verdict, evaluate, resolve_for
 
 DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}
@@ -57,6 +58,8 @@ def plan(
     in_place_on_cpu: bool | None = None,
     speculation_rollback: str = "auto",
     cpu_state: str = "fp32",
+    offload_params: bool = False,
+    configure_model: bool = False,
 ) -> Plan:
     """Predict memory and step time of training ``model`` with zero_offload, and recommend settings.
 
@@ -86,6 +89,11 @@ def plan(
         activation_checkpointing: whether the model recomputes activations (changes the activation estimate).
         hidden: the model width for the attention FLOPs and activations (default: the model's most common
             matmul input width; for a parameter count, ``sqrt(params / (12 x n_layer))``).
+        offload_params: plan the parameters offloaded too (the strategy option: FSDP2 shards per block on the
+            host, only the blocks in flight on the device; ``Plan.params_offload`` has its units and traffic).
+        configure_model: the model is built in ``configure_model`` or under ``init_module(empty_init=True)``:
+            with ``offload_params`` it is materialized block by block into its shards, never whole (the
+            ZeRO-2 engine takes the module whole either way).
     """
     if precision not in DTYPES:
         raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
@@ -101,10 +109,11 @@ def plan(
         in_place_on_cpu=in_place_on_cpu,
         speculative=SpeculativeOptions(speculation_rollback),  # type: ignore[arg-type]
         cpu_state=cpu_state,  # type: ignore[arg-type]
+        offload_params=offload_params,
     )
     if n_layer is not None and n_layer < 1:
         raise ValueError(f"n_layer must be >= 1, got {n_layer}")
-    shape = ModelShape.of(model)
+    shape = replace(ModelShape.of(model), configure_model=configure_model)
     if hidden is not None:
         shape = replace(shape, hidden=hidden)
     elif shape.shapes is None and n_layer:
@@ -128,10 +137,21 @@ def plan(
     layout = memory.layout
     state_dtype = memory.resolved["sync"].state_dtype
     flops = step_flops(shape, tokens * accumulate_grad_batches, seq_len, n_layer)
-    steps = {
-        s: step_time(layout, dtype, s, machine, threads, devices, flops, accumulate_grad_batches, state_dtype)
-        for s in SCHEDULES
-    }
+    units, micro, shard = memory.units, accumulate_grad_batches, layout.shard_numel
+    params_offload = None
+    if units is None:
+        steps = {
+            s: step_time(layout, dtype, s, machine, threads, devices, flops, micro, state_dtype) for s in SCHEDULES
+        }
+    else:
+        steps = {
+            s: step_time_params(
+                units, dtype, s, machine, threads, devices, flops, micro, state_dtype, memory.resolved[s].pin_memory
+            )
+            for s in memory.schedules
+        }
+        params_offload = ParamsOffload(units, traffic(units, dtype, state_dtype, micro), configure_model)
+        shard = units.shard_numel
     plain = None
     if machine.device_type != "cpu":
         activations = memory.activations.bytes if memory.activations else 0
@@ -139,7 +159,7 @@ def plan(
         plain += device_runtime_bytes(PLAIN_GRAD_BYTES_PER_PARAM * shape.params + activations)
     result = Plan(
         params=shape.params,
-        shard_params=layout.shard_numel,
+        shard_params=shard,
         world_size=world,
         ranks_per_node=devices,
         tokens_per_step=tokens * accumulate_grad_batches * world,
@@ -158,24 +178,30 @@ def plan(
         plain_device_bytes=plain,
         resolved=memory.resolved,
         cpu_state=cpu_state,
+        params_offload=params_offload,
     )
     chosen = _chosen_format(memory.verdicts, checkpoint_format)
     if chosen is not None:
-        allowed = [s for s in SCHEDULES if memory.verdicts[f"{s}/{chosen}"].fits]
+        allowed = [s for s in memory.schedules if memory.verdicts[f"{s}/{chosen}"].fits]
         result.recommended = recommend(
-            shape, dtype, machine, devices, world, flops, accumulate_grad_batches, allowed=allowed, options=options
+            shape, dtype, machine, devices, world, flops, micro, allowed=allowed, options=options, units=units
         )
         result.recommended["checkpoint_format"] = chosen
     if not memory.verdicts[f"sync/{checkpoint_format}"].fits or chosen is None:
         result.fixes = fixes_for(shape, args, memory, checkpoint_format)
     result.notes = _notes(result)
+    if configure_model and not offload_params:
+        result.notes.append(
+            "configure_model=True changes nothing without offload_params: the ZeRO-2 engine takes the module whole, "
+            "so its setup counts the module as built"
+        )
     return result
 
 
 def _chosen_format(verdicts: dict[str, Verdict], asked: str) -> str | None:
     """The asked checkpoint format if some schedule fits with it, else the other one if that fits."""
     for checkpoint_format in (asked, *(f for f in CHECKPOINT_FORMATS if f != asked)):
-        if any(verdicts[f"{s}/{checkpoint_format}"].fits for s in SCHEDULES):
+        if any(v.fits for v in verdicts.values() if v.checkpoint_format == checkpoint_format):
             return checkpoint_format
     return None
 
@@ -196,6 +222,7 @@ def recommend(
     micro: int,
     allowed: list[str] | tuple[str, ...] = SCHEDULES,
     options: OffloadOptions | None = None,
+    units: FsdpUnits | None = None,
 ) -> dict[str, object]:
     """Threads, bucket size and schedule with the shortest predicted step, among the ``allowed`` schedules
     (those that fit in memory; none allowed: an empty dict).
@@ -204,7 +231,8 @@ def recommend(
     data loader); buckets: the smallest size within 1% of the fastest (less device memory, earlier
     start); schedule: the fastest exact one (delayed is reported, not recommended: it changes the
     optimizer's result, docs/dpu.md). ``options``: the ones planned (their ``cpu_state`` sets the bytes the
-    CPU step moves; default: the strategy's defaults).
+    CPU step moves; default: the strategy's defaults). With ``options.offload_params`` FSDP2 moves the
+    gradients per block (``units``, required then): no bucket size to choose (``bucket_size_mb`` None).
     """
     exact = [s for s in EXACT_SCHEDULES if s in allowed]
     if not exact:
@@ -217,21 +245,32 @@ def recommend(
     if machine.device_type != "cpu" and machine.host_bandwidth_per_thread_gbs:
         share = machine.host_bandwidth_gbs / ranks_per_node
         threads = min(cores, max(1, math.ceil(0.95 * share / machine.host_bandwidth_per_thread_gbs)))
-    layouts = {mb: layout_summary(shape, mb, dtype, world) for mb in BUCKET_CHOICES_MB}
-    best: dict[str, tuple[float, float]] = {}
-    for schedule in [s for s in SCHEDULES if s in allowed]:
-        totals = []
-        for mb, layout in layouts.items():
-            totals.append(
-                (
-                    step_time(
-                        layout, dtype, schedule, machine, threads, ranks_per_node, flops, micro, state_dtype
-                    ).total,
-                    mb,
-                )
+    best: dict[str, tuple[float, float | None]]
+    if options is not None and options.offload_params:
+        if units is None:
+            raise ValueError("recommend() with offload_params=True needs the model's FSDP2 units (units=)")
+        best = {}
+        for schedule in exact:
+            step = step_time_params(
+                units, dtype, schedule, machine, threads, ranks_per_node, flops, micro, state_dtype, default.pin_memory
             )
-        fastest = min(t for t, _ in totals)
-        best[schedule] = next((t, mb) for t, mb in totals if t <= 1.01 * fastest)
+            best[schedule] = (step.total, None)
+    else:
+        layouts = {mb: layout_summary(shape, mb, dtype, world) for mb in BUCKET_CHOICES_MB}
+        best = {}
+        for schedule in [s for s in SCHEDULES if s in allowed]:
+            totals = []
+            for mb, layout in layouts.items():
+                totals.append(
+                    (
+                        step_time(
+                            layout, dtype, schedule, machine, threads, ranks_per_node, flops, micro, state_dtype
+                        ).total,
+                        mb,
+                    )
+                )
+            fastest = min(t for t, _ in totals)
+            best[schedule] = next((t, mb) for t, mb in totals if t <= 1.01 * fastest)
     schedule = min(exact, key=lambda s: best[s][0] * (1.0 if s == "sync" else 1.02))  # ties: sync
     step_s, bucket_mb = best[schedule]
     delayed = best.get("delayed")  # None: delayed does not fit in memory
@@ -265,9 +304,28 @@ def _notes(result: Plan) -> list[str]:
         )
     elif m.device_memory_gb is None:
         notes.append("device memory not checked: the machine's device_memory_gb is not known")
+    if result.params_offload is not None:
+        notes += _offload_notes(result)
     if result.activations is not None and result.activations.assumed_shape:
         notes.append(
             f"n_layer not given: activations estimated for an assumed shape, {result.activations.assumed_shape}; "
             "give n_layer and hidden (--n-layer, --hidden) for the model's own" + _room(result.activation_room)
+        )
+    return notes
+
+
+def _offload_notes(result: Plan) -> list[str]:
+    units, notes = result.params_offload.units, []
+    if units.root_params > units.largest_unit:
+        notes.append(
+            f"the root keeps {units.root_params / 1e6:.1f}M parameters that no repeated block holds, gathered on the "
+            "device for the whole step: give the model blocks (an nn.ModuleList of identical layers) so that FSDP2 "
+            "gathers them one block at a time"
+        )
+    if result.host["sync"].per_rank.get("pinned_rounding"):
+        notes.append(
+            "pinned_rounding: FSDP2 pins each parameter's shard, and torch's pinned allocator rounds every allocation "
+            "up to a power of two (its default, read from torch's source, not measured); "
+            "PYTORCH_CUDA_ALLOC_CONF=pinned_max_round_threshold_mb:<MB> leaves larger ones exact"
         )
     return notes

@@ -16,11 +16,12 @@ import os
 import torch
 from torch import nn
 
-from lightning_zero_offload.engine.options import OffloadOptions, resolve, with_compact_state
+from lightning_zero_offload.engine.options import OffloadOptions, Resolved, resolve, with_compact_state
 from lightning_zero_offload.planner.machine import format_gb, probes
 from lightning_zero_offload.planner.memory import HostMemory, host_memory, state_bytes_per_param
+from lightning_zero_offload.planner.offload_params import fsdp_units, host_memory_params
 from lightning_zero_offload.planner.shape import LayoutSummary, ModelShape, layout_summary
-from lightning_zero_offload.planner.verdicts import host_checks
+from lightning_zero_offload.planner.verdicts import SETUP, SETUP_BY_BLOCKS, SETUP_WHOLE, host_checks
 
 SKIP_CHECK_ENV = "LZO_SKIP_MEMORY_CHECK"
 
@@ -47,7 +48,9 @@ def check_host_memory(
     """Pre-flight: fail before the engine allocates if this node's ranks would not fit in host RAM.
 
     Raises :class:`MemoryError` with the numbers, what sets the limit and what to change. Set
-    ``LZO_SKIP_MEMORY_CHECK=1`` to skip it (e.g. when swap or memory freed later will cover it).
+    ``LZO_SKIP_MEMORY_CHECK=1`` to skip it (e.g. when swap or memory freed later will cover it). With
+    ``offload_params``, a module with no parameter on the host (built on the meta device: configure_model,
+    ``init_module(empty_init=True)``) is planned as materialized block by block.
     """
     if os.environ.get(SKIP_CHECK_ENV, "") not in ("", "0"):
         return
@@ -56,11 +59,11 @@ def check_host_memory(
     config = resolve(options, device, param_dtype, world_size, local_world_size)  # what the engine will run
     schedule = config.cpu_step
     resident = _resident_bytes(model)
-    need = host_memory(layout, param_dtype, config, local_world_size, device.type, shape.params, module_bytes=resident)
+    need, setup, shard = _host_need(config, shape, layout, param_dtype, local_world_size, device, resident)
     available, source = probes.host_memory_limit()
     # The module is already built (its bytes are in use, not available) and is released at setup.
     budget = available + resident * local_world_size
-    failed = [c for c in host_checks(need, options.checkpoint_format, budget, schedule) if not c.fits]
+    failed = [c for c in host_checks(need, options.checkpoint_format, budget, schedule, setup) if not c.fits]
     if not failed:
         return
     worst = max(failed, key=lambda c: c.need)
@@ -69,10 +72,9 @@ def check_host_memory(
     per_node_state = per_param * shape.params * local_world_size / world_size
     module = resident * local_world_size
     fixes = []
-    shard = max(1, layout.shard_numel)
     compact = _compact_state(options, device, param_dtype, world_size, local_world_size, layout, shape, resident)
     if compact is not None:
-        peak = max(c.need for c in host_checks(compact, options.checkpoint_format, budget, schedule))
+        peak = max(c.need for c in host_checks(compact, options.checkpoint_format, budget, schedule, setup))
         if peak <= budget:
             fixes.append(
                 f'cpu_state="bf16": master, moments and gradient buffer in bf16 (stochastically rounded, '
@@ -134,4 +136,27 @@ def _compact_state(
         config = resolve(with_compact_state(options), device, param_dtype, world_size, local_world_size)
     except ValueError:
         return None
-    return host_memory(layout, param_dtype, config, local_world_size, device.type, shape.params, module_bytes=resident)
+    return _host_need(config, shape, layout, param_dtype, local_world_size, device, resident)[0]
+
+
+def _host_need(
+    config: Resolved,
+    shape: ModelShape,
+    layout: LayoutSummary,
+    param_dtype: torch.dtype,
+    local_world_size: int,
+    device: torch.device,
+    resident: int,
+) -> tuple[HostMemory, str, int]:
+    """What the engine of ``config`` allocates on this node, the name of its setup check, and the trainable
+    parameters of a rank's shard."""
+    if not config.offload_params:
+        need = host_memory(
+            layout, param_dtype, config, local_world_size, device.type, shape.params, module_bytes=resident
+        )
+        return need, SETUP, max(1, layout.shard_numel)
+    units = fsdp_units(shape, None, layout.world_size)
+    need = host_memory_params(
+        units, param_dtype, config, local_world_size, device.type, module_bytes=resident, configure_model=not resident
+    )
+    return need, SETUP_WHOLE if resident else SETUP_BY_BLOCKS, max(1, units.shard_numel)

@@ -11,10 +11,10 @@ from lightning_zero_offload.planner.memory import (
     ALLOCATOR_OVERHEAD,
     CHECKPOINT_FORMATS,
     DEVICE_CONTEXT_BYTES,
-    SCHEDULES,
     Activations,
     HostMemory,
 )
+from lightning_zero_offload.planner.offload_params import ParamsOffload
 from lightning_zero_offload.planner.timing import StepTime
 from lightning_zero_offload.planner.verdicts import Check, Verdict
 
@@ -45,6 +45,12 @@ class Plan:
     plain_device_bytes: int | None = None  # plain training without offload (16 B/param + activations + runtime)
     fixes: list[str] = field(default_factory=list)  # the smallest changes that would fit, when nothing does
     cpu_state: str = "fp32"  # the option planned: the dtype of master, moments and gradient buffers on the host
+    params_offload: ParamsOffload | None = None  # offload_params=True: FSDP2's units, the traffic per step
+
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        """The schedules planned: all three, or with offload_params the exact ones (delayed is refused)."""
+        return tuple(self.steps)
 
     @property
     def fits(self) -> bool:
@@ -70,6 +76,10 @@ class Plan:
             out["verdicts"][key]["fits"] = verdict.fits
         for key, resolved in self.resolved.items():
             out["resolved"][key]["state_dtype"] = str(resolved.state_dtype).removeprefix("torch.")
+        if self.params_offload is None:
+            del out["params_offload"]
+        else:  # one entry per tensor: what the pinned rounding is computed from, not a figure to read
+            del out["params_offload"]["units"]["tensor_shards"]
         return out
 
     def __str__(self) -> str:
@@ -94,10 +104,16 @@ def _failures(v: Verdict) -> str:
 
 def format_plan(p: Plan) -> str:
     m = p.machine
+    offload = p.params_offload
+    if offload is None:
+        moves = f"bucket {p.bucket_size_mb:g} MB"
+    else:
+        units = offload.units
+        moves = f"{units.units} FSDP2 units of up to {units.largest_unit / 1e6:.1f}M params"
     lines = [
-        f"zero_offload plan: {p.params / 1e6:.1f}M trainable params, {p.world_size} rank(s) "
-        f"({p.ranks_per_node} per node), {p.shard_params / 1e6:.1f}M params per rank's shard, "
-        f"{p.tokens_per_step} tokens per step, bucket {p.bucket_size_mb:g} MB, {p.cpu_threads} CPU thread(s)/rank",
+        f"{'zero_offload_params' if offload else 'zero_offload'} plan: {p.params / 1e6:.1f}M trainable params, "
+        f"{p.world_size} rank(s) ({p.ranks_per_node} per node), {p.shard_params / 1e6:.1f}M params per rank's shard, "
+        f"{p.tokens_per_step} tokens per step, {moves}, {p.cpu_threads} CPU thread(s)/rank",
         f"machine: {m.name}: host {m.host_bandwidth_gbs:.0f} GB/s ({m.cpu_cores} cores, {m.host_memory_gb:.0f} GB), "
         f"device {m.device_tflops:.1f} TFLOP/s achieved"
         + (f", {m.device_memory_gb:.0f} GB" if m.device_memory_gb is not None and m.device_type != "cpu" else "")
@@ -115,12 +131,14 @@ def format_plan(p: Plan) -> str:
     lines += _plain(p)
     lines += _memory_table(p)
     lines += ["", "step time, ms    fwd+bwd  transfer  cpu step  copy-back  waited-for    total  bound by"]
-    for s in SCHEDULES:
+    for s in p.schedules:
         t = p.steps[s]
         lines.append(
             f"  {s:<13} {_ms(t.forward_backward):>9} {_ms(t.transfer):>9} {_ms(t.cpu_step):>9} {_ms(t.copy_back):>10}"
             f" {_ms(t.exposed):>11} {_ms(t.total):>8}  {t.bound_by}"
         )
+    if offload:
+        lines += _traffic(p)
     lines.append("")
     r = p.recommended
     if r:
@@ -129,11 +147,16 @@ def format_plan(p: Plan) -> str:
             lines.append(f'checkpoint_format="{p.checkpoint_format}" does not fit: {_failures(asked)}')
             if p.fixes:
                 lines += [f"  it would fit with: {fix}" for fix in p.fixes]
+        buckets = "offload_params=True" if offload else f"bucket_size_mb={r['bucket_size_mb']}"
         lines.append(
             f"recommended: cpu_step={r['cpu_step']!r}, checkpoint_format={r['checkpoint_format']!r}, "
-            f"bucket_size_mb={r['bucket_size_mb']}, cpu_threads={r['cpu_threads']} -> {_ms(r['step_s'])} ms/step"
+            f"{buckets}, cpu_threads={r['cpu_threads']} -> {_ms(r['step_s'])} ms/step"
         )
-        if r["delayed_step_s"] is not None:
+        if offload:
+            lines.append(
+                "  (cpu_step='delayed' does not apply: FSDP2 gathers the master itself, there is no older copy)"
+            )
+        elif r["delayed_step_s"] is not None:
             lines.append(
                 f"  (cpu_step='delayed' would take {_ms(r['delayed_step_s'])} ms, {r['delayed_speedup']:.2f}x, "
                 "with one step of staleness: check convergence, docs/dpu.md)"
@@ -169,37 +192,45 @@ def _memory_table(p: Plan) -> list[str]:
         f"memory, GB (host per node of {m.host_memory_gb:.1f}" + (f"; {device}" if device else "") + "):",
         "  schedule      training   setup  save full  save sharded  device   fits: full / sharded",
     ]
-    for s in SCHEDULES:
+    for s in p.schedules:
         h = p.host[s]
         fits = " / ".join("yes" if p.verdicts[f"{s}/{f}"].fits else "NO" for f in CHECKPOINT_FORMATS)
         lines.append(
             f"  {s:<13} {_g(h.steady_per_node):>8} {_g(h.setup_per_node):>7} {_g(h.save_per_node('full')):>10}"
             f" {_g(h.save_per_node('sharded')):>13} {_g(p.device_total):>7}   {fits}"
         )
-    lines.append("host RAM per rank by buffer (sync / speculative / delayed):")
-    names = list(dict.fromkeys(name for s in SCHEDULES for name in p.host[s].per_rank))
+    lines.append(f"host RAM per rank by buffer ({' / '.join(p.schedules)}):")
+    names = list(dict.fromkeys(name for s in p.schedules for name in p.host[s].per_rank))
     for name in names:
-        values = [p.host[s].per_rank.get(name, 0) for s in SCHEDULES]
+        values = [p.host[s].per_rank.get(name, 0) for s in p.schedules]
         if any(values):
             lines.append(f"  {name:<22}" + " / ".join(format_gb(v) for v in values))
     lines.append(
         f"  host state per parameter of the rank's shard with cpu_state={p.cpu_state!r}: "
-        + ", ".join(f"{s} {p.host[s].state_per_rank / max(1, p.shard_params):.1f} B" for s in SCHEDULES)
+        + ", ".join(f"{s} {p.host[s].state_per_rank / max(1, p.shard_params):.1f} B" for s in p.schedules)
         + " (master, moments, gradient buffers and the schedule's own)"
     )
     sync = p.host["sync"]
+    saves = ", ".join(f'{format_gb(v)} ("{f}")' for f, v in sync.checkpoint_save_per_rank.items())
+    if p.params_offload is None:
+        held = "the module as built stays on the host until setup"
+        whole = " (ZeRO-2: every GPU holds all parameters, whatever the number of nodes)"
+    elif p.params_offload.configure_model:
+        held = "built in configure_model, one block is whole on the host at setup (fp32)"
+        whole = " (offload_params: the root's parameters and two blocks in flight, whatever the number of blocks)"
+    else:
+        held = "the module built whole stays on the host until setup (configure_model would hold one block)"
+        whole = " (offload_params: the root's parameters and two blocks in flight, whatever the number of blocks)"
     lines.append(
-        f"  of which pinned per rank: {format_gb(sync.pinned_per_rank)}; the module as built stays on the host until "
-        f"setup: {format_gb(sync.transient_model_per_rank)} per rank; a save adds "
-        + ", ".join(f'{format_gb(v)} ("{f}")' for f, v in sync.checkpoint_save_per_rank.items())
-        + " per rank"
+        f"  of which pinned per rank: {format_gb(sync.pinned_per_rank)}; {held}: "
+        f"{format_gb(sync.transient_model_per_rank)} per rank; a save adds {saves} per rank"
     )
     lines.append(
         "device memory per GPU: "
         + ", ".join(f"{k} {format_gb(v)}" for k, v in p.device_bytes.items())
         + (f", activations {format_gb(p.activations.bytes)}" if p.activations else "")
         + (f", runtime {format_gb(p.device_runtime)}" if p.device_runtime else "")
-        + f" = {format_gb(p.device_total)} (ZeRO-2: every GPU holds all parameters, whatever the number of nodes)"
+        + f" = {format_gb(p.device_total)}{whole}"
     )
     if p.activations:
         lines.append(f"  activations estimated as {p.activations.formula}")
@@ -208,9 +239,26 @@ def _memory_table(p: Plan) -> list[str]:
     if p.device_runtime:
         lines.append(
             f"  runtime: the CUDA context ({format_gb(DEVICE_CONTEXT_BYTES)}) and the caching allocator's overhead "
-            f"({ALLOCATOR_OVERHEAD:.0%} of the activations)"
+            f"({ALLOCATOR_OVERHEAD:.0%} of the activations"
+            + (" and of the blocks' buffers)" if p.params_offload else ")")
         )
     if p.activation_room is not None:
         room = "nothing" if p.activation_room <= 0 else format_gb(p.activation_room)
-        lines.append(f"  room for activations per GPU, after the model states and the runtime: {room}")
+        states = "the root's parameters, the blocks' buffers" if p.params_offload else "the model states"
+        lines.append(f"  room for activations per GPU, after {states} and the runtime: {room}")
     return lines
+
+
+def _traffic(p: Plan) -> list[str]:
+    """offload_params: what one optimizer step moves per rank."""
+    moved = p.params_offload.traffic
+    line = (
+        f"traffic per step per rank: {format_gb(moved.up)} up (the shards, gathered for forward and again for "
+        f"backward), {format_gb(moved.down)} down (the reduced gradient shards), every micro-batch"
+    )
+    if p.world_size > 1:
+        line += (
+            f"; interconnect {format_gb(moved.all_gather)} all-gathered and {format_gb(moved.reduce_scatter)} "
+            "reduce-scattered (fp32)"
+        )
+    return [line]

@@ -24,6 +24,13 @@ class ModelShape:
     frozen: int = 0  # parameters without requires_grad: no CPU state, but on the host until setup and on the device
     module_bytes: int = 0  # the module's parameters as built (0: assume fp32, 4 B each)
     blocks: int | None = None  # a built model's longest list of repeated blocks (its layers); None: none found
+    # With offload_params: the parameters of each unit FSDP2 shards on its own (each repeated block, each
+    # embedding or linear outside them whose weight is not tied), and those the root keeps unsharded; None:
+    # a parameter count, whose units are the planner's family's layers (planner/offload_params.py).
+    units: tuple[int, ...] | None = None
+    root_params: int = 0
+    largest_tensor: int = 0  # elements of the largest parameter (a streamed full export holds one at a time)
+    configure_model: bool = False  # built in configure_model / init_module(empty_init=True): never whole
 
     @property
     def params(self) -> int:
@@ -68,7 +75,20 @@ class ModelShape:
         matmul = matmul or sum(s.numel() for s in shapes)
         linear = linear or {(hidden, 4 * hidden): 1}
         blocks = _repeated_blocks(model)
-        return cls(shapes, matmul, linear, hidden, frozen=frozen, module_bytes=module_bytes, blocks=blocks)
+        units, root = _fsdp_units(model)
+        largest = max(p.numel() for p in model.parameters())
+        return cls(
+            shapes,
+            matmul,
+            linear,
+            hidden,
+            frozen=frozen,
+            module_bytes=module_bytes,
+            blocks=blocks,
+            units=units,
+            root_params=root,
+            largest_tensor=largest,
+        )
 
     @property
     def built_bytes(self) -> int:
@@ -91,6 +111,40 @@ def _repeated_blocks(model: nn.Module) -> int | None:
             candidate = (sum(p.numel() for p in module.parameters()), len(children))
             best = max(best or candidate, candidate)
     return best[1] if best else None
+
+
+def _fsdp_units(model: nn.Module) -> tuple[tuple[int, ...], int]:
+    """The parameters of each unit ``offload_params`` wraps with ``fully_shard`` (each child of the
+    ModuleList/Sequential of two or more children of one class with the most parameters; then each
+    nn.Embedding or nn.Linear outside them whose parameters no other module shares), and what is left to
+    the root (norms, tied weights). Counts every parameter once, frozen ones too (FSDP2 shards them all)."""
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    best, blocks = 0, []
+    for module in model.modules():
+        children = list(module.children())
+        repeated = len(children) >= 2 and len({type(child) for child in children}) == 1
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and repeated:
+            size = sum(p.numel() for p in module.parameters())
+            if size > best:
+                best, blocks = size, children
+    claimed = {id(m) for block in blocks for m in block.modules()}
+    seen: set[int] = set()
+    units = []
+    for block in blocks:
+        units.append(sum(p.numel() for p in block.parameters() if id(p) not in seen))
+        seen.update(id(p) for p in block.parameters())
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if id(module) in claimed or not isinstance(module, (nn.Embedding, nn.Linear)) or not own:
+            continue
+        if all(owners[id(p)] == 1 and id(p) not in seen for p in own):
+            units.append(sum(p.numel() for p in own))
+            seen.update(id(p) for p in own)
+    total = sum(p.numel() for p in model.parameters())
+    return tuple(units), total - sum(units)
 
 
 # Depth of the planner's model family when only a parameter count is known (--largest's default too).
@@ -124,7 +178,7 @@ def scaled(shape: ModelShape, params: int, n_layer: int | None) -> ModelShape:
     """A model of ``params`` parameters of ``shape``'s family: the same depth, its width from
     :func:`width_for` (a built model keeps its width), the same matmul shapes, nothing frozen."""
     width = width_for(params, n_layer) if n_layer and shape.shapes is None else shape.hidden
-    return ModelShape(None, params, shape.linear_shapes, width, params)
+    return ModelShape(None, params, shape.linear_shapes, width, params, configure_model=shape.configure_model)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import torch
 
 from lightning_zero_offload.planner.machine import GB, Machine
 from lightning_zero_offload.planner.machine.probes import ADAM_BYTES_PER_PARAM
+from lightning_zero_offload.planner.offload_params import FsdpUnits, traffic
 from lightning_zero_offload.planner.shape import LayoutSummary
 
 
@@ -85,3 +86,71 @@ def step_time(
         "interconnect": (micro + 1) * collective,
     }
     return StepTime(forward_backward, transfer, cpu_step, copy_back, exposed, total, max(work, key=work.get))
+
+
+def step_time_params(
+    units: FsdpUnits,
+    dtype: torch.dtype,
+    schedule: str,
+    m: Machine,
+    threads: int,
+    ranks_per_node: int,
+    flops: float,
+    micro: int,
+    state_dtype: torch.dtype,
+    pinned: bool,
+) -> StepTime:
+    """One optimizer step's time with ``offload_params=True`` (docs/planning.md, "Parameters offloaded too").
+
+    Forward and backward each gather every unit (its shard up the link, then an all-gather), prefetching
+    one unit ahead, so only what the compute cannot cover and the first unit are waited for. Gradients are
+    reduced and copied down per unit; FSDP2 makes that copy synchronous in the thread that runs backward
+    when a post-accumulate-grad hook is registered (the speculative step's), when the shard is added into
+    an earlier micro-batch's gradient, or without pinned memory: the device then waits for every unit's
+    reduce and copy (and the add). The CPU step (the ZeRO-2 mode's kernels over this rank's shard) runs
+    after backward (sync), or per unit as its last gradient lands, behind the rest of the last backward
+    (speculative). Nothing is copied back: the next forward gathers the updated shard (``copy_back`` 0).
+    """
+    moved = traffic(units, dtype, state_dtype, micro)
+    state, shard = state_dtype.itemsize, units.shard_numel
+    bandwidth = m.rank_bandwidth(threads, ranks_per_node)
+    forward_backward = flops / (m.device_tflops * 1e12)
+    collective = 0.0
+    if units.world_size > 1 and m.interconnect_gbs:
+        collective = (moved.all_gather + moved.reduce_scatter) / (m.interconnect_gbs * GB)
+    latency = units.units * m.link_latency_s
+    # one pass of gathers (forward's or backward's) and one of reduces, per micro-batch
+    gather = moved.up / (2 * micro * m.h2d_gbs * GB) + latency
+    reduce = moved.down / (micro * m.d2h_gbs * GB) + latency
+    if collective:
+        gather += moved.all_gather / (2 * micro * m.interconnect_gbs * GB)
+        reduce += moved.reduce_scatter / (micro * m.interconnect_gbs * GB)
+    accumulate = (micro - 1) * 3 * state * shard / bandwidth  # later micro-batches: read 2 shards, write 1
+    efficiency = m.adam_efficiency
+    if state_dtype == torch.bfloat16 and m.adam_bf16_state_efficiency is not None:
+        efficiency = m.adam_bf16_state_efficiency
+    cpu_step = shard * (ADAM_BYTES_PER_PARAM * state // 4) / (bandwidth * efficiency) + units.units * m.call_overhead_s
+    transfer = micro * (2 * gather + reduce) + accumulate
+    if m.device_type == "cpu":  # the same cores do everything: nothing overlaps
+        exposed = transfer + cpu_step
+    else:
+        per_unit = 1 / max(1, units.units)
+        forward_mb, backward_mb = forward_backward / 3 / micro, forward_backward * 2 / 3 / micro
+        forward_wait = max(0.0, gather - forward_mb) + gather * per_unit
+        blocking = micro if schedule == "speculative" or not pinned else micro - 1
+        waits_for_copies = reduce + max(0.0, gather - backward_mb - reduce) + gather * per_unit
+        overlapped = max(0.0, max(gather, reduce) - backward_mb) + (gather + reduce) * per_unit
+        exposed = micro * forward_wait + blocking * waits_for_copies + (micro - blocking) * overlapped + accumulate
+        if schedule == "speculative":
+            last_backward = backward_mb + (reduce if blocking else 0.0)
+            exposed += max(0.0, cpu_step - last_backward) + cpu_step * per_unit
+        else:
+            exposed += cpu_step
+    work = {
+        "device compute": forward_backward,
+        "host memory bandwidth": accumulate + cpu_step,
+        "host-device link": moved.up / (m.h2d_gbs * GB) + moved.down / (m.d2h_gbs * GB),
+        "interconnect": collective,
+    }
+    total = forward_backward + exposed
+    return StepTime(forward_backward, transfer, cpu_step, 0.0, exposed, total, max(work, key=work.get))

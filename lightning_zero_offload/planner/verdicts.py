@@ -3,6 +3,7 @@ every schedule and checkpoint format, with the configuration the engine would re
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from lightning_zero_offload.engine.options import OffloadOptions, Resolved, resolve
 from lightning_zero_offload.planner.machine import GB, Machine
 from lightning_zero_offload.planner.memory import (
+    ALLOCATOR_OVERHEAD,
     CHECKPOINT_FORMATS,
     SCHEDULES,
     Activations,
@@ -20,9 +22,19 @@ from lightning_zero_offload.planner.memory import (
     device_runtime_bytes,
     host_memory,
 )
+from lightning_zero_offload.planner.offload_params import (
+    FsdpUnits,
+    device_memory_params,
+    fsdp_units,
+    host_memory_params,
+)
 from lightning_zero_offload.planner.shape import LayoutSummary, ModelShape, layout_summary
 
 EXACT_SCHEDULES = ("sync", "speculative")  # same result as a plain optimizer step; delayed uses stale weights
+SETUP = "host RAM, setup (the module as built + the engine's state)"
+# offload_params: the setup of a model built in configure_model, and of one built whole before fit.
+SETUP_BY_BLOCKS = "host RAM, setup (configure_model: the shards + one block whole in fp32)"
+SETUP_WHOLE = "host RAM, setup (the module built whole on every rank: build it in configure_model)"
 
 
 @dataclass
@@ -55,12 +67,14 @@ class Verdict:
         return [c for c in self.checks if not c.fits]
 
 
-def host_checks(host: HostMemory, checkpoint_format: str, available: int | None, schedule: str = "") -> list[Check]:
-    """Host RAM per node at each moment of a run: steady state, engine setup, checkpoint save."""
+def host_checks(
+    host: HostMemory, checkpoint_format: str, available: int | None, schedule: str = "", setup: str = SETUP
+) -> list[Check]:
+    """Host RAM per node at each moment of a run: steady state, engine setup (named ``setup``), checkpoint save."""
     steady = "host RAM, training" + (" (with delayed's second gradient buffer)" if schedule == "delayed" else "")
     return [
         Check(steady, host.steady_per_node, available),
-        Check("host RAM, setup (the module as built + the engine's state)", host.setup_per_node, available),
+        Check(setup, host.setup_per_node, available),
         Check(f'host RAM, saving a "{checkpoint_format}" checkpoint', host.save_per_node(checkpoint_format), available),
     ]
 
@@ -78,10 +92,16 @@ class Evaluation:
     resolved: dict[str, Resolved]
     device_runtime: int = 0  # the CUDA context and the allocator's overhead (0 on a CPU device)
     activation_room: int | None = None  # activation bytes the device has room for (None: its memory is not known)
+    units: FsdpUnits | None = None  # offload_params: FSDP2's units (None: the ZeRO-2 mode)
 
     @property
     def fits(self) -> bool:
         return any(v.fits for v in self.verdicts.values())
+
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        """The schedules evaluated: all three, or with offload_params the exact ones (delayed is refused)."""
+        return tuple(self.resolved)
 
 
 def resolve_for(options: OffloadOptions, machine: Machine, dtype: torch.dtype, world: int, ranks: int) -> Resolved:
@@ -112,37 +132,62 @@ def evaluate(
 ) -> Evaluation:
     world = devices * num_nodes
     layout = layout_summary(shape, options.bucket_size_mb, dtype, world)
-    configs = {s: resolve_for(schedule_options(options, s), machine, dtype, world, devices) for s in SCHEDULES}
-    host = {
-        s: host_memory(
-            layout, dtype, configs[s], devices, machine.device_type, shape.params, module_bytes=shape.built_bytes
-        )
-        for s in SCHEDULES
-    }
-    states = device_memory(layout, dtype)
+    schedules = EXACT_SCHEDULES if options.offload_params else SCHEDULES
+    configs = {s: resolve_for(schedule_options(options, s), machine, dtype, world, devices) for s in schedules}
+    units = None
+    setup = SETUP
+    if options.offload_params:
+        units = fsdp_units(shape, n_layer, world)
+        host = {
+            s: host_memory_params(
+                units,
+                dtype,
+                configs[s],
+                devices,
+                machine.device_type,
+                module_bytes=shape.built_bytes,
+                configure_model=shape.configure_model,
+            )
+            for s in schedules
+        }
+        states = device_memory_params(units, dtype, configs["sync"].state_dtype)
+        once = states["root_params"]
+        cycled = sum(states.values()) - once  # gathered, allocated and freed unit by unit, every step
+        setup = SETUP_BY_BLOCKS if shape.configure_model else SETUP_WHOLE
+        held = "root params + blocks in flight"
+    else:
+        host = {
+            s: host_memory(
+                layout, dtype, configs[s], devices, machine.device_type, shape.params, module_bytes=shape.built_bytes
+            )
+            for s in schedules
+        }
+        states = device_memory(layout, dtype)
+        # Frozen parameters go to the device as they are (fp32 assumed); activations come on top.
+        once = sum(states.values()) + 4 * shape.frozen  # allocated once
+        cycled = 0
+        held = "model states"
     activations = None
     if n_layer:
         activations = activation_estimate(batch_size, seq_len, shape.hidden, n_layer, dtype, checkpointing)
-    # Frozen parameters go to the device as they are (fp32 assumed); activations come on top.
-    resident = sum(states.values()) + 4 * shape.frozen  # allocated once
-    per_step = activations.bytes if activations else 0
+    per_step = (activations.bytes if activations else 0) + cycled
     on_gpu = machine.device_type != "cpu"  # a CPU device is host memory: no CUDA runtime, counted on the host
     runtime = device_runtime_bytes(per_step) if on_gpu else 0
-    total = resident + per_step + runtime
+    total = once + per_step + runtime
     host_gb = machine.host_memory_gb * GB
     device_gb = room = None
     if on_gpu and machine.device_memory_gb is not None:
         device_gb = int(machine.device_memory_gb * GB)
-        room = activation_room(device_gb, resident)
+        room = activation_room(device_gb, once + cycled + math.ceil(ALLOCATOR_OVERHEAD * cycled))
     verdicts = {}
-    for schedule in SCHEDULES:
+    for schedule in schedules:
         for checkpoint_format in CHECKPOINT_FORMATS:
-            checks = host_checks(host[schedule], checkpoint_format, int(host_gb), schedule)
+            checks = host_checks(host[schedule], checkpoint_format, int(host_gb), schedule, setup)
             if activations:  # fails, whatever the activations are, when nothing is left for them
-                before = resident + (device_runtime_bytes(0) if on_gpu else 0)
-                name = "device memory per GPU, before activations (model states + runtime)"
+                before = once + cycled + (device_runtime_bytes(cycled) if on_gpu else 0)
+                name = f"device memory per GPU, before activations ({held} + runtime)"
                 checks.append(Check(name, before, device_gb))
-            what = "model states" + (" + activations" if activations else "") + (" + runtime" if on_gpu else "")
+            what = held + (" + activations" if activations else "") + (" + runtime" if on_gpu else "")
             checks.append(Check(f"device memory per GPU ({what})", total, device_gb))
             verdicts[f"{schedule}/{checkpoint_format}"] = Verdict(schedule, checkpoint_format, checks)
-    return Evaluation(layout, host, states, total, activations, verdicts, configs, runtime, room)
+    return Evaluation(layout, host, states, total, activations, verdicts, configs, runtime, room, units)

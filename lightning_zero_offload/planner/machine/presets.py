@@ -21,6 +21,8 @@ HOSTS: dict[str, tuple[float, float, int, float]] = {
     "server (1 socket, 8ch DDR4-3200)": (130.0, 12.0, 64, 512.0),
     "server (2 sockets, 8ch DDR4-3200 each)": (200.0, 12.0, 128, 1024.0),
     "Grace (GH200, LPDDR5X)": (400.0, 25.0, 72, 480.0),
+    # The host of an 8 x H100 node (DGX H100: 2 x 56-core Xeon 8480C, 2 TB; plan it with --devices 8).
+    "DGX H100 (2 sockets, 8ch DDR5-4800 each, 2 TB)": (430.0, 12.0, 112, 2048.0),
 }
 
 # name: (dense bf16 peak TFLOP/s, host link GB/s, device memory GB)

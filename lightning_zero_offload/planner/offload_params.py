@@ -1,0 +1,202 @@
+"""Memory and traffic of ``offload_params=True``: torch FSDP2 ``fully_shard`` per block with
+``CPUOffloadPolicy`` and the project's CPU step on the shards (docs/planning.md, "Parameters offloaded too").
+
+Modelled from FSDP2's source (torch 2.13, ``torch/distributed/fsdp/_fully_shard/``) and the spike's
+measurements (docs/design/offload-params-spike.md), not from the engine's own ledger: the engine for this
+mode (``engine/offload_params/``) is being written, and tests/planner/test_offload_params.py pins the
+formulas to hand computations until a live engine can be compared with them, as for the ZeRO-2 mode.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lightning_zero_offload.engine.options import Resolved
+from lightning_zero_offload.planner.memory import HostMemory
+from lightning_zero_offload.planner.shape import DEFAULT_N_LAYER, ModelShape
+
+REDUCE_BYTES = 4  # MixedPrecisionPolicy(reduce_dtype=torch.float32): the reduce-scatter runs in fp32
+
+
+@dataclass(frozen=True)
+class FsdpUnits:
+    """The sizes FSDP2's memory and traffic depend on, for one rank of ``world_size``."""
+
+    world_size: int
+    units: int  # modules wrapped with fully_shard besides the root
+    largest_unit: int  # parameters of the largest one: gathered whole on the device while it runs
+    root_params: int  # parameters of the root itself: gathered at the first forward, kept all step
+    params: int  # every parameter, frozen ones too (all of them are sharded)
+    shard_numel: int  # this rank's shard of the trainable parameters (dim 0 padded to a multiple of the ranks)
+    frozen_shard_numel: int
+    largest_tensor: int  # a streamed full export gathers one tensor at a time
+    tensor_shards: tuple[int, ...] = ()  # this rank's shard of each trainable tensor: each is pinned on its own
+
+    @property
+    def largest_unit_shard(self) -> int:
+        return -(-self.largest_unit // self.world_size)
+
+    @property
+    def held_shard_numel(self) -> int:
+        """This rank's shard of every parameter (the trainable ones and the frozen ones)."""
+        return self.shard_numel + self.frozen_shard_numel
+
+    def pinned_rounding(self, element_size: int) -> int:
+        """Bytes torch's pinned allocator adds to the shards: by default it rounds every allocation up to a
+        power of two (``CachingHostAllocator``, ATen/core/CachingHostAllocator.h), and FSDP2 pins each
+        parameter's shard with ``Tensor.pin_memory()`` (read from torch 2.13's source; no GPU run has checked it)."""
+        return sum((1 << (element_size * n - 1).bit_length()) - element_size * n for n in self.tensor_shards if n)
+
+
+def _shard(size: torch.Size | tuple[int, ...], world: int) -> int:
+    """A tensor's shard: FSDP2 splits dim 0 and pads it to a multiple of the ranks."""
+    if not size:  # a scalar
+        return 1
+    return -(-size[0] // world) * math.prod(size[1:])
+
+
+def fsdp_units(shape: ModelShape, n_layer: int | None, world: int) -> FsdpUnits:
+    """FSDP2's units of ``shape`` at ``world`` ranks. A built model has its own (:class:`ModelShape`); a
+    parameter count is the planner's family: ``n_layer`` layers that hold every parameter, 12 x hidden^2
+    each, in a GPT layer's four matrices (3h x h, h x h, 4h x h, h x 4h)."""
+    frozen_shard = -(-shape.frozen // world)
+    if shape.shapes is None or shape.units is None:
+        depth, h = n_layer or DEFAULT_N_LAYER, shape.hidden
+        per_layer = -(-shape.params // depth)
+        tensors = tuple(_shard(size, world) for size in ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h)))
+        shard = -(-shape.params // world)
+        return FsdpUnits(world, depth, per_layer, 0, shape.params, shard, frozen_shard, 4 * h * h, tensors * depth)
+    tensors = tuple(_shard(size, world) for size in shape.shapes)
+    total = sum(shape.units) + shape.root_params
+    largest = max(shape.units, default=0)
+    return FsdpUnits(
+        world,
+        len(shape.units),
+        largest,
+        shape.root_params,
+        total,
+        sum(tensors),
+        frozen_shard,
+        shape.largest_tensor,
+        tensors,
+    )
+
+
+def host_memory_params(
+    units: FsdpUnits,
+    dtype: torch.dtype,
+    config: Resolved,
+    ranks_per_node: int,
+    device_type: str,
+    *,
+    module_bytes: int,
+    configure_model: bool,
+) -> HostMemory:
+    """Host bytes of one rank: FSDP2's sharded parameter (the master, in the state's dtype), its sharded
+    gradient, the two moments and the speculative step's snapshot; one block's gradient shards copied down
+    before they are added or assigned; on a CPU device the device's buffers too. Setup: the shards next to
+    one block whole in fp32 (``configure_model``) or next to the module as built (``module_bytes``, on every
+    rank). Saves: a sharded checkpoint writes the shards with one block's state at a time beyond them, a
+    full export streams one tensor at a time."""
+    state = config.state_dtype.itemsize
+    shard, block_shard = units.shard_numel, units.largest_unit_shard
+    buffers = {
+        "master": state * shard,
+        "exp_avg": state * shard,
+        "exp_avg_sq": state * shard,
+        "grad": state * shard,
+        "frozen_shards": state * units.frozen_shard_numel,
+        "block_grad_copies": state * block_shard,
+    }
+    if config.cpu_step == "speculative":
+        buffers["snapshot"] = 3 * state * shard if config.speculation_rollback == "snapshot" else 0
+    if device_type == "cpu":  # the "device" is host memory too
+        buffers["device_buffers"] = sum(device_memory_params(units, dtype, config.state_dtype).values())
+    shards = state * units.held_shard_numel
+    pinned = 0
+    if config.pin_memory:  # CPUOffloadPolicy(pin_memory=True) pins the shards, each rounded up
+        buffers["pinned_rounding"] = units.pinned_rounding(state)
+        pinned = shards + buffers["pinned_rounding"]
+        shards = pinned
+    if configure_model:
+        transient = 4 * units.largest_unit  # the block being materialized, whole, in fp32
+        setup = shards + transient
+    else:
+        transient = module_bytes
+        setup = module_bytes + state * block_shard  # the block being sharded next to the module as built
+    saves = {"full": state * units.largest_tensor, "sharded": 3 * state * block_shard}
+    per_rank = sum(buffers.values())
+    return HostMemory(
+        per_rank=buffers,
+        pinned_per_rank=pinned,
+        per_node=per_rank * ranks_per_node,
+        transient_model_per_rank=transient,
+        checkpoint_full_per_rank=saves["full"],
+        setup_per_rank=setup,
+        checkpoint_save_per_rank=saves,
+        ranks_per_node=ranks_per_node,
+    )
+
+
+def device_memory_params(units: FsdpUnits, dtype: torch.dtype, state_dtype: torch.dtype) -> dict[str, int]:
+    """Device bytes of one rank at the peak of backward, activations aside.
+
+    ``root_params``: the root's own parameters, gathered for the whole step. ``blocks_in_flight``: the
+    running unit and the one FSDP2 prefetches, unsharded in the compute dtype. ``backward_buffers``: the
+    larger of two moments of a unit's backward (the root counts as a unit here): while it computes,
+    autograd's gradients (compute dtype) next to the previous unit's reduce-scatter input (fp32, held
+    until this unit's reduce starts) and the prefetch's all-gather input (the shard copied up in the
+    state's dtype, and its cast when that differs); while it reduces, the fp32 reduce-scatter input
+    next to its gradients (the copy-in) or next to the fp32 output shard and its cast to the state's
+    dtype.
+    """
+    e, s, world = dtype.itemsize, state_dtype.itemsize, units.world_size
+    block = units.largest_unit
+    unit = max(block, units.root_params)
+    unit_shard = -(-unit // world)
+    gather_input = (s + (e if e != s else 0)) * -(-block // world)
+    computing = (e + REDUCE_BYTES) * unit + gather_input
+    copy_in = (e + REDUCE_BYTES) * unit
+    reduced = REDUCE_BYTES * unit + (REDUCE_BYTES + (s if s != REDUCE_BYTES else 0)) * unit_shard
+    return {
+        "root_params": e * units.root_params,
+        "blocks_in_flight": 2 * e * block,
+        "backward_buffers": max(computing, copy_in, reduced),
+    }
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one rank moves per optimizer step: over the host link and, with several ranks, the interconnect."""
+
+    up: int  # host -> device: the shards, gathered for forward and again for backward, every micro-batch
+    down: int  # device -> host: the reduced gradient shards, every micro-batch
+    all_gather: int  # interconnect: what the all-gathers bring from the other ranks
+    reduce_scatter: int  # interconnect: what the reduce-scatters send to them (fp32)
+
+
+def traffic(units: FsdpUnits, dtype: torch.dtype, state_dtype: torch.dtype, micro: int) -> Traffic:
+    """Per optimizer step of ``micro`` micro-batches: FSDP2 gathers each unit before its forward and again
+    before its backward (the shard crosses the link in the state's dtype and is cast on the device), and
+    the engine reduces every micro-batch, so that the device holds only the blocks in flight."""
+    world, s = units.world_size, state_dtype.itemsize
+    others = (world - 1) / world  # padded, as FSDP2 gathers and scatters them
+    return Traffic(
+        up=micro * 2 * s * units.held_shard_numel,
+        down=micro * s * units.shard_numel,
+        all_gather=math.ceil(micro * 2 * dtype.itemsize * units.held_shard_numel * world * others),
+        reduce_scatter=math.ceil(micro * REDUCE_BYTES * units.shard_numel * world * others),
+    )
+
+
+@dataclass
+class ParamsOffload:
+    """What a plan with ``offload_params=True`` adds: FSDP2's units, one optimizer step's traffic per rank,
+    and whether the model is built in ``configure_model`` (materialized block by block) or whole."""
+
+    units: FsdpUnits
+    traffic: Traffic
+    configure_model: bool

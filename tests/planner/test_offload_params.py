@@ -1,0 +1,213 @@
+"""The planner's offload_params mode: its formulas against hand computations, --largest, the verdicts, and the
+ZeRO-2 mode's answers unchanged by it."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+from planner_helpers import CPU_BOX, GPU_BOX, h200, layers
+from torch import nn
+
+from lightning_zero_offload.engine import OffloadOptions
+from lightning_zero_offload.planner import Machine, check_host_memory, largest_models, plan, presets, with_rates
+from lightning_zero_offload.planner.cli import main
+from lightning_zero_offload.planner.machine import probes
+from lightning_zero_offload.planner.offload_params import fsdp_units
+from lightning_zero_offload.planner.preflight import SKIP_CHECK_ENV
+from lightning_zero_offload.planner.shape import ModelShape
+from lightning_zero_offload.planner.timing import step_time_params
+from lightning_zero_offload.planner.verdicts import SETUP_BY_BLOCKS, SETUP_WHOLE
+
+
+class Tiny(nn.Module):
+    """An embedding, three blocks of 280 parameters (8x16 + 16 + 16x8 + 8), a norm and a head."""
+
+    def __init__(self, tied: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)) for _ in range(3))
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 10, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+
+def tiny(tied: bool = False) -> nn.Module:
+    with torch.device("meta"):
+        return Tiny(tied)
+
+
+def test_three_ranks_fp32_state_by_hand():
+    p = plan(tiny(), batch_size=1, seq_len=8, n_layer=3, devices=3, machine=GPU_BOX, accumulate_grad_batches=2,
+             offload_params=True, configure_model=True)  # fmt: skip
+    units = p.params_offload.units
+    # Units: the three blocks, then the untied embedding and head (80 each); the root keeps the norm (16).
+    assert (units.units, units.largest_unit, units.root_params, units.params) == (5, 280, 16, 1016)
+    # Shards at 3 ranks, dim 0 padded: emb 4x8, per block 6x8 + 6 + 3x16 + 3, norm 3 + 3, head 4x8.
+    assert units.shard_numel == 32 + 3 * (48 + 6 + 48 + 3) + 6 + 32 == 385
+    sync, speculative = p.host["sync"], p.host["speculative"]
+    state = 4 * 385  # fp32: master (FSDP2's shard), its gradient and two moments
+    # Pinned shards rounded up to powers of two: per block 192 -> 256, 24 -> 32, 192 -> 256, 12 -> 16 B; norm 12 -> 16.
+    rounding = 3 * (64 + 8 + 64 + 4) + 2 * 4
+    block_copies = 4 * 94  # one block's gradient shards copied down: 280 / 3 ranks, rounded up
+    shards = {"master": state, "exp_avg": state, "exp_avg_sq": state, "grad": state, "frozen_shards": 0}
+    assert sync.per_rank == {**shards, "block_grad_copies": block_copies, "pinned_rounding": rounding}
+    assert speculative.per_rank["snapshot"] == 3 * state
+    assert sync.per_node == 3 * (4 * state + block_copies + rounding)
+    assert sync.pinned_per_rank == state + rounding
+    assert sync.setup_per_rank == state + rounding + 4 * 280  # configure_model: the shards, one block whole in fp32
+    assert sync.checkpoint_save_per_rank == {"full": 4 * 128, "sharded": 3 * 4 * 94}  # one tensor; one block's state
+    assert [c.name for c in p.verdict("sync").checks][1] == SETUP_BY_BLOCKS
+    # Device (bf16 compute): the root's norm, two blocks unsharded, and the larger moment of a block's backward:
+    # computing (2 + 4) x 280 B next to the prefetch's all-gather input (4 + 2) x 94 B = 2244;
+    # reducing 4 x 280 B of fp32 input and 4 x 94 B of output = 1496.
+    assert p.device_bytes == {"root_params": 2 * 16, "blocks_in_flight": 2 * 2 * 280, "backward_buffers": 2244}
+    # Traffic of 2 micro-batches: each gathers every shard twice (4 B) and sends the gradient shard down once.
+    moved = p.params_offload.traffic
+    assert (moved.up, moved.down) == (2 * 2 * 4 * 385, 2 * 4 * 385)
+    assert moved.all_gather == 2 * 2 * 2 * 1155 * 2 / 3 and moved.reduce_scatter == 2 * 4 * 1155 * 2 / 3
+    assert p.schedules == ("sync", "speculative") and "delayed" not in p.resolved
+    assert "tensor_shards" not in p.to_dict()["params_offload"]["units"]
+
+
+def test_one_rank_tied_weights_bf16_state_built_whole_by_hand():
+    p = plan(tiny(tied=True), batch_size=1, seq_len=8, n_layer=3, machine=GPU_BOX, cpu_state="bf16",
+             offload_params=True)  # fmt: skip
+    units = p.params_offload.units
+    assert (units.units, units.root_params, units.params) == (3, 96, 936)  # the tied embedding and head: the root
+    sync = p.host["sync"]
+    assert sync.per_rank["master"] == 2 * 936 and sync.per_rank["block_grad_copies"] == 2 * 280
+    assert sync.per_rank["pinned_rounding"] == 256 - 160  # the 10x8 embedding: every other shard is a power of two
+    assert p.host["speculative"].per_rank["snapshot"] == 3 * 2 * 936
+    assert sync.setup_per_rank == 4 * 936 + 2 * 280  # the fp32 module as built, and one block's shard
+    assert [c.name for c in p.verdict("sync").checks][1] == SETUP_WHOLE
+    # One rank, bf16 kept as it is gathered (no cast): computing 6 x 280 + 2 x 280 = 2240; reducing 4 x 280 of
+    # input, 4 x 280 of output and its 2 x 280 bf16 cast = 2800.
+    assert p.device_bytes == {"root_params": 2 * 96, "blocks_in_flight": 2 * 2 * 280, "backward_buffers": 2800}
+
+
+def test_step_time_by_hand():
+    m = Machine(host_bandwidth_gbs=14, cpu_cores=1, host_memory_gb=64, device_tflops=1, h2d_gbs=10, d2h_gbs=10,
+                call_overhead_s=0, link_latency_s=0)  # fmt: skip
+    units = fsdp_units(ModelShape.of(10**9), 10, 1)
+    assert (units.units, units.largest_unit, units.shard_numel) == (10, 10**8, 10**9)
+
+    def step(schedule: str, micro: int = 1, pinned: bool = True):
+        return step_time_params(units, torch.bfloat16, schedule, m, 1, 1, 3e12 * micro, micro, torch.bfloat16, pinned)
+
+    # Forward 1 s, backward 2 s; a pass of gathers 2 GB / 10 GB/s = 0.2 s, the gradients 0.2 s down; the CPU step
+    # 14 GB / 14 GB/s = 1 s. Only the first unit's gather (0.02 s) waits in forward.
+    sync = step("sync")  # pinned, no hook: the copies overlap backward but the first gather and last reduce
+    assert sync.cpu_step == pytest.approx(1.0) and sync.copy_back == 0
+    assert sync.exposed == pytest.approx(0.02 + 0.04 + 1.0) and sync.total == pytest.approx(3 + 1.06)
+    speculative = step("speculative")  # the hook makes every copy down wait; the step hides behind backward
+    assert speculative.exposed == pytest.approx(0.02 + (0.2 + 0.02) + 0.1)
+    assert step("sync", pinned=False).exposed == pytest.approx(0.02 + 0.22 + 1.0)
+    # Two micro-batches: the second adds into the first's gradient (read 2 shards, write 1: 6 GB at 14 GB/s)
+    two = step("sync", micro=2)
+    assert two.exposed == pytest.approx(2 * 0.02 + 0.04 + 0.22 + 6 / 14 + 1.0)
+    assert step("sync", pinned=False).bound_by == "device compute"
+
+
+def test_the_largest_model_grows_with_host_memory():
+    sizes = {}
+    for host in (128, 256, 512, 1024):
+        rows = largest_models(with_rates(GPU_BOX, host_memory_gb=host), activation_checkpointing=True).rows
+        offloaded = {r.setup: r for r in rows if r.offload_params}
+        assert all(r.name.startswith("zero_offload_params") for r in offloaded.values())
+        for state, row in offloaded.items():
+            assert all(b.startswith("host RAM") for b in row.binds), row.binds
+            sizes.setdefault(state, []).append(row.params)
+    for state in ("fp32", "bf16"):
+        assert sizes[state] == sorted(sizes[state]) and sizes[state][0] < sizes[state][-1]
+    assert all(b > f for f, b in zip(sizes["fp32"], sizes["bf16"]))
+    # plan() agrees with a row: that size recommends its schedule, 0.3% more has nothing that fits
+    row = next(r for r in largest_models(GPU_BOX).rows if r.offload_params and r.setup == "bf16")
+    args = dict(batch_size=1, seq_len=2048, n_layer=32, machine=GPU_BOX, cpu_state="bf16", offload_params=True,
+                configure_model=True)  # fmt: skip
+    assert plan(row.params, **args).recommended["cpu_step"] == row.cpu_step
+    assert plan(int(row.params * 1.003), **args).recommended == {}
+
+
+DGX = presets.machine("DGX H100 (2 sockets, 8ch DDR5-4800 each, 2 TB)", "H100 SXM (PCIe 5)")
+
+
+@pytest.mark.parametrize("cpu_state", ["fp32", "bf16"])
+def test_70b_on_an_8_gpu_node_fits_built_in_configure_model_only(cpu_state):
+    args = dict(batch_size=1, seq_len=2048, n_layer=80, hidden=8192, devices=8, machine=DGX, cpu_state=cpu_state,
+                offload_params=True)  # fmt: skip
+    whole = plan(70_000_000_000, **args)  # every rank builds the 280 GB fp32 module: 2.24 TB at setup
+    assert not whole.fits
+    assert [c.name for c in whole.verdict("sync").failed] == [SETUP_WHOLE]
+    assert whole.fixes[0].startswith("build the model in configure_model") and "still too much" not in whole.fixes[0]
+    blockwise = plan(70_000_000_000, configure_model=True, **args)
+    assert blockwise.fits and blockwise.recommended["cpu_step"] in ("sync", "speculative")
+    assert "host RAM, setup" in str(whole).split("Smallest changes")[0]
+
+
+def test_a_model_the_root_holds_whole_and_configure_model_without_offload_are_said():
+    class Blob(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(1000, 1000))
+
+    with torch.device("meta"):
+        blob = Blob()
+    p = plan(blob, batch_size=1, seq_len=8, n_layer=1, machine=GPU_BOX, offload_params=True)
+    assert p.device_bytes["root_params"] == 2 * 10**6 and p.params_offload.units.units == 0
+    assert any(n.startswith("the root keeps 1.0M parameters") for n in p.notes)
+    zero2 = plan(blob, batch_size=1, seq_len=8, n_layer=1, machine=GPU_BOX, configure_model=True)
+    assert any(n.startswith("configure_model=True changes nothing without offload_params") for n in zero2.notes)
+    cpu = plan(tiny(), batch_size=1, seq_len=8, n_layer=3, machine=CPU_BOX, offload_params=True)
+    assert cpu.host["sync"].per_rank["device_buffers"] == sum(cpu.device_bytes.values())  # a CPU device is the host
+
+
+def test_the_preflight_check_plans_the_mode(monkeypatch):
+    options = OffloadOptions(offload_params=True)
+    device = torch.device("cuda")  # planned only: FSDP2 pins the shards there
+    planned = plan(tiny(), batch_size=1, seq_len=8, n_layer=3, devices=2, machine=GPU_BOX, offload_params=True,
+                   configure_model=True)  # fmt: skip
+    peak = planned.host["speculative"].save_per_node("full")  # cpu_step="auto" on an accelerator with fp32 state
+    monkeypatch.delenv(SKIP_CHECK_ENV, raising=False)
+    monkeypatch.setattr(probes, "host_memory_limit", lambda *args, **kwargs: (peak, "MemAvailable"))
+    check_host_memory(tiny(), options, torch.bfloat16, 2, 2, device)  # on the meta device: block by block
+    monkeypatch.setattr(probes, "host_memory_limit", lambda *args, **kwargs: (peak - 1, "MemAvailable"))
+    with pytest.raises(MemoryError, match='host RAM, saving a "full" checkpoint: '):
+        check_host_memory(tiny(), options, torch.bfloat16, 2, 2, device)
+
+
+def test_the_command_line_takes_the_mode(capsys):
+    box = ["--host", "server (2 sockets, 8ch DDR4-3200 each)", "--device", "H100 SXM (PCIe 5)"]
+    args = ["--params", "30e9", "--n-layer", "48", "--batch-size", "1", "--seq-len", "2048", *box]
+    assert main([*args, "--offload-params", "--configure-model", "--cpu-state", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("zero_offload_params plan") and "offload_params=True" in out and "traffic per step" in out
+    assert main(args) == 3  # ZeRO-2 keeps the 60 GB of bf16 parameters on the GPU, next to the activations
+    capsys.readouterr()
+    assert main(["--largest", *box]) == 0
+    assert 'zero_offload_params, cpu_state="bf16"' in capsys.readouterr().out
+
+
+# The ZeRO-2 mode's answers as printed before offload_params came to the planner (computed on the commit
+# before it, 92b4f82): their text and JSON, and the --largest rows of the ZeRO-2 mode.
+ZERO2_DIGEST = "4fbdfbea5ae29b807cd4c395c4b9ff041d13290cfbe300e8af481480701e8516"
+
+
+def test_the_zero2_answers_are_unchanged():
+    texts = []
+    for size in ("1.3B", "7B", "70B"):
+        for cpu_state in ("fp32", "bf16"):
+            p = h200(size, cpu_state=cpu_state)
+            texts += [str(p), json.dumps(p.to_dict(), sort_keys=True, default=str)]
+    p = plan(7e9, batch_size=4, seq_len=2048, n_layer=32, devices=8, machine=GPU_BOX, accumulate_grad_batches=4)
+    texts += [str(p), json.dumps(p.to_dict(), sort_keys=True, default=str)]
+    texts.append(str(plan(layers(), batch_size=2, seq_len=64, machine=CPU_BOX, bucket_size_mb=0.1)))
+    for precision in ("bf16-mixed", "16-mixed"):
+        rows = largest_models(GPU_BOX, devices=8, precision=precision).rows
+        texts += [
+            repr((r.name, r.params, r.cpu_step, r.host_need, r.device_need, r.binds, r.refused))
+            for r in rows
+            if not r.offload_params
+        ]
+    assert hashlib.sha256("\n".join(texts).encode()).hexdigest() == ZERO2_DIGEST
