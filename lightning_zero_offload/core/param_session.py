@@ -28,6 +28,7 @@ from lightning_zero_offload.engine.offload_params.full_state import (
 )
 from lightning_zero_offload.engine.offload_params.placement import shard_model
 from lightning_zero_offload.engine.options import Resolved
+from lightning_zero_offload.planner import check_host_memory
 
 
 class ParamOffloadSession:
@@ -47,6 +48,7 @@ class ParamOffloadSession:
         precision: str,
         options: OffloadOptions,
         world_size: int,
+        local_world_size: int = 1,
         optimizers: Sequence[torch.optim.Optimizer] = (),
     ) -> None:
         """Put ``module`` on FSDP2 over ``world_size`` ranks of the default group: its shards on the host,
@@ -67,6 +69,8 @@ class ParamOffloadSession:
                 )
         names = {id(p): name for name, p in module.named_parameters()}
         _, param_dtype = resolve_precision(precision)
+        # Refused here, before a shard or a moment is allocated, if the host cannot hold the run.
+        check_host_memory(module, options, param_dtype, world_size, local_world_size, device)
         if options.cpu_state == "bf16":
             module.to(torch.bfloat16)  # the sharded parameter is the (bf16) master
         mesh = init_device_mesh(device.type, (world_size,))

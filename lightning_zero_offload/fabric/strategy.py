@@ -125,7 +125,7 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
     def _shard(self, module: Module, optimizers: Sequence[Optimizer] = ()) -> None:
         world = self.num_nodes * self.num_processes
         ParamOffloadSession.shard(
-            module, self.root_device, self.precision.precision, self.options, world, optimizers=optimizers
+            module, self.root_device, self.precision.precision, self.options, world, self.num_processes, optimizers
         )
 
     @override

@@ -113,7 +113,11 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
             raise ValueError("zero_offload does not support sync_batchnorm=True")
         if self.options.offload_params:
             # FSDP2 replaces the parameters: shard before configure_optimizers builds the optimizer over them.
-            ParamOffloadSession.shard(module, self.root_device, precision, self.options, world)
+            try:
+                ParamOffloadSession.shard(module, self.root_device, precision, self.options, world, self.num_processes)
+            except MemoryError as error:
+                self._preflight_error = error  # teardown must not replace it (see teardown)
+                raise
         if fitting(trainer):
             start = ParamOffloadSession.start if self.options.offload_params else OffloadSession.start
             self.setup_optimizers(trainer)
