@@ -437,3 +437,15 @@ def test_console_scripts_import_a_user_module_from_the_current_directory(tmp_pat
     )  # fmt: skip
     assert planned.returncode == 0, planned.stderr[-2000:]
     assert "recommended: cpu_step=" in planned.stdout
+
+
+@pytest.mark.slow  # a Trainer run through the CLI
+def test_tiny_fit_with_parameters_offloaded(tmp_path, capsys):
+    """strategy: zero_offload_params in the shipped config's place: the demo GPT (its layers on the
+    LightningModule itself) on FSDP2, with the same logs, validation and checkpoint."""
+    import lightning_zero_offload
+
+    cli, rows, out = run_tiny_fit(tmp_path, capsys, "zero_offload_params")
+    assert isinstance(cli.trainer.strategy, lightning_zero_offload.ZeroOffloadStrategy)
+    assert cli.trainer.strategy.options.offload_params
+    check_tiny_fit(cli, rows, out)

@@ -11,6 +11,7 @@ instead would not do: Lightning counts every ``DDPStrategy`` as distributed and 
 from __future__ import annotations
 
 import atexit
+import warnings
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -96,6 +97,9 @@ class ParallelLikeDDP(ParallelStrategy):
                 backend = _get_default_process_group_backend_for_device(self.root_device)
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
                 atexit.register(release_process_group)
+                # Lightning takes any process group for several processes and advises sync_dist=True for
+                # epoch-level logs; with one process there is nothing to sync.
+                warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True")
             return  # otherwise one process needs no process group (no free port, no NCCL init)
         reset_seed()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
