@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -12,6 +14,8 @@ import lightning as L
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero_offload.testing.ranks import launch
 
 # Lightning 2.6 added `weights_only` to Trainer.fit and load_from_checkpoint; 2.5 (make test-oldest) has neither
 # and loads with torch's default, which is weights_only=True on torch >= 2.6.
@@ -140,3 +144,22 @@ def loader(n: int = 160, batch_size: int = 8, seed: int = 1) -> DataLoader:
     x = torch.randn(n, 16, generator=g)
     y = (x[:, :4].argmax(-1) + (x[:, 4] > 1).long()) % 4  # learnable labels
     return DataLoader(TensorDataset(x, y), batch_size=batch_size)
+
+
+# Multi-process Trainer runs (tests/trainer/test_distributed.py, test_offload_params_distributed.py).
+TRAIN_SCENARIO = Path(__file__).parent / "workers" / "train.py"
+
+
+def train_in_ranks(tmp: Path, devices: int, runs: dict[str, dict]) -> dict[str, dict]:
+    """Train ``runs`` (name: options, as tests/workers/train.py takes them) one after another in one launch
+    of ``devices`` ranks; what rank 0 wrote for each, by name."""
+    specs = [
+        {**{k: str(v) if isinstance(v, Path) else v for k, v in run.items()}, "out": str(tmp / f"{name}.pt")}
+        for name, run in runs.items()
+    ]
+    listing = tmp / f"{next(iter(runs))}.runs.json"
+    listing.write_text(json.dumps(specs))
+    launch(
+        [sys.executable, str(TRAIN_SCENARIO), "--devices", str(devices), "--runs", str(listing)], 300 + 60 * len(runs)
+    )
+    return {name: torch.load(tmp / f"{name}.pt", weights_only=True) for name in runs}

@@ -7,7 +7,6 @@ same at every world size (192 samples, 48 per step), so runs at different world 
 trajectory up to fp32 reduction order.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -16,27 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_clipping_triggered
+from helpers import train_in_ranks as train
 
 from lightning_zero_offload import convert_checkpoint_to_fp32_state_dict
-from lightning_zero_offload.testing.ranks import launch
 
-SCENARIO = Path(__file__).parents[1] / "workers" / "train.py"
 pytestmark = pytest.mark.slow  # every case launches ranks in processes
 CLIP = 0.22  # the norms run 0.18-0.29 here: the clip acts on some steps and not on others
 FORMATS = ("sharded", "full")
-
-
-def train(tmp: Path, devices: int, runs: dict[str, dict]) -> dict[str, dict]:
-    """Train ``runs`` (name: options, as tests/workers/train.py takes them) one after another in one launch
-    of ``devices`` ranks; what rank 0 wrote for each, by name."""
-    specs = [
-        {**{k: str(v) if isinstance(v, Path) else v for k, v in run.items()}, "out": str(tmp / f"{name}.pt")}
-        for name, run in runs.items()
-    ]
-    listing = tmp / f"{next(iter(runs))}.runs.json"
-    listing.write_text(json.dumps(specs))
-    launch([sys.executable, str(SCENARIO), "--devices", str(devices), "--runs", str(listing)], 300 + 60 * len(runs))
-    return {name: torch.load(tmp / f"{name}.pt", weights_only=True) for name in runs}
 
 
 def max_abs_diff(a: dict, b: dict) -> float:

@@ -1,9 +1,10 @@
 """Multi-process training scenarios, launched by Lightning's own launcher (devices=N on the CPU).
 
 Run by tests/trainer/test_distributed.py in a subprocess: several runs one after another in the same ranks (a
-launch costs more than a run). A run is a dict: ``strategy`` ("zero_offload" or "ddp"), ``precision``,
-``max_steps``, ``max_epochs``, ``accumulate``, ``clip`` (gradient_clip_val, by norm), ``format``
-(checkpoint_format), ``dpu`` (DPU with weight prediction after 3 steps), ``resume``, ``save``, ``out``.
+launch costs more than a run). A run is a dict: ``strategy`` ("zero_offload", "zero_offload_params" with
+``cpu_step``, or "ddp"), ``precision``, ``max_steps``, ``max_epochs``, ``accumulate``, ``clip``
+(gradient_clip_val, by norm), ``format`` (checkpoint_format), ``dpu`` (DPU with weight prediction after 3
+steps), ``resume``, ``save``, ``out``. Also run by tests/trainer/test_offload_params_distributed.py.
 """
 
 import argparse
@@ -38,6 +39,8 @@ def fit(run: dict, devices: int) -> None:
     if run.get("strategy", "zero_offload") == "zero_offload":
         dpu = {"cpu_step": "delayed", "dpu_warmup_steps": 3, "dpu_weight_prediction": True} if run.get("dpu") else {}
         strategy = ZeroOffloadStrategy(checkpoint_format=run.get("format", "full"), bucket_size_mb=0.002, **dpu)
+    elif run["strategy"] == "zero_offload_params":
+        strategy = ZeroOffloadStrategy(offload_params=True, cpu_step=run.get("cpu_step", "sync"))
     else:
         strategy = run["strategy"]
     model = ShardedData(width=31)  # odd sizes: buckets need padding at world sizes 2 and 3
@@ -57,8 +60,8 @@ def fit(run: dict, devices: int) -> None:
     trainer.fit(model, ckpt_path=run.get("resume"))
     if run.get("save"):
         trainer.save_checkpoint(run["save"])
-    result = {
-        "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+    result = {  # full_tensor: sharded parameters (offload_params) gathered whole, a collective
+        "params": {k: getattr(v, "full_tensor", v.detach)().detach().clone() for k, v in model.named_parameters()},
         "losses": model.losses,
         "grad_norms": norms.norms,  # before clipping: the engine's, or DDP's averaged .grad
     }

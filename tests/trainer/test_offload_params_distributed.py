@@ -1,0 +1,65 @@
+"""``offload_params=True`` across processes (gloo on the CPU), Lightning's launcher starting the ranks, against
+DDP with torch AdamW (tests/workers/train.py: the same global batches at every world size, odd layer widths,
+so the FSDP2 shards are uneven at 2 and 3 ranks)."""
+
+import pytest
+import torch
+from helpers import assert_clipping_triggered
+from helpers import train_in_ranks as train
+
+pytestmark = pytest.mark.slow  # every case launches ranks in processes
+CLIP = 0.22  # the norms run 0.18-0.29 here (tests/trainer/test_distributed.py): the clip acts on some steps
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("params")
+    clipped = {"max_steps": 12, "accumulate": 2, "clip": CLIP}
+    epoch = {"max_epochs": 1, "accumulate": 1}
+    got = {"tmp": tmp}
+    got |= train(
+        tmp,
+        2,
+        {
+            "params2": {**clipped, "strategy": "zero_offload_params"},
+            "speculative2": {**clipped, "strategy": "zero_offload_params", "cpu_step": "speculative"},
+            "ddp2": {**clipped, "strategy": "ddp"},
+            "first2": {**epoch, "strategy": "zero_offload_params", "save": tmp / "p2.ckpt"},
+            "whole2": {"max_epochs": 3, "accumulate": 1, "strategy": "zero_offload_params"},
+        },
+    )
+    got |= train(
+        tmp,
+        3,
+        {
+            "params3": {**clipped, "strategy": "zero_offload_params"},
+            "ddp3": {**clipped, "strategy": "ddp"},
+            "resumed3": {
+                "max_epochs": 3,
+                "accumulate": 1,
+                "strategy": "zero_offload_params",
+                "resume": tmp / "p2.ckpt",
+            },
+        },
+    )
+    return got
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_equals_ddp_with_clipping_and_accumulation(runs, world):
+    ours, ddp = runs[f"params{world}"], runs[f"ddp{world}"]
+    assert_clipping_triggered(ddp["grad_norms"], CLIP)
+    assert ours["grad_norms"] == pytest.approx(ddp["grad_norms"], rel=1e-6)  # the global norm, every rank's shard
+    for key, ref in ddp["params"].items():  # fp32 reduction order only (the ZeRO-2 mode: observed 6e-8)
+        torch.testing.assert_close(ours["params"][key], ref, rtol=0, atol=1e-6, msg=key)
+
+
+def test_speculative_equals_sync_bitwise_at_two_ranks(runs):
+    for key, ref in runs["params2"]["params"].items():
+        assert torch.equal(runs["speculative2"]["params"][key], ref), key
+
+
+def test_a_full_checkpoint_from_two_ranks_resumes_at_three(runs):
+    """At another world size the reduction order changes: equal to the uninterrupted run to fp32 rounding."""
+    for key, ref in runs["whole2"]["params"].items():
+        torch.testing.assert_close(runs["resumed3"]["params"][key], ref, rtol=0, atol=1e-6, msg=key)
