@@ -210,3 +210,46 @@ def _undo():
     from lightning_zero_offload.engine import SpeculativeOptions
 
     return SpeculativeOptions(rollback="undo")
+
+
+def test_frozen_layers_unfrozen_mid_run_and_added_groups_train_as_under_torch():
+    """Frozen parameters (a whole block, half of another) get no state until unfrozen, as torch's AdamW
+    keeps none for a parameter without a gradient; a param group added mid-run is read at the next step."""
+
+    def freeze(model):
+        model.blocks[0].requires_grad_(False)
+        model.blocks[1].fc1.requires_grad_(False)
+
+    def unfreeze(model):
+        model.blocks[1].fc1.requires_grad_(True)
+
+    def groups(model):  # the head's bias joins in a group of its own after two steps
+        named = [(n, p) for n, p in model.named_parameters() if n != "head.bias"]
+        return [{"params": [p for _, p in named], "lr": 1e-2, "weight_decay": 0.1}]
+
+    torch.manual_seed(0)
+    model, data = Blocks(), batches(steps=4, micro=1)
+    freeze(model)
+    sharded = sharded_copy(model)
+    engine = ParamOffloadEngine(
+        torch.optim.AdamW(groups(sharded)), torch.device("cpu"), torch.float32, OffloadOptions(offload_params=True)
+    )
+    reference = torch.optim.AdamW(groups(model))
+    for step, ((x, y),) in enumerate(data):
+        if step == 2:
+            for net, optimizer in ((sharded, engine.optimizer), (model, reference)):
+                unfreeze(net)
+                optimizer.add_param_group({"params": [net.head.bias], "lr": 3e-2, "weight_decay": 0.0})
+        engine.begin_backward()
+        loss_of(sharded, x, y, 1).backward()
+        engine.finish_backward()
+        engine.step()
+        engine.zero_grad()
+        loss_of(model, x, y, 1).backward()
+        reference.step()
+        reference.zero_grad()
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    assert relative_error(full_state(sharded), want) < FP32_ROUNDING
+    steps = {id(slot.param): slot.step for slot in engine.slots}
+    assert id(sharded.blocks[0].fc1.weight) not in steps  # frozen throughout: no state at all
+    assert steps[id(sharded.blocks[1].fc1.weight)] == 2 and steps[id(sharded.head.bias)] == 2
