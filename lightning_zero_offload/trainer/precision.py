@@ -185,12 +185,17 @@ class ZeroOffloadPrecision(Precision):
             # The point of offloading is a 2-byte device copy. The plugin cannot tell a passed "32-true" from
             # Lightning's default, so the text holds for both; in place there is no device copy to shrink.
             master = session.options.cpu_state
+            holds = (
+                "the blocks in flight compute in fp32 on the device (4 B/param for their weights and gradients)"
+                if session.resolved.offload_params
+                else "the device holds fp32 weights and gradients (4 B/param)"
+            )
             rank_zero_warn(
                 "zero_offload is training in '32-true' (the precision passed, or Lightning's default when none is "
-                "given): the device holds fp32 weights and gradients (4 B/param). Pass precision='bf16-mixed' (or "
-                f"'16-mixed' on GPUs without bf16) to keep a 2 B/param copy on the device with {master} master "
-                "weights on the CPU; if fp32 on the device is what you want, or the device is a CPU without native "
-                "bf16 (AVX-512 BF16, AMX), where fp32 is faster, this warning can be ignored.",
+                f"given): {holds}. Pass precision='bf16-mixed' (or '16-mixed' on GPUs without bf16) to keep a "
+                f"2 B/param copy on the device with {master} master weights on the CPU; if fp32 on the device is "
+                "what you want, or the device is a CPU without native bf16 (AVX-512 BF16, AMX), where fp32 is "
+                "faster, this warning can be ignored.",
                 category=ZeroOffloadWarning,
             )
         if self._pending_state is not None:
