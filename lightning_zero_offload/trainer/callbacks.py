@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_zero_offload.core import OffloadSession, hidden_fraction, training_session
+from lightning_zero_offload.core import OffloadSession, ParamOffloadSession, hidden_fraction, training_session
 
 _TIMINGS = ("backward", "transfer_wait", "cpu_step", "update_wait", "copy_back")  # the engine's StepStats
 # What plain mixed-precision Adam keeps on the device per parameter: fp32 weights (4), fp32 grads (4),
@@ -55,7 +55,7 @@ class OffloadMetrics(L.Callback):
     @staticmethod
     def _session(trainer: L.Trainer) -> OffloadSession | None:
         session = getattr(trainer.strategy, "session", None)
-        return training_session(session) if isinstance(session, OffloadSession) else None
+        return training_session(session) if isinstance(session, (OffloadSession, ParamOffloadSession)) else None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         session = self._session(trainer)
@@ -121,24 +121,34 @@ class OffloadMetrics(L.Callback):
             rank_zero_info(format_summary(session, self._totals, self._count))
 
 
-def format_summary(session: OffloadSession, totals: dict[str, float], steps: int) -> str:
+def format_summary(session: OffloadSession | ParamOffloadSession, totals: dict[str, float], steps: int) -> str:
     report = session.memory_report()
     resolved = session.resolved
     n = max(1, report["params"])
     world = session.world_size
-    device_param = report["device_param_bytes"] / n
-    buckets = report["device_total_bytes"] - report["device_param_bytes"]  # gradient buckets, collective temporaries
     lines = [
         f"zero_offload: {report['params']:,} trainable parameters, {session.param_dtype} on {session.device}, "
         f"world size {world}, {resolved.cpu_threads} CPU thread(s) per rank",
     ]
-    if resolved.in_place:
+    if resolved.offload_params:
+        shards, grads, state = (report[f"host_{kind}_bytes"] for kind in ("shard", "grad", "state"))
+        lines.append(
+            f"  parameters offloaded (FSDP2): the device holds the blocks in flight; this rank's host holds "
+            f"{shards / 2**20:.1f} MiB of parameter shards (the master weights), {grads / 2**20:.1f} MiB of gradients "
+            f"and {state / 2**20:.1f} MiB of optimizer state ({(shards + grads + state) * world / n:.1f} B/param "
+            "over all ranks)"
+        )
+    elif resolved.in_place:
         lines.append(
             f"  in place on the CPU (nothing to offload): the parameters are the fp32 master weights, "
             f"{report['host_state_bytes'] / 2**20:.1f} MiB with the Adam moments ({report['host_state_bytes'] / n:.1f} "
             "B/param); gradients stay where backward puts them, as in plain training"
         )
     else:
+        device_param = report["device_param_bytes"] / n
+        buckets = (
+            report["device_total_bytes"] - report["device_param_bytes"]
+        )  # gradient buckets, collectives' temporaries
         lines += [
             f"  device, model states: {device_param:.1f} B/param (parameters) + {buckets / 2**20:.1f} MiB of gradient "
             f"buckets, vs {PLAIN_MIXED_ADAM_DEVICE_BYTES} B/param for plain mixed-precision Adam "

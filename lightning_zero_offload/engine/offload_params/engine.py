@@ -12,8 +12,7 @@ next forward               FSDP2's all-gather brings the updated shards to the d
 The parameters are ``fully_shard``-ed before the engine sees them (placement.py); the optimizer's
 param groups hold those sharded parameters and are read live at every step (schedulers, callbacks), as
 the ZeRO-2 engine reads them. Gradients stay where torch and FSDP2 put them, in ``p.grad`` (DTensors on
-the host), so user code reads and clips them as under FSDP2; ``zero_grad`` drops them.
-Plain torch: no Lightning imports.
+the host), so user code reads and clips them as under FSDP2; ``zero_grad`` drops them. Plain torch.
 """
 
 from __future__ import annotations
@@ -100,6 +99,7 @@ class ParamOffloadEngine:
         self.last = StepStats()
         self._carried = 1.0  # what the last step did to p.grad (clip x unscale), applied when it is next read
         self._summary: tuple[float, bool] | None = None
+        self._user_code = False  # between before_user_code and after_user_code
         self._backward_start: float | None = None
         self._backward_s = 0.0
         self._closed = False
@@ -175,11 +175,16 @@ class ParamOffloadEngine:
     def before_user_code(self) -> None:
         """User code may read or change ``p.grad`` now (the front end's gradient hooks)."""
         self._settle_carried()
+        self._user_code = True
         if self.speculation is not None:
             self.speculation.before_user_code()
 
     def after_user_code(self) -> None:
-        self._summary = None
+        """User code that may have read or changed ``p.grad`` is done (no-op where none ran)."""
+        if not self._user_code:
+            return
+        self._user_code = False
+        self._summary = None  # the gradients may have changed: their norm too
         if self.speculation is not None:
             self.speculation.after_user_code()
 
@@ -237,6 +242,8 @@ class ParamOffloadEngine:
             if self.scaler is not None:
                 self.scaler.update(overflow=False)
             self._carried = multiplier
+        if self.speculation is not None:
+            stats.cpu_step_s += self.speculation.take_seconds()
         self._summary = None
         stats.total_s = time.perf_counter() - start
         self.last = stats
@@ -370,10 +377,13 @@ class ParamOffloadEngine:
         return self._closed
 
     def memory_report(self) -> dict[str, int]:
-        """Host bytes of the optimizer state (moments, snapshots) and ``params``, the trainable count."""
+        """Host bytes this rank holds, by kind: the parameter shards (FSDP2's, the master weights), their
+        gradients, the optimizer state (moments, snapshots); and ``params``, the trainable count (all ranks)."""
         slots = self._slots.values()
         return {
-            "host_state": sum(slot.state_bytes() for slot in slots),
+            "host_shard_bytes": sum(slot.master.numel() * slot.master.element_size() for slot in slots),
+            "host_grad_bytes": sum(g.numel() * g.element_size() for slot in slots if (g := slot.grad) is not None),
+            "host_state_bytes": sum(slot.state_bytes() for slot in slots),
             "params": sum(slot.param.numel() for slot in slots),
         }
 

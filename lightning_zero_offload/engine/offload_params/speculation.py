@@ -17,6 +17,7 @@ so a speculated step is visible in the parameters at once (``arm`` is not called
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -49,7 +50,7 @@ class Speculation:
         self.hparams: dict[ShardSlot, kernels.AdamArgs] = {}  # what each speculated step ran with
         self._fingerprints: dict[ShardSlot, torch.Tensor] = {}
         self.rollbacks = 0
-        self.cpu_step_s = 0.0
+        self.cpu_step_s = 0.0  # time of the speculated steps (and snapshots) since the last take()
 
     def arm(self, hparams: Mapping[ShardSlot, kernels.AdamArgs], grad_scale: float) -> None:
         """The coming backward ends the window: speculate the shards in ``hparams`` as their gradients land."""
@@ -74,8 +75,10 @@ class Speculation:
         sumsq, nonfinite = kernels.sum_of_squares(grad, num_threads=self._num_threads)
         if nonfinite:
             return  # the step is skipped after backward anyway
+        start = time.perf_counter()
         slot.snapshot()
         self._step_shard(slot, grad, hparams, self._grad_scale)
+        self.cpu_step_s += time.perf_counter() - start
         self.sums[slot], self.hparams[slot] = sumsq, hparams
 
     def finish_backward(self) -> None:
@@ -90,6 +93,11 @@ class Speculation:
         sums, hparams = self.sums, self.hparams
         self.sums, self.hparams, self._fingerprints = {}, {}, {}
         return sums, hparams
+
+    def take_seconds(self) -> float:
+        """The CPU step time spent speculating since the last call."""
+        spent, self.cpu_step_s = self.cpu_step_s, 0.0
+        return spent
 
     def take_back(self, slots: list[ShardSlot] | None = None) -> None:
         """Restore ``slots`` (all speculated shards when None) to their state before their speculated step."""
