@@ -76,3 +76,20 @@ def one_rank_group() -> Iterator[DeviceMesh]:
             yield init_device_mesh("cpu", (1,))
         finally:
             dist.destroy_process_group()
+
+
+def tiny_llama_config(tied: bool = False):
+    """A Hugging Face Llama small enough for the fast machines of the tests: 3 layers of width 64 (its
+    embeddings are smaller than a layer: the layers are the only units)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+    )

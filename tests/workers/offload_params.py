@@ -9,11 +9,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from offload_params_helpers import Net, assert_same_state, tokens  # noqa: E402
+from offload_params_helpers import Net, assert_same_state, full_state, tiny_llama_config, tokens  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard  # noqa: E402
+from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 
 from lightning_zero_offload.engine.offload_params.placement import shard_model  # noqa: E402
+from lightning_zero_offload.engine.offload_params.pretrained import load_pretrained, local_index  # noqa: E402
 
 
 def materialized_like_rank0(rank: int) -> None:
@@ -58,3 +60,46 @@ def frozen_gradients(rank: int) -> float:
         if p.grad is not None:
             worst = max(worst, (p.grad.full_tensor() - q.grad).abs().max().item() / q.grad.abs().max().item())
     return worst
+
+
+def loaded_rows(directory: str, rank: int) -> None:
+    """Every rank reads its own rows of a safetensors file into the sharded model: the whole tensors equal
+    the file's bitwise; the rows each rank takes are distribute_tensor's."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    source = torch.load(os.path.join(directory, "source.pt"), weights_only=True)
+    with torch.device("meta"):
+        net = Net()
+    shard_model(net, mesh, param_dtype=torch.float32, initialize=False)
+    assert load_pretrained(net, directory) == ([], [])
+    assert all(torch.equal(t, source[name]) for name, t in full_state(net).items())
+    for shape in ((5, 3), (1, 4), (2,), (0, 2), (7, 2, 3)):
+        whole = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+        ours = distribute_tensor(whole, mesh, [Shard(0)])
+        assert torch.equal(whole[local_index(ours)], ours.to_local()), shape
+
+
+def hugging_face_llama(directory: str, rank: int) -> dict:
+    """The tiny Llama saved by the test (index of several files): built on the meta device, sharded, loaded;
+    its whole parameters bitwise those of the eager model, its logits returned. Then the same model built
+    from its configuration (initialized) trains a step."""
+    from transformers import LlamaForCausalLM
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    eager = LlamaForCausalLM(tiny_llama_config()).eval()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(tiny_llama_config())
+    shard_model(model, mesh, param_dtype=torch.float32, initialize=False)
+    assert load_pretrained(model, directory) == ([], [])
+    assert_same_state(model, eager)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model.eval()(ids).logits
+    with torch.device("meta"):
+        fresh = LlamaForCausalLM(tiny_llama_config())
+    shard_model(fresh, mesh, param_dtype=torch.float32)
+    assert torch.equal(fresh.model.rotary_emb.inv_freq, eager.model.rotary_emb.inv_freq)
+    loss = fresh(ids, labels=ids).loss
+    loss.backward()
+    assert all(p.grad is not None for p in fresh.parameters())
+    return {"logits": logits, "eager_logits": eager(ids).logits.detach(), "loss": loss.item()}
