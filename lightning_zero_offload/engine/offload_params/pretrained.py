@@ -23,6 +23,7 @@ does; ``strict=False`` loads the rest and returns them.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -98,8 +99,11 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, *, strict: bool 
                     continue
                 index = local_index(target) if isinstance(target, DTensor) else _everything(target)
                 local = target.to_local() if isinstance(target, DTensor) else target
-                rows = checkpoint.read(key, index[0].start, index[0].stop)
-                local.copy_(rows[(slice(None), *index[1:])] if rows.dim() else rows)
+                if all(part == slice(0, size) for part, size in zip(index[1:], target.shape[1:])):
+                    checkpoint.read_into(key, index[0].start, local)  # whole rows: straight into the shard
+                else:
+                    rows = checkpoint.read(key, index[0].start, index[0].stop)
+                    local.copy_(rows[(slice(None), *index[1:])])
                 written.add(id(target))
     return LoadResult(missing, unexpected)
 
@@ -159,10 +163,19 @@ class Checkpoint:
     def __init__(self) -> None:
         self.shapes: dict[str, list[int]] = {}
         self.readers: dict[str, Callable[[str, int | None, int | None], torch.Tensor]] = {}
+        self.direct: dict[str, Callable[[str, int | None, torch.Tensor], bool]] = {}  # False: not possible
         self.files: list = []
 
     def read(self, key: str, start: int | None, stop: int | None) -> torch.Tensor:
         return self.readers[key](key, start, stop)
+
+    def read_into(self, key: str, start: int | None, out: torch.Tensor) -> None:
+        """Rows ``start:`` of ``key``, as many as ``out`` has (the whole tensor for a 0-dim one), into
+        ``out``, cast to its dtype; a safetensors file reads them straight into ``out`` where it can."""
+        stop = None if out.dim() == 0 else (start or 0) + out.shape[0]
+        if key in self.direct and self.direct[key](key, start, out):
+            return
+        out.copy_(self.read(key, start, stop))
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -222,19 +235,30 @@ def _add_safetensors(checkpoint: Checkpoint, path: Path) -> None:
     header.pop("__metadata__", None)
     base = 8 + length
 
-    def read(key: str, start: int | None, stop: int | None) -> torch.Tensor:
+    def place(key: str, start: int | None, stop: int | None) -> tuple[torch.dtype, list[int], range]:
+        """The tensor's dtype, shape, and the rows asked for; the file positioned at the first."""
         entry = header[key]
         dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"]
-        if not shape:
-            start, stop = 0, 1
-        row = math.prod(shape[1:]) * dtype.itemsize
-        rows = range(shape[0] if shape else 1)[slice(start, stop)]
-        data = bytearray(len(rows) * row)
-        file.seek(base + entry["data_offsets"][0] + rows.start * row)
-        if data and file.readinto(data) != len(data):
+        rows = range(shape[0] if shape else 1)[slice(start, stop) if shape else slice(0, 1)]
+        file.seek(base + entry["data_offsets"][0] + rows.start * math.prod(shape[1:]) * dtype.itemsize)
+        return dtype, shape, rows
+
+    def fill(buffer: memoryview, key: str) -> None:
+        if buffer.nbytes and file.readinto(buffer) != buffer.nbytes:
             raise ValueError(f"{path} ends inside {key}: a truncated file?")
-        tensor = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        return tensor.view(dtype).reshape(len(rows), *shape[1:]) if shape else tensor.view(dtype).reshape(())
+
+    def read(key: str, start: int | None, stop: int | None) -> torch.Tensor:
+        dtype, shape, rows = place(key, start, stop)
+        out = torch.empty((len(rows), *shape[1:]) if shape else (), dtype=dtype)
+        fill(_bytes_of(out), key)
+        return out
+
+    def read_into(key: str, start: int | None, out: torch.Tensor) -> bool:
+        dtype, shape, rows = place(key, start, None if out.dim() == 0 else (start or 0) + out.shape[0])
+        if out.device.type != "cpu" or out.dtype != dtype or not out.is_contiguous():
+            return False
+        fill(_bytes_of(out), key)
+        return True
 
     for key, entry in header.items():
         if entry["dtype"] not in SAFETENSORS_DTYPES:
@@ -243,3 +267,10 @@ def _add_safetensors(checkpoint: Checkpoint, path: Path) -> None:
             raise ValueError(f"{key} is in two files of the checkpoint ({path} and another)")
         checkpoint.shapes[key] = entry["shape"]
         checkpoint.readers[key] = read
+        checkpoint.direct[key] = read_into
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place (what ``readinto`` fills)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B") if nbytes else memoryview(b"")

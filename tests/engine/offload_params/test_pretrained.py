@@ -53,6 +53,10 @@ def test_the_reader_gives_what_safetensors_wrote_row_for_row(tmp_path):
             for start, stop in ((1, 4), (3, 3), (4, 9)) if tensor.dim() else ():
                 rows = checkpoint.read(key, start, stop)
                 assert rows.dtype == tensor.dtype and torch.equal(rows, tensor[start:stop]), (key, start)
+            for dtype in (tensor.dtype, torch.float64):  # read straight into the tensor, or cast on the way
+                out = torch.empty_like(tensor[1:4] if tensor.dim() else tensor, dtype=dtype)
+                checkpoint.read_into(key, 1 if tensor.dim() else None, out)
+                assert torch.equal(out, (tensor[1:4] if tensor.dim() else tensor).to(dtype)), (key, dtype)
 
 
 def test_a_safetensors_file_into_the_sharded_model_bitwise(tmp_path, mesh):
