@@ -1,9 +1,7 @@
-"""The parameter-offload engine at several ranks (gloo) against FSDP2 + torch AdamW on the same shards.
-
-Run by tests/engine/offload_params/test_ranks.py with ``ranks.run_ranks``. Every rank trains on its rows of
-the same global batches; the reference is the issue's anchor, what Lightning's ModelParallelStrategy runs:
-FSDP2 with torch's AdamW stepping the sharded parameters and ``clip_grad_norm_`` over them.
-"""
+"""The parameter-offload mode at several gloo ranks (top-level functions: ``ranks.run_ranks`` starts them):
+placement, materialization and loading (each rank asserts its own results and returns what the test
+compares across ranks), and the engine against FSDP2 + torch AdamW on the same shards, the issue's anchor
+(what Lightning's ModelParallelStrategy runs: torch's AdamW stepping the shards, ``clip_grad_norm_`` over them)."""
 
 import os
 import sys
@@ -12,10 +10,114 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from offload_params_helpers import Blocks, batches, full_state, loss_of, sharded_copy, two_groups  # noqa: E402
+from offload_params_helpers import (  # noqa: E402
+    Blocks,
+    Net,
+    assert_same_state,
+    batches,
+    full_state,
+    loss_of,
+    sharded_copy,
+    tiny_llama_config,
+    tokens,
+    two_groups,
+)
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard  # noqa: E402
+from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 
 from lightning_zero_offload.engine import OffloadOptions  # noqa: E402
 from lightning_zero_offload.engine.offload_params import ParamOffloadEngine  # noqa: E402
+from lightning_zero_offload.engine.offload_params.placement import shard_model  # noqa: E402
+from lightning_zero_offload.engine.offload_params.pretrained import load_pretrained, local_index  # noqa: E402
+
+
+def materialized_like_rank0(rank: int) -> None:
+    """Each rank builds on the meta device from its own seed; every rank ends with rank 0's values, which
+    are those of the eager build from rank 0's seed, bitwise (tied or not, units chosen or the user's)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for tied in (False, True):
+        for users_units in (False, True):
+            torch.manual_seed(0)
+            eager = Net(tied)
+            torch.manual_seed(rank)
+            with torch.device("meta"):
+                net = Net(tied)
+            if users_units:
+                for block in net.blocks:
+                    fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+            shard_model(net, mesh, param_dtype=torch.float32)
+            assert net.blocks[0].up.weight.to_local().shape[0] == (14, 13)[rank]  # 27 rows: uneven shards
+            assert_same_state(net, eager)
+            assert torch.equal(net(tokens()), eager(tokens()))
+
+
+def frozen_gradients(rank: int) -> float:
+    """Frozen parts (a block, part of one, the embedding) at two ranks, each rank half the batch: the
+    largest gradient difference to the whole batch on one unsharded model (rounding of the reduce)."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    models = []
+    for build in ("eager", "meta"):
+        torch.manual_seed(0)
+        with torch.device("meta" if build == "meta" else "cpu"):
+            net = Net()
+        for frozen in (net.embed, net.blocks[0], net.blocks[1].up):
+            frozen.requires_grad_(False)
+        models.append(net)
+    eager, net = models
+    shard_model(net, mesh, param_dtype=torch.float32)
+    eager(tokens()).square().mean().backward()
+    net(tokens().chunk(2)[rank]).square().mean().backward()
+    worst = 0.0
+    for (name, p), q in zip(net.named_parameters(), eager.parameters(), strict=True):
+        assert (p.grad is None) == (not q.requires_grad), name
+        if p.grad is not None:
+            worst = max(worst, (p.grad.full_tensor() - q.grad).abs().max().item() / q.grad.abs().max().item())
+    return worst
+
+
+def loaded_rows(directory: str, rank: int) -> None:
+    """Every rank reads its own rows of a safetensors file into the sharded model: the whole tensors equal
+    the file's bitwise; the rows each rank takes are distribute_tensor's."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    source = torch.load(os.path.join(directory, "source.pt"), weights_only=True)
+    with torch.device("meta"):
+        net = Net()
+    shard_model(net, mesh, param_dtype=torch.float32, initialize=False)
+    assert load_pretrained(net, directory) == ([], [])
+    assert all(torch.equal(t, source[name]) for name, t in full_state(net).items())
+    for shape in ((5, 3), (1, 4), (2,), (0, 2), (7, 2, 3)):
+        whole = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+        ours = distribute_tensor(whole, mesh, [Shard(0)])
+        assert torch.equal(whole[local_index(ours)], ours.to_local()), shape
+
+
+def hugging_face_llama(directory: str, rank: int) -> dict:
+    """The tiny Llama saved by the test (index of several files): built on the meta device, sharded, loaded;
+    its whole parameters bitwise those of the eager model, its logits returned. Then the same model built
+    from its configuration (initialized) trains a step."""
+    from transformers import LlamaForCausalLM
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    eager = LlamaForCausalLM(tiny_llama_config()).eval()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(tiny_llama_config())
+    shard_model(model, mesh, param_dtype=torch.float32, initialize=False)
+    assert load_pretrained(model, directory) == ([], [])
+    assert_same_state(model, eager)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model.eval()(ids).logits
+    with torch.device("meta"):
+        fresh = LlamaForCausalLM(tiny_llama_config())
+    shard_model(fresh, mesh, param_dtype=torch.float32)
+    assert torch.equal(fresh.model.rotary_emb.inv_freq, eager.model.rotary_emb.inv_freq)
+    loss = fresh(ids, labels=ids).loss
+    loss.backward()
+    assert all(p.grad is not None for p in fresh.parameters())
+    return {"logits": logits, "eager_logits": eager(ids).logits.detach(), "loss": loss.item()}
+
 
 ROWS = 12  # divisible by 1, 2 and 3 ranks
 

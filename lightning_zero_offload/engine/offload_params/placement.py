@@ -1,5 +1,15 @@
-"""Putting a module on FSDP2 for the parameter-offload mode: each repeated block, then the root, sharded
-across the ranks with its shards on the host."""
+"""Where the model's FSDP2 units go in the parameter-offload mode, and the model wrapped in them.
+
+A unit is one ``fully_shard`` call: its parameters come to the device together (all-gathered) before its
+forward and backward and leave together after, so the device holds the units in flight, not the model.
+The units are the repeated blocks (the transformer layers) and the modules outside them as large as a
+block (embeddings, output head); what is left (norms, small heads, tied embeddings) belongs to the root.
+
+``shard_model`` wraps each unit, then the root, with ``CPUOffloadPolicy`` (this rank's shards, their
+gradients and the optimizer state live on the host) and materializes a model built on the meta device
+shard by shard (``materialize``). A model the user wrapped already (``fully_shard`` in ``configure_model``)
+keeps its units; ``check_units`` refuses the settings this mode cannot train with.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +18,47 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from lightning_zero_offload.engine.offload_params.materialize import InitFn, materialize
 
-def find_units(module: nn.Module) -> list[nn.Module]:
-    """The repeated blocks: the children of each outermost ModuleList/Sequential of >= 2 modules of one class."""
-    units: list[nn.Module] = []
-    inside: set[int] = set()
-    for sub in module.modules():
-        if id(sub) in inside or not isinstance(sub, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(sub.children())
-        if len(children) >= 2 and len({type(child) for child in children}) == 1:
-            units.extend(children)
-            inside.update(id(m) for child in children for m in child.modules())
-    return units
+GIB = 2**30
+
+
+def find_units(module: nn.Module, *, param_dtype: torch.dtype | None = None) -> list[nn.Module]:
+    """The modules to wrap with ``fully_shard`` before the root, in module order: (1) the repeated blocks,
+    each child of an ``nn.ModuleList``/``nn.Sequential`` whose children are two or more instances of one
+    class (the outermost such container), or for a Hugging Face model the modules whose class it lists in
+    ``_no_split_modules``; (2) each other module outside them with at least as many parameters as the
+    smallest block, unless it shares a parameter with a module outside it (tied embeddings stay with the
+    root). Refuses a model without blocks (``param_dtype``, the compute dtype, sizes the one giant unit in
+    the message) and a parameter shared between a block and any module outside that block."""
+    blocks = _repeated_blocks(module)
+    if not blocks:
+        raise ValueError(_no_blocks(module, param_dtype))
+    owners = _owners(module)
+    for block in blocks:
+        if shared := _shared_outside(block, owners):
+            raise ValueError(
+                f"parameter {shared} of block {type(block).__name__} is also used outside that block: FSDP2 "
+                "gathers each block's parameters for that block's forward only, so a weight tied across blocks "
+                "would be sharded while the other block runs. Fix: untie it, or call fully_shard yourself in "
+                "configure_model on a module that holds every module that uses it (with CPUOffloadPolicy)."
+            )
+    block_ids = {id(b) for b in blocks}
+    threshold = min(_count(b) for b in blocks)
+    chosen = set(block_ids)
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if id(child) in chosen:
+                continue
+            holds_blocks = any(id(inner) in block_ids for inner in child.modules())
+            if not holds_blocks and _count(child) >= threshold and not _shared_outside(child, owners):
+                chosen.add(id(child))
+            else:
+                visit(child)
+
+    visit(module)
+    return [m for m in module.modules() if id(m) in chosen]
 
 
 def shard_model(
@@ -29,15 +67,141 @@ def shard_model(
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype = torch.float32,
+    initialize: bool = True,
+    init_fn: InitFn | None = None,
     pin_memory: bool = True,
-) -> None:
-    """``fully_shard`` each unit of :func:`find_units`, then the root, with the shards on the host (page-locked
-    with ``pin_memory`` where the device is an accelerator: pinning needs one)."""
-    policy = CPUOffloadPolicy(pin_memory=pin_memory and mesh.device_type != "cpu")
-    # Inputs keep their dtype (a step's targets too), as under AMP: the front ends' autocast casts per operation.
-    mixed = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-    if not any(isinstance(sub, FSDPModule) for sub in module.modules()):
-        for unit in find_units(module):
-            fully_shard(unit, mesh=mesh, offload_policy=policy, mp_policy=mixed)
+) -> nn.Module:
+    """Wrap ``module`` for the parameter-offload mode (in place; returned for convenience): each unit of
+    ``find_units`` then the root with ``fully_shard(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=
+    pin_memory and <not a CPU mesh>), mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype,
+    cast_forward_inputs=False))``: inputs keep their dtype (a step's targets too), as under AMP, where
+    autocast casts per operation (pinning needs an accelerator). Where the user called
+    ``fully_shard`` already, their units are kept and only the root is wrapped if they did not wrap it
+    (``check_units`` first). A model built on the meta device is then materialized unit by unit
+    (``materialize``: ``initialize`` and ``init_fn`` are its own), never whole on the host or the device."""
+    user_wrapped = any(isinstance(m, FSDPModule) for m in module.modules())
+    if user_wrapped:
+        check_units(module)
+    policies = {
+        "mesh": mesh,
+        "offload_policy": CPUOffloadPolicy(pin_memory=pin_memory and mesh.device_type != "cpu"),
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+        ),
+    }
+    units = [] if user_wrapped else find_units(module, param_dtype=param_dtype)
+    for unit in units:
+        fully_shard(unit, **policies)
     if not isinstance(module, FSDPModule):
-        fully_shard(module, mesh=mesh, offload_policy=policy, mp_policy=mixed)
+        fully_shard(module, **policies)
+    materialize(module, mesh_device(mesh), initialize=initialize, init_fn=init_fn)
+    return module
+
+
+def check_units(module: nn.Module) -> None:
+    """Refuse FSDP units this mode cannot train: one without ``CPUOffloadPolicy`` (the CPU step needs its
+    shards on the host), or with ``reshard_after_backward`` off (``set_reshard_after_backward(False)``):
+    its unsharded parameters would outlive the step, which writes the shards in place, and the next
+    forward would use the stale copy. ``reshard_after_forward`` (any value) is accepted: what it keeps
+    after forward, backward reshards before the step. FSDP2 2.13 has no getter for either setting, so
+    they are read from its parameter groups."""
+    problems = []
+    for name, m in module.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        where = name or "the root"
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            if not isinstance(group.offload_policy, CPUOffloadPolicy):
+                problems.append(
+                    f"{where}: no CPUOffloadPolicy (fix: fully_shard(..., offload_policy=CPUOffloadPolicy()))"
+                )
+            if not group.reshard_after_backward:
+                problems.append(f"{where}: reshard_after_backward is off (fix: set_reshard_after_backward(True))")
+    if problems:
+        raise ValueError(
+            "offload_params steps each rank's shard on the host in place, so every FSDP unit must keep its "
+            "shards there and reshard after backward; your fully_shard calls give:\n  " + "\n  ".join(problems)
+        )
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device ``fully_shard`` computes on for ``mesh``: the current accelerator of its type."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
+
+def _repeated_blocks(module: nn.Module) -> list[nn.Module]:
+    no_split = set()
+    for m in module.modules():
+        no_split |= set(getattr(m, "_no_split_modules", None) or ())
+    if no_split:
+        named = _outermost(module, lambda m: m is not module and type(m).__name__ in no_split)
+        if named:
+            return named
+    return [block for container in _outermost(module, _is_repeated) for block in container.children()]
+
+
+def _outermost(module: nn.Module, qualifies) -> list[nn.Module]:
+    """The modules that qualify with no qualifying module above them, in module order."""
+    found: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        if qualifies(m):
+            found.append(m)
+            return
+        for child in m.children():
+            visit(child)
+
+    visit(module)
+    return found
+
+
+def _is_repeated(m: nn.Module) -> bool:
+    children = list(m.children())
+    return (
+        isinstance(m, (nn.ModuleList, nn.Sequential))
+        and len(children) >= 2
+        and len({type(c) for c in children}) == 1
+        and _count(children[0]) > 0
+    )
+
+
+def _count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _owners(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Each parameter (by id) -> every (module, qualified name) that holds it, tied ones included."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for path, m in module.named_modules(remove_duplicate=False):
+        for name, p in m._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((m, f"{path}.{name}" if path else name))
+    return owners
+
+
+def _shared_outside(unit: nn.Module, owners: dict[int, list[tuple[nn.Module, str]]]) -> str | None:
+    """The name of a parameter of ``unit`` that a module outside it holds too, or None."""
+    inside = {id(m) for m in unit.modules()}
+    for p in unit.parameters():
+        holders = owners[id(p)]
+        if any(id(m) not in inside for m, _ in holders):
+            return " = ".join(name for _, name in holders)
+    return None
+
+
+def _no_blocks(module: nn.Module, param_dtype: torch.dtype | None) -> str:
+    count = _count(module)
+    own = max((p.element_size() for p in module.parameters()), default=4)
+    itemsize = param_dtype.itemsize if param_dtype is not None else own
+    gathered, grads = count * itemsize / GIB, count * 4 / GIB
+    return (
+        f"found no repeated blocks in {type(module).__name__} (an nn.ModuleList or nn.Sequential of two or more "
+        "modules of one class, or a Hugging Face model's _no_split_modules): its parameters would be one FSDP "
+        f"unit, gathered whole on the device for forward and for backward: {gathered:.2f} GiB for its "
+        f"{count:,} parameters in the compute dtype plus {grads:.2f} GiB of fp32 gradients, "
+        f"{gathered + grads:.2f} GiB before any activation. Fix: put the layers in an nn.ModuleList, or call "
+        "fully_shard yourself in configure_model on the modules to bring to the device one at a time (with "
+        "CPUOffloadPolicy), or train with offload_params=False if the model fits the device."
+    )

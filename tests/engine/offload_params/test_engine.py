@@ -28,8 +28,8 @@ FP32_ROUNDING = 1e-6
 
 
 @pytest.fixture(autouse=True)
-def group(tmp_path):
-    with one_rank_group(tmp_path):
+def group():
+    with one_rank_group():
         yield
 
 

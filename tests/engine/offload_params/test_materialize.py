@@ -1,0 +1,132 @@
+"""A model built on the meta device given its memory and values: those of an eager build, shard by shard."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from offload_params_helpers import WIDTH, Net, assert_same_state
+from torch import nn
+
+from lightning_zero_offload.engine.offload_params.materialize import materialize
+from lightning_zero_offload.engine.offload_params.placement import shard_model
+from lightning_zero_offload.testing.ranks import run_ranks
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_sharded_meta_build_equals_the_eager_build_bitwise_and_draws_as_many_numbers(mesh, tied):
+    torch.manual_seed(0)
+    eager = Net(tied)
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        net = Net(tied)
+    shard_model(net, mesh, param_dtype=torch.float32)
+    assert_same_state(net, eager)
+    assert (net.head.weight is net.embed.weight) == tied
+    assert torch.equal(torch.get_rng_state(), after_eager)  # the tied head's own init drew too, thrown away
+
+
+def test_a_plain_meta_build_equals_the_eager_build_with_its_ties():
+    torch.manual_seed(0)
+    eager = Net(tied=True)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        net = Net(tied=True)
+    materialize(net, "cpu")
+    assert net.head.weight is net.embed.weight  # to_empty alone gives each holder its own copy
+    assert_same_state(net, eager)
+
+
+class Rotary(nn.Module):
+    """Buffers as models make them: one computed in __init__ on the default device (garbage after
+    to_empty unless recomputed), one made on the CPU explicitly (real even under the meta device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(WIDTH))
+        self.register_buffer("inv_freq", self.frequencies(), persistent=False)
+        self.register_buffer("positions", torch.arange(5.0, device="cpu") * 3, persistent=False)
+        self.reset_parameters()
+
+    def frequencies(self) -> torch.Tensor:
+        return 1.0 / 10000 ** (torch.arange(0, WIDTH, 2, dtype=torch.float32) / WIDTH)
+
+    def reset_parameters(self) -> None:
+        nn.init.uniform_(self.scale)
+        if not self.inv_freq.is_meta:
+            self.inv_freq.copy_(self.frequencies())
+
+
+@pytest.mark.parametrize("initialize", [True, False])
+def test_buffers_are_recomputed_by_reset_parameters_or_kept_when_real(mesh, initialize):
+    torch.manual_seed(0)
+    eager = nn.Sequential(Rotary(), Net())
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Sequential(Rotary(), Net())
+    shard_model(model, mesh, param_dtype=torch.float32, initialize=initialize)
+    for name in ("inv_freq", "positions"):
+        assert torch.equal(getattr(model[0], name), getattr(eager[0], name)), name
+    if initialize:
+        assert_same_state(model, eager)
+
+
+class Mask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("causal", torch.ones(3, 3).tril(), persistent=False)
+
+
+class Forgets(nn.Linear):
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.gate = nn.Parameter(torch.zeros(4))  # nn.Linear.reset_parameters does not know it
+
+
+@pytest.mark.parametrize("initialize", [True, False])
+def test_a_module_that_nothing_can_initialize_is_refused_before_anything_is_allocated(initialize):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 3), Mask())
+    with pytest.raises(ValueError, match="cannot initialize the .* of Mask, .* no reset_parameters"):
+        materialize(model, "cpu", initialize=initialize)
+    assert model[0].weight.is_meta and model[1].causal.is_meta
+
+
+def test_an_init_that_forgets_a_parameter_is_refused():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 4), Forgets())
+    with pytest.raises(ValueError, match=r"left Forgets\.gate unset \(still NaN\)"):
+        materialize(model, "cpu")
+
+
+def test_init_fn_initializes_every_module_instead_of_reset_parameters(mesh):
+    def halves(module: nn.Module) -> None:
+        for p in module.parameters(recurse=False):
+            p.fill_(0.5)
+
+    with torch.device("meta"):
+        net = Net()
+    shard_model(net, mesh, param_dtype=torch.float32, init_fn=halves)
+    assert all(bool((p.full_tensor() == 0.5).all()) for p in net.parameters())
+
+
+def test_a_model_half_on_the_meta_device_is_refused():
+    with torch.device("meta"):
+        first = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="2 of the model's 4 parameters are on the meta device"):
+        materialize(nn.Sequential(first, nn.Linear(2, 2)), "cpu")
+
+
+@pytest.mark.slow  # two processes
+def test_at_two_ranks_every_rank_holds_rank_0s_eager_values(tmp_path):
+    from workers.offload_params import materialized_like_rank0
+
+    run_ranks(materialized_like_rank0, 2, tmp_path, timeout=240)  # every rank checks its own
+
+
+@pytest.mark.slow  # two processes
+def test_frozen_blocks_at_two_ranks_get_the_gradients_of_one_model(tmp_path):
+    from workers.offload_params import frozen_gradients
+
+    # Each rank's half-batch gradients are averaged by the reduce-scatter: fp32 rounding, seen 2.2e-7.
+    assert max(run_ranks(frozen_gradients, 2, tmp_path, timeout=240)) < 1e-6

@@ -1,0 +1,117 @@
+"""Which modules become FSDP2 units, the model wrapped in them, and the users' own fully_shard calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from offload_params_helpers import Block, Net, assert_same_state, tokens
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
+
+from lightning_zero_offload.engine.offload_params.placement import find_units, shard_model
+
+
+def test_the_blocks_and_the_modules_as_large_as_one_are_the_units_in_module_order():
+    net = Net()
+    assert find_units(net) == [net.embed, *net.blocks, net.head]  # the final norm stays with the root
+
+
+def test_tied_embeddings_stay_with_the_root():
+    net = Net(tied=True)
+    assert find_units(net) == list(net.blocks)
+
+
+def test_the_outermost_repeated_container_gives_the_blocks():
+    stages = nn.ModuleList([nn.ModuleList([Block(), Block()]) for _ in range(3)])
+    assert find_units(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2), stages)) == list(stages)
+    chain = nn.Sequential(Block(), Block(), Block())
+    assert find_units(chain) == list(chain)
+
+
+def test_a_model_without_blocks_is_refused_with_the_device_memory_of_one_unit():
+    with torch.device("meta"):  # 134M parameters: sizes in GiB, no memory
+        mlp = nn.Sequential(nn.Linear(8192, 8192), nn.ReLU(), nn.Linear(8192, 8192))
+    with pytest.raises(ValueError, match="no repeated blocks") as refused:
+        find_units(mlp, param_dtype=torch.bfloat16)
+    message = str(refused.value)
+    assert "134,234,112 parameters" in message
+    assert "0.25 GiB for its" in message and "0.50 GiB of fp32 gradients" in message and "0.75 GiB before" in message
+    assert "nn.ModuleList" in message and "call fully_shard yourself" in message
+
+
+def test_a_weight_tied_across_blocks_is_refused():
+    net = Net()
+    net.blocks[2].up.weight = net.blocks[0].up.weight
+    with pytest.raises(ValueError, match=r"blocks\.0\.up\.weight = blocks\.2\.up\.weight of block Block") as refused:
+        find_units(net)
+    assert "untie it" in str(refused.value)
+
+
+def test_shard_model_wraps_the_units_and_the_root_with_cpu_offload(mesh):
+    torch.manual_seed(0)
+    net = Net()
+    eager = Net()
+    eager.load_state_dict(net.state_dict())
+    shard_model(net, mesh, param_dtype=torch.float32)
+    wrapped = [m for m in net.modules() if isinstance(m, FSDPModule)]
+    assert wrapped == [net, net.embed, *net.blocks, net.head]
+    for unit in wrapped:
+        (group,) = unit._get_fsdp_state()._fsdp_param_groups
+        assert isinstance(group.offload_policy, CPUOffloadPolicy) and not group.offload_policy.pin_memory
+        assert group.mp_policy.param_dtype == torch.float32 and group.mp_policy.reduce_dtype == torch.float32
+    assert_same_state(net, eager)
+    assert torch.equal(net(tokens()), eager(tokens()))
+
+
+def test_the_users_units_are_kept_and_only_the_root_is_wrapped(mesh):
+    torch.manual_seed(0)
+    eager = Net()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        net = Net()
+    for block in net.blocks:  # as a configure_model would: on the meta device, blocks only
+        fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    shard_model(net, mesh, param_dtype=torch.float32)
+    assert [m for m in net.modules() if isinstance(m, FSDPModule)] == [net, *net.blocks]
+    assert_same_state(net, eager)
+
+
+@pytest.mark.parametrize(
+    "why, fix",
+    [("offload", "fully_shard\\(..., offload_policy=CPUOffloadPolicy\\(\\)\\)"), ("reshard", "set_reshard_after")],
+)
+def test_users_units_that_keep_parameters_off_the_host_or_unsharded_are_refused(mesh, why, fix):
+    with torch.device("meta"):
+        net = Net()
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if why == "reshard" else {}
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh, **policy)
+    if why == "reshard":
+        net.blocks[1].set_reshard_after_backward(False)
+    with pytest.raises(ValueError, match=f"blocks.{0 if why == 'offload' else 1}: .*{fix}"):
+        shard_model(net, mesh, param_dtype=torch.float32)
+
+
+def freeze(net: Net) -> None:
+    net.embed.requires_grad_(False)
+    net.blocks[0].requires_grad_(False)  # a frozen block
+    net.blocks[1].up.requires_grad_(False)  # and part of one
+
+
+def test_frozen_blocks_train_as_without_fsdp(mesh):
+    torch.manual_seed(0)
+    eager = Net()
+    freeze(eager)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        net = Net()
+    freeze(net)
+    shard_model(net, mesh, param_dtype=torch.float32)
+    for model in (net, eager):
+        model(tokens()).square().mean().backward()
+    for (name, p), q in zip(net.named_parameters(), eager.parameters(), strict=True):
+        assert p.requires_grad == q.requires_grad, name
+        if q.requires_grad:  # one rank: the reduce-scatter is a copy
+            assert torch.equal(p.grad.full_tensor(), q.grad), name
+        else:
+            assert p.grad is None, name
