@@ -12,6 +12,7 @@ and registers nothing.
 from lightning_zero_offload.checkpoints import CheckpointError, convert_checkpoint_to_fp32_state_dict
 from lightning_zero_offload.core.model_rules import ModelMismatchError
 from lightning_zero_offload.engine.failures import NonFiniteLossError
+from lightning_zero_offload.engine.offload_params.pretrained import load_pretrained
 from lightning_zero_offload.optim import CPUAdam
 from lightning_zero_offload.planner import plan
 
@@ -21,6 +22,7 @@ __all__ = [
     "ModelMismatchError",
     "NonFiniteLossError",
     "convert_checkpoint_to_fp32_state_dict",
+    "load_pretrained",
     "plan",
 ]
 

@@ -56,9 +56,10 @@ def tokens(seed: int = 1) -> torch.Tensor:
 
 
 def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer whole (a sharded one gathered), by name."""
+    """Every parameter and buffer whole (a sharded one gathered), by name: copies, not the live tensors (at one
+    rank a DTensor's full tensor is its local shard)."""
     state = module.state_dict()
-    return {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in state.items()}
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for name, t in state.items()}
 
 
 def assert_same_state(module: nn.Module, reference: nn.Module) -> None:

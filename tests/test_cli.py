@@ -202,7 +202,7 @@ def read_metrics(log_dir: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def run_tiny_fit(tmp_path: Path, capsys, strategy: str) -> tuple[object, list[dict[str, str]], str]:
+def run_tiny_fit(tmp_path: Path, capsys, strategy: str, *extra: str) -> tuple[object, list[dict[str, str]], str]:
     from lightning_zero_offload.cli import cli_main
 
     cli = cli_main(
@@ -220,6 +220,7 @@ def run_tiny_fit(tmp_path: Path, capsys, strategy: str) -> tuple[object, list[di
             f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}",
             f"--trainer.default_root_dir={tmp_path}",
             *TINY,
+            *extra,
         ]
     )
     out = capsys.readouterr().out
@@ -445,7 +446,7 @@ def test_tiny_fit_with_parameters_offloaded(tmp_path, capsys):
     LightningModule itself) on FSDP2, with the same logs, validation and checkpoint."""
     import lightning_zero_offload
 
-    cli, rows, out = run_tiny_fit(tmp_path, capsys, "zero_offload_params")
+    cli, rows, out = run_tiny_fit(tmp_path, capsys, "zero_offload_params", "--model.n_layer=2")  # blocks to shard
     assert isinstance(cli.trainer.strategy, lightning_zero_offload.ZeroOffloadStrategy)
     assert cli.trainer.strategy.options.offload_params
     check_tiny_fit(cli, rows, out)

@@ -13,7 +13,7 @@ and reads what the step did from ``strategy.last_step_stats`` (:class:`~lightnin
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 from weakref import WeakKeyDictionary
@@ -100,6 +100,18 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
     precision = coerced_precision(ZeroOffloadFabricPrecision, "_precision")  # type: ignore[assignment]
 
     # -- setup -----------------------------------------------------------------------------------
+
+    @override
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """With parameters offloaded, ``fabric.init_module(empty_init=True)`` builds on the meta device (``setup``
+        materializes the model unit by unit into its shards), and without it on the host, never on the device."""
+        if not self.options.offload_params:
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
 
     @override
     def module_to_device(self, module: Module) -> None:

@@ -8,6 +8,8 @@ processes and ranks are DDP's without its wrapper (:mod:`lightning_zero_offload.
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -141,6 +143,26 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         if not self.options.offload_params:  # FSDP2 has put the buffers on the device, the shards on the host
             self.model_to_device()
         self.setup_precision_plugin()
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """With parameters offloaded, ``trainer.init_module(empty_init=True)`` builds on the meta device (setup
+        materializes the model unit by unit into its shards) and never on the device."""
+        if not self.options.offload_params:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """With parameters offloaded, ``configure_model`` builds on the meta device: the model is never whole on
+        the host or the device (setup materializes it unit by unit into its shards)."""
+        with torch.device("meta") if self.options.offload_params else nullcontext():
+            yield
 
     def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         """A LightningModule step through the module's ``__call__``, where FSDP2 gathers the root's own parameters

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import lightning as L
 import pytest
 import torch
@@ -21,12 +23,16 @@ def own_process_group():
     release_process_group()
 
 
-def train(strategy, two_calls: bool = False, clip: float | None = 0.3) -> tuple[dict[str, torch.Tensor], object]:
-    """The weights after four steps of two micro-batches, and what the last step did (None: not ours)."""
+def train(
+    strategy, two_calls: bool = False, clip: float | None = 0.3, empty_init: bool = False
+) -> tuple[dict[str, torch.Tensor], object]:
+    """The weights after four steps of two micro-batches, and what the last step did (None: not ours).
+    ``empty_init``: built under ``fabric.init_module(empty_init=True)`` (the meta device, materialized in setup)."""
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="32-true")
     fabric.launch()
     torch.manual_seed(0)
-    model = Blocks()
+    with fabric.init_module(empty_init=True) if empty_init else contextlib.nullcontext():
+        model = Blocks()
     if two_calls:  # the optimizer built over the set-up (sharded) model, as Fabric's FSDP docs say
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(torch.optim.AdamW(two_groups(model)))
@@ -49,10 +55,11 @@ def train(strategy, two_calls: bool = False, clip: float | None = 0.3) -> tuple[
     return weights, fabric.strategy.last_step_stats if ours else None
 
 
-@pytest.mark.parametrize("two_calls", [False, True])
-def test_equals_plain_fabric_with_accumulation_clipping_and_groups(two_calls):
+@pytest.mark.parametrize(("two_calls", "empty_init"), [(False, False), (True, False), (False, True), (True, True)])
+def test_equals_plain_fabric_with_accumulation_clipping_and_groups(two_calls, empty_init):
     want, _ = train("auto")
-    got, _ = train(ZeroOffloadFabricStrategy(offload_params=True, cpu_step="sync"), two_calls=two_calls)
+    strategy = ZeroOffloadFabricStrategy(offload_params=True, cpu_step="sync")
+    got, _ = train(strategy, two_calls=two_calls, empty_init=empty_init)
     assert relative_error(got, want) < FP32_ROUNDING
 
 

@@ -6,10 +6,10 @@ import lightning as L
 import pytest
 import torch
 from helpers import QUIET
-from offload_params_helpers import Blocks, relative_error, two_groups
+from offload_params_helpers import Blocks, relative_error, tiny_llama_config, two_groups
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero_offload import ZeroOffloadStrategy
+from lightning_zero_offload import ZeroOffloadStrategy, load_pretrained
 from lightning_zero_offload.core import release_process_group
 
 FP32_ROUNDING = 1e-6  # normwise; observed below 2e-7 (the kernel's rounding and the clip norm's)
@@ -132,3 +132,94 @@ def test_the_full_checkpoint_resumes_with_parameters_on_the_device_too(tmp_path)
 def test_checkpoint_format_sharded_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="Leave checkpoint_format='full'"):
         ZeroOffloadStrategy(offload_params=True, checkpoint_format="sharded")
+
+
+class BuiltInConfigureModel(BlockRegression):
+    """The same model built in configure_model: on the meta device under offload_params, materialized unit by
+    unit into its shards in setup (with the random numbers an eager build draws)."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            torch.manual_seed(0)
+            self.model = Blocks()
+
+
+def test_a_model_built_in_configure_model_trains_as_the_eager_one():
+    want = fit("auto", accumulate_grad_batches=2)
+    module = BuiltInConfigureModel()
+    trainer = L.Trainer(
+        strategy=ZeroOffloadStrategy(offload_params=True), max_steps=5, accumulate_grad_batches=2, **QUIET
+    )
+    trainer.fit(module, data())
+    got = {name: p.full_tensor().detach().clone() for name, p in module.model.named_parameters()}
+    assert relative_error(got, want) < FP32_ROUNDING
+
+
+class TinyLlama(L.LightningModule):
+    """A Hugging Face Llama built from its config in configure_model, or loaded from a save_pretrained directory:
+    under offload_params with lightning_zero_offload.load_pretrained once sharded, otherwise from_pretrained."""
+
+    def __init__(self, pretrained: str | None = None) -> None:
+        super().__init__()
+        self.pretrained = pretrained
+        self.model = None
+
+    def configure_model(self) -> None:
+        from transformers import LlamaForCausalLM
+
+        if self.model is not None:
+            return
+        torch.manual_seed(0)
+        offloaded = getattr(self.trainer.strategy, "options", None) is not None
+        if self.pretrained is not None and not offloaded:
+            self.model = LlamaForCausalLM.from_pretrained(self.pretrained).train()
+            return
+        self.model = LlamaForCausalLM(tiny_llama_config())
+        if not offloaded:
+            # The eager constructor draws twice (each layer's reset_parameters, then transformers' init); a model
+            # built on the meta device is initialized once, by transformers' initialize_weights, in setup.
+            for item in (*self.model.modules(), *self.model.parameters()):
+                item.__dict__.pop("_is_hf_initialized", None)  # else initialize_weights skips them
+            torch.manual_seed(0)
+            self.model.initialize_weights()
+
+    def on_fit_start(self) -> None:
+        if self.pretrained is not None and getattr(self.trainer.strategy, "options", None) is not None:
+            load_pretrained(self.model, self.pretrained)  # into the shards, tensor by tensor
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def fit_llama(strategy, pretrained=None) -> dict[str, torch.Tensor]:
+    module = TinyLlama(pretrained)
+    tokens = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(3))
+    trainer = L.Trainer(strategy=strategy, max_steps=2, **QUIET)
+    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for n, p in module.model.named_parameters()
+    }
+
+
+@pytest.mark.slow  # transformers' import and two Llama fits per case
+@pytest.mark.parametrize("from_directory", [False, True])
+def test_a_hugging_face_llama_from_config_or_from_save_pretrained_trains_as_under_auto(from_directory, tmp_path):
+    pretrained = None
+    if from_directory:
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(1)  # other weights than the config's own init
+        LlamaForCausalLM(tiny_llama_config()).save_pretrained(tmp_path, max_shard_size="100KB")  # an index file
+        pretrained = str(tmp_path)
+    want = fit_llama("auto", pretrained)
+    got = fit_llama("zero_offload_params", pretrained)
+    assert relative_error(got, want) < FP32_ROUNDING

@@ -14,8 +14,9 @@ CLIP = 0.22  # the norms run 0.18-0.29 here (tests/trainer/test_distributed.py):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("params")
-    clipped = {"max_steps": 12, "accumulate": 2, "clip": CLIP}
-    epoch = {"max_epochs": 1, "accumulate": 1}
+    clipped = {"max_steps": 12, "accumulate": 2, "clip": CLIP, "model": "blocks"}
+    epoch = {"max_epochs": 1, "accumulate": 1, "model": "blocks"}
+    whole = {"max_epochs": 3, "accumulate": 1, "model": "blocks"}
     got = {"tmp": tmp}
     got |= train(
         tmp,
@@ -25,7 +26,7 @@ def runs(tmp_path_factory):
             "speculative2": {**clipped, "strategy": "zero_offload_params", "cpu_step": "speculative"},
             "ddp2": {**clipped, "strategy": "ddp"},
             "first2": {**epoch, "strategy": "zero_offload_params", "save": tmp / "p2.ckpt"},
-            "whole2": {"max_epochs": 3, "accumulate": 1, "strategy": "zero_offload_params"},
+            "whole2": {**whole, "strategy": "zero_offload_params"},
         },
     )
     got |= train(
@@ -34,12 +35,7 @@ def runs(tmp_path_factory):
         {
             "params3": {**clipped, "strategy": "zero_offload_params"},
             "ddp3": {**clipped, "strategy": "ddp"},
-            "resumed3": {
-                "max_epochs": 3,
-                "accumulate": 1,
-                "strategy": "zero_offload_params",
-                "resume": tmp / "p2.ckpt",
-            },
+            "resumed3": {**whole, "strategy": "zero_offload_params", "resume": tmp / "p2.ckpt"},
         },
     )
     return got

@@ -4,7 +4,8 @@ Run by tests/trainer/test_distributed.py in a subprocess: several runs one after
 launch costs more than a run). A run is a dict: ``strategy`` ("zero_offload", "zero_offload_params" with
 ``cpu_step``, or "ddp"), ``precision``, ``max_steps``, ``max_epochs``, ``accumulate``, ``clip``
 (gradient_clip_val, by norm), ``format`` (checkpoint_format), ``dpu`` (DPU with weight prediction after 3
-steps), ``resume``, ``save``, ``out``. Also run by tests/trainer/test_offload_params_distributed.py.
+steps), ``resume``, ``save``, ``out``, ``model`` ("blocks": residual blocks in a ModuleList). Also run by
+tests/trainer/test_offload_params_distributed.py.
 """
 
 import argparse
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers import QUIET, Classifier, GradNorms, loader  # noqa: E402
@@ -34,6 +36,29 @@ class ShardedData(Classifier):
         return DataLoader(dataset, batch_size=48 // world, sampler=sampler)
 
 
+class ResidualStack(nn.Module):
+    """Residual blocks in an nn.ModuleList (offload_params needs repeated blocks to bring one at a time)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(2))
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.out(x)
+
+
+class ShardedBlocks(ShardedData):
+    def __init__(self, width: int) -> None:
+        super().__init__(width=width)
+        torch.manual_seed(0)
+        self.net = ResidualStack(width)
+
+
 def fit(run: dict, devices: int) -> None:
     """One training run; rank 0 writes what the test compares to ``run["out"]``."""
     if run.get("strategy", "zero_offload") == "zero_offload":
@@ -43,7 +68,8 @@ def fit(run: dict, devices: int) -> None:
         strategy = ZeroOffloadStrategy(offload_params=True, cpu_step=run.get("cpu_step", "sync"))
     else:
         strategy = run["strategy"]
-    model = ShardedData(width=31)  # odd sizes: buckets need padding at world sizes 2 and 3
+    # odd sizes: buckets (and FSDP2's shards) need padding at world sizes 2 and 3
+    model = ShardedBlocks(width=31) if run.get("model") == "blocks" else ShardedData(width=31)
     norms = GradNorms()
     trainer = L.Trainer(
         strategy=strategy,
