@@ -8,7 +8,7 @@ from helpers import assert_clipping_triggered
 from helpers import train_in_ranks as train
 
 pytestmark = pytest.mark.slow  # every case launches ranks in processes
-CLIP = 0.22  # the norms run 0.18-0.29 here (tests/trainer/test_distributed.py): the clip acts on some steps
+CLIP = 0.45  # the residual blocks' norms run 0.40-0.67 here: the clip acts on some steps and not on others
 
 
 @pytest.fixture(scope="module")
