@@ -9,7 +9,7 @@ from helpers import QUIET
 from offload_params_helpers import Blocks, relative_error, tiny_llama_config, two_groups
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero_offload import ZeroOffloadStrategy, load_pretrained
+from lightning_zero_offload import ZeroOffloadStrategy, convert_checkpoint_to_fp32_state_dict, load_pretrained
 from lightning_zero_offload.core import release_process_group
 
 FP32_ROUNDING = 1e-6  # normwise; observed below 2e-7 (the kernel's rounding and the clip norm's)
@@ -116,6 +116,8 @@ def test_a_resumed_fit_equals_auto_resumed_and_speculative_equals_sync_bitwise(t
     assert all(torch.equal(speculated[k], sync[k]) for k in sync)
     saved = torch.load(tmp_path / "sync.ckpt", weights_only=True)
     assert saved["state_dict"]["model.blocks.0.fc1.weight"].shape == (32, 16)  # whole, not a shard
+    exported = convert_checkpoint_to_fp32_state_dict(tmp_path / "sync.ckpt")  # what zero-offload-convert writes
+    assert all(torch.equal(exported[k], v) for k, v in saved["state_dict"].items())
 
 
 def test_the_full_checkpoint_resumes_with_parameters_on_the_device_too(tmp_path):
