@@ -225,3 +225,33 @@ def test_a_hugging_face_llama_from_config_or_from_save_pretrained_trains_as_unde
     want = fit_llama("auto", pretrained)
     got = fit_llama("zero_offload_params", pretrained)
     assert relative_error(got, want) < FP32_ROUNDING
+
+
+class Evaluated(BlockRegression):
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", ((self.model(x) - y) ** 2).mean())
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(batch[0])
+
+
+def test_validate_predict_after_fit_and_fit_again_on_the_sharded_model():
+    module = Evaluated()
+    trainer = L.Trainer(strategy=ZeroOffloadStrategy(offload_params=True), max_steps=3, **QUIET)
+    trainer.fit(module, data(), data(16))
+    validated = trainer.validate(module, data(16), verbose=False)[0]["val_loss"]
+    plain = BlockRegression()
+    plain.model.load_state_dict(fit_weights(module))
+    x, y = data(16).dataset.tensors  # two batches of 8: the mean of their means is the mean over all 16
+    with torch.no_grad():
+        want = float(((plain.model(x) - y) ** 2).mean())
+    assert validated == pytest.approx(want, rel=1e-5)
+    assert len(trainer.predict(module, data(16))) == 2
+    again = L.Trainer(strategy=ZeroOffloadStrategy(offload_params=True), max_steps=6, **QUIET)
+    again.fit(module, data())
+    assert again.global_step == 6
+
+
+def fit_weights(module) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor().detach().clone() for n, p in module.model.named_parameters()}
