@@ -37,13 +37,9 @@ def mapped_bytes_of_a_block_after_a_larger_one_is_freed() -> int:
     return mapped
 
 
-@glibc
-def test_after_the_limit_a_large_block_is_mapped_even_after_a_larger_one_was_freed():
-    assert limit_retained_heap()
-    assert mapped_bytes_of_a_block_after_a_larger_one_is_freed() >= 8 * MIB
-
-
-@pytest.mark.slow  # fresh interpreters: the threshold is process-wide
+# Fresh interpreters: the threshold is process-wide, and in a process that ran other tests a free chunk left on
+# the heap serves the block whatever the threshold (glibc maps only what its bins and top chunk cannot serve).
+@pytest.mark.slow
 @glibc
 @pytest.mark.parametrize("limit", [False, True])
 def test_without_the_limit_the_same_block_comes_from_the_heap(limit):
