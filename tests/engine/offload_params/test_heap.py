@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from lightning_zero_offload.engine.offload_params.heap import ENVIRONMENT, limit_retained_heap
+from lightning_zero_offload.engine.offload_params.heap import ENVIRONMENT
 
 MIB = 2**20
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
