@@ -10,7 +10,7 @@ formulas to hand computations until a live engine can be compared with them, as 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,6 +34,7 @@ class FsdpUnits:
     frozen_shard_numel: int
     largest_tensor: int  # a streamed full export gathers one tensor at a time
     tensor_shards: tuple[int, ...] = ()  # this rank's shard of each trainable tensor: each is pinned on its own
+    largest_unit_tensor: int = 0  # a unit's largest parameter: one rank copies a unit up one tensor at a time
 
     @property
     def largest_unit_shard(self) -> int:
@@ -68,7 +69,9 @@ def fsdp_units(shape: ModelShape, n_layer: int | None, world: int) -> FsdpUnits:
         per_layer = -(-shape.params // depth)
         tensors = tuple(_shard(size, world) for size in ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h)))
         shard = -(-shape.params // world)
-        return FsdpUnits(world, depth, per_layer, 0, shape.params, shard, frozen_shard, 4 * h * h, tensors * depth)
+        largest = 4 * h * h  # the MLP's matrices
+        units = FsdpUnits(world, depth, per_layer, 0, shape.params, shard, frozen_shard, largest, tensors * depth)
+        return replace(units, largest_unit_tensor=min(largest, per_layer))
     tensors = tuple(_shard(size, world) for size in shape.shapes)
     total = sum(shape.units) + shape.root_params
     largest = max(shape.units, default=0)
@@ -82,6 +85,7 @@ def fsdp_units(shape: ModelShape, n_layer: int | None, world: int) -> FsdpUnits:
         frozen_shard,
         shape.largest_tensor,
         tensors,
+        shape.largest_unit_tensor,
     )
 
 
@@ -142,29 +146,40 @@ def host_memory_params(
 
 
 def device_memory_params(units: FsdpUnits, dtype: torch.dtype, state_dtype: torch.dtype) -> dict[str, int]:
-    """Device bytes of one rank at the peak of backward, activations aside.
+    """Device bytes of one rank at the peak of backward, activations aside: FSDP2's allocations in the order
+    it makes and frees them (torch 2.13), as measured on the CPU device by
+    benchmarks/offload_params_device_peak.py (docs/benchmarks.md).
 
     ``root_params``: the root's own parameters, gathered for the whole step. ``blocks_in_flight``: the
-    running unit and the one FSDP2 prefetches, unsharded in the compute dtype. ``backward_buffers``: the
-    larger of two moments of a unit's backward (the root counts as a unit here): while it computes,
-    autograd's gradients (compute dtype) next to the previous unit's reduce-scatter input (fp32, held
-    until this unit's reduce starts) and the prefetch's all-gather input (the shard copied up in the
-    state's dtype, and its cast when that differs); while it reduces, the fp32 reduce-scatter input
-    next to its gradients (the copy-in) or next to the fp32 output shard and its cast to the state's
-    dtype.
+    running unit, unsharded in the compute dtype, and at several ranks the all-gather output of the unit
+    FSDP2 prefetches (at one rank ``unshard`` is a no-op: each unit is copied up in its own pre-forward and
+    pre-backward). ``backward_buffers``: the largest of three moments of a unit's backward (the root
+    counts as a unit here), each next to the previous unit's fp32 reduce-scatter input (held until this
+    unit reduces): computing, autograd's gradients (compute dtype); gathering, the shards coming up (at one
+    rank a tensor at a time, copied in the state's dtype and cast, with the previous tensor's input; at
+    several ranks the prefetched unit's input, freed before this unit computes); reducing, once the
+    running unit is resharded, its fp32 input with the fp32 output shard and the output's cast to the
+    state's dtype.
     """
     e, s, world = dtype.itemsize, state_dtype.itemsize, units.world_size
     block = units.largest_unit
     unit = max(block, units.root_params)
     unit_shard = -(-unit // world)
-    gather_input = (s + (e if e != s else 0)) * -(-block // world)
-    computing = (e + REDUCE_BYTES) * unit + gather_input
-    copy_in = (e + REDUCE_BYTES) * unit
-    reduced = REDUCE_BYTES * unit + (REDUCE_BYTES + (s if s != REDUCE_BYTES else 0)) * unit_shard
+    cast = e if e != s else 0  # the shard's cast to the compute dtype, where the dtypes differ
+    tensor = units.largest_unit_tensor or block
+    if world == 1:
+        in_flight = 1
+        gather_input = (s + 2 * cast) * tensor if cast else 2 * s * tensor
+    else:
+        in_flight = 2
+        gather_input = ((cast or s) * block + (s * tensor if cast else 0)) // world
+    computing = (e + REDUCE_BYTES) * unit
+    gathering = REDUCE_BYTES * unit + gather_input
+    reducing = REDUCE_BYTES * unit + (REDUCE_BYTES + (s if s != REDUCE_BYTES else 0)) * unit_shard - e * block
     return {
         "root_params": e * units.root_params,
-        "blocks_in_flight": 2 * e * block,
-        "backward_buffers": max(computing, copy_in, reduced),
+        "blocks_in_flight": in_flight * e * block,
+        "backward_buffers": max(computing, gathering, reducing),
     }
 
 

@@ -215,12 +215,13 @@ def _memory_table(p: Plan) -> list[str]:
     if p.params_offload is None:
         held = "the module as built stays on the host until setup"
         whole = " (ZeRO-2: every GPU holds all parameters, whatever the number of nodes)"
-    elif p.params_offload.configure_model:
-        held = "built in configure_model, one block is whole on the host at setup (fp32)"
-        whole = " (offload_params: the root's parameters and two blocks in flight, whatever the number of blocks)"
     else:
-        held = "the module built whole stays on the host until setup (configure_model would hold one block)"
-        whole = " (offload_params: the root's parameters and two blocks in flight, whatever the number of blocks)"
+        if p.params_offload.configure_model:
+            held = "built in configure_model, one block is whole on the host at setup (fp32)"
+        else:
+            held = "the module built whole stays on the host until setup (configure_model would hold one block)"
+        flight = "one block" if p.world_size == 1 else "two blocks"  # FSDP2 prefetches at several ranks only
+        whole = f" (offload_params: the root's parameters and {flight} in flight, whatever the number of blocks)"
     lines.append(
         f"  of which pinned per rank: {format_gb(sync.pinned_per_rank)}; {held}: "
         f"{format_gb(sync.transient_model_per_rank)} per rank; a save adds {saves} per rank"

@@ -30,6 +30,7 @@ class ModelShape:
     units: tuple[int, ...] | None = None
     root_params: int = 0
     largest_tensor: int = 0  # elements of the largest parameter (a streamed full export holds one at a time)
+    largest_unit_tensor: int = 0  # elements of the largest parameter of a unit (gathered one tensor at a time)
     configure_model: bool = False  # built in configure_model / init_module(empty_init=True): never whole
 
     @property
@@ -75,7 +76,7 @@ class ModelShape:
         matmul = matmul or sum(s.numel() for s in shapes)
         linear = linear or {(hidden, 4 * hidden): 1}
         blocks = _repeated_blocks(model)
-        units, root = _fsdp_units(model)
+        units, root, unit_tensor = _fsdp_units(model)
         largest = max(p.numel() for p in model.parameters())
         return cls(
             shapes,
@@ -88,6 +89,7 @@ class ModelShape:
             units=units,
             root_params=root,
             largest_tensor=largest,
+            largest_unit_tensor=unit_tensor,
         )
 
     @property
@@ -113,11 +115,12 @@ def _repeated_blocks(model: nn.Module) -> int | None:
     return best[1] if best else None
 
 
-def _fsdp_units(model: nn.Module) -> tuple[tuple[int, ...], int]:
+def _fsdp_units(model: nn.Module) -> tuple[tuple[int, ...], int, int]:
     """The parameters of each unit ``offload_params`` wraps with ``fully_shard`` (each child of the
     ModuleList/Sequential of two or more children of one class with the most parameters; then each
-    nn.Embedding or nn.Linear outside them whose parameters no other module shares), and what is left to
-    the root (norms, tied weights). Counts every parameter once, frozen ones too (FSDP2 shards them all)."""
+    nn.Embedding or nn.Linear outside them whose parameters no other module shares), what is left to
+    the root (norms, tied weights), and the largest parameter of a unit. Counts every parameter once,
+    frozen ones too (FSDP2 shards them all)."""
     owners: dict[int, int] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
@@ -133,8 +136,11 @@ def _fsdp_units(model: nn.Module) -> tuple[tuple[int, ...], int]:
     claimed = {id(m) for block in blocks for m in block.modules()}
     seen: set[int] = set()
     units = []
+    unit_tensors: list[int] = []
     for block in blocks:
-        units.append(sum(p.numel() for p in block.parameters() if id(p) not in seen))
+        own = [p.numel() for p in block.parameters() if id(p) not in seen]
+        units.append(sum(own))
+        unit_tensors += own
         seen.update(id(p) for p in block.parameters())
     for module in model.modules():
         own = list(module.parameters(recurse=False))
@@ -142,9 +148,10 @@ def _fsdp_units(model: nn.Module) -> tuple[tuple[int, ...], int]:
             continue
         if all(owners[id(p)] == 1 and id(p) not in seen for p in own):
             units.append(sum(p.numel() for p in own))
+            unit_tensors += [p.numel() for p in own]
             seen.update(id(p) for p in own)
     total = sum(p.numel() for p in model.parameters())
-    return tuple(units), total - sum(units)
+    return tuple(units), total - sum(units), max(unit_tensors, default=0)
 
 
 # Depth of the planner's model family when only a parameter count is known (--largest's default too).

@@ -59,10 +59,11 @@ def test_three_ranks_fp32_state_by_hand():
     assert sync.setup_per_rank == state + rounding + 4 * 280  # configure_model: the shards, one block whole in fp32
     assert sync.checkpoint_save_per_rank == {"full": 4 * 128, "sharded": 3 * 4 * 94}  # one tensor; one block's state
     assert [c.name for c in p.verdict("sync").checks][1] == SETUP_BY_BLOCKS
-    # Device (bf16 compute): the root's norm, two blocks unsharded, and the larger moment of a block's backward:
-    # computing (2 + 4) x 280 B next to the prefetch's all-gather input (4 + 2) x 94 B = 2244;
-    # reducing 4 x 280 B of fp32 input and 4 x 94 B of output = 1496.
-    assert p.device_bytes == {"root_params": 2 * 16, "blocks_in_flight": 2 * 2 * 280, "backward_buffers": 2244}
+    # Device (bf16 compute): the root's norm, the running block and the prefetched one, and the largest moment
+    # of a block's backward, each next to the previous block's 4 x 280 B of fp32 reduce-scatter input: computing,
+    # its 2 x 280 B of gradients = 1680; gathering, the prefetch's bf16 casts (2 x 280 / 3) and the largest
+    # tensor's fp32 copy (4 x 128 / 3) = 1477; reducing, the 4 x 94 B output, the running block resharded = 936.
+    assert p.device_bytes == {"root_params": 2 * 16, "blocks_in_flight": 2 * 2 * 280, "backward_buffers": 1680}
     # Traffic of 2 micro-batches: each gathers every shard twice (4 B) and sends the gradient shard down once.
     moved = p.params_offload.traffic
     assert (moved.up, moved.down) == (2 * 2 * 4 * 385, 2 * 4 * 385)
@@ -82,9 +83,10 @@ def test_one_rank_tied_weights_bf16_state_built_whole_by_hand():
     assert p.host["speculative"].per_rank["snapshot"] == 3 * 2 * 936
     assert sync.setup_per_rank == 4 * 936 + 2 * 280  # the fp32 module as built, and one block's shard
     assert [c.name for c in p.verdict("sync").checks][1] == SETUP_WHOLE
-    # One rank, bf16 kept as it is gathered (no cast): computing 6 x 280 + 2 x 280 = 2240; reducing 4 x 280 of
-    # input, 4 x 280 of output and its 2 x 280 bf16 cast = 2800.
-    assert p.device_bytes == {"root_params": 2 * 96, "blocks_in_flight": 2 * 2 * 280, "backward_buffers": 2800}
+    # One rank: one block in flight (FSDP2 prefetches nothing); bf16 kept as it is gathered (no cast). Reducing,
+    # 4 x 280 of input, 4 x 280 of output and its 2 x 280 bf16 cast, the running block's 2 x 280 freed = 2240;
+    # computing 6 x 280 = 1680; gathering 4 x 280 and two 128-element tensors in bf16 = 1632.
+    assert p.device_bytes == {"root_params": 2 * 96, "blocks_in_flight": 2 * 280, "backward_buffers": 2240}
 
 
 def test_step_time_by_hand():
