@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_zero_offload.engine.offload_params.placement import find_units
 from lightning_zero_offload.engine.options import OffloadOptions
 from lightning_zero_offload.engine.step.layout import Layout, build_layout
 
@@ -116,40 +117,21 @@ def _repeated_blocks(model: nn.Module) -> int | None:
 
 
 def _fsdp_units(model: nn.Module) -> tuple[tuple[int, ...], int, int]:
-    """The parameters of each unit ``offload_params`` wraps with ``fully_shard`` (each child of the
-    ModuleList/Sequential of two or more children of one class with the most parameters; then each
-    nn.Embedding or nn.Linear outside them whose parameters no other module shares), what is left to
-    the root (norms, tied weights), and the largest parameter of a unit. Counts every parameter once,
-    frozen ones too (FSDP2 shards them all)."""
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
-    best, blocks = 0, []
-    for module in model.modules():
-        children = list(module.children())
-        repeated = len(children) >= 2 and len({type(child) for child in children}) == 1
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and repeated:
-            size = sum(p.numel() for p in module.parameters())
-            if size > best:
-                best, blocks = size, children
-    claimed = {id(m) for block in blocks for m in block.modules()}
+    """The parameters of each unit ``offload_params`` wraps with ``fully_shard`` (the engine's own choice,
+    ``placement.find_units``: the repeated blocks, then big modules outside them), what is left to the root,
+    and the largest parameter of a unit. A model the engine would refuse (no repeated blocks) is planned as
+    the one unit it would be. Counts every parameter once, frozen ones too (FSDP2 shards them all)."""
+    try:
+        modules = find_units(model)
+    except ValueError:
+        modules = []
     seen: set[int] = set()
-    units = []
-    unit_tensors: list[int] = []
-    for block in blocks:
-        own = [p.numel() for p in block.parameters() if id(p) not in seen]
-        units.append(sum(own))
-        unit_tensors += own
-        seen.update(id(p) for p in block.parameters())
-    for module in model.modules():
-        own = list(module.parameters(recurse=False))
-        if id(module) in claimed or not isinstance(module, (nn.Embedding, nn.Linear)) or not own:
-            continue
-        if all(owners[id(p)] == 1 and id(p) not in seen for p in own):
-            units.append(sum(p.numel() for p in own))
-            unit_tensors += [p.numel() for p in own]
-            seen.update(id(p) for p in own)
+    units, unit_tensors = [], []
+    for unit in modules:
+        own = [p for p in unit.parameters() if id(p) not in seen]
+        units.append(sum(p.numel() for p in own))
+        unit_tensors += [p.numel() for p in own]
+        seen.update(id(p) for p in own)
     total = sum(p.numel() for p in model.parameters())
     return tuple(units), total - sum(units), max(unit_tensors, default=0)
 

@@ -42,8 +42,9 @@ def test_three_ranks_fp32_state_by_hand():
     p = plan(tiny(), batch_size=1, seq_len=8, n_layer=3, devices=3, machine=GPU_BOX, accumulate_grad_batches=2,
              offload_params=True, configure_model=True)  # fmt: skip
     units = p.params_offload.units
-    # Units: the three blocks, then the untied embedding and head (80 each); the root keeps the norm (16).
-    assert (units.units, units.largest_unit, units.root_params, units.params) == (5, 280, 16, 1016)
+    # Units: the three blocks (the engine's find_units); the embedding and head (80 each) hold less than a
+    # block, so the root keeps them with the norm (16).
+    assert (units.units, units.largest_unit, units.root_params, units.params) == (3, 280, 176, 1016)
     # Shards at 3 ranks, dim 0 padded: emb 4x8, per block 6x8 + 6 + 3x16 + 3, norm 3 + 3, head 4x8.
     assert units.shard_numel == 32 + 3 * (48 + 6 + 48 + 3) + 6 + 32 == 385
     sync, speculative = p.host["sync"], p.host["speculative"]
@@ -59,11 +60,12 @@ def test_three_ranks_fp32_state_by_hand():
     assert sync.setup_per_rank == state + rounding + 4 * 280  # configure_model: the shards, one block whole in fp32
     assert sync.checkpoint_save_per_rank == {"full": 4 * 128, "sharded": 3 * 4 * 94}  # one tensor; one block's state
     assert [c.name for c in p.verdict("sync").checks][1] == SETUP_BY_BLOCKS
-    # Device (bf16 compute): the root's norm, the running block and the prefetched one, and the largest moment
-    # of a block's backward, each next to the previous block's 4 x 280 B of fp32 reduce-scatter input: computing,
-    # its 2 x 280 B of gradients = 1680; gathering, the prefetch's bf16 casts (2 x 280 / 3) and the largest
-    # tensor's fp32 copy (4 x 128 / 3) = 1477; reducing, the 4 x 94 B output, the running block resharded = 936.
-    assert p.device_bytes == {"root_params": 2 * 16, "blocks_in_flight": 2 * 2 * 280, "backward_buffers": 1680}
+    # Device (bf16 compute): the root's embedding, norm and head, the running block and the prefetched one, and
+    # the largest moment of a block's backward, each next to the previous block's 4 x 280 B of fp32
+    # reduce-scatter input: computing, its 2 x 280 B of gradients = 1680; gathering, the prefetch's bf16 casts
+    # (2 x 280 / 3) and the largest tensor's fp32 copy (4 x 128 / 3) = 1477; reducing, the 4 x 94 B output, the
+    # running block resharded = 936.
+    assert p.device_bytes == {"root_params": 2 * 176, "blocks_in_flight": 2 * 2 * 280, "backward_buffers": 1680}
     # Traffic of 2 micro-batches: each gathers every shard twice (4 B) and sends the gradient shard down once.
     moved = p.params_offload.traffic
     assert (moved.up, moved.down) == (2 * 2 * 4 * 385, 2 * 4 * 385)
