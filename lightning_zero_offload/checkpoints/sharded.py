@@ -148,31 +148,31 @@ def save_sharded(
     say) is passed through them, so every rank raises it instead of waiting for the failed one.
     """
     root = Location.of(path)
-    started = _attempt(_begin, root, meta) if rank == 0 else None
-    version_name, save_id, names = _raise_any([broadcast(started)])[0]
+    started = attempt(_begin, root, meta) if rank == 0 else None
+    version_name, save_id, names = raise_any([broadcast(started)])[0]
     version = root / version_name
     shard = {name: shard[name] for name in names}
     published: Any = None
     try:
-        records = _raise_any(
-            gather(_attempt(save_file, {**shard, "save_id": save_id, "rank": rank}, version / shard_file(rank), True))
+        records = raise_any(
+            gather(attempt(save_file, {**shard, "save_id": save_id, "rank": rank}, version / shard_file(rank), True))
         )
         if rank == 0:
             assert meta is not None
             info = meta[FORMAT_KEY]
             info.update(save_id=save_id, shards=[{"size": r.size, "crc32": r.crc32} for r in records])
             info["layout_crc32"] = layout_checksum(info)
-            published = _attempt(_publish, meta, root, version_name)
-        _raise_any([broadcast(published)])
+            published = attempt(publish_version, meta, root, version_name)
+        raise_any([broadcast(published)])
     except BaseException:
         # Every rank has finished writing (the collectives above returned), so rank 0 can delete what
         # this save wrote, unless meta.pt was already in place: then the new version is the checkpoint.
         if rank == 0 and not (version / META_FILE).is_file():
-            _remove_unpublished(version)
+            remove_unpublished(version)
         raise
 
 
-def _remove_unpublished(version: Location) -> None:
+def remove_unpublished(version: Location) -> None:
     with contextlib.suppress(OSError):  # the save's own error matters more; the next save deletes the rest
         version.remove()
 
@@ -183,10 +183,10 @@ def _begin(root: Location, meta: dict[str, Any]) -> tuple[str, str, tuple[str, .
     A checkpoint without optimizer state (``ModelCheckpoint(save_weights_only=True)``, a Fabric save of the
     model alone) gets the master weights only: its moments would be 2/3 of the shards' bytes, never read.
     """
-    return *_new_version(root), SHARD_KEYS if "optimizer_states" in meta else SHARD_KEYS[:1]
+    return *new_version(root), SHARD_KEYS if "optimizer_states" in meta else SHARD_KEYS[:1]
 
 
-def _new_version(root: Location) -> tuple[str, str]:
+def new_version(root: Location) -> tuple[str, str]:
     """Create the next version directory (never reusing a name that exists); its name and a new save id."""
     kind = directory_kind(root)
     if kind == "not a directory" and root.exists():
@@ -212,7 +212,7 @@ def _new_version(root: Location) -> tuple[str, str]:
     return f"v{number:06d}", uuid.uuid4().hex
 
 
-def _publish(meta: dict[str, Any], root: Location, version_name: str) -> None:
+def publish_version(meta: dict[str, Any], root: Location, version_name: str) -> None:
     version = root / version_name
     save_file(meta, version / META_FILE)  # the new checkpoint is the current one from here on
     version.fsync_dir()
@@ -221,7 +221,7 @@ def _publish(meta: dict[str, Any], root: Location, version_name: str) -> None:
             _remove_version(root / name)
 
 
-def _attempt(fn: Callable[..., Any], *args: Any) -> Any:
+def attempt(fn: Callable[..., Any], *args: Any) -> Any:
     try:
         return fn(*args)
     except Exception as error:  # handed to every rank, which all raise it
@@ -232,7 +232,7 @@ class _Failure(str):
     """A failed step's message, sent through the collectives in place of its result."""
 
 
-def _raise_any(results: list[Any]) -> list[Any]:
+def raise_any(results: list[Any]) -> list[Any]:
     """The results of a step, one per rank (or rank 0's alone); raise if any rank failed."""
     failed = [(rank, r) for rank, r in enumerate(results) if isinstance(r, _Failure)]
     if failed:
@@ -261,7 +261,7 @@ def load_sharded(path: PathLike, with_optimizer: bool = True, weights_only: bool
     root = Location.of(path)
     version = current_version(root)
     if version is None:
-        raise CheckpointError(_no_complete_version(root))
+        raise CheckpointError(no_complete_version(root))
     meta_file = version / META_FILE
     check_zip_checksums(meta_file, "metadata")
     checkpoint = load_file(meta_file, "metadata", weights_only=weights_only)
@@ -296,7 +296,7 @@ def load_sharded(path: PathLike, with_optimizer: bool = True, weights_only: bool
     return checkpoint
 
 
-def _no_complete_version(root: Location) -> str:
+def no_complete_version(root: Location) -> str:
     incomplete = _incomplete_versions(root)
     if not incomplete:
         return f"{root} holds no sharded checkpoint (no version directory with a {META_FILE})"
