@@ -103,9 +103,8 @@ def optimizer_state_dict(engine: ShardedState) -> dict[str, Any]:
     return {"state": state, "param_groups": param_groups_state(engine)}
 
 
-def _note_conversion(engine: ShardedState, saved: list[torch.dtype]) -> None:
+def note_state_conversion(kept: torch.dtype, saved: list[torch.dtype], stacklevel: int = 4) -> None:
     """One line when the moments come in another dtype than the state's (a cpu_state change between runs)."""
-    kept = engine.state.dtype
     other = next((dtype for dtype in saved if dtype != kept), None)
     if other is None:
         return
@@ -114,7 +113,7 @@ def _note_conversion(engine: ShardedState, saved: list[torch.dtype]) -> None:
         f"zero_offload: the checkpoint's optimizer state is {other}, this run's cpu_state keeps {kept}: "
         f"converted, {how}.",
         ZeroOffloadWarning,
-        stacklevel=4,
+        stacklevel=stacklevel,
     )
 
 
@@ -130,7 +129,7 @@ def load_optimizer_state_dict(engine: ShardedState, state_dict: dict[str, Any]) 
             "the one returned by configure_optimizers; build the optimizer the same way as when it was saved"
         )
     state = {int(k): v for k, v in state_dict["state"].items()}
-    _note_conversion(engine, [entry["exp_avg"].dtype for entry in state.values()])
+    note_state_conversion(engine.state.dtype, [entry["exp_avg"].dtype for entry in state.values()])
     exp_avg, exp_avg_sq, steps = [], [], []
     for index, torch_index in enumerate(engine.torch_index):
         entry = state.get(torch_index)
