@@ -1,4 +1,10 @@
-"""Small checkpoints written and read at one rank: shared by the tests of tests/checkpoints/."""
+"""Small checkpoints written and read at one rank, and a save killed at any step: shared by the tests of
+tests/checkpoints/."""
+
+import gc
+import os
+import traceback
+from collections.abc import Callable
 
 import torch
 
@@ -40,3 +46,50 @@ def save(fmt: str, path, value: float) -> None:
 
 def load_w(path) -> torch.Tensor:
     return convert_checkpoint_to_fp32_state_dict(path)["w"]
+
+
+# Every call that changes the filesystem during a save; a crash is injected before or after each of them.
+MUTATIONS = ("replace", "rename", "unlink", "rmdir", "mkdir", "open")
+
+
+def crash_at(step: int, after: bool, save: Callable[[], None]) -> bool:
+    """``save()`` in a forked child that dies (os._exit: no cleanup, like kill -9) at mutation ``step``.
+
+    Returns whether the child reached that step (``False``: the save finished with fewer mutations); a child
+    that fails otherwise (an exception, a signal) fails the test.
+    """
+    gc.freeze()  # the child's collector must not free what the fork copied: torch's threads did not come along
+    pid = os.fork()
+    if pid == 0:  # the child
+        counter = [0]
+
+        def wrap(name):
+            real = getattr(os, name)
+
+            def mutation(*args, **kwargs):
+                if name == "open" and not (args[1] if len(args) > 1 else kwargs["flags"]) & os.O_CREAT:
+                    return real(*args, **kwargs)  # reading is not a step
+                counter[0] += 1
+                if counter[0] == step and not after:
+                    os._exit(9)
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    if counter[0] == step:
+                        os._exit(9)
+
+            return mutation
+
+        for name in MUTATIONS:
+            setattr(os, name, wrap(name))
+        try:
+            save()
+        except BaseException:  # the child must not go on into the parent's test session
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    gc.unfreeze()
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    assert code in (0, 9), f"the save in the forked child failed otherwise (exit code {code})"
+    return code == 9

@@ -15,6 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from lightning_zero_offload.engine import OffloadOptions
+from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
+
 # Odd sizes: at two ranks the shards are uneven (FSDP2 pads them), and the embedding and head (101 x 13 =
 # 1313 parameters) hold more than one block (768), so they are units of their own.
 VOCAB, WIDTH, HIDDEN, LAYERS = 101, 13, 27, 3
@@ -179,3 +182,56 @@ def torch_adamw_run(
 def relative_error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     """The largest normwise relative difference over the tensors: ||got - want|| / ||want||."""
     return max(float((got[k].float() - w.float()).norm() / w.float().norm()) for k, w in want.items())
+
+
+def make_engine(sharded: nn.Module, param_dtype: torch.dtype = torch.float32, **options) -> ParamOffloadEngine:
+    """The engine over ``sharded`` with :func:`two_groups`, at this process group's world size."""
+    world = dist.get_world_size()
+    optimizer = torch.optim.AdamW(two_groups(sharded))
+    return ParamOffloadEngine(
+        optimizer, torch.device("cpu"), param_dtype, OffloadOptions(offload_params=True, **options), world
+    )
+
+
+def train(sharded: nn.Module, engine: ParamOffloadEngine, data: list, clip_norm: float | None = None) -> None:
+    """test_engine.py's loop, each rank on its rows of every batch (all of them at one rank)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = next(sharded.parameters()).dtype  # bf16 with cpu_state="bf16"
+    for window in data:
+        for index, (x, y) in enumerate(window):
+            if index == len(window) - 1:
+                engine.expect_step(publish_early=True)
+            engine.begin_backward()
+            loss = loss_of(sharded, x.chunk(world)[rank].to(dtype), y.chunk(world)[rank], len(window))
+            engine.scale_loss(loss.float()).backward()
+            engine.finish_backward()
+        engine.step(clip_norm=clip_norm)
+        engine.zero_grad()
+
+
+def training_state(sharded: nn.Module, engine: ParamOffloadEngine) -> dict[str, object]:
+    """Everything a resume must restore, whole (a collective at several ranks): parameters and buffers, moments,
+    step counts, the engine's counters (its ``state_dict``: steps, skips, loss scale, the bf16 rounding seed)."""
+    names = {id(p): name for name, p in sharded.named_parameters()}
+    state: dict[str, object] = {f"module/{name}": tensor for name, tensor in full_state(sharded).items()}
+    for slot in engine.slots:
+        name = names[id(slot.param)]
+        spec = slot.param
+        for moment in ("exp_avg", "exp_avg_sq"):
+            whole = DTensor.from_local(
+                getattr(slot, moment), spec.device_mesh, spec.placements, run_check=False, shape=spec.shape,
+                stride=spec.stride(),
+            ).full_tensor()  # fmt: skip
+            state[f"{moment}/{name}"] = whole.clone()  # at one rank the local tensor itself: the next step changes it
+        state[f"step/{name}"] = slot.step
+    state["engine"] = engine.state_dict()
+    return state
+
+
+def differences(got: dict[str, object], want: dict[str, object]) -> list[str]:
+    """The entries of two :func:`training_state` results that are not bitwise equal."""
+    return [
+        key
+        for key, value in want.items()
+        if not (torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value)
+    ]

@@ -6,10 +6,12 @@ a save runs through it:
 - :mod:`.keys`: the entries this package adds to a Lightning checkpoint;
 - :mod:`.full`: the full format (one file, written atomically, loaded memory-mapped);
 - :mod:`.sharded`: the sharded format (a versioned directory, each rank's shard checked on load);
+- :mod:`.distributed`: the sharded format of ``offload_params=True``: torch.distributed.checkpoint's files in
+  the same versioned directory (:mod:`.distributed_files`: reading them without pickled code, checked);
 - :mod:`.streamed`: a full save at several ranks, buckets streamed to rank 0's writer;
 - :mod:`.writer`: ``torch.save``'s bytes into a file object, with their size and CRC-32;
 - :mod:`.files`: where bytes go (the local disk, atomically, or fsspec) and every read error named;
-- :mod:`.export`: the fp32 ``state_dict`` export and ``zero-offload-convert``.
+- :mod:`.export`: the fp32 ``state_dict`` export and ``zero-offload-convert`` (of every format).
 """
 
 from lightning_zero_offload.checkpoints.export import convert_checkpoint_to_fp32_state_dict

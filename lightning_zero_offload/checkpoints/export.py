@@ -1,5 +1,6 @@
-"""The fp32 export: a plain ``state_dict`` for ``model.load_state_dict`` from either format, and its
-command line (``zero-offload-convert``)."""
+"""The fp32 export: a plain ``state_dict`` for ``model.load_state_dict`` from any of the formats (full, sharded,
+and the sharded one of ``offload_params=True``, streamed tensor by tensor), and its command line
+(``zero-offload-convert``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 
 import torch
 
+from lightning_zero_offload.checkpoints.distributed import export_fp32, is_distributed_checkpoint, load_sharded_full
 from lightning_zero_offload.checkpoints.files import CheckpointError, PathLike
 from lightning_zero_offload.checkpoints.full import atomic_save, load_checkpoint_file
 from lightning_zero_offload.checkpoints.keys import FABRIC_KEY
@@ -19,7 +21,10 @@ __all__ = ["convert_checkpoint_to_fp32_state_dict", "main"]
 def convert_checkpoint_to_fp32_state_dict(
     checkpoint_path: PathLike, output_path: PathLike | None = None, overwrite: bool = False
 ) -> dict:
-    """Write (and return) a plain fp32 ``state_dict`` for ``model.load_state_dict`` from either format.
+    """Write (and return) a plain fp32 ``state_dict`` for ``model.load_state_dict`` from any format.
+
+    A checkpoint of ``offload_params=True`` is written one tensor at a time and returned memory-mapped from the
+    written file, so the whole model is never in memory (without ``output_path`` it is built in memory).
 
     Refuses, as ``zero-offload-convert`` does and with the same message, to write over the checkpoint
     itself (also through a symlink or another spelling of its path), over a directory, or over an
@@ -29,6 +34,11 @@ def convert_checkpoint_to_fp32_state_dict(
         refusal = _refuse_output(os.fspath(checkpoint_path), os.fspath(output_path), overwrite, "overwrite=True")
         if refusal is not None:
             raise CheckpointError(f"refusing to write {os.fspath(output_path)}: {refusal}")
+    if is_distributed_checkpoint(checkpoint_path):  # offload_params=True: streamed, one tensor at a time
+        if output_path is None:
+            return _widened(load_sharded_full(checkpoint_path)["state_dict"])
+        export_fp32(checkpoint_path, output_path)
+        return torch.load(output_path, map_location="cpu", weights_only=True, mmap=True)
     if is_sharded_checkpoint(checkpoint_path):  # meta.pt uses the Trainer's keys, also when Fabric saved it
         checkpoint, model_key = load_sharded(checkpoint_path, with_optimizer=False), "state_dict"
     else:
@@ -36,14 +46,18 @@ def convert_checkpoint_to_fp32_state_dict(
         model_key = checkpoint.get(FABRIC_KEY, {}).get("model", "state_dict")
     if not isinstance(checkpoint.get(model_key), dict):
         raise CheckpointError(f"{checkpoint_path} is not a Lightning checkpoint (it has no {model_key!r})")
-    # A cpu_state="bf16" run saves its bf16 master weights as they are; the export widens them (exactly).
-    state_dict = {
-        key: value.float() if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 else value
-        for key, value in checkpoint[model_key].items()
-    }
+    state_dict = _widened(checkpoint[model_key])
     if output_path is not None:
         atomic_save(state_dict, output_path)
     return state_dict
+
+
+def _widened(state_dict: dict) -> dict:
+    """A cpu_state="bf16" run saves its bf16 master weights as they are; the export widens them (exactly)."""
+    return {
+        key: value.float() if isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 else value
+        for key, value in state_dict.items()
+    }
 
 
 def _same_file(a: PathLike, b: PathLike) -> bool:

@@ -266,6 +266,11 @@ def load_sharded(path: PathLike, with_optimizer: bool = True, weights_only: bool
     check_zip_checksums(meta_file, "metadata")
     checkpoint = load_file(meta_file, "metadata", weights_only=weights_only)
     info = checkpoint.get(FORMAT_KEY) if isinstance(checkpoint, dict) else None
+    if isinstance(info, dict) and info.get("format") == "distributed":
+        raise CheckpointError(
+            f"{root} was saved with offload_params=True (torch.distributed.checkpoint files): read it with "
+            "lightning_zero_offload.checkpoints.distributed.load_sharded_full, or resume with offload_params=True"
+        )
     if not isinstance(info, dict) or info.get("format") != "sharded":
         raise CheckpointError(f"metadata {meta_file} does not describe a zero_offload sharded checkpoint")
     if "layout_crc32" in info and layout_checksum(info) != info["layout_crc32"]:

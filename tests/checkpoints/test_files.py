@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_helpers import full_checkpoint, load_w, save, save_sharded_one_rank
+from checkpoint_helpers import crash_at, full_checkpoint, load_w, save, save_sharded_one_rank
 from workers.checkpoints import in_version
 
 from lightning_zero_offload import checkpoints as ckpt
@@ -15,43 +15,6 @@ from lightning_zero_offload import convert_checkpoint_to_fp32_state_dict
 from lightning_zero_offload.checkpoints import META_FILE, CheckpointError
 from lightning_zero_offload.checkpoints import sharded as checkpoint_sharded
 from lightning_zero_offload.checkpoints import writer as checkpoint_writer
-
-# Every call that changes the filesystem during a save; a crash is injected before or after each of them.
-MUTATIONS = ("replace", "rename", "unlink", "rmdir", "mkdir", "open")
-
-
-def crash_at(step: int, after: bool, fmt: str, path) -> bool:
-    """Save in a forked child that dies (os._exit: no cleanup, like kill -9) at mutation ``step``.
-
-    Returns whether the child reached that step (``False``: the save finished with fewer mutations).
-    """
-    pid = os.fork()
-    if pid == 0:  # the child
-        counter = [0]
-
-        def wrap(name):
-            real = getattr(os, name)
-
-            def mutation(*args, **kwargs):
-                if name == "open" and not (args[1] if len(args) > 1 else kwargs["flags"]) & os.O_CREAT:
-                    return real(*args, **kwargs)  # reading is not a step
-                counter[0] += 1
-                if counter[0] == step and not after:
-                    os._exit(9)
-                try:
-                    return real(*args, **kwargs)
-                finally:
-                    if counter[0] == step:
-                        os._exit(9)
-
-            return mutation
-
-        for name in MUTATIONS:
-            setattr(os, name, wrap(name))
-        save(fmt, path, 2.0)
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 9
 
 
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
@@ -61,7 +24,7 @@ def test_a_kill_at_any_step_of_a_save_leaves_a_checkpoint_and_the_next_save_clea
     for step in range(1, 100):
         for after in (False, True):
             save(fmt, path, 1.0)
-            if not crash_at(step, after, fmt, path):
+            if not crash_at(step, after, lambda: save(fmt, path, 2.0)):
                 assert step > 1, "the injection never fired"
                 assert crashes >= {"full": 4, "sharded": 12}[fmt], f"only {crashes} crash points in a {fmt} save"
                 return

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zero_offload.engine.offload_params.engine import ParamOffloadEngine
 from lightning_zero_offload.engine.offload_params.shards import ShardSlot, first_row
+from lightning_zero_offload.engine.state_dicts import note_state_conversion
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -28,17 +29,21 @@ def full_model_state(module: nn.Module) -> dict[str, Any]:
 
 def load_full_model_state(module: nn.Module, state: dict[str, Any], strict: bool = True) -> None:
     """A full state dict into ``module``'s shards (each rank keeps its rows), in place."""
-    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(module, dict(state), options=options)  # a copy: it puts DTensors in the dict it gets
 
 
 def _whole(slot: ShardSlot, local: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of which ``local`` is this rank's shard, on the host. Gathered on the mesh's device, as
+    the model's full state dict is: a host tensor cannot go through NCCL."""
     param = slot.param
     if not isinstance(param, DTensor):
         return local.clone()
+    device = param.device_mesh.device_type
     spread = DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        local.to(device), param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
-    return spread.full_tensor()
+    return spread.full_tensor().cpu()
 
 
 def _torch_indices(engine: ParamOffloadEngine) -> dict[int, int]:
@@ -88,6 +93,7 @@ def load_full_optimizer_state(engine: ParamOffloadEngine, state_dict: dict[str, 
         group.update({k: v for k, v in saved.items() if k != "params"})
     index = _torch_indices(engine)
     state = state_dict["state"]
+    note_state_conversion(engine.state_dtype, [entry["exp_avg"].dtype for entry in state.values()], stacklevel=3)
     for slot in engine.slots:
         entry = state.get(index[id(slot.param)], state.get(str(index[id(slot.param)])))
         if entry is None:

@@ -20,18 +20,30 @@ THRESHOLD_BYTES = 128 * 1024  # glibc's initial value: larger blocks are mapped 
 ENVIRONMENT = "MALLOC_MMAP_THRESHOLD_"
 
 
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") else None
+
+
+def release_free_heap() -> None:
+    """Hand the free blocks of glibc's heap back to the system now (``malloc_trim``), for a loop that allocates
+    and frees blocks under the threshold one after another (the streamed export's reads), without fixing the
+    threshold for the rest of the process. Nothing where the C library is not glibc."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
 def limit_retained_heap() -> bool:
     """Fix glibc's mmap threshold at 128 KiB for the rest of the process (``mallopt``), unless the
     environment set it already (``MALLOC_MMAP_THRESHOLD_``: the user's value stays). Whether the threshold
     is fixed now: False where the C library is not glibc (nothing is changed there)."""
     if ENVIRONMENT in os.environ:
         return True
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    if not hasattr(libc, "gnu_get_libc_version"):
-        return False
-    return libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES) == 1
+    libc = _glibc()
+    return libc is not None and libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD_BYTES) == 1
