@@ -34,13 +34,7 @@ def make_offload_options(**arguments: Any) -> OffloadOptions:
     for name, (group, field) in GROUPED_OPTION_NAMES.items():
         if name in arguments:
             grouped[group][field] = arguments.pop(name)
-    options = OffloadOptions(**{group: kind(**grouped[group]) for group, kind in _GROUPS.items()}, **arguments)
-    if options.offload_params and options.checkpoint_format == "sharded":
-        raise ValueError(
-            "checkpoint_format='sharded' is not available with offload_params=True yet: its checkpoints are the full "
-            "format (gathered whole on rank 0). Leave checkpoint_format='full'"
-        )
-    return options
+    return OffloadOptions(**{group: kind(**grouped[group]) for group, kind in _GROUPS.items()}, **arguments)
 
 
 _DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16, "32-true": torch.float32}

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_zero_offload.checkpoints import PathLike
+from lightning_zero_offload.checkpoints.distributed import load_sharded, save_sharded
 from lightning_zero_offload.core.options import resolve_precision
 from lightning_zero_offload.engine import OffloadOptions, StepStats
 from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
@@ -220,20 +222,34 @@ class ParamOffloadSession:
 
     @property
     def sharded(self) -> bool:
-        return False  # checkpoint_format="sharded" is refused with offload_params (see make_offload_options)
+        """Checkpoints through ``torch.distributed.checkpoint`` (``checkpoint_format="sharded"``)."""
+        return self.options.checkpoint_format == "sharded"
 
     def shared_buffers(self, share: bool = True) -> AbstractContextManager[None]:
-        return nullcontext()  # the full state is gathered into new tensors anyway
+        return nullcontext()  # the full state is gathered into new tensors; the sharded one is saved as it lies
 
     def master_state_dict(self) -> dict[str, Any]:
         """``module.state_dict()`` with every sharded tensor whole (on rank 0; a collective)."""
         return full_model_state(self.module)
 
-    module_state_to_save = master_state_dict
+    def module_state_to_save(self) -> dict[str, Any]:
+        """The full state dict; sharded: nothing (every rank saves its shards in :meth:`save_sharded`)."""
+        return {} if self.sharded else self.master_state_dict()
 
     def optimizer_state_to_save(self) -> dict[str, Any]:
-        """The optimizer state in torch AdamW's format, the moments whole (a collective)."""
-        return full_optimizer_state(self.engine)
+        """The optimizer state in torch AdamW's format, the moments whole (a collective); sharded: nothing here."""
+        return {} if self.sharded else full_optimizer_state(self.engine)
+
+    def save_sharded(self, checkpoint: dict[str, Any], path: PathLike, rank: int, broadcast: Callable) -> None:
+        """Every rank writes its shards, moments and step counts, rank 0 the rest of ``checkpoint`` (the loops',
+        callbacks' and schedulers' state): a new version under ``path``, at any world size resumable."""
+        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_sharded(path, self.module, self.engine, extra)
+
+    def load_sharded(self, path: PathLike, with_optimizer: bool = True) -> dict[str, Any]:
+        """A sharded checkpoint in place into the shards (and moments, step counts, hyperparameters and the
+        engine's counters); returns the rest of the checkpoint as saved. Every rank calls it."""
+        return load_sharded(path, self.module, self.engine, with_optimizer)
 
     def engine_state_dict(self) -> dict[str, Any]:
         return self.engine.state_dict()

@@ -80,6 +80,11 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         if "precision_plugin" in offload_options:
             raise TypeError("pass precision=ZeroOffloadFabricPrecision(...) (Fabric's name), not precision_plugin=")
         self.options = make_offload_options(**offload_options)
+        if self.options.offload_params and self.options.checkpoint_format == "sharded":
+            raise ValueError(
+                "checkpoint_format='sharded' with offload_params=True is not available under Fabric yet (the Trainer "
+                "has it): leave checkpoint_format='full'"
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -15,6 +15,7 @@ from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
+from lightning_zero_offload.checkpoints.distributed import is_distributed_checkpoint
 from lightning_zero_offload.core import OffloadSession, ParamOffloadSession, training_session
 from lightning_zero_offload.core.checkpoint_io import load_checkpoint, save_checkpoint, uses_own_writer
 
@@ -44,7 +45,10 @@ class TrainerCheckpoints(Strategy):
     """The Trainer's checkpoint hooks for a strategy whose ``session`` (set up by ``fit``) holds the weights
     and the optimizer state. Mixed in before the strategy's base class."""
 
-    session: OffloadSession | None
+    session: OffloadSession | ParamOffloadSession | None
+    # What a sharded checkpoint of offload_params=True loaded straight into the shards (Lightning's own loading of
+    # it then has nothing to do).
+    _loaded_in_place: frozenset[str] | set[str] = frozenset()
 
     @property
     @override
@@ -96,6 +100,13 @@ class TrainerCheckpoints(Strategy):
         """Either format, on any filesystem; ``weights_only`` as passed to ``fit`` (Lightning 2.4+ alike)."""
         if weights_only is None:
             weights_only = getattr(self, "_weights_only", None)
+        if isinstance(self.session, ParamOffloadSession) and is_distributed_checkpoint(checkpoint_path):
+            # Loaded in place into the shards and moments now; Lightning's loading of the weights and the
+            # optimizer state from the dict then has nothing left to do.
+            with_optimizer = fitting(getattr(self.lightning_module, "_trainer", None))
+            checkpoint = self.session.load_sharded(checkpoint_path, with_optimizer)
+            self._loaded_in_place = {"model", "optimizer"} if with_optimizer else {"model"}
+            return {**checkpoint, "state_dict": {}, "optimizer_states": [{}]}
         checkpoint = load_checkpoint(checkpoint_path, self.checkpoint_io, weights_only)
         if "optimizer_states" not in checkpoint and fitting(getattr(self.lightning_module, "_trainer", None)):
             raise KeyError(_weights_only_resume_message(checkpoint_path))
@@ -103,6 +114,9 @@ class TrainerCheckpoints(Strategy):
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        if "model" in self._loaded_in_place:
+            self._loaded_in_place = self._loaded_in_place - {"model"}
+            return
         if getattr(self, "options", None) is not None and self.options.offload_params:
             assert self.lightning_module is not None  # sharded by FSDP2: load_state_dict cannot copy into it
             ParamOffloadSession.load_module_state(self.lightning_module, checkpoint["state_dict"], strict)
@@ -113,6 +127,9 @@ class TrainerCheckpoints(Strategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if "optimizer" in self._loaded_in_place:
+            self._loaded_in_place = self._loaded_in_place - {"optimizer"}
+            return
         session = training_session(self.session)
         if session is None:
             return super().load_optimizer_state_dict(checkpoint)

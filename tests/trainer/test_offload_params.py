@@ -89,9 +89,10 @@ def test_the_registered_name_offloads_the_parameters():
     assert type(module.model.blocks[0].fc1.weight).__name__ == "DTensor"
 
 
-def fit_to(strategy, tmp_path, max_steps, ckpt_path=None, save=None) -> dict[str, torch.Tensor]:
+def fit_to(strategy, tmp_path, max_steps, ckpt_path=None, save=None, precision="32-true") -> dict[str, torch.Tensor]:
     module = BlockRegression()
-    trainer = L.Trainer(strategy=strategy, max_steps=max_steps, **{**QUIET, "default_root_dir": tmp_path})
+    arguments = {**QUIET, "default_root_dir": tmp_path, "precision": precision}
+    trainer = L.Trainer(strategy=strategy, max_steps=max_steps, **arguments)
     trainer.fit(module, data(samples=24), ckpt_path=ckpt_path)  # 3 steps an epoch: resumes at an epoch's end
     if save is not None:
         trainer.save_checkpoint(save)
@@ -131,9 +132,23 @@ def test_the_full_checkpoint_resumes_with_parameters_on_the_device_too(tmp_path)
     assert relative_error(back, ours) < FP32_ROUNDING
 
 
-def test_checkpoint_format_sharded_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match="Leave checkpoint_format='full'"):
-        ZeroOffloadStrategy(offload_params=True, checkpoint_format="sharded")
+@pytest.mark.parametrize("cpu_state", ["fp32", "bf16"])
+def test_sharded_checkpoints_resume_as_the_full_format_does(cpu_state, tmp_path):
+    """checkpoint_format='sharded': every rank saves its shards through torch.distributed.checkpoint; the resumed
+    run equals the one resumed from the full format bitwise (the same loop state, the same weights and moments)."""
+    precision = "bf16-mixed" if cpu_state == "bf16" else "32-true"
+    made = {
+        fmt: lambda fmt=fmt: ZeroOffloadStrategy(offload_params=True, checkpoint_format=fmt, cpu_state=cpu_state)
+        for fmt in ("full", "sharded")
+    }
+    runs = {}
+    for fmt, strategy in made.items():
+        fit_to(strategy(), tmp_path, 3, save=tmp_path / fmt, precision=precision)
+        runs[fmt] = fit_to(strategy(), tmp_path, 6, ckpt_path=tmp_path / fmt, precision=precision)
+    assert (tmp_path / "sharded").is_dir()
+    assert all(torch.equal(runs["sharded"][k], v) for k, v in runs["full"].items())
+    exported = convert_checkpoint_to_fp32_state_dict(tmp_path / "sharded")  # streamed, tensor by tensor
+    assert sorted(exported) == sorted(torch.load(tmp_path / "full", weights_only=True)["state_dict"])
 
 
 class BuiltInConfigureModel(BlockRegression):

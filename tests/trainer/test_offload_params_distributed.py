@@ -26,6 +26,7 @@ def runs(tmp_path_factory):
             "speculative2": {**clipped, "strategy": "zero_offload_params", "cpu_step": "speculative"},
             "ddp2": {**clipped, "strategy": "ddp"},
             "first2": {**epoch, "strategy": "zero_offload_params", "save": tmp / "p2.ckpt"},
+            "sharded2": {**epoch, "strategy": "zero_offload_params", "format": "sharded", "save": tmp / "s2"},
             "whole2": {**whole, "strategy": "zero_offload_params"},
         },
     )
@@ -36,6 +37,7 @@ def runs(tmp_path_factory):
             "params3": {**clipped, "strategy": "zero_offload_params"},
             "ddp3": {**clipped, "strategy": "ddp"},
             "resumed3": {**whole, "strategy": "zero_offload_params", "resume": tmp / "p2.ckpt"},
+            "resumed3s": {**whole, "strategy": "zero_offload_params", "format": "sharded", "resume": tmp / "s2"},
         },
     )
     return got
@@ -59,3 +61,9 @@ def test_a_full_checkpoint_from_two_ranks_resumes_at_three(runs):
     """At another world size the reduction order changes: equal to the uninterrupted run to fp32 rounding."""
     for key, ref in runs["whole2"]["params"].items():
         torch.testing.assert_close(runs["resumed3"]["params"][key], ref, rtol=0, atol=1e-6, msg=key)
+
+
+def test_a_sharded_checkpoint_from_two_ranks_resumes_at_three_as_the_full_one(runs):
+    """Saved at two ranks through torch.distributed.checkpoint, loaded into three ranks' shards in place."""
+    for key, ref in runs["resumed3"]["params"].items():
+        assert torch.equal(runs["resumed3s"]["params"][key], ref), key

@@ -65,7 +65,9 @@ def fit(run: dict, devices: int) -> None:
         dpu = {"cpu_step": "delayed", "dpu_warmup_steps": 3, "dpu_weight_prediction": True} if run.get("dpu") else {}
         strategy = ZeroOffloadStrategy(checkpoint_format=run.get("format", "full"), bucket_size_mb=0.002, **dpu)
     elif run["strategy"] == "zero_offload_params":
-        strategy = ZeroOffloadStrategy(offload_params=True, cpu_step=run.get("cpu_step", "sync"))
+        strategy = ZeroOffloadStrategy(
+            offload_params=True, cpu_step=run.get("cpu_step", "sync"), checkpoint_format=run.get("format", "full")
+        )
     else:
         strategy = run["strategy"]
     # odd sizes: buckets (and FSDP2's shards) need padding at world sizes 2 and 3
