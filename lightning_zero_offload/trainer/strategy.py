@@ -111,7 +111,7 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         module = self.lightning_module
         assert module is not None
         precision, world = self.precision_plugin.precision, self.num_nodes * self.num_processes
-        if self._layer_sync:
+        if fitting(trainer) and self._layer_sync:
             raise ValueError("zero_offload does not support sync_batchnorm=True")
         if self.options.offload_params:
             # FSDP2 replaces the parameters: shard before configure_optimizers builds the optimizer over them.
