@@ -170,6 +170,7 @@ def test_a_save_that_fails_before_publishing_leaves_the_previous_checkpoint(tmp_
     assert len(list(path.iterdir())) == 1 and distributed.load_sharded(path, sharded, engine) == {"step": 1}
 
 
+@pytest.mark.slow  # 22 kill points, a save and a load each: 7 s, the fast tier's longest
 def test_a_kill_at_any_step_of_a_save_leaves_a_checkpoint_and_the_next_save_cleans_up(tmp_path):
     sharded, engine = trained(1)
     path = tmp_path / "last.ckpt"
