@@ -40,13 +40,15 @@ def restore_objects(
     state: nn.Module | torch.optim.Optimizer | dict[str, Any] | None,
     checkpoint: dict[str, Any],
     load_module: Callable[[nn.Module, dict[str, Any]], None],
+    loaded: set[str] = frozenset(),
 ) -> dict[str, Any]:
     """Restore ``state`` from a loaded ``checkpoint`` and return what is left of it (Fabric's ``load``).
 
     ``state`` is one module, one optimizer, or a dict of named objects: modules load through
     ``load_module``, objects with a ``state_dict``/``load_state_dict`` load their entry, other values
     are replaced in ``state``. Modules load first, whatever the dict's order: a pending delayed update,
-    restored with the optimizer state, puts device parameters over the weights.
+    restored with the optimizer state, puts device parameters over the weights. ``loaded``: the names
+    of ``state`` restored already (in place, from a distributed checkpoint), left as they are.
     """
     if not state:
         return checkpoint
@@ -56,7 +58,10 @@ def restore_objects(
     if isinstance(state, torch.optim.Optimizer):
         state.load_state_dict(checkpoint)
         return {}
-    names = sorted((name for name in state if name in checkpoint), key=lambda n: not isinstance(state[n], nn.Module))
+    names = sorted(
+        (name for name in state if name in checkpoint and name not in loaded),
+        key=lambda n: not isinstance(state[n], nn.Module),
+    )
     for name in names:
         obj = state[name]
         if isinstance(obj, nn.Module):

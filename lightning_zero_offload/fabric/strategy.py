@@ -31,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_zero_offload.checkpoints import FABRIC_KEY, FORMAT_KEY
+from lightning_zero_offload.checkpoints.distributed import is_distributed_checkpoint
 from lightning_zero_offload.core import (
     OPTIONS_DOC,
     OffloadedOptimizer,
@@ -80,11 +81,6 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         if "precision_plugin" in offload_options:
             raise TypeError("pass precision=ZeroOffloadFabricPrecision(...) (Fabric's name), not precision_plugin=")
         self.options = make_offload_options(**offload_options)
-        if self.options.offload_params and self.options.checkpoint_format == "sharded":
-            raise ValueError(
-                "checkpoint_format='sharded' with offload_params=True is not available under Fabric yet (the Trainer "
-                "has it): leave checkpoint_format='full'"
-            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -316,16 +312,30 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        """As Fabric's, for both formats; the sharded one is reassembled at this world size."""
-        checkpoint = load_checkpoint(path, self.checkpoint_io, weights_only, with_optimizer=_wants_optimizer(state))
+        """As Fabric's, for both formats; the sharded one is reassembled at this world size (with
+        ``offload_params=True``: read in place into the shards and moments, every rank its own rows)."""
+        loaded_in_place: set[str] = set()
+        if isinstance(self.session, ParamOffloadSession) and is_distributed_checkpoint(path):
+            checkpoint = self.session.load_sharded(path, with_optimizer=_wants_optimizer(state))
+            # a Trainer's checkpoint names its entries as the Trainer does
+            keys = checkpoint.pop(FABRIC_KEY, {"model": "state_dict", "optimizer": "optimizer_states"})
+            loaded_in_place = {keys["model"]} | ({keys["optimizer"]} if _wants_optimizer(state) else set())
+            loaded_in_place.discard(None)
+            if not isinstance(state, dict):  # the module or the optimizer alone: loaded already
+                return {}
+        else:
+            checkpoint = load_checkpoint(path, self.checkpoint_io, weights_only, with_optimizer=_wants_optimizer(state))
         if FORMAT_KEY in checkpoint:  # sharded: back under the names the Fabric run gave its entries
             checkpoint = fabric_checkpoint_from_sharded(checkpoint)
         else:
             checkpoint.pop(FABRIC_KEY, None)
         if isinstance(state, dict):
-            _validate_keys_for_strict_loading(state.keys(), checkpoint.keys(), strict=strict)
+            _validate_keys_for_strict_loading(state.keys(), checkpoint.keys() | loaded_in_place, strict=strict)
         return restore_objects(
-            state, checkpoint, lambda module, weights: self.load_module_state_dict(module, weights, strict)
+            state,
+            checkpoint,
+            lambda module, weights: self.load_module_state_dict(module, weights, strict),
+            loaded=loaded_in_place,
         )
 
     @override

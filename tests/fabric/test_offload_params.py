@@ -73,22 +73,27 @@ def test_the_registered_name_and_speculative_equals_sync_bitwise():
     assert all(torch.equal(unclipped[k], v) for k, v in train("zero_offload_params", clip=None)[0].items())
 
 
-def run(strategy, data, load=None, save=None) -> dict[str, torch.Tensor]:
+def run(strategy, data, load=None, save=None, step=None) -> dict[str, torch.Tensor]:
+    """Trains on ``data``; ``step``: the step count ``load`` must restore."""
     fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="32-true")
     fabric.launch()
     torch.manual_seed(0)
     model = Blocks()
     model, optimizer = fabric.setup(model, torch.optim.AdamW(two_groups(model)))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
     if load is not None:
-        fabric.load(load, {"model": model, "optimizer": optimizer})
+        fabric.load(load, state)
+        if step is not None:
+            assert state["step"] == step  # a plain value, restored as Fabric restores it
     for window in data:
         for x, y in window:
             fabric.backward(loss_of(model, x, y, len(window)))
         fabric.clip_gradients(model, optimizer, max_norm=0.3)
         optimizer.step()
         optimizer.zero_grad()
+        state["step"] += 1
     if save is not None:
-        fabric.save(save, {"model": model, "optimizer": optimizer})
+        fabric.save(save, state)
     return {
         n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
     }
@@ -102,3 +107,18 @@ def test_save_and_load_resume_bitwise(tmp_path):
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
     plain = run("auto", data[2:], load=tmp_path / "half.ckpt")  # the full format: plain Fabric loads it too
     assert relative_error(plain, whole) < FP32_ROUNDING
+
+
+def test_a_sharded_checkpoint_resumes_bitwise_and_restores_the_other_entries(tmp_path):
+    data = batches(steps=4, micro=2)
+    sharded = ZeroOffloadFabricStrategy(offload_params=True, checkpoint_format="sharded")
+    whole = run("zero_offload_params", data)
+    run(sharded, data[:2], save=tmp_path / "half.ckpt")
+    assert (tmp_path / "half.ckpt").is_dir()
+    resumed = run(
+        ZeroOffloadFabricStrategy(offload_params=True, checkpoint_format="sharded"),
+        data[2:],
+        load=tmp_path / "half.ckpt",
+        step=2,
+    )
+    assert all(torch.equal(resumed[k], whole[k]) for k in whole)
