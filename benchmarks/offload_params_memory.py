@@ -131,7 +131,8 @@ def measure(rank: int, case: Case, blocks: int, width: int, steps: int = 3) -> d
         ParamOffloadSession.shard(model, cpu, "bf16-mixed", options, world)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         session = ParamOffloadSession.start(model, [optimizer], cpu, "bf16-mixed", options, world, world)
-    x = torch.randn(4, width, generator=torch.Generator().manual_seed(rank))
+    # bf16 like the compute: ours leaves inputs as they are (as under autocast), FSDP2's default casts them
+    x = torch.randn(4, width, generator=torch.Generator().manual_seed(rank)).bfloat16()
     for _ in range(steps):
         loss = model(x).float().square().mean()
         if case.cpu_state is None:
@@ -150,7 +151,7 @@ def measure(rank: int, case: Case, blocks: int, width: int, steps: int = 3) -> d
     out["held_bytes"] = _status_kb("VmRSS") * 1024 - base
     out["peak_bytes"] = _status_kb("VmHWM") * 1024 - base
     if case.cpu_state is not None:
-        out["engine_host_state_bytes"] = session.memory_report()["host_state"]
+        out["engine_host_state_bytes"] = session.memory_report()["host_state_bytes"]
         session.close()
     else:
         state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]

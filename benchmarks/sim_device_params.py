@@ -19,9 +19,10 @@ gradients never reach (the norm is computed every step, nothing is clipped):
   fp32 state speculative with overlap (the accelerator's default), fp32 sync, bf16 state sync (its default)
   and bf16 state speculative.
 
-The configurations alternate, fit after fit, round after round; each fit's first ``--warmup`` steps are not
-measured. The device time is set relative to our fp32 CPU step, measured first with no device time
-(``--ratio`` = backward time / CPU step time, 1 by default: the targets' point).
+The configurations alternate, fit after fit, round after round, each fit in a fresh interpreter; each
+fit's first ``--warmup`` steps are not measured. The device time is set relative to our fp32 CPU step,
+measured first with no device time (``--ratio`` = backward time / CPU step time, 1 by default: the
+targets' point).
 
 ``--real`` runs the CPU-only comparison instead: a real model (residual MLP blocks, fp32, no sleeping) on
 the CPU device, the anchor against ours with its CPU-device defaults.
@@ -29,19 +30,22 @@ the CPU device, the anchor against ours with its CPU-device defaults.
     python benchmarks/sim_device_params.py               # 64M params in 8 blocks, 3 rounds (minutes)
     python benchmarks/sim_device_params.py --real        # the CPU-only run with the real model
     python benchmarks/sim_device_params.py --quick       # a small model, one round: the logic only
+    python benchmarks/sim_device_params.py --profile 12  # where each configuration's time goes
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import math
 import os
 import platform
+import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -59,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_device import CLIP_QUIET, GRAD_NORM, SleepingBlock  # noqa: E402
 
 from lightning_zero_offload import ZeroOffloadStrategy, kernels  # noqa: E402
+from lightning_zero_offload.engine.offload_params.heap import limit_retained_heap  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "offload_params"
@@ -158,8 +163,8 @@ class Trained(L.LightningModule):
 class Anchor(Trained):
     """What a user of ``ModelParallelStrategy`` writes: ``fully_shard`` in ``configure_model``, a fused AdamW.
 
-    Times, per step, the clipping (from the end of backward to the end of Lightning's closure) and torch's
-    step (after the closure, which ``optimizer.step`` runs first): the time a GPU would wait for the host.
+    Times, per step, the clipping and then torch's step (from the clipping's end to ``optimizer.step``'s,
+    which runs Lightning's closure, forward and backward, first): the host work the device waits for.
     """
 
     def __init__(self, net: nn.Module, param_dtype: torch.dtype) -> None:
@@ -167,7 +172,7 @@ class Anchor(Trained):
         self.param_dtype = param_dtype
         self.clip_s: list[float] = []
         self.optimizer_s: list[float] = []
-        self._marks: dict[str, float] = {}
+        self._clipped = 0.0
 
     def configure_model(self) -> None:
         policy = {
@@ -182,18 +187,15 @@ class Anchor(Trained):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
 
-    def on_after_backward(self) -> None:
-        self._marks["backward"] = time.perf_counter()
+    def configure_gradient_clipping(self, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        start = time.perf_counter()
+        super().configure_gradient_clipping(optimizer, *args, **kwargs)
+        self._clipped = time.perf_counter()
+        self.clip_s.append(self._clipped - start)
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        def closure() -> Any:
-            result = optimizer_closure()
-            self._marks["closure"] = time.perf_counter()
-            return result
-
-        optimizer.step(closure=closure)
-        self.clip_s.append(self._marks["closure"] - self._marks["backward"])
-        self.optimizer_s.append(time.perf_counter() - self._marks["closure"])
+        optimizer.step(closure=optimizer_closure)
+        self.optimizer_s.append(time.perf_counter() - self._clipped)
 
 
 class Fsdp2Alone(Anchor):
@@ -217,13 +219,16 @@ class StepClock(L.Callback):
 
     def __init__(self) -> None:
         self.ends: list[float] = []
+        self.faults: list[tuple[int, int]] = []  # this process's (minor, major) page faults so far
         self.stats: list[dict[str, float]] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.ends.append(time.perf_counter())
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.faults.append((usage.ru_minflt, usage.ru_majflt))
         stats = getattr(trainer.strategy, "last_step_stats", None)
         if stats is not None:
-            self.stats.append({k: float(getattr(stats, k)) for k in ("cpu_step_s", "speculated_fraction")})
+            self.stats.append({k: float(getattr(stats, k)) for k in ("cpu_step_s", "speculated_fraction", "total_s")})
 
 
 def run(config: Config, args: argparse.Namespace, device_s: tuple[float, float], steps: int) -> dict[str, Any]:
@@ -267,11 +272,53 @@ def run(config: Config, args: argparse.Namespace, device_s: tuple[float, float],
         warnings.filterwarnings("ignore", ".*LeafSpec.*")
         trainer.fit(module, data)
     out = {"times": [b - a for a, b in zip(clock.ends, clock.ends[1:])], "stats": clock.stats}
+    out["faults"] = [[b - a for a, b in zip(x, y)] for x, y in zip(clock.faults, clock.faults[1:])]
     out["optimizer_s"] = getattr(module, "optimizer_s", []) if config.name == ANCHOR else []
     out["clip_s"] = getattr(module, "clip_s", []) if config.name == ANCHOR else []
-    del trainer, module, net
-    gc.collect()  # the next fit allocates its own shards and optimizer state: free these first
     return out
+
+
+def fit_in_a_fresh_process(
+    config: Config, args: argparse.Namespace, device_s: tuple[float, float], steps: int
+) -> dict[str, Any]:
+    """:func:`run` in a fresh interpreter: the heap each fit starts from is its own (glibc serves FSDP2's
+    per-unit buffers from a heap that every earlier fit in a process shapes, and the step time of FSDP2's
+    copies on a CPU device varied 2-3x with that history)."""
+    job = {"config": config.name, "device_s": list(device_s), "steps": steps}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "fit.json"
+        command = [sys.executable, __file__, *sys.argv[1:], "--fit", json.dumps(job), "--fit-out", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            output = f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+            raise RuntimeError(f"the fit of {config.name!r} failed (exit status {done.returncode}):\n{output}")
+        if args.profile:
+            print(done.stdout, end="", flush=True)
+        return json.loads(out.read_text())
+
+
+def one_fit(args: argparse.Namespace) -> None:
+    """The child of :func:`fit_in_a_fresh_process` (``--fit``): one fit, its result in ``--fit-out``;
+    under ``--profile``, cProfile's view of the training thread (a step speculated on the worker shows
+    as waiting): the functions with the most own time, ms per step (the fit's setup spread over them)."""
+    job = json.loads(args.fit)
+    config = next(c for c in (REAL if args.real else SIMULATED) if c.name == job["config"])
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+    result = run(config, args, tuple(job["device_s"]), job["steps"])
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, own s, total s, callers)
+        print(f"\n{config.name}: own time per step, ms ({job['steps']} steps, setup included)")
+        for (file, line, name), row in sorted(stats.items(), key=lambda item: -item[1][2])[: args.profile]:
+            print(f"  {1e3 * row[2] / job['steps']:8.1f}  {name} ({Path(file).name}:{line})")
+    Path(args.fit_out).write_text(json.dumps(result))
 
 
 def summarize(fits: list[dict[str, Any]], warmup: int, device_ms: float) -> dict[str, Any]:
@@ -280,33 +327,34 @@ def summarize(fits: list[dict[str, Any]], warmup: int, device_ms: float) -> dict
     out: dict[str, Any] = {"step_ms": 1e3 * statistics.median(times), "steps": len(times)}
     out["fit_median_step_ms"] = [1e3 * statistics.median(fit["times"][warmup:]) for fit in fits]
     out["exposed_ms"] = out["step_ms"] - device_ms  # the host work the device waited for
+    # a fresh page costs a fault (and its zeroing): where FSDP2's per-unit buffers are mapped afresh each step
+    faults = [f for fit in fits for f in fit["faults"][warmup:]]
+    out["minor_faults_per_step"] = statistics.median(minor for minor, _ in faults)
+    out["major_faults_per_step"] = statistics.median(major for _, major in faults)
     stats = [row for fit in fits for row in fit["stats"][warmup + 1 :]]
-    if stats:  # ours: the CPU step after backward, and the share of the parameters stepped during it
-        out["cpu_step_after_backward_ms"] = 1e3 * statistics.median(r["cpu_step_s"] for r in stats)
+    if stats:  # ours: the CPU step (during backward where speculated), and the share stepped during backward
+        out["cpu_step_ms"] = 1e3 * statistics.median(r["cpu_step_s"] for r in stats)
         out["speculated_fraction"] = statistics.median(r["speculated_fraction"] for r in stats)
+        out["after_backward_ms"] = 1e3 * statistics.median(r["total_s"] for r in stats)  # the engine's step()
     optimizer = [s for fit in fits for s in fit["optimizer_s"][warmup + 1 :]]
     if optimizer:  # the anchor: clipping, then torch's fused AdamW step
-        out["clip_ms"] = 1e3 * statistics.median(s for fit in fits for s in fit["clip_s"][warmup + 1 :])
+        clip = [s for fit in fits for s in fit["clip_s"][warmup + 1 :]]
+        out["clip_ms"] = 1e3 * statistics.median(clip)
         out["optimizer_step_ms"] = 1e3 * statistics.median(optimizer)
+        out["after_backward_ms"] = 1e3 * statistics.median(a + b for a, b in zip(clip, optimizer))
     return out
 
 
-def compare(results: dict[str, dict[str, Any]], device_ms: float) -> None:
-    """Each configuration's speed-up over the anchor: of the medians, and per round (the spread).
-
-    Also what each adds to FSDP2 alone (``added_ms``), and the speed-up with FSDP2's own host work taken
-    out of both sides (``speedup_vs_anchor_beyond_fsdp2``: (device time + the anchor's added) / (device time
-    + ours added)): derived, for reading where the time goes, not measured.
-    """
+def compare(results: dict[str, dict[str, Any]]) -> None:
+    """Each configuration's speed-up over the anchor: of the medians, and per round (the spread); and the
+    time it adds to FSDP2 alone (``added_to_fsdp2_alone_ms``; negative where FSDP2's own host copies ran
+    faster beside it than alone: on a CPU device their cost depends on what else the host does)."""
     anchor, alone = results[ANCHOR], results[FSDP2_ALONE]
     for r in results.values():
         r["speedup_vs_anchor"] = anchor["step_ms"] / r["step_ms"]
         rounds = zip(anchor["fit_median_step_ms"], r["fit_median_step_ms"])
         r["speedup_vs_anchor_per_round"] = [a / b for a, b in rounds]
         r["added_to_fsdp2_alone_ms"] = r["step_ms"] - alone["step_ms"]
-    for r in results.values():
-        beyond = device_ms + r["added_to_fsdp2_alone_ms"]
-        r["speedup_vs_anchor_beyond_fsdp2"] = (device_ms + anchor["added_to_fsdp2_alone_ms"]) / beyond
 
 
 # --------------------------------------------------------------------------------------------------
@@ -325,8 +373,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per fit (default 10, quick 2)")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps at the start of each fit")
     parser.add_argument("--cpu-threads", type=int, default=None, help="our CPU Adam threads (default: usable cores)")
+    parser.add_argument("--configs", nargs="+", help="only these of ours (by name; the anchor and FSDP2 alone run)")
+    parser.add_argument(
+        "--limit-heap",
+        action="store_true",
+        help="fix glibc's mmap threshold for the whole run first (limit_retained_heap(), as "
+        "MALLOC_MMAP_THRESHOLD_=131072 does): FSDP2's per-unit buffers are then mapped afresh every step",
+    )
+    parser.add_argument("--profile", type=int, metavar="N", help="no timing: each configuration once under cProfile")
     parser.add_argument("--out", default=None, help="default benchmarks/results/offload_params/<sim|real>.json")
+    parser.add_argument("--fit", help=argparse.SUPPRESS)  # internal: run one fit in this process
+    parser.add_argument("--fit-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.limit_heap:
+        limit_retained_heap()
     args.cpu_threads = args.cpu_threads or kernels.usable_cores()
     default_size = 2**16 if args.quick else (4 * 2**20 if args.real else 8 * 2**20)
     args.params_per_block = int(args.params_per_block or default_size)
@@ -334,21 +394,33 @@ def main() -> None:
     rounds = args.rounds or (1 if args.quick else 3)
     steps = args.steps or (2 if args.quick else 10)
     kind = "real" if args.real else "simulated"
-    configs = REAL if args.real else SIMULATED
+    configs = [
+        c
+        for c in (REAL if args.real else SIMULATED)
+        if not args.configs or c.name in (ANCHOR, FSDP2_ALONE, *args.configs)
+    ]
     out_path = Path(args.out or RESULTS / f"{'real' if args.real else 'sim'}.json")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # one fit per measurement: no banners
+    if args.fit:
+        one_fit(args)
+        return
     net = (MlpNet if args.real else SleepingNet)(args.blocks, args.params_per_block)
     params = sum(p.numel() for p in net.parameters())
     del net
     fit_steps = args.warmup + steps + 1  # +1: the first step has no step before it to be timed from
+    if args.profile:
+        for config in configs:
+            fit_in_a_fresh_process(config, args, (0.0, 0.0), fit_steps)
+        return
 
     device_s, device_ms, calibration = (0.0, 0.0), 0.0, {}
     if not args.real:
         # our fp32 CPU step with no device time (sync: all of it after backward) is the unit of device time
         named = {c.name: c for c in SIMULATED}
-        ours = summarize([run(named["ours fp32, sync"], args, (0.0, 0.0), fit_steps)], args.warmup, 0.0)
-        anchor = summarize([run(named[ANCHOR], args, (0.0, 0.0), fit_steps)], args.warmup, 0.0)
-        calibration = {"ours_fp32_cpu_step_ms": ours["cpu_step_after_backward_ms"]}
+        ours = fit_in_a_fresh_process(named["ours fp32, sync"], args, (0.0, 0.0), fit_steps)
+        anchor = fit_in_a_fresh_process(named[ANCHOR], args, (0.0, 0.0), fit_steps)
+        ours, anchor = summarize([ours], args.warmup, 0.0), summarize([anchor], args.warmup, 0.0)
+        calibration = {"ours_fp32_cpu_step_ms": ours["cpu_step_ms"]}
         calibration |= {"anchor_clip_ms": anchor["clip_ms"], "anchor_optimizer_step_ms": anchor["optimizer_step_ms"]}
         calibration |= {"step_ms_without_device_time": {"ours fp32, sync": ours["step_ms"], ANCHOR: anchor["step_ms"]}}
         backward_s = args.ratio * calibration["ours_fp32_cpu_step_ms"] / 1e3 / args.blocks
@@ -359,9 +431,9 @@ def main() -> None:
     fits: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
     for _ in range(rounds):  # alternate the configurations, round after round
         for config in configs:
-            fits[config.name].append(run(config, args, device_s, fit_steps))
+            fits[config.name].append(fit_in_a_fresh_process(config, args, device_s, fit_steps))
     results = {name: summarize(f, args.warmup, device_ms) for name, f in fits.items()}
-    compare(results, device_ms)
+    compare(results)
     print_results(results)
     verdict = judge(results, TARGETS[kind])
 
@@ -376,6 +448,7 @@ def main() -> None:
         },
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "command": " ".join(["python", *sys.argv]),
+        "glibc_mmap_threshold": heap_setting(args.limit_heap),
         "kind": kind,
         "kernel_backend": kernels.backend(),
         "cpu_threads": args.cpu_threads,
@@ -399,6 +472,13 @@ def main() -> None:
     print(f"wrote {out_path}")
 
 
+def heap_setting(limited: bool) -> str:
+    if limited:
+        return "fixed at 128 KiB by limit_retained_heap()"
+    fixed = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    return f"MALLOC_MMAP_THRESHOLD_={fixed}" if fixed else "glibc's default (dynamic)"
+
+
 def header(args: argparse.Namespace, params: int, calibration: dict[str, Any], device_s: tuple[float, float]) -> str:
     what = f"{params / 1e6:.1f}M params in {args.blocks} blocks"
     if args.real:
@@ -415,35 +495,46 @@ def header(args: argparse.Namespace, params: int, calibration: dict[str, Any], d
 
 def print_results(results: dict[str, dict[str, Any]]) -> None:
     """One row per configuration. exposed: step time less the device time; added: step time less FSDP2
-    alone's; cpu step: ours after backward; clip+adamw: the anchor's, after backward."""
+    alone's; cpu step: ours, wherever it ran (speculated: on the worker during backward); clip+adamw: the
+    anchor's, after backward; after bwd: the host time after backward, which a GPU would wait for (the
+    anchor's clipping and step; our engine's step(): the norm, validation and what was not speculated);
+    faults: minor page faults (fresh pages) per step."""
     print(
         f"\n  {'configuration':<30} {'step ms':>8} {'fits':>11} {'vs anchor':>9} {'rounds':>11} {'exposed':>8}"
-        f" {'added':>7} {'cpu step':>9} {'speculated':>10} {'clip+adamw':>11} {'beyond fsdp2':>12}"
+        f" {'added':>7} {'cpu step':>9} {'speculated':>10} {'clip+adamw':>11} {'after bwd':>9} {'faults':>7}"
     )
     for name, r in results.items():
         fits = f"{min(r['fit_median_step_ms']):.0f}-{max(r['fit_median_step_ms']):.0f}"
         per_round = r["speedup_vs_anchor_per_round"]
         spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
-        cpu = f"{r['cpu_step_after_backward_ms']:.1f}" if "cpu_step_after_backward_ms" in r else "-"
+        cpu = f"{r['cpu_step_ms']:.1f}" if "cpu_step_ms" in r else "-"
         speculated = f"{100 * r['speculated_fraction']:.0f}%" if "speculated_fraction" in r else "-"
         anchor = f"{r['clip_ms']:.0f}+{r['optimizer_step_ms']:.0f}" if "optimizer_step_ms" in r else "-"
-        beyond = "-" if name == FSDP2_ALONE else f"{r['speedup_vs_anchor_beyond_fsdp2']:.2f}x"
+        after = f"{r['after_backward_ms']:.1f}" if "after_backward_ms" in r else "-"
         print(
             f"  {name:<30} {r['step_ms']:8.1f} {fits:>11} {r['speedup_vs_anchor']:8.2f}x {spread:>11}"
             f" {r['exposed_ms']:8.1f} {r['added_to_fsdp2_alone_ms']:7.1f} {cpu:>9} {speculated:>10} {anchor:>11}"
-            f" {beyond:>12}"
+            f" {after:>9} {r['minor_faults_per_step']:>7.0f}"
         )
 
 
 def judge(results: dict[str, dict[str, Any]], targets: list[tuple[str, float]]) -> dict[str, Any]:
-    print("\ntargets (anchor step time / ours, medians; per-round range in brackets):")
+    """The targets on the measured step times. Beside each, the ratio of the host time after backward
+    (the anchor's over ours): the part of the step a GPU waits for, free of FSDP2's copies, which are host
+    work on a CPU device only."""
+    print("\ntargets (anchor step time / ours, medians; per-round range in brackets; host time after backward):")
     verdict = {}
-    for name, needed in targets:
+    after = results[ANCHOR]["after_backward_ms"]
+    for name, needed in (target for target in targets if target[0] in results):  # --configs may leave some out
         r = results[name]
         ratio, rounds = r["speedup_vs_anchor"], r["speedup_vs_anchor_per_round"]
         verdict[f"{name} vs anchor"] = {"ratio": ratio, "per_round": rounds, "needed": needed, "met": ratio >= needed}
+        verdict[f"{name} vs anchor"]["after_backward_ratio"] = after / r["after_backward_ms"]
         met = "met" if ratio >= needed else "NOT met"
-        print(f"  {name} vs anchor: {ratio:.3f}x [{min(rounds):.2f}-{max(rounds):.2f}] (target >= {needed}) {met}")
+        print(
+            f"  {name} vs anchor: {ratio:.3f}x [{min(rounds):.2f}-{max(rounds):.2f}] (target >= {needed}) {met};"
+            f" after backward {after:.0f} / {r['after_backward_ms']:.0f} ms = {after / r['after_backward_ms']:.2f}x"
+        )
     return verdict
 
 

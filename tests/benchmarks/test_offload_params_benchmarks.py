@@ -40,19 +40,17 @@ def memory():
         sys.modules.pop("offload_params_memory", None)
 
 
-def test_speedups_are_the_anchors_time_over_ours_per_round_and_beyond_fsdp2(sim):
+def test_speedups_are_the_anchors_time_over_ours_per_round_and_what_each_adds_to_fsdp2_alone(sim):
     def row(*fits: float) -> dict:
         return {"step_ms": sorted(fits)[len(fits) // 2], "fit_median_step_ms": list(fits)}
 
     results = {sim.ANCHOR: row(300.0, 330.0, 360.0), sim.FSDP2_ALONE: row(200.0, 200.0, 200.0)}
     results["ours"] = row(150.0, 220.0, 180.0)
-    sim.compare(results, device_ms=100.0)
+    sim.compare(results)
     ours = results["ours"]
     assert ours["speedup_vs_anchor"] == 330.0 / 180.0
     assert ours["speedup_vs_anchor_per_round"] == [300.0 / 150.0, 330.0 / 220.0, 360.0 / 180.0]
-    # the anchor adds 130 ms to FSDP2 alone, ours -20 ms: (100 + 130) / (100 - 20)
-    assert ours["added_to_fsdp2_alone_ms"] == -20.0
-    assert ours["speedup_vs_anchor_beyond_fsdp2"] == 230.0 / 80.0
+    assert ours["added_to_fsdp2_alone_ms"] == -20.0 and results[sim.ANCHOR]["added_to_fsdp2_alone_ms"] == 130.0
     assert results[sim.ANCHOR]["speedup_vs_anchor"] == 1.0
 
 
@@ -142,7 +140,7 @@ def test_quick_memory_run_measures_the_state_each_side_holds(tmp_path):
     done = subprocess.run([*command, "--cases", *cases], capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == cases
+    assert sorted(rows) == sorted(cases)  # run in CASES order
     params = rows["ours bf16, sync"]["params"]
     (anchor,) = rows["anchor: FSDP2 + AdamW(fused)"]["ranks"]
     (bf16,) = rows["ours bf16, sync"]["ranks"]
