@@ -4,9 +4,11 @@ Order = priority: what matters most runs first, and every sub-check leaves its r
 it ends (``<results>/summary.json`` is rewritten after each one). (1) ``env``, ``micro``: versions,
 host<->device bandwidth pinned and pageable both ways, the CPU-Adam kernel at cores / cores-2 / cores-4
 threads; (2) ``cuda_tests``: tests/cuda; (3) ``correctness``: zero_offload's default schedule against
-plain bf16 AMP AdamW through the Trainer, 30 steps; (4) ``throughput``: train_step.py on a 1.26B Llama at
-16k tokens per step, one process per variant, rows in ``<results>/throughput.json`` as each variant
-ends; (5) the engine-level checks (sanitizer, determinism, fit/resume, ...) while time remains.
+plain bf16 AMP AdamW through the Trainer, 30 steps, and ``offload_params``: the parameter-offload mode's
+tokens/s and peak device memory against the ZeRO-2 mode's on a 100M-parameter GPT; (4) ``throughput``:
+train_step.py on a 1.26B Llama at 16k tokens per step, one process per variant, rows in
+``<results>/throughput.json`` as each variant ends; (5) the engine-level checks (sanitizer, determinism,
+fit/resume, ...) while time remains.
 
 Each sub-check runs in its own process session with a hard timeout: min(its budget, the time left before
 the global ``--deadline``), so the whole run ends in time by construction; on a timeout the whole session
@@ -331,6 +333,104 @@ def check_correctness(device: torch.device, tiny: bool, results: Path) -> dict[s
         "weights_distance_over_update": float((ours_w - plain_w).norm() / (plain_w - start).norm()),
         "engine": ours.engine,
     }
+
+
+def offload_params_spec(tiny: bool) -> dict[str, Any]:
+    """train_step's GPT with small activations (batch 2 x 256): its weights, not its activations, decide
+    which mode holds more on the device (about 100M parameters: 200 MB of bf16 weights under ZeRO-2)."""
+    if tiny:
+        return {"model": "gpt", "config": {"n_layer": 2, "n_embd": 64, "n_head": 2}, "batch": 2, "seq": 32}
+    return {"model": "gpt", "config": {"n_layer": 8, "n_embd": 1024, "n_head": 16}, "batch": 2, "seq": 256}
+
+
+OFFLOAD_PARAMS_VARIANTS = {  # name: ZeroOffloadStrategy options (each mode's defaults otherwise)
+    "zero2": {},
+    "offload_params": {"offload_params": True},
+    "offload_params, sync": {"offload_params": True, "cpu_step": "sync"},  # is the default the faster one?
+    "offload_params, bf16 state": {"offload_params": True, "cpu_state": "bf16"},
+}
+
+
+def check_offload_params(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
+    """The parameter-offload mode against the ZeRO-2 mode through the Trainer, same model and batches, each
+    with its defaults (on a GPU: speculative, overlapped): tokens/s and peak device memory over the measured
+    steps; ``offload_params.json`` is rewritten as each variant ends. The parameter-offload mode holds only
+    the blocks in flight on the device (ZeRO-2 holds every bf16 weight), so its peak must be the lower one;
+    its speed is reported (it moves the weights over PCIe twice a step), not judged; the default
+    (speculative) and sync side by side say which schedule is the faster on a GPU."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+    from train_step import LM, token_data
+
+    from lightning_zero_offload import ZeroOffloadStrategy
+    from lightning_zero_offload.core import release_process_group
+
+    spec = offload_params_spec(tiny)
+    warmup, steps = (1, 2) if tiny else (3, 8)
+    cuda = device.type == "cuda"
+
+    class Clock(L.Callback):
+        reads_weights_before_step = False  # no hook before the step: the speculative step runs in backward
+
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+            self.speculated: list[float] = []
+
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize(device)
+                if len(self.starts) == warmup:  # setup's peak (the model built whole) is not training's
+                    torch.cuda.reset_peak_memory_stats(device)
+            self.starts.append(time.perf_counter())
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            self.speculated.append(trainer.strategy.last_step_stats.speculated_fraction)
+
+    out: dict[str, Any] = {"spec": spec, "warmup": warmup, "steps": steps, "rows": {}}
+    for name, options in OFFLOAD_PARAMS_VARIANTS.items():
+        clock = Clock()
+        module = LM(spec, "adamw")  # on the host: each mode takes the weights where it keeps them
+        out["params"] = sum(p.numel() for p in module.parameters())
+        trainer = L.Trainer(
+            accelerator=device.type,
+            devices=1,
+            strategy=ZeroOffloadStrategy(metrics=False, **options),
+            precision="bf16-mixed",
+            max_steps=warmup + steps + 1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[clock],
+        )
+        trainer.fit(module, DataLoader(token_data(spec, warmup + steps + 1), batch_size=spec["batch"]))
+        step_s = statistics.median(b - a for a, b in zip(clock.starts[warmup:], clock.starts[warmup + 1 :]))
+        row = {"step_ms": 1e3 * step_s, "tokens_per_s": spec["batch"] * spec["seq"] / step_s}
+        row["cpu_step"] = trainer.strategy.session.resolved.cpu_step
+        row["speculated_fraction_max"] = max(clock.speculated[warmup:])
+        if cuda:
+            row["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+            row["peak_device_bytes_per_param"] = row["peak_device_bytes"] / out["params"]
+        out["rows"][name] = row
+        del trainer, module
+        if options.get("offload_params"):
+            release_process_group()  # the one-process group FSDP2 needed: the next fit starts its own
+        save_partial(results, "offload_params", out)
+    rows = out["rows"]
+    base = rows["zero2"]
+    for row in rows.values():
+        row["tokens_per_s_vs_zero2"] = row["tokens_per_s"] / base["tokens_per_s"]
+    verdicts = {"every_variant_ran": len(rows) == len(OFFLOAD_PARAMS_VARIANTS)}
+    if cuda:
+        for name in ("offload_params", "offload_params, bf16 state"):
+            verdicts[f"{name} peak device memory below zero2's"] = (
+                rows[name]["peak_device_bytes"] < base["peak_device_bytes"]
+            )
+        # the default on a GPU: each shard's step starts in FSDP2's gradient hook, during backward
+        verdicts["offload_params speculates in backward"] = rows["offload_params"]["speculated_fraction_max"] > 0
+    out["verdicts"] = verdicts
+    save_partial(results, "offload_params", out)
+    return {"ok": all(verdicts.values()), **out}
 
 
 def check_determinism(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
@@ -834,14 +934,16 @@ def run_subcheck(
 
 
 # name: (function, budget in seconds on the GPU, extra environment). Order = priority: (1) environment and
-# micro-benchmarks, (2) tests/cuda, (3) correctness, (4) throughput, (5) the rest while time remains.
-# (1)-(4) add up to 400 s: with gpu_check.sh's set-up (about 40 s) inside its 465 s deadline.
+# micro-benchmarks, (2) tests/cuda, (3) correctness and the parameter-offload mode, (4) throughput, (5) the
+# rest while time remains. (1)-(4) add up to 400 s: with gpu_check.sh's set-up (about 40 s) inside its 465 s
+# deadline.
 CHECKS: dict[str, tuple[Callable[..., dict[str, Any]], int, dict[str, str]]] = {
     "env": (check_env, 20, {}),
     "micro": (check_micro, 45, {}),
     "cuda_tests": (check_cuda_tests, 60, {}),
     "correctness": (check_correctness, 45, {}),
-    "throughput": (check_throughput, 230, {}),
+    "offload_params": (check_offload_params, 50, {}),
+    "throughput": (check_throughput, 180, {}),
     "sanitizer": (check_sanitizer, 40, {"TORCH_CUDA_SANITIZER": "1"}),
     "determinism": (check_determinism, 35, {}),
     "compact_state": (check_compact_state, 25, {}),

@@ -289,7 +289,7 @@ def parse_variant(name: str) -> tuple[str, str | None, dict[str, Any]]:
     options: dict[str, Any] = {}
     for item in filter(None, opts.split(",")):
         key, _, value = item.partition("=")
-        with contextlib.suppress(ValueError, SyntaxError):
+        with contextlib.suppress(ValueError, SyntaxError, NameError):  # a word stays a string
             value = eval(value, {"__builtins__": {}}, {"True": True, "False": False, "None": None})  # noqa: S307
         options[key] = value
     return kind, schedule or None, options

@@ -71,6 +71,12 @@ def test_train_step_variant_names():
         "delayed",
         {"overlap": False, "cpu_threads": 1},
     )
+    # a word is a string: gpu_check's throughput runs this variant
+    assert train_step.parse_variant("zero_offload:speculative@speculation_rollback=undo") == (
+        "zero_offload",
+        "speculative",
+        {"speculation_rollback": "undo"},
+    )
     assert train_step.available("plain", torch.device("cpu")) is None
     assert "CUDA" in train_step.available("deepspeed", torch.device("cpu"))
     assert train_step.available("zero_offload:nonsense", torch.device("cpu")) is not None
