@@ -13,9 +13,8 @@ the whole model's parameter count:
   which on an accelerator are device memory; ``held`` does not.
 
 The cases: the anchor (its shards, gradients and fused AdamW state); ours with fp32 state and with
-``cpu_state="bf16"`` (the sharded parameter a bf16 master), each with ``cpu_step="sync"`` (bf16 state's
-default, and the CPU device's) and ``"speculative"`` (fp32 state's default on an accelerator: it keeps a
-snapshot of each speculated shard's master and moments). Each once with glibc's defaults and once with
+``cpu_state="bf16"`` (the sharded parameter a bf16 master), each with ``cpu_step="sync"`` (the mode's
+default) and ``"speculative"`` (opt in: it keeps a snapshot of each speculated shard's master and moments). Each once with glibc's defaults and once with
 ``MALLOC_MMAP_THRESHOLD_=131072`` (its dynamic mmap threshold otherwise keeps freed block-sized buffers in
 the heap: docs/design/offload-params-spike.md, section 5).
 

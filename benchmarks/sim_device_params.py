@@ -16,8 +16,8 @@ gradients never reach (the norm is computed every step, nothing is clipped):
   ``"bf16-mixed"`` Lightning refuses gradient clipping with a fused optimizer;
 - ours: ``ZeroOffloadStrategy(offload_params=True)``, ``precision="bf16-mixed"``, the CPU step set
   explicitly as an accelerator would (on a CPU device the defaults are sync with nothing overlapped):
-  fp32 state speculative with overlap (the accelerator's default), fp32 sync, bf16 state sync (its default)
-  and bf16 state speculative.
+  fp32 state speculative with overlap (the ZeRO-2 mode's default on an accelerator), fp32 sync (this
+  mode's default), bf16 state sync and bf16 state speculative.
 
 The configurations alternate, fit after fit, round after round, each fit in a fresh interpreter; each
 fit's first ``--warmup`` steps are not measured. The device time is set relative to our fp32 CPU step,

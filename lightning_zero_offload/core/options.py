@@ -121,8 +121,9 @@ OPTIONS_DOC = """\
             critical path. ``"speculative"``: each gradient bucket's step runs during backward, is validated
             after it (clipping, overflow) and corrected if needed; results equal ``"sync"``. ``"delayed"``:
             overlaps the next forward/backward, which sees one-step-stale weights (changes convergence).
-            ``"auto"`` (default): ``"speculative"`` on an accelerator, ``"sync"`` on a CPU device and with
-            ``cpu_state="bf16"`` (speculating it takes 6 more bytes of host memory per parameter).
+            ``"auto"`` (default): ``"speculative"`` on an accelerator, ``"sync"`` on a CPU device, with
+            ``cpu_state="bf16"`` (speculating it takes 6 more bytes of host memory per parameter) and with
+            ``offload_params=True`` (12 more bytes per parameter with fp32 state).
         cpu_state: the dtype of the optimizer state on the CPU (docs/compact-state.md). ``"fp32"`` (default):
             fp32 master weights and moments, exact to torch's AdamW. ``"bf16"``: master weights, moments and
             gradient buffers in bf16, stochastically rounded (the same expected update as fp32), half the

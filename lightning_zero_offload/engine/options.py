@@ -175,10 +175,14 @@ def resolve(
     compact = options.cpu_state == "bf16"
     if options.cpu_step == "auto":
         # bf16 state is chosen for memory: speculating it needs a snapshot of the state (6 more B/param, a
-        # stochastically rounded step cannot be undone), so "auto" keeps it at its 8 B/param with sync.
-        cpu_step: ScheduleName = "speculative" if accelerator and not compact else "sync"
-        step_said = f"cpu_step='auto' runs {cpu_step!r} on a {device.type} device" + (
-            " with cpu_state='bf16'" if compact else ""
+        # stochastically rounded step cannot be undone), so "auto" keeps it at its 8 B/param with sync. So is
+        # offload_params, where the snapshot adds 12 B/param to 16, and the only measurement (the simulated
+        # device: docs/benchmarks.md) found speculation slower than sync.
+        cpu_step: ScheduleName = "speculative" if accelerator and not compact and not options.offload_params else "sync"
+        step_said = (
+            f"cpu_step='auto' runs {cpu_step!r} on a {device.type} device"
+            + (" with cpu_state='bf16'" if compact else "")
+            + (" with offload_params=True" if options.offload_params else "")
         )
     else:
         cpu_step = options.cpu_step

@@ -172,7 +172,7 @@ def test_the_preflight_check_plans_the_mode(monkeypatch):
     device = torch.device("cuda")  # planned only: FSDP2 pins the shards there
     planned = plan(tiny(), batch_size=1, seq_len=8, n_layer=3, devices=2, machine=GPU_BOX, offload_params=True,
                    configure_model=True)  # fmt: skip
-    peak = planned.host["speculative"].save_per_node("full")  # cpu_step="auto" on an accelerator with fp32 state
+    peak = planned.host["sync"].save_per_node("full")  # cpu_step="auto" with offload_params
     monkeypatch.delenv(SKIP_CHECK_ENV, raising=False)
     monkeypatch.setattr(probes, "host_memory_limit", lambda *args, **kwargs: (peak, "MemAvailable"))
     check_host_memory(tiny(), options, torch.bfloat16, 2, 2, device)  # on the meta device: block by block
