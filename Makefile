@@ -9,6 +9,8 @@ BIN := $(VENV)/bin
 # constraints.txt pins torch 2.13.0: a CPU build from this machine kind's local wheel store; on a GPU
 # machine pip takes the same release from PyPI with CUDA.
 INSTALLED := $(VENV)/.installed
+# The models nobody here wrote (transformers, litgpt): the slow tier's, half of a fresh set-up's time.
+MODELS := $(VENV)/.installed-models
 
 .PHONY: setup demo test test-slow test-all test-oldest lint bench clean
 
@@ -20,6 +22,10 @@ $(INSTALLED): pyproject.toml setup.py constraints.txt $(wildcard native/*.c nati
 	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,dev,plot]'
 	$(BIN)/python -c "import lightning_zero_offload.kernels as k; print('CPU-Adam kernels:', k.backend())"
+	touch $@
+
+$(MODELS): $(INSTALLED)
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test,dev,plot,models]'
 	touch $@
 
 demo: $(INSTALLED)
@@ -35,7 +41,7 @@ PYTEST := $(BIN)/python -m pytest -q --durations=25
 test: lint
 	$(PYTEST)
 
-test-slow: $(INSTALLED)
+test-slow: $(MODELS)
 	$(PYTEST) -m slow
 
 test-all: test test-slow
@@ -51,7 +57,7 @@ test-oldest:
 	$(OLDEST_VENV)/bin/python -m pytest -q -m 'slow or not slow' tests/trainer/test_strategy.py tests/trainer/test_precision.py \
 		tests/test_cli.py
 
-bench: $(INSTALLED)
+bench: $(MODELS)
 	$(BIN)/python benchmarks/cpu_adam.py
 	$(BIN)/python benchmarks/train_step.py
 

@@ -41,8 +41,8 @@ def test_a_timed_out_subcheck_leaves_its_partial_result_the_summary_and_no_proce
     """)
     summary = {"checks": {"earlier": {"ok": True}}}
     start = time.monotonic()
-    result = gpu_check.run_subcheck("hang", [sys.executable, "-c", child], 4.0, tmp_path, summary)
-    assert time.monotonic() - start < 20  # the budget (4 s) plus the kill, not the child's 300 s
+    result = gpu_check.run_subcheck("hang", [sys.executable, "-c", child], 2.0, tmp_path, summary)
+    assert time.monotonic() - start < 20  # the budget (2 s) plus the kill, not the child's 300 s
 
     assert result["timed_out"] and not result["ok"] and "timed out" in result["error"]
     assert result["partial"] == {"rows": {"first": 1.5}}
@@ -83,7 +83,7 @@ def test_run_in_group_kills_the_group_on_timeout(tmp_path):
     sleep = "import time; time.sleep(300)"
     script = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {sleep!r}]); {sleep}"
     with open(tmp_path / "out.txt", "w") as out:
-        rc, left = gpu_check.run_in_group([sys.executable, "-c", script], 3.0, out)
+        rc, left = gpu_check.run_in_group([sys.executable, "-c", script], 1.5, out)
     assert rc == "timeout" and left == []
 
 

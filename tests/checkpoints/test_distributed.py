@@ -54,7 +54,8 @@ def version_file(path: Path, name: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("cpu_state", "cpu_step"), [("fp32", "sync"), ("fp32", "speculative"), ("bf16", "speculative")]
+    ("cpu_state", "cpu_step"),
+    [("fp32", "sync"), pytest.param("fp32", "speculative", marks=pytest.mark.slow), ("bf16", "speculative")],
 )
 def test_a_sharded_checkpoint_resumes_bitwise_as_the_uninterrupted_run(tmp_path, cpu_state, cpu_step):
     dtype = torch.bfloat16 if cpu_state == "bf16" else torch.float32

@@ -200,7 +200,9 @@ def train_demo(tmp_path, max_steps, ckpt_path=None, every=None):
     return model
 
 
-@pytest.mark.parametrize("stop", [4, 10], ids=["mid-epoch", "epoch-end"])  # 10 batches per epoch
+@pytest.mark.parametrize(
+    "stop", [4, pytest.param(10, marks=pytest.mark.slow)], ids=["mid-epoch", "epoch-end"]
+)  # 10 batches per epoch
 def test_the_demo_resumed_from_a_checkpoint_trains_the_uninterrupted_run_bitwise(tmp_path, stop):
     # 14 steps: past the first epoch's end, so both the resumed position and the next epoch's order count.
     # The run that writes the checkpoint is the uninterrupted one (the lr schedule follows max_steps).

@@ -55,7 +55,11 @@ def train(
     return weights, fabric.strategy.last_step_stats if ours else None
 
 
-@pytest.mark.parametrize(("two_calls", "empty_init"), [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize(
+    ("two_calls", "empty_init"),
+    [(False, False), (True, True)]
+    + [pytest.param(*case, marks=pytest.mark.slow) for case in ((True, False), (False, True))],
+)
 def test_equals_plain_fabric_with_accumulation_clipping_and_groups(two_calls, empty_init):
     want, _ = train("auto")
     strategy = ZeroOffloadFabricStrategy(offload_params=True, cpu_step="sync")

@@ -136,6 +136,7 @@ def test_fp16_loss_scale_lowered_by_natural_overflows_resumes(tmp_path):
     assert g.strategy.session.loss_scale == f.strategy.session.loss_scale
 
 
+@pytest.mark.slow  # a model nobody here wrote: litgpt is the slow tier's install (Makefile, MODELS)
 def test_litgpt_learns_under_bf16_mixed():
     from litgpt.config import Config
     from litgpt.model import GPT

@@ -132,7 +132,7 @@ def test_the_full_checkpoint_resumes_with_parameters_on_the_device_too(tmp_path)
     assert relative_error(back, ours) < FP32_ROUNDING
 
 
-@pytest.mark.parametrize("cpu_state", ["fp32", "bf16"])
+@pytest.mark.parametrize("cpu_state", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_sharded_checkpoints_resume_as_the_full_format_does(cpu_state, tmp_path):
     """checkpoint_format='sharded': every rank saves its shards through torch.distributed.checkpoint; the resumed
     run equals the one resumed from the full format bitwise (the same loop state, the same weights and moments)."""
