@@ -14,9 +14,10 @@ the whole model's parameter count:
 
 The cases: the anchor (its shards, gradients and fused AdamW state); ours with fp32 state and with
 ``cpu_state="bf16"`` (the sharded parameter a bf16 master), each with ``cpu_step="sync"`` (the mode's
-default) and ``"speculative"`` (opt in: it keeps a snapshot of each speculated shard's master and moments). Each once with glibc's defaults and once with
-``MALLOC_MMAP_THRESHOLD_=131072`` (its dynamic mmap threshold otherwise keeps freed block-sized buffers in
-the heap: docs/design/offload-params-spike.md, section 5).
+default) and ``"speculative"`` (opt in: it keeps a snapshot of each speculated shard's master and
+moments). Each once with glibc's defaults and once with ``MALLOC_MMAP_THRESHOLD_=131072`` (its dynamic
+mmap threshold otherwise keeps freed block-sized buffers in the heap: docs/design/offload-params-spike.md,
+section 5).
 
     python benchmarks/offload_params_memory.py                 # 100.7M params; 1 and 2 ranks (minutes)
     python benchmarks/offload_params_memory.py --quick         # a small model, one rank, glibc's defaults:
