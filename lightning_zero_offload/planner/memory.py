@@ -88,6 +88,8 @@ class HostMemory:
     setup_per_rank: int = 0  # peak while the engine is built: its first buffers next to the module as built
     checkpoint_save_per_rank: dict[str, int] = field(default_factory=dict)  # format -> extra while saving
     ranks_per_node: int = 1
+    # format -> extra on the first rank alone, beyond checkpoint_save_per_rank (it gathers the whole state)
+    checkpoint_save_first_rank: dict[str, int] = field(default_factory=dict)
 
     @property
     def state_per_rank(self) -> int:
@@ -103,8 +105,10 @@ class HostMemory:
         return self.setup_per_rank * self.ranks_per_node
 
     def save_per_node(self, checkpoint_format: str) -> int:
-        """Peak per node while a checkpoint of this format is saved (training's buffers stay allocated)."""
-        return self.per_node + self.checkpoint_save_per_rank[checkpoint_format] * self.ranks_per_node
+        """Peak per node while a checkpoint of this format is saved (training's buffers stay allocated); the
+        first rank's node, where a format gathers the whole state on the first rank."""
+        first = self.checkpoint_save_first_rank.get(checkpoint_format, 0)
+        return self.per_node + self.checkpoint_save_per_rank[checkpoint_format] * self.ranks_per_node + first
 
 
 @dataclass

@@ -103,8 +103,9 @@ def host_memory_params(
     gradient, the two moments and the speculative step's snapshot; one block's gradient shards copied down
     before they are added or assigned; on a CPU device the device's buffers too. Setup: the shards next to
     one block whole in fp32 (``configure_model``) or next to the module as built (``module_bytes``, on every
-    rank). Saves: a sharded checkpoint writes the shards with one block's state at a time beyond them, a
-    full export streams one tensor at a time."""
+    rank). Saves: a sharded checkpoint writes the shards with one block's state at a time beyond them; a full
+    one gathers one tensor at a time on every rank, and at several ranks the first rank keeps the whole
+    weights and moments for the file (engine/offload_params/full_state.py; at one rank they are views)."""
     state = config.state_dtype.itemsize
     shard, block_shard = units.shard_numel, units.largest_unit_shard
     buffers = {
@@ -132,6 +133,7 @@ def host_memory_params(
         transient = module_bytes
         setup = module_bytes + state * block_shard  # the block being sharded next to the module as built
     saves = {"full": state * units.largest_tensor, "sharded": 3 * state * block_shard}
+    whole_state = 3 * state * units.params if units.world_size > 1 else 0  # weights and both moments
     per_rank = sum(buffers.values())
     return HostMemory(
         per_rank=buffers,
@@ -142,6 +144,7 @@ def host_memory_params(
         setup_per_rank=setup,
         checkpoint_save_per_rank=saves,
         ranks_per_node=ranks_per_node,
+        checkpoint_save_first_rank={"full": whole_state},
     )
 
 

@@ -194,8 +194,10 @@ def test_the_command_line_takes_the_mode(capsys):
 
 
 # The ZeRO-2 mode's answers as printed before offload_params came to the planner (computed on the commit
-# before it, 92b4f82): their text and JSON, and the --largest rows of the ZeRO-2 mode.
-ZERO2_DIGEST = "4fbdfbea5ae29b807cd4c395c4b9ff041d13290cfbe300e8af481480701e8516"
+# before it, 92b4f82): their text and JSON, and the --largest rows of the ZeRO-2 mode. Since, the JSON has one
+# more key, the host memory's checkpoint_save_first_rank ({} in this mode): without it the texts hash to the
+# earlier digest, 4fbdfbea5ae29b807cd4c395c4b9ff041d13290cfbe300e8af481480701e8516.
+ZERO2_DIGEST = "f9530c9881108f809e82623d7edb9e49caab73ded1ccdd40c3e76599725b6cdd"
 
 
 def test_the_zero2_answers_are_unchanged():

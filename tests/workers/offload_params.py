@@ -28,6 +28,7 @@ from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 
 from lightning_zero_offload.engine import OffloadOptions  # noqa: E402
 from lightning_zero_offload.engine.offload_params import ParamOffloadEngine  # noqa: E402
+from lightning_zero_offload.engine.offload_params.full_state import full_optimizer_state  # noqa: E402
 from lightning_zero_offload.engine.offload_params.placement import shard_model  # noqa: E402
 from lightning_zero_offload.engine.offload_params.pretrained import load_pretrained, local_index  # noqa: E402
 
@@ -154,5 +155,17 @@ def engine_against_fsdp2_adamw(rank: int, cpu_step: str, clip_norm: float | None
             torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_norm)
         adamw.step()
         adamw.zero_grad()
+    saved = full_optimizer_state(engine)  # a collective: rank 0 alone keeps the whole moments
+    moments = {i: {k: s[k] for k in ("exp_avg", "exp_avg_sq")} for i, s in saved["state"].items()}
+    params = [p for group in adamw.param_groups for p in group["params"]]
+    reference_moments = {
+        i: {k: adamw.state[p][k].full_tensor() for k in ("exp_avg", "exp_avg_sq")} for i, p in enumerate(params)
+    }
     engine.close()
-    return {"ours": full_state(ours), "reference": full_state(reference), "last_norm": stats.grad_norm}
+    return {
+        "ours": full_state(ours),
+        "reference": full_state(reference),
+        "last_norm": stats.grad_norm,
+        "moments": moments,
+        "reference_moments": reference_moments,
+    }

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -64,12 +65,14 @@ def param_groups_state(engine: ParamOffloadEngine) -> list[dict[str, Any]]:
 
 
 def full_optimizer_state(engine: ParamOffloadEngine) -> dict[str, Any]:
-    """The optimizer state in torch AdamW's format with whole moments (a collective; every rank gets them)."""
+    """The optimizer state in torch AdamW's format with whole moments on rank 0 (a collective, one tensor at a
+    time; the other ranks get the param groups and no moments, as :func:`full_model_state` gives them ``{}``)."""
     index = _torch_indices(engine)
+    keeps = not dist.is_initialized() or dist.get_rank() == 0
     state: dict[int, dict[str, torch.Tensor]] = {}
     for slot in engine.slots:
         exp_avg, exp_avg_sq = _whole(slot, slot.exp_avg), _whole(slot, slot.exp_avg_sq)
-        if slot.step > 0:
+        if slot.step > 0 and keeps:
             state[index[id(slot.param)]] = {
                 "step": torch.tensor(float(slot.step)),
                 "exp_avg": exp_avg,
