@@ -212,6 +212,9 @@ def _memory_table(p: Plan) -> list[str]:
     )
     sync = p.host["sync"]
     saves = ", ".join(f'{format_gb(v)} ("{f}")' for f, v in sync.checkpoint_save_per_rank.items())
+    first = ", ".join(f'{format_gb(v)} ("{f}")' for f, v in sync.checkpoint_save_first_rank.items() if v)
+    if first:  # the format gathers the whole state on the first rank
+        saves += f" per rank, and the first rank {first} more"
     if p.params_offload is None:
         held = "the module as built stays on the host until setup"
         whole = " (ZeRO-2: every GPU holds all parameters, whatever the number of nodes)"
@@ -224,7 +227,7 @@ def _memory_table(p: Plan) -> list[str]:
         whole = f" (offload_params: the root's parameters and {flight} in flight, whatever the number of blocks)"
     lines.append(
         f"  of which pinned per rank: {format_gb(sync.pinned_per_rank)}; {held}: "
-        f"{format_gb(sync.transient_model_per_rank)} per rank; a save adds {saves} per rank"
+        f"{format_gb(sync.transient_model_per_rank)} per rank; a save adds {saves}" + ("" if first else " per rank")
     )
     lines.append(
         "device memory per GPU: "
