@@ -123,19 +123,28 @@ class SleepingBlock(nn.Module):
         return _SleepingDeviceWork.apply(x, self, *self.weights)
 
 
+def sleeping_blocks(blocks: int, params_per_block: int, grad_norm: float = GRAD_NORM) -> nn.ModuleList:
+    """``blocks`` sleeping blocks of about ``params_per_block`` parameters (two matrices and a bias each)."""
+    width = max(1, round(math.sqrt(params_per_block / 4)))  # two (width x 2 width) matrices
+    shapes = [(width, 2 * width), (2 * width, width), (width,)]
+    return nn.ModuleList(SleepingBlock(shapes, blocks, grad_norm, seed) for seed in range(blocks))
+
+
+def set_device_time(blocks: nn.ModuleList, forward_s: float, backward_s: float) -> None:
+    """Device time per block."""
+    for block in blocks:
+        block.forward_s, block.backward_s = forward_s, backward_s
+
+
 class SimulatedModel(L.LightningModule):
     """``blocks`` sleeping blocks of about ``params_per_block`` parameters (two matrices and a bias each)."""
 
     def __init__(self, blocks: int = 8, params_per_block: int = 4 * 2**20, grad_norm: float = GRAD_NORM) -> None:
         super().__init__()
-        width = max(1, round(math.sqrt(params_per_block / 4)))  # two (width x 2 width) matrices
-        shapes = [(width, 2 * width), (2 * width, width), (width,)]
-        self.blocks = nn.ModuleList(SleepingBlock(shapes, blocks, grad_norm, seed) for seed in range(blocks))
+        self.blocks = sleeping_blocks(blocks, params_per_block, grad_norm)
 
     def set_device_time(self, forward_s: float, backward_s: float) -> None:
-        """Device time per block."""
-        for block in self.blocks:
-            block.forward_s, block.backward_s = forward_s, backward_s
+        set_device_time(self.blocks, forward_s, backward_s)
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x = batch[0]

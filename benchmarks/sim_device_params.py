@@ -60,7 +60,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_device import CLIP_QUIET, GRAD_NORM, SleepingBlock  # noqa: E402
+from sim_device import CLIP_QUIET, GRAD_NORM, set_device_time, sleeping_blocks  # noqa: E402
 
 from lightning_zero_offload import ZeroOffloadStrategy, kernels  # noqa: E402
 from lightning_zero_offload.engine.offload_params.heap import limit_retained_heap  # noqa: E402
@@ -105,13 +105,10 @@ class SleepingNet(nn.Module):
 
     def __init__(self, blocks: int, params_per_block: int) -> None:
         super().__init__()
-        width = max(1, round(math.sqrt(params_per_block / 4)))  # two (width x 2 width) matrices
-        shapes = [(width, 2 * width), (2 * width, width), (width,)]
-        self.blocks = nn.ModuleList(SleepingBlock(shapes, blocks, GRAD_NORM, seed) for seed in range(blocks))
+        self.blocks = sleeping_blocks(blocks, params_per_block)
 
     def set_device_time(self, forward_s: float, backward_s: float) -> None:
-        for block in self.blocks:
-            block.forward_s, block.backward_s = forward_s, backward_s
+        set_device_time(self.blocks, forward_s, backward_s)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
