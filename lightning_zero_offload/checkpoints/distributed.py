@@ -56,9 +56,9 @@ from lightning_zero_offload.checkpoints.sharded import (
     layout_checksum,
     new_version,
     no_complete_version,
-    publish_version,
+    publish,
     raise_any,
-    remove_unpublished,
+    removed_unless_published,
 )
 from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
 from lightning_zero_offload.engine.offload_params.heap import release_free_heap
@@ -102,11 +102,11 @@ def save_sharded(
     state = sharded_state(module, engine, with_optimizer)
     version_name, save_id = raise_any([broadcast(attempt(new_version, root) if rank == 0 else None)])[0]
     version = root / version_name
-    try:
+    with removed_unless_published(version, rank):  # DCP's writes and the collectives below return on every rank
         save_files(state, version, world)  # raises on every rank if one fails
         names = broadcast(version.children() if rank == 0 else None)
         records = raise_any(gather(attempt(file_records, version, names[rank::world])))
-        published = None
+        meta: dict[str, Any] | None = None
         if rank == 0:
             info = {
                 "format": FORMAT,
@@ -121,17 +121,10 @@ def save_sharded(
                 "with_optimizer": with_optimizer,
             }
             info["layout_crc32"] = layout_checksum(info)
-            meta: dict[str, Any] = {FORMAT_KEY: info, "engine": engine.state_dict(), "extra": extra}
+            meta = {FORMAT_KEY: info, "engine": engine.state_dict(), "extra": extra}
             if with_optimizer:
                 meta["param_groups"] = param_groups_by_name(module, engine.optimizer)
-            published = attempt(publish_version, meta, root, version_name)
-        raise_any([broadcast(published)])
-    except BaseException:
-        # Every rank is past its writes (DCP's and the collectives above returned): rank 0 deletes what this
-        # save wrote, unless meta.pt is in place, which makes the new version the checkpoint.
-        if rank == 0 and not (version / META_FILE).is_file():
-            remove_unpublished(version)
-        raise
+        publish(meta, root, version_name, rank, broadcast)
 
 
 def load_sharded(

@@ -29,7 +29,7 @@ import contextlib
 import re
 import uuid
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -152,8 +152,7 @@ def save_sharded(
     version_name, save_id, names = raise_any([broadcast(started)])[0]
     version = root / version_name
     shard = {name: shard[name] for name in names}
-    published: Any = None
-    try:
+    with removed_unless_published(version, rank):
         records = raise_any(
             gather(attempt(save_file, {**shard, "save_id": save_id, "rank": rank}, version / shard_file(rank), True))
         )
@@ -162,14 +161,28 @@ def save_sharded(
             info = meta[FORMAT_KEY]
             info.update(save_id=save_id, shards=[{"size": r.size, "crc32": r.crc32} for r in records])
             info["layout_crc32"] = layout_checksum(info)
-            published = attempt(publish_version, meta, root, version_name)
-        raise_any([broadcast(published)])
+        publish(meta, root, version_name, rank, broadcast)
+
+
+@contextlib.contextmanager
+def removed_unless_published(version: Location, rank: int) -> Iterator[None]:
+    """Around a save's writes and :func:`publish`, whose collectives have returned on every rank when anything
+    in it raises: rank 0 then deletes what this save wrote, unless meta.pt is in place already, which makes
+    the new version the checkpoint."""
+    try:
+        yield
     except BaseException:
-        # Every rank has finished writing (the collectives above returned), so rank 0 can delete what
-        # this save wrote, unless meta.pt was already in place: then the new version is the checkpoint.
         if rank == 0 and not (version / META_FILE).is_file():
             remove_unpublished(version)
         raise
+
+
+def publish(
+    meta: dict[str, Any] | None, root: Location, version_name: str, rank: int, broadcast: Callable[[Any], Any]
+) -> None:
+    """Rank 0 writes ``meta`` last (:func:`publish_version`); a failure there raises on every rank."""
+    published = attempt(publish_version, meta, root, version_name) if rank == 0 else None
+    raise_any([broadcast(published)])
 
 
 def remove_unpublished(version: Location) -> None:

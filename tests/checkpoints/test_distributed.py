@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_zero_offload.checkpoints import FORMAT_KEY, CheckpointError, distributed, export
 from lightning_zero_offload.checkpoints import load_sharded as load_zero2
+from lightning_zero_offload.checkpoints import sharded as sharded_format
 from lightning_zero_offload.checkpoints.distributed_files import DCP_METADATA, MetadataReader, file_records
 from lightning_zero_offload.checkpoints.sharded import META_FILE, current_version, layout_checksum
 from lightning_zero_offload.engine.offload_params.full_state import full_model_state, full_optimizer_state
@@ -165,7 +166,7 @@ def test_a_save_that_fails_before_publishing_leaves_the_previous_checkpoint(tmp_
     def no_publishing(*args):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(distributed, "publish_version", no_publishing)
+    monkeypatch.setattr(sharded_format, "publish_version", no_publishing)
     with pytest.raises(CheckpointError, match="saving the sharded checkpoint failed on rank 0: OSError"):
         distributed.save_sharded(path, sharded, engine, {"step": 2})
     assert len(list(path.iterdir())) == 1 and distributed.load_sharded(path, sharded, engine) == {"step": 1}
