@@ -23,9 +23,11 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def load_benchmark(name: str) -> ModuleType:
-    """benchmarks/<name>.py as a module (the directory is scripts, not a package)."""
+    """benchmarks/<name>.py as a module (the directory is scripts, not a package), registered under its name
+    (a dataclass looks its module up there)."""
     spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -3,41 +3,25 @@ FSDP2 + CPUOffloadPolicy + torch's fused AdamW. Their arithmetic on shaped numbe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import BENCHMARKS, load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ROOT / "benchmarks"
-
-
-def load(name: str):
-    """benchmarks/<name>.py as a module, registered (dataclasses look their module up)."""
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def sim():
-    try:
-        yield load("sim_device_params")
-    finally:
-        sys.modules.pop("sim_device_params", None)
+    return load_benchmark("sim_device_params")
 
 
 @pytest.fixture(scope="module")
 def memory():
-    try:
-        yield load("offload_params_memory")
-    finally:
-        sys.modules.pop("offload_params_memory", None)
+    return load_benchmark("offload_params_memory")
 
 
 def test_speedups_are_the_anchors_time_over_ours_per_round_and_what_each_adds_to_fsdp2_alone(sim):
