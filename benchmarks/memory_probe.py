@@ -24,6 +24,21 @@ def rss() -> int:
         return int(f.read().split()[1]) * PAGE
 
 
+def status(field: str) -> int:
+    """A field of /proc/self/status (VmRSS, VmHWM, ...) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak() -> None:
+    """The kernel's high-water mark (VmHWM) starts again from the current resident set."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def anonymous_rss() -> int:
     """RSS less its file-backed pages (mapped files such as a memory-mapped checkpoint, code paged in):
     the memory that only swap or the OOM killer can take back."""

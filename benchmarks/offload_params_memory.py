@@ -42,6 +42,9 @@ from typing import Any
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory_probe import reset_peak, status  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "offload_params"
 MMAP_THRESHOLD = "131072"
@@ -87,16 +90,6 @@ class Stack(nn.Module):
         return x
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")  # the kernel's VmHWM starts again from the current resident set
-
-
 def measure(rank: int, case: Case, blocks: int, width: int, steps: int = 3) -> dict[str, Any]:
     """One rank of one case: resident bytes above the post-import baseline, held and peak (see the module)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -107,8 +100,8 @@ def measure(rank: int, case: Case, blocks: int, width: int, steps: int = 3) -> d
     world = torch.distributed.get_world_size()
     cpu = torch.device("cpu")
     gc.collect()
-    base = _status_kb("VmRSS") * 1024
-    _reset_peak()
+    base = status("VmRSS")
+    reset_peak()
     torch.manual_seed(0)
     model = Stack(blocks, width)
     params = sum(p.numel() for p in model.parameters())
@@ -148,8 +141,8 @@ def measure(rank: int, case: Case, blocks: int, width: int, steps: int = 3) -> d
             session.finish_backward()
             session.clip_norm(CLIP)
             session.step()
-    out["held_bytes"] = _status_kb("VmRSS") * 1024 - base
-    out["peak_bytes"] = _status_kb("VmHWM") * 1024 - base
+    out["held_bytes"] = status("VmRSS") - base
+    out["peak_bytes"] = status("VmHWM") - base
     if case.cpu_state is not None:
         out["engine_host_state_bytes"] = session.memory_report()["host_state_bytes"]
         session.close()

@@ -34,24 +34,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from memory_probe import PeakSampler, anonymous_rss  # noqa: E402
+from memory_probe import PeakSampler, anonymous_rss, reset_peak, status  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MB = 2**20
-
-
-def status(field: str) -> int:
-    """A field of /proc/self/status (VmRSS, VmHWM, ...) in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
 
 
 def stack(params: float, width: int):
