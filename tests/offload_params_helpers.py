@@ -209,6 +209,16 @@ def train(sharded: nn.Module, engine: ParamOffloadEngine, data: list, clip_norm:
         engine.zero_grad()
 
 
+def trained_copy(
+    model: nn.Module, data: list, dtype: torch.dtype = torch.float32, clip_norm: float | None = None, **options
+) -> tuple[nn.Module, ParamOffloadEngine]:
+    """A :func:`sharded_copy` of ``model`` and its :func:`make_engine` (``options``), trained on ``data``."""
+    sharded = sharded_copy(model, dtype)
+    engine = make_engine(sharded, **options)
+    train(sharded, engine, data, clip_norm=clip_norm)
+    return sharded, engine
+
+
 def training_state(sharded: nn.Module, engine: ParamOffloadEngine) -> dict[str, object]:
     """Everything a resume must restore, whole (a collective at several ranks): parameters and buffers, moments,
     step counts, the engine's counters (its ``state_dict``: steps, skips, loss scale, the bf16 rounding seed)."""

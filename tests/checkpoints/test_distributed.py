@@ -20,6 +20,7 @@ from offload_params_helpers import (
     one_rank_group,
     sharded_copy,
     train,
+    trained_copy,
     training_state,
     two_groups,
 )
@@ -44,10 +45,7 @@ def group():
 
 def trained(steps: int, dtype: torch.dtype = torch.float32, seed: int = 0, **options):
     torch.manual_seed(seed)
-    sharded = sharded_copy(Blocks(), dtype)
-    engine = make_engine(sharded, **options)
-    train(sharded, engine, batches(steps=steps, micro=2), clip_norm=0.5)
-    return sharded, engine
+    return trained_copy(Blocks(), batches(steps=steps, micro=2), dtype, clip_norm=0.5, **options)
 
 
 def version_file(path: Path, name: str) -> Path:
@@ -63,13 +61,9 @@ def test_a_sharded_checkpoint_resumes_bitwise_as_the_uninterrupted_run(tmp_path,
     data = batches(steps=6, micro=2)
     torch.manual_seed(0)
     model = Blocks()
-    uninterrupted = sharded_copy(model, dtype)
-    engine = make_engine(uninterrupted, cpu_state=cpu_state, cpu_step=cpu_step)
-    train(uninterrupted, engine, data, clip_norm=0.5)
+    uninterrupted, engine = trained_copy(model, data, dtype, clip_norm=0.5, cpu_state=cpu_state, cpu_step=cpu_step)
 
-    first = sharded_copy(model, dtype)
-    first_engine = make_engine(first, cpu_state=cpu_state, cpu_step=cpu_step)
-    train(first, first_engine, data[:3], clip_norm=0.5)
+    first, first_engine = trained_copy(model, data[:3], dtype, clip_norm=0.5, cpu_state=cpu_state, cpu_step=cpu_step)
     distributed.save_sharded(tmp_path / "last.ckpt", first, first_engine, EXTRA)
     torch.manual_seed(1)  # another init and bf16 rounding seed: everything must come from the checkpoint
     resumed = sharded_copy(Blocks(), dtype)

@@ -16,6 +16,7 @@ from offload_params_helpers import (
     relative_error,
     sharded_copy,
     train,
+    trained_copy,
     training_state,
     two_groups,
 )
@@ -58,14 +59,10 @@ def test_a_full_checkpoint_resumes_bitwise_as_the_uninterrupted_run(tmp_path, cp
     torch.manual_seed(0)
     dtype = torch.bfloat16 if cpu_state == "bf16" else torch.float32
     model, data = Blocks(), batches(steps=6, micro=2)
-    uninterrupted = sharded_copy(model, dtype)
-    engine = make_engine(uninterrupted, cpu_state=cpu_state, cpu_step=cpu_step)
-    train(uninterrupted, engine, data, clip_norm=0.5)
+    uninterrupted, engine = trained_copy(model, data, dtype, clip_norm=0.5, cpu_state=cpu_state, cpu_step=cpu_step)
     want = training_state(uninterrupted, engine)
 
-    first = sharded_copy(model, dtype)
-    first_engine = make_engine(first, cpu_state=cpu_state, cpu_step=cpu_step)
-    train(first, first_engine, data[:3], clip_norm=0.5)
+    first, first_engine = trained_copy(model, data[:3], dtype, clip_norm=0.5, cpu_state=cpu_state, cpu_step=cpu_step)
     saved = full_checkpoint(first, first_engine, tmp_path / "full.ckpt")
     torch.manual_seed(1)  # another init and another bf16 rounding seed: everything must come from the file
     resumed = sharded_copy(Blocks(), dtype)
@@ -81,9 +78,7 @@ def test_a_full_checkpoint_resumes_bitwise_as_the_uninterrupted_run(tmp_path, cp
 
 def test_the_full_optimizer_state_is_torch_adamws():
     torch.manual_seed(0)
-    sharded = sharded_copy(Blocks())
-    engine = make_engine(sharded, cpu_step="sync")
-    train(sharded, engine, batches(steps=3, micro=1))
+    sharded, engine = trained_copy(Blocks(), batches(steps=3, micro=1), cpu_step="sync")
     ours = full_optimizer_state(engine)
     plain_optimizer = torch.optim.AdamW(two_groups(Blocks()))
     assert ours["param_groups"] == plain_optimizer.state_dict()["param_groups"]
@@ -96,9 +91,7 @@ def test_the_full_optimizer_state_is_torch_adamws():
 def test_the_moments_in_torch_format_match_torch_adamws_moments():
     torch.manual_seed(0)
     model, data = Blocks(), batches(steps=3, micro=1)
-    sharded = sharded_copy(model)
-    engine = make_engine(sharded, cpu_step="sync")
-    train(sharded, engine, data)
+    sharded, engine = trained_copy(model, data, cpu_step="sync")
     ours = full_optimizer_state(engine)["state"]
     reference = torch.optim.AdamW(two_groups(model))
     for window in data:
@@ -116,9 +109,7 @@ def test_the_two_modes_resume_from_each_others_full_checkpoints(tmp_path):
     """The same layout as the ZeRO-2 engine's full checkpoint: each mode loads the other's state bitwise."""
     torch.manual_seed(0)
     model, data = Blocks(), batches(steps=3, micro=1)
-    sharded = sharded_copy(model)
-    engine = make_engine(sharded, cpu_step="sync")
-    train(sharded, engine, data)
+    sharded, engine = trained_copy(model, data, cpu_step="sync")
     saved = full_checkpoint(sharded, engine, tmp_path / "params.ckpt")
 
     plain = Blocks()
@@ -157,9 +148,7 @@ def _equal_optimizer_states(a: dict, b: dict) -> bool:
 def test_a_bf16_state_loading_fp32_moments_says_it_rounds_them():
     torch.manual_seed(0)
     model, data = Blocks(), batches(steps=2, micro=1)
-    sharded = sharded_copy(model)
-    engine = make_engine(sharded, cpu_step="sync")
-    train(sharded, engine, data)
+    sharded, engine = trained_copy(model, data, cpu_step="sync")
     state = full_optimizer_state(engine)
     compact = sharded_copy(model, torch.bfloat16)
     compact_engine = make_engine(compact, cpu_state="bf16")
