@@ -17,10 +17,10 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_zero_offload.checkpoints import FORMAT_KEY, PathLike, save_sharded, sharded_layout
+from lightning_zero_offload.checkpoints.distributed_files import gather
 from lightning_zero_offload.checkpoints.streamed import BucketStream, serve_full_save
 from lightning_zero_offload.checkpoints.writer import StreamedStorages
 from lightning_zero_offload.engine import OffloadEngine
@@ -130,7 +130,7 @@ class SessionCheckpoints:
         if rank == 0:
             checkpoint[FORMAT_KEY] = sharded_layout(engine.layout, self.param_keys, engine.steps, engine.torch_index)
         meta = checkpoint if rank == 0 else None
-        save_sharded(path, engine.shard_state_dict(), meta, rank, broadcast, all_gather_objects)
+        save_sharded(path, engine.shard_state_dict(), meta, rank, broadcast, gather)
 
     # -- in --------------------------------------------------------------------------------------
 
@@ -156,15 +156,6 @@ class SessionCheckpoints:
     def load_engine_state(self, state: dict[str, Any]) -> None:
         """:meth:`engine_state_dict` back, after the weights and the optimizer state."""
         self.engine.load_state_dict(state)
-
-
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Every rank's ``obj``, in rank order, on every rank (``[obj]`` without a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
-    return gathered
 
 
 def state_dict_keys(module: nn.Module, params: list[torch.nn.Parameter]) -> list[list[str]]:
