@@ -10,7 +10,7 @@ formulas to hand computations until a live engine can be compared with them, as 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -70,8 +70,18 @@ def fsdp_units(shape: ModelShape, n_layer: int | None, world: int) -> FsdpUnits:
         tensors = tuple(_shard(size, world) for size in ((3 * h, h), (h, h), (4 * h, h), (h, 4 * h)))
         shard = -(-shape.params // world)
         largest = 4 * h * h  # the MLP's matrices
-        units = FsdpUnits(world, depth, per_layer, 0, shape.params, shard, frozen_shard, largest, tensors * depth)
-        return replace(units, largest_unit_tensor=min(largest, per_layer))
+        return FsdpUnits(
+            world,
+            depth,
+            per_layer,
+            0,
+            shape.params,
+            shard,
+            frozen_shard,
+            largest,
+            tensors * depth,
+            min(largest, per_layer),
+        )
     tensors = tuple(_shard(size, world) for size in shape.shapes)
     total = sum(shape.units) + shape.root_params
     largest = max(shape.units, default=0)
