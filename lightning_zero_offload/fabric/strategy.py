@@ -315,16 +315,17 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         """As Fabric's, for both formats; the sharded one is reassembled at this world size (with
         ``offload_params=True``: read in place into the shards and moments, every rank its own rows)."""
         loaded_in_place: set[str] = set()
+        with_optimizer = _wants_optimizer(state)
         if isinstance(self.session, ParamOffloadSession) and is_distributed_checkpoint(path):
-            checkpoint = self.session.load_sharded(path, with_optimizer=_wants_optimizer(state))
+            checkpoint = self.session.load_sharded(path, with_optimizer=with_optimizer)
             # a Trainer's checkpoint names its entries as the Trainer does
             keys = checkpoint.pop(FABRIC_KEY, {"model": "state_dict", "optimizer": "optimizer_states"})
-            loaded_in_place = {keys["model"]} | ({keys["optimizer"]} if _wants_optimizer(state) else set())
+            loaded_in_place = {keys["model"]} | ({keys["optimizer"]} if with_optimizer else set())
             loaded_in_place.discard(None)
             if not isinstance(state, dict):  # the module or the optimizer alone: loaded already
                 return {}
         else:
-            checkpoint = load_checkpoint(path, self.checkpoint_io, weights_only, with_optimizer=_wants_optimizer(state))
+            checkpoint = load_checkpoint(path, self.checkpoint_io, weights_only, with_optimizer=with_optimizer)
         if FORMAT_KEY in checkpoint:  # sharded: back under the names the Fabric run gave its entries
             checkpoint = fabric_checkpoint_from_sharded(checkpoint)
         else:
