@@ -22,9 +22,12 @@ from lightning_zero_offload.core.options import (
 from lightning_zero_offload.core.param_session import ParamOffloadSession
 from lightning_zero_offload.core.session import (
     ENGINE_STATE_KEY,
+    BlockwiseInit,
     OffloadSession,
     SessionStrategy,
+    materialize,
     move_untrained_to,
+    on_meta,
     training_session,
 )
 from lightning_zero_offload.core.teardown import release_after_failure, release_process_group
@@ -32,6 +35,7 @@ from lightning_zero_offload.engine.stats import StepStats, hidden_fraction
 
 __all__ = [
     "ENGINE_STATE_KEY",
+    "BlockwiseInit",
     "OPTIONS_DOC",
     "OPTION_NAMES",
     "OffloadSession",
@@ -43,7 +47,9 @@ __all__ = [
     "collective_timeout",
     "hidden_fraction",
     "make_offload_options",
+    "materialize",
     "move_untrained_to",
+    "on_meta",
     "release_after_failure",
     "release_process_group",
     "resolve_precision",

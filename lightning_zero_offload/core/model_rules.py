@@ -15,7 +15,7 @@ clear error naming the fix.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from difflib import SequenceMatcher
 
 import torch
@@ -56,9 +56,16 @@ def check_unique_params(optimizer: torch.optim.Optimizer, names: Mapping[int, st
             seen.add(id(p))
 
 
-def check_param_dtypes(params: Sequence[torch.Tensor], names: Mapping[int, str], device_dtype: torch.dtype) -> None:
+def check_param_dtypes(
+    params: Sequence[torch.Tensor],
+    names: Mapping[int, str],
+    device_dtype: torch.dtype,
+    placeholders: Collection[int] = (),
+) -> None:
     """Refuse trainable parameters that the engine's flat device buffer of ``device_dtype`` would silently
     change: complex ones, ``expand()``-ed ones, and dtypes it would cast (the front ends' one call for all).
+    ``placeholders``: ids of parameters that stand for a model built on the meta device, expanded zeros that
+    hold no memory until the engine gives them their values (not tied elements).
 
     With bf16/fp16 autocast casts per operation, so fp32 and low-precision parameters work there, but autocast
     leaves fp64 alone: an fp64 submodule fed fp64 inputs trains in fp64 under strategy="auto", and would
@@ -78,7 +85,8 @@ def check_param_dtypes(params: Sequence[torch.Tensor], names: Mapping[int, str],
             "an even storage offset, which a view into the flat buffer need not have), or freeze it "
             "(requires_grad=False), or train with strategy='auto'."
         )
-    found = _first([(name, p) for name, p in labelled if any(n > 1 and s == 0 for n, s in zip(p.shape, p.stride()))])
+    expanded = [(name, p) for name, p in labelled if any(n > 1 and s == 0 for n, s in zip(p.shape, p.stride()))]
+    found = _first([(name, p) for name, p in expanded if id(p) not in placeholders])
     if found:
         name, p, extra = found
         raise ValueError(
@@ -173,3 +181,26 @@ def _difference(descriptions: list[list[str]]) -> str:
         f"{first}. Build the same model with the same strategy options on every rank (look for code that depends "
         "on the rank, the host or files that differ between machines)."
     )
+
+
+def check_model(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    param_dtype: torch.dtype,
+    precision: str,
+    options: object,
+    device: torch.device,
+    distributed: bool,
+    placeholders: Collection[int] = (),
+) -> None:
+    """Refuse what the engine would train wrongly, and models or options that differ between ranks
+    (before the first collective that depends on them). ``options``: the ``OffloadOptions``;
+    ``placeholders``: see :func:`check_param_dtypes`."""
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    check_unique_params(optimizer, names)
+    trainable = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    check_param_dtypes(trainable, names, param_dtype, placeholders)
+    if distributed:
+        check_same_on_all_ranks(describe_model(module, optimizer, options, precision), device)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,16 +33,13 @@ from torch import nn
 
 from lightning_zero_offload.checkpoints import ENGINE_STATE_KEY
 from lightning_zero_offload.core.gradients import GradientView
-from lightning_zero_offload.core.model_rules import (
-    check_param_dtypes,
-    check_same_on_all_ranks,
-    check_unique_params,
-    describe_model,
-)
+from lightning_zero_offload.core.model_rules import check_model
 from lightning_zero_offload.core.options import STRATEGY_DESCRIPTION, resolve_precision
 from lightning_zero_offload.core.session_checkpoints import SessionCheckpoints, state_dict_keys
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions, StepStats
 from lightning_zero_offload.engine.infra.collectives import broadcast_tensors_
+from lightning_zero_offload.engine.offload_params.materialize import BlockwiseInit, materialize, on_meta
+from lightning_zero_offload.engine.offload_params.placement import init_units
 from lightning_zero_offload.engine.options import Resolved
 from lightning_zero_offload.planner import check_host_memory
 
@@ -73,13 +71,16 @@ class OffloadSession(SessionCheckpoints):
         options: OffloadOptions,
         world_size: int,
         local_world_size: int,
+        blockwise: BlockwiseInit | None = None,
     ) -> OffloadSession:
         """Check the model and the host memory, then build the engine (the module's trainable weights go
         to ``device`` as low-precision views of one flat buffer).
 
         Everything that can be refused is refused before the engine allocates. With several ranks the
         ranks first check that they hold the same model and options, then take rank 0's weights and
-        buffers; the engine shards over torch.distributed's default group.
+        buffers; the engine shards over torch.distributed's default group. ``blockwise``: the model was built
+        on the meta device (:meth:`placeholders`); the engine is built over the placeholders, then takes each
+        block's values as it is initialized.
         """
         if len(optimizers) != 1:
             raise ValueError(
@@ -88,16 +89,38 @@ class OffloadSession(SessionCheckpoints):
             )
         (optimizer,) = optimizers
         precision, param_dtype = resolve_precision(precision)
-        _check_model(module, optimizer, param_dtype, precision, options, device, world_size > 1)
-        check_host_memory(module, options, param_dtype, world_size, local_world_size, device)
-        if world_size > 1:
+        placeholders = blockwise.placeholder_ids if blockwise is not None else ()
+        check_model(module, optimizer, param_dtype, precision, options, device, world_size > 1, placeholders)
+        check_host_memory(
+            module, options, param_dtype, world_size, local_world_size, device, blockwise=blockwise is not None
+        )
+        if world_size > 1 and blockwise is None:
             broadcast_tensors_(list(module.state_dict().values()), None, device)
         # process_group=None means the default group to torch.distributed; holding the group object itself
         # would keep it alive past destroy_process_group (see release_process_group).
         engine = OffloadEngine(
             optimizer, device, param_dtype, options, process_group=None, local_world_size=local_world_size
         )
+        if blockwise is not None:
+            try:
+                rank0 = partial(broadcast_tensors_, group=None, device=device) if world_size > 1 else None
+                blockwise.fill(engine.load_master_param, rank0)
+            except BaseException:
+                engine.close(after_failure=True)
+                raise
+            engine.master_loaded()
         return cls(module, engine)
+
+    @staticmethod
+    def placeholders(
+        module: nn.Module, device: torch.device, optimizers: Sequence[torch.optim.Optimizer] = ()
+    ) -> BlockwiseInit | None:
+        """A model built on the meta device (``configure_model``, ``init_module(empty_init=True)``) with
+        placeholders for parameters (in ``optimizers`` built before too), for :meth:`start` to fill block by
+        block; None for a model with no tensor on the meta device."""
+        if not on_meta(module):
+            return None
+        return BlockwiseInit(module, device, init_units(module), optimizers)
 
     @property
     def training(self) -> bool:
@@ -347,31 +370,13 @@ def move_untrained_to(module: nn.Module, device: torch.device) -> None:
                     sub._buffers[name] = buffer.to(device)
 
 
-def _check_model(
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    param_dtype: torch.dtype,
-    precision: str,
-    options: OffloadOptions,
-    device: torch.device,
-    distributed: bool,
-) -> None:
-    """Refuse what the engine would train wrongly, and models or options that differ between ranks
-    (before the first collective that depends on them)."""
-    names: dict[int, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    check_unique_params(optimizer, names)
-    trainable = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    check_param_dtypes(trainable, names, param_dtype)
-    if distributed:
-        check_same_on_all_ranks(describe_model(module, optimizer, options, precision), device)
-
-
 __all__ = [
     "ENGINE_STATE_KEY",
+    "BlockwiseInit",
     "OffloadSession",
     "SessionStrategy",
+    "materialize",
     "move_untrained_to",
+    "on_meta",
     "training_session",
 ]

@@ -41,7 +41,7 @@ from lightning_zero_offload.engine.failures import NonFinitePolicy
 from lightning_zero_offload.engine.infra.ledger import records_allocations
 from lightning_zero_offload.engine.infra.memory import can_pin
 from lightning_zero_offload.engine.infra.streams import worker_pool
-from lightning_zero_offload.engine.lifecycle import EngineLifecycle
+from lightning_zero_offload.engine.lifecycle import LIVE_ENGINES, EngineLifecycle
 from lightning_zero_offload.engine.optimizer_hooks import has_step_hooks, step_hooks
 from lightning_zero_offload.engine.optimizer_support import check_optimizer
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
@@ -120,6 +120,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self._rounding_seed = rounding_seed(process_group if world > 1 else None, device, world) if compact else 0
         self._build()
         self.last = StepStats(loss_scale=self.loss_scale)
+        LIVE_ENGINES.add(self)
 
     @records_allocations  # every buffer made here (schedules' too) lands in self.ledger, read by memory_report
     def _build(self) -> None:
@@ -143,6 +144,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
                 counter += 1
         if not self.params:
             raise ValueError("The optimizer has no parameter with requires_grad=True: nothing to train")
+        self._param_index = {id(p): index for index, p in enumerate(self.params)}
 
         element = torch.empty(0, dtype=param_dtype).element_size()
         self.layout: Layout = build_layout([p.shape for p in self.params], options.bucket_numel(element), world, rank)

@@ -8,6 +8,9 @@ settles the schedule first where it reads or replaces the CPU state, so what it 
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -23,6 +26,13 @@ from lightning_zero_offload.engine.step.gradient_source import GradientSource
 from lightning_zero_offload.engine.step.layout import Layout
 from lightning_zero_offload.engine.step.publisher import NullPublisher, Publisher
 
+LIVE_ENGINES: weakref.WeakSet[EngineLifecycle] = weakref.WeakSet()  # every engine built, for engine_training
+
+
+def engine_training(param: torch.Tensor) -> EngineLifecycle | None:
+    """The open engine that trains ``param`` (its master weights are the engine's), or None."""
+    return next((e for e in LIVE_ENGINES if not e.closed and id(param) in e._param_index), None)
+
 
 class EngineLifecycle:
     """Re-planning, checkpoints' state, teardown: what the engine does besides the step."""
@@ -31,6 +41,7 @@ class EngineLifecycle:
     optimizer: torch.optim.Optimizer
     device: torch.device
     params: list[torch.nn.Parameter]
+    _param_index: dict[int, int]  # id of a parameter -> its index in params
     layout: Layout
     state: CpuState
     grads: GradientSource
@@ -186,6 +197,30 @@ class EngineLifecycle:
                 raise ValueError(f"master weight of shape {tuple(t.shape)} does not fit parameter {tuple(p.shape)}")
         self._settle()
         state_dicts.load_shard(self.layout, self.master, list(tensors))  # converted segment by segment: no full copy
+        self.master_loaded()
+
+    @contextmanager
+    def writing_master(self) -> Iterator[Callable[[torch.nn.Parameter, torch.Tensor], bool]]:
+        """Inside: :meth:`load_master_param`, parameter by parameter (the step in flight finished first); on
+        leaving, the device copy and the schedule follow (:meth:`master_loaded`)."""
+        self._settle()
+        yield self.load_master_param
+        self.master_loaded()
+
+    def load_master_param(self, param: torch.nn.Parameter, value: torch.Tensor) -> bool:
+        """``value``, the whole tensor, into this rank's rows of ``param``'s master weight (converted to the
+        state's dtype); False for a parameter the engine does not train. Inside :meth:`writing_master`."""
+        index = self._param_index.get(id(param))
+        if index is None:
+            return False
+        if value.shape != param.shape:
+            raise ValueError(f"a value of shape {tuple(value.shape)} for a parameter of shape {tuple(param.shape)}")
+        state_dicts.load_param_shard(self.layout, self.master, index, value)
+        return True
+
+    def master_loaded(self) -> None:
+        """After master weights were written: the device copy takes their values, and the schedule drops what it
+        computed from the old ones."""
         self.refresh_device_params()
         self.schedule.on_weights_loaded()
 

@@ -302,9 +302,10 @@ def _check_offload_params(options: OffloadOptions, cpu_step: ScheduleName) -> li
     if cpu_step == "delayed":
         raise ValueError(
             "cpu_step='delayed' lets the device compute with weights one step old while the CPU updates the master; "
-            "with offload_params=True FSDP2 gathers the master shard itself, so there is no older copy to "
-            "compute with: "
-            "use cpu_step='speculative' (the step overlaps backward) or 'sync'"
+            "with offload_params=True FSDP2 gathers each block's master shard itself, for forward and again for "
+            "backward, so a block's delayed update could only be written after its backward gather (written "
+            "before, forward and backward would see different weights): behind backward, the window "
+            "cpu_step='speculative' uses exactly. Use cpu_step='speculative' or 'sync'"
         )
     if options.bucket_size_mb != OffloadOptions.bucket_size_mb:
         return [

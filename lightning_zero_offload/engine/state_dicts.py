@@ -24,9 +24,15 @@ if TYPE_CHECKING:
 
 def load_shard(layout: Layout, shard: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Copy this rank's part of full per-parameter tensors into a flat shard buffer (converted to its dtype)."""
-    for bucket in layout.buckets:
-        for seg in bucket.segments:
-            flat = tensors[seg.param_index].reshape(-1)
+    for index, tensor in enumerate(tensors):
+        load_param_shard(layout, shard, index, tensor)
+
+
+def load_param_shard(layout: Layout, shard: torch.Tensor, index: int, tensor: torch.Tensor) -> None:
+    """Copy this rank's part of parameter ``index``'s full tensor into a flat shard buffer (converted)."""
+    flat = tensor.reshape(-1)
+    for seg in layout.buckets[layout.slots[index].bucket].segments:
+        if seg.param_index == index:
             shard[seg.shard_start : seg.shard_end].copy_(flat[seg.param_start : seg.param_start + seg.numel])
 
 

@@ -34,6 +34,7 @@ from lightning_zero_offload.checkpoints import FABRIC_KEY, FORMAT_KEY
 from lightning_zero_offload.checkpoints.distributed import is_distributed_checkpoint
 from lightning_zero_offload.core import (
     OPTIONS_DOC,
+    BlockwiseInit,
     OffloadedOptimizer,
     OffloadSession,
     ParamOffloadSession,
@@ -42,6 +43,7 @@ from lightning_zero_offload.core import (
     collective_timeout,
     make_offload_options,
     move_untrained_to,
+    on_meta,
     training_session,
 )
 from lightning_zero_offload.core.checkpoint_io import load_checkpoint, save_checkpoint, uses_own_writer
@@ -96,6 +98,8 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         # Modules from setup_module, until setup_optimizer starts the engine with one; weak, as evaluation-only
         # modules may never get an optimizer. Each with its forward pre-hook that moves it for evaluation.
         self._awaiting_optimizer: WeakKeyDictionary[Module, RemovableHandle | None] = WeakKeyDictionary()
+        # Those built on the meta device: their placeholders, for the engine to fill (OffloadSession.placeholders).
+        self._placeholders: WeakKeyDictionary[Module, BlockwiseInit | None] = WeakKeyDictionary()
 
     # Fabric assigns a generic plugin built from `precision=`; the offload forward and backward need this one.
     precision = coerced_precision(ZeroOffloadFabricPrecision, "_precision")  # type: ignore[assignment]
@@ -104,9 +108,11 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
 
     @override
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
-        """With parameters offloaded, ``fabric.init_module(empty_init=True)`` builds on the meta device (``setup``
-        materializes the model unit by unit into its shards), and without it on the host, never on the device."""
-        if not self.options.offload_params:
+        """``fabric.init_module(empty_init=True)`` builds on the meta device: ``setup`` materializes the model
+        unit by unit, into its shards with parameters offloaded, else into the engine's master weights (never
+        whole on the host or the device). Without it, with parameters offloaded, the model is built on the host,
+        never on the device."""
+        if not self.options.offload_params and not empty_init:
             return super().module_init_context(empty_init)
         stack = ExitStack()
         if empty_init:
@@ -118,8 +124,8 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
     def module_to_device(self, module: Module) -> None:
         """Before setup, only what the engine will not own moves: the trainable fp32 weights would
         otherwise pass through device memory at 4 bytes per parameter."""
-        if self.options.offload_params:
-            return  # FSDP2 puts the buffers on the device and keeps the shards on the host (setup_module)
+        if self.options.offload_params or on_meta(module):
+            return  # FSDP2, or the engine's blockwise fill, puts the buffers on the device (setup)
         if self.session is not None or not any(p.requires_grad for p in module.parameters()):
             module.to(self.root_device)
         else:
@@ -154,6 +160,8 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
                 self._shard(module)  # before the optimizer is built: it takes the sharded parameters
                 self._awaiting_optimizer[module] = None
             return module
+        if module not in self._awaiting_optimizer and on_meta(module):  # placeholders for the optimizer's build
+            self._placeholders[module] = OffloadSession.placeholders(module, self.root_device)
         if module not in self._awaiting_optimizer:
 
             def move_for_evaluation(module: Module, args: Any) -> None:
@@ -200,10 +208,14 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
     def _start_session(self, module: Module, optimizers: list[Optimizer]) -> OffloadedOptimizer:
         self.precision.device_type = self.root_device.type
         world = self.num_nodes * self.num_processes
-        start = ParamOffloadSession.start if self.options.offload_params else OffloadSession.start
-        self.session = start(
-            module, optimizers, self.root_device, self.precision.precision, self.options, world, self.num_processes
-        )
+        args = (module, optimizers, self.root_device, self.precision.precision, self.options, world, self.num_processes)
+        if self.options.offload_params:
+            self.session = ParamOffloadSession.start(*args)
+        else:  # a model built on the meta device is filled by the engine, block by block
+            blockwise = self._placeholders.pop(module, None) or OffloadSession.placeholders(
+                module, self.root_device, optimizers
+            )
+            self.session = OffloadSession.start(*args, blockwise=blockwise)
         self.precision.session = self.session
         if (evaluation_hook := self._awaiting_optimizer.pop(module, None)) is not None:
             evaluation_hook.remove()

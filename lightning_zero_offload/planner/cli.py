@@ -108,8 +108,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--configure-model",
         action="store_true",
-        help="the model is built in configure_model or under init_module(empty_init=True) (with --offload-params: "
-        "materialized block by block, never whole)",
+        help="the model is built in configure_model or under init_module(empty_init=True): materialized block by "
+        "block, never whole",
     )
     p.add_argument("--host", choices=sorted(presets.HOSTS), help="a typical host instead of measuring this one")
     p.add_argument("--device", choices=sorted(presets.DEVICES), help="a typical accelerator (needs --host)")

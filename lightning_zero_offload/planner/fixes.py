@@ -10,7 +10,7 @@ from lightning_zero_offload.engine.options import STATE_DTYPES, with_compact_sta
 from lightning_zero_offload.planner.machine import GB, format_gb
 from lightning_zero_offload.planner.memory import CHECKPOINT_FORMATS, state_bytes_per_param
 from lightning_zero_offload.planner.shape import ModelShape, scaled
-from lightning_zero_offload.planner.verdicts import EXACT_SCHEDULES, SETUP_WHOLE, Evaluation, evaluate
+from lightning_zero_offload.planner.verdicts import EXACT_SCHEDULES, SETUP, SETUP_WHOLE, Evaluation, evaluate
 
 
 def fixes_for(shape: ModelShape, args: tuple, memory: Evaluation, asked: str) -> list[str]:
@@ -33,15 +33,15 @@ def fixes_for(shape: ModelShape, args: tuple, memory: Evaluation, asked: str) ->
         fixes.append(f'checkpoint_format="{fitting_format(memory)}" (a save then gathers no copy of the state)')
     failed = {c.name.split(",")[0].split(" per ")[0] for v in memory.verdicts.values() for c in v.failed}
     device_fails = "device memory" in failed
-    setup_fails = any(c.name == SETUP_WHOLE for v in memory.verdicts.values() for c in v.failed)
-    if options.offload_params and setup_fails:  # named even when something else fails too: this peak has one fix
+    setup_fails = any(c.name in (SETUP, SETUP_WHOLE) for v in memory.verdicts.values() for c in v.failed)
+    if setup_fails:  # named even when something else fails too: this peak has one fix
         blockwise = evaluate(replace(shape, configure_model=True), *args)
         found = fitting_format(blockwise)
         before, after = memory.host["sync"].setup_per_node, blockwise.host["sync"].setup_per_node
         still = [f"{c.name.split(' (')[0]} {format_gb(c.need)}" for c in blockwise.verdicts[f"sync/{asked}"].failed]
         fixes.append(
             "build the model in configure_model (or under trainer.init_module(empty_init=True)): it is then "
-            f"materialized block by block into its shards, never whole; host RAM at setup {format_gb(before)} -> "
+            f"materialized block by block, never whole; host RAM at setup {format_gb(before)} -> "
             f"{format_gb(after)} per node" + (also(found) if found else f" (still too much: {'; '.join(still)})")
         )
     if "host RAM" in failed and options.cpu_state == "fp32" and dtype != torch.float16:  # fp16 needs fp32 state

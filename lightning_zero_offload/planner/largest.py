@@ -3,7 +3,8 @@ with the parameters on the GPU (ZeRO-2) and offloaded too (``offload_params``).
 
 The models are the planner's family for a parameter count (a transformer of ``n_layer`` layers whose width
 follows from the count, :func:`~lightning_zero_offload.planner.shape.width_for`), built on the host in fp32
-as a module usually is (with ``offload_params``: in ``configure_model``, block by block); for each way to
+as a module usually is, in the run's 16-bit dtype, or in ``configure_model`` (materialized block by block;
+with ``offload_params`` always); for each way to
 train, the largest count whose every memory requirement fits is found by bisection, and what a larger model
 runs out of first is named.
 """
@@ -32,6 +33,7 @@ from lightning_zero_offload.planner.verdicts import EXACT_SCHEDULES, Check, eval
 PLAIN = "plain"  # no offload: the strategy Lightning picks by itself, AdamW on the GPU
 CPU_STATE_SETUPS = ("fp32", "bf16")
 _HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+IN_CONFIGURE_MODEL = "in configure_model"  # built on the meta device, materialized block by block
 
 
 @dataclass
@@ -46,7 +48,7 @@ class Largest:
     host_need: int  # per node, the peak of training, setup and the save
     device_need: int  # per GPU
     binds: list[str]
-    built: str = "fp32"  # the module's dtype as built, on the host until setup
+    built: str = "fp32"  # the module's dtype as built, on the host until setup, or IN_CONFIGURE_MODEL
     refused: str = ""  # why this setup cannot run with these options at all
     offload_params: bool = False  # the parameters offloaded too, the model built in configure_model
 
@@ -56,7 +58,8 @@ class Largest:
             return "plain training (AdamW on the GPU)"
         if self.offload_params:
             return f'zero_offload_params, cpu_state="{self.setup}"'
-        return f'zero_offload, cpu_state="{self.setup}"' + (f", built in {self.built}" if self.built != "fp32" else "")
+        built = {"fp32": "", IN_CONFIGURE_MODEL: f", {IN_CONFIGURE_MODEL}"}.get(self.built, f", built in {self.built}")
+        return f'zero_offload, cpu_state="{self.setup}"{built}'
 
 
 @dataclass
@@ -74,14 +77,14 @@ class LargestModels:
             f"{m.device_memory_gb:.0f} GB per GPU",
             *textwrap.wrap(f"assuming {self.assumptions}", 118),
             "",
-            f"  {'how':<46} {'params':>8}  {'cpu_step':<12} {'host GB':>8} {'GPU GB':>7}  a larger model runs out of",
+            f"  {'how':<52} {'params':>8}  {'cpu_step':<12} {'host GB':>8} {'GPU GB':>7}  a larger model runs out of",
         ]
         for row in self.rows:
             if row.refused:
-                lines.append(f"  {row.name:<46} {'-':>8}  refused: {row.refused}")
+                lines.append(f"  {row.name:<52} {'-':>8}  refused: {row.refused}")
                 continue
             lines.append(
-                f"  {row.name:<46} {row.params / 1e9:>7.2f}B  {row.cpu_step or '-':<12} {row.host_need / GB:>8.1f}"
+                f"  {row.name:<52} {row.params / 1e9:>7.2f}B  {row.cpu_step or '-':<12} {row.host_need / GB:>8.1f}"
                 f" {row.device_need / GB:>7.1f}  {'; '.join(row.binds)}"
             )
         return "\n".join(lines)
@@ -128,9 +131,10 @@ def largest_models(
     params, binds = _largest(plain_checks, never)
     host_need, device_need = (c.need for c in plain_checks(max(1, params)))
     rows = [Largest(PLAIN, params, None, host_need, device_need, binds)]
-    # A module built in the 16-bit dtype of the run halves what it holds until setup (the planner's fix).
+    # A module built in the 16-bit dtype of the run halves what it holds until setup (the planner's fix); one
+    # built in configure_model is materialized block by block (with offload_params, always).
     setups = [(built, False) for built in (("fp32",) if dtype == torch.float32 else ("fp32", _HALF[dtype]))]
-    for built, offload_params in [*setups, ("fp32", True)]:
+    for built, offload_params in [*setups, (IN_CONFIGURE_MODEL, False), (IN_CONFIGURE_MODEL, True)]:
         for cpu_state in CPU_STATE_SETUPS:
             options = OffloadOptions(
                 bucket_size_mb=bucket_size_mb,
@@ -139,7 +143,7 @@ def largest_models(
                 offload_params=offload_params,
             )
             args = (dtype, machine, devices, num_nodes, options, batch_size, seq_len, n_layer, activation_checkpointing)
-            shape_of = partial(_shape, n_layer, 4 if built == "fp32" else 2, offload_params)
+            shape_of = partial(_shape, n_layer, 2 if built in _HALF.values() else 4, built == IN_CONFIGURE_MODEL)
             checks = partial(_offload_checks, shape_of, args, checkpoint_format)
             if offload_params:  # the shards: training needs 4 x the state's bytes per parameter, per node / nodes
                 bound = int(machine.host_memory_gb * GB) * num_nodes // (4 * STATE_DTYPES[cpu_state].itemsize) + 1
@@ -172,7 +176,8 @@ def largest_models(
         "(activations by the planner's estimate, logits not included), the CUDA runtime's own memory reserved on "
         "each GPU (the context and the caching allocator's overhead), the module built on the host in fp32 "
         "(4 B/param until setup; 'built in bf16': module.to(torch.bfloat16) before fit, 2 B/param: the master "
-        "weights start from the rounded values), "
+        "weights start from the rounded values; 'in configure_model': built on the meta device and materialized "
+        "one layer at a time, whole on the host in fp32, into the engine's state), "
         f"{devices} GPU(s) per node x {num_nodes} node(s), "
         f'checkpoint_format="{checkpoint_format}"; plain training keeps fp32 weights, gradients and AdamW '
         "moments on the GPU (16 B/param); zero_offload_params: the parameters offloaded too (offload_params=True, "

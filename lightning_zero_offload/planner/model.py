@@ -92,8 +92,8 @@ def plan(
         offload_params: plan the parameters offloaded too (the strategy option: FSDP2 shards per block on the
             host, only the blocks in flight on the device; ``Plan.params_offload`` has its units and traffic).
         configure_model: the model is built in ``configure_model`` or under ``init_module(empty_init=True)``:
-            with ``offload_params`` it is materialized block by block into its shards, never whole (the
-            ZeRO-2 engine takes the module whole either way).
+            on the meta device, then materialized block by block (into its shards with ``offload_params``,
+            into the ZeRO-2 engine's master weights without), never whole.
     """
     if precision not in DTYPES:
         raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
@@ -190,11 +190,6 @@ def plan(
     if not memory.verdicts[f"sync/{checkpoint_format}"].fits or chosen is None:
         result.fixes = fixes_for(shape, args, memory, checkpoint_format)
     result.notes = _notes(result)
-    if configure_model and not offload_params:
-        result.notes.append(
-            "configure_model=True changes nothing without offload_params: the ZeRO-2 engine takes the module whole, "
-            "so its setup counts the module as built"
-        )
     return result
 
 

@@ -99,6 +99,12 @@ def fsdp_units(shape: ModelShape, n_layer: int | None, world: int) -> FsdpUnits:
     )
 
 
+def initialized_unit_bytes(units: FsdpUnits) -> int:
+    """Host bytes of the largest unit a model built on the meta device is initialized in, whole in fp32
+    scratch tensors (engine/offload_params/materialize.py): a block, or what the root holds outside them."""
+    return 4 * max(units.largest_unit, units.root_params)
+
+
 def host_memory_params(
     units: FsdpUnits,
     dtype: torch.dtype,
@@ -137,7 +143,7 @@ def host_memory_params(
         pinned = shards + buffers["pinned_rounding"]
         shards = pinned
     if configure_model:
-        transient = 4 * units.largest_unit  # the block being materialized, whole, in fp32
+        transient = initialized_unit_bytes(units)
         setup = shards + transient
     else:
         transient = module_bytes

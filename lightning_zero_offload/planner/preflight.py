@@ -19,7 +19,7 @@ from torch import nn
 from lightning_zero_offload.engine.options import OffloadOptions, Resolved, resolve, with_compact_state
 from lightning_zero_offload.planner.machine import format_gb, probes
 from lightning_zero_offload.planner.memory import HostMemory, host_memory, state_bytes_per_param
-from lightning_zero_offload.planner.offload_params import fsdp_units, host_memory_params
+from lightning_zero_offload.planner.offload_params import fsdp_units, host_memory_params, initialized_unit_bytes
 from lightning_zero_offload.planner.shape import LayoutSummary, ModelShape, layout_summary
 from lightning_zero_offload.planner.verdicts import SETUP, SETUP_BY_BLOCKS, SETUP_WHOLE, host_checks
 
@@ -44,13 +44,17 @@ def check_host_memory(
     world_size: int,
     local_world_size: int,
     device: torch.device,
+    *,
+    blockwise: bool = False,
 ) -> None:
     """Pre-flight: fail before the engine allocates if this node's ranks would not fit in host RAM.
 
     Raises :class:`MemoryError` with the numbers, what sets the limit and what to change. Set
     ``LZO_SKIP_MEMORY_CHECK=1`` to skip it (e.g. when swap or memory freed later will cover it). With
     ``offload_params``, a module with no parameter on the host (built on the meta device: configure_model,
-    ``init_module(empty_init=True)``) is planned as materialized block by block.
+    ``init_module(empty_init=True)``) is planned as materialized block by block; so is, without it, a module
+    whose parameters are placeholders (``blockwise``: built on the meta device, filled by the engine block by
+    block).
     """
     if os.environ.get(SKIP_CHECK_ENV, "") not in ("", "0"):
         return
@@ -58,8 +62,8 @@ def check_host_memory(
     layout = layout_summary(shape, options.bucket_size_mb, param_dtype, world_size)
     config = resolve(options, device, param_dtype, world_size, local_world_size)  # what the engine will run
     schedule = config.cpu_step
-    resident = _resident_bytes(model)
-    need, setup, shard = _host_need(config, shape, layout, param_dtype, local_world_size, device, resident)
+    resident = 0 if blockwise else _resident_bytes(model)
+    need, setup, shard = _host_need(config, shape, layout, param_dtype, local_world_size, device, resident, blockwise)
     available, source = probes.host_memory_limit()
     # The module is already built (its bytes are in use, not available) and is released at setup.
     budget = available + resident * local_world_size
@@ -72,7 +76,9 @@ def check_host_memory(
     per_node_state = per_param * shape.params * local_world_size / world_size
     module = resident * local_world_size
     fixes = []
-    compact = _compact_state(options, device, param_dtype, world_size, local_world_size, layout, shape, resident)
+    compact = _compact_state(
+        options, device, param_dtype, world_size, local_world_size, layout, shape, resident, blockwise
+    )
     if compact is not None:
         peak = max(c.need for c in host_checks(compact, options.checkpoint_format, budget, schedule, setup))
         if peak <= budget:
@@ -127,6 +133,7 @@ def _compact_state(
     layout: LayoutSummary,
     shape: ModelShape,
     resident: int,
+    blockwise: bool,
 ) -> HostMemory | None:
     """The host memory with ``cpu_state="bf16"`` instead of fp32 state; None where bf16 state does not apply
     (already bf16, or a combination it refuses: fp16 parameters, weight prediction)."""
@@ -136,7 +143,7 @@ def _compact_state(
         config = resolve(with_compact_state(options), device, param_dtype, world_size, local_world_size)
     except ValueError:
         return None
-    return _host_need(config, shape, layout, param_dtype, local_world_size, device, resident)[0]
+    return _host_need(config, shape, layout, param_dtype, local_world_size, device, resident, blockwise)[0]
 
 
 def _host_need(
@@ -147,15 +154,15 @@ def _host_need(
     local_world_size: int,
     device: torch.device,
     resident: int,
+    blockwise: bool,
 ) -> tuple[HostMemory, str, int]:
     """What the engine of ``config`` allocates on this node, the name of its setup check, and the trainable
-    parameters of a rank's shard."""
-    if not config.offload_params:
-        need = host_memory(
-            layout, param_dtype, config, local_world_size, device.type, shape.params, module_bytes=resident
-        )
-        return need, SETUP, max(1, layout.shard_numel)
+    parameters of a rank's shard (``blockwise``: see check_host_memory)."""
     units = fsdp_units(shape, None, layout.world_size)
+    if not config.offload_params:
+        built = initialized_unit_bytes(units) if blockwise else resident
+        need = host_memory(layout, param_dtype, config, local_world_size, device.type, shape.params, module_bytes=built)
+        return need, SETUP_BY_BLOCKS if blockwise else SETUP, max(1, layout.shard_numel)
     need = host_memory_params(
         units, param_dtype, config, local_world_size, device.type, module_bytes=resident, configure_model=not resident
     )

@@ -27,13 +27,14 @@ from lightning_zero_offload.planner.offload_params import (
     device_memory_params,
     fsdp_units,
     host_memory_params,
+    initialized_unit_bytes,
 )
 from lightning_zero_offload.planner.shape import LayoutSummary, ModelShape, layout_summary
 
 EXACT_SCHEDULES = ("sync", "speculative")  # same result as a plain optimizer step; delayed uses stale weights
 SETUP = "host RAM, setup (the module as built + the engine's state)"
-# offload_params: the setup of a model built in configure_model, and of one built whole before fit.
-SETUP_BY_BLOCKS = "host RAM, setup (configure_model: the shards + one block whole in fp32)"
+# A model built in configure_model (either mode); offload_params: one built whole before fit.
+SETUP_BY_BLOCKS = "host RAM, setup (configure_model: the engine's buffers + one block whole in fp32)"
 SETUP_WHOLE = "host RAM, setup (the module built whole on every rank: build it in configure_model)"
 
 
@@ -156,12 +157,13 @@ def evaluate(
         setup = SETUP_BY_BLOCKS if shape.configure_model else SETUP_WHOLE
         held = "root params + blocks in flight"
     else:
+        # In configure_model the engine takes the model block by block (materialize.BlockwiseInit).
+        built = initialized_unit_bytes(fsdp_units(shape, n_layer, 1)) if shape.configure_model else shape.built_bytes
         host = {
-            s: host_memory(
-                layout, dtype, configs[s], devices, machine.device_type, shape.params, module_bytes=shape.built_bytes
-            )
+            s: host_memory(layout, dtype, configs[s], devices, machine.device_type, shape.params, module_bytes=built)
             for s in schedules
         }
+        setup = SETUP_BY_BLOCKS if shape.configure_model else SETUP
         states = device_memory(layout, dtype)
         # Frozen parameters go to the device as they are (fp32 assumed); activations come on top.
         once = sum(states.values()) + 4 * shape.frozen  # allocated once

@@ -33,6 +33,8 @@ from lightning_zero_offload.core import (
     coerced_precision,
     collective_timeout,
     make_offload_options,
+    materialize,
+    on_meta,
     release_after_failure,
     training_session,
 )
@@ -120,6 +122,12 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
             except MemoryError as error:
                 self._preflight_error = error  # teardown must not replace it (see teardown)
                 raise
+        blockwise = None
+        if not self.options.offload_params and on_meta(module):
+            if fitting(trainer):  # placeholders for configure_optimizers, filled block by block by the engine
+                blockwise = OffloadSession.placeholders(module, self.root_device)
+            else:
+                materialize(module, self.root_device)  # evaluation only: whole on the device
         if fitting(trainer):
             start = ParamOffloadSession.start if self.options.offload_params else OffloadSession.start
             self.setup_optimizers(trainer)
@@ -128,9 +136,17 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
                     "zero_offload trains with the optimizer that configure_optimizers returns, and it returned None. "
                     "Return a torch.optim.AdamW/Adam (or lightning_zero_offload.CPUAdam) over self.parameters()."
                 )
+            extra = {} if self.options.offload_params else {"blockwise": blockwise}
             try:
                 self.session = start(
-                    module, self.optimizers, self.root_device, precision, self.options, world, self.num_processes
+                    module,
+                    self.optimizers,
+                    self.root_device,
+                    precision,
+                    self.options,
+                    world,
+                    self.num_processes,
+                    **extra,
                 )
             except MemoryError as error:
                 self._preflight_error = error  # teardown must not replace it (see teardown)
@@ -147,9 +163,10 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
     @override
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """With parameters offloaded, ``trainer.init_module(empty_init=True)`` builds on the meta device (setup
-        materializes the model unit by unit into its shards) and never on the device."""
-        if not self.options.offload_params:
+        """``trainer.init_module(empty_init=True)`` builds on the meta device: setup materializes the model unit
+        by unit, into its shards with parameters offloaded, else into the engine's master weights (never whole
+        on the host or the device). Without it, with parameters offloaded, the model is built on the host."""
+        if not self.options.offload_params and not empty_init:
             with super().tensor_init_context(empty_init):
                 yield
             return
@@ -159,9 +176,8 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
     @override
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """With parameters offloaded, ``configure_model`` builds on the meta device: the model is never whole on
-        the host or the device (setup materializes it unit by unit into its shards)."""
-        with torch.device("meta") if self.options.offload_params else nullcontext():
+        """``configure_model`` builds on the meta device, as under ``init_module(empty_init=True)``."""
+        with torch.device("meta"):
             yield
 
     def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:

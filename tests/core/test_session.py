@@ -1,7 +1,9 @@
 """The shared core driven directly, without a Trainer or Fabric: options, the session, its optimizer and
 checkpoints, on a tiny CPU model (the offload data path in fp32, so results compare exactly)."""
 
+import contextlib
 import inspect
+import threading
 import warnings
 from datetime import timedelta
 
@@ -337,3 +339,90 @@ def test_release_after_failure_never_raises(start, monkeypatch):
         warnings.simplefilter("always")
         release_after_failure(session, distributed=False)
     assert any("cleaning up after the failure also failed" in str(w.message) for w in caught)
+
+
+# -- a model built on the meta device ------------------------------------------------------------------------
+
+
+class Stack(nn.Module):
+    """Repeated blocks (the units of a blockwise fill), a frozen layer, and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*(nn.Linear(16, 16) for _ in range(3)))
+        self.frozen = nn.Linear(16, 16).requires_grad_(False)
+        self.head = nn.Linear(16, 4)
+        self.register_buffer("scale", torch.full((16,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.frozen(torch.tanh(self.blocks(x))) * self.scale)
+
+    def reset_parameters(self) -> None:  # the buffer's own (a module that owns one recomputes it)
+        self.scale.fill_(0.5)
+
+
+def stack_optimizer(model: Stack) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        [{"params": model.blocks.parameters(), "lr": 2e-2}, {"params": model.head.parameters(), "weight_decay": 0.0}],
+        lr=1e-2,
+    )
+
+
+@pytest.mark.parametrize(
+    ("precision", "option_values"),
+    [
+        ("32-true", {"in_place_on_cpu": True}),
+        ("bf16-mixed", {}),
+        ("bf16-mixed", {"cpu_state": "bf16"}),
+        ("32-true", {"cpu_state": "bf16"}),
+        ("16-mixed", {"cpu_step": "speculative"}),
+        ("bf16-mixed", {"cpu_step": "delayed"}),
+    ],
+)
+def test_a_model_built_on_the_meta_device_trains_bitwise_as_the_eager_build(precision, option_values):
+    """Placeholders, the optimizer over them, the engine filled block by block: the master weights, the device
+    copy, the frozen layer and the buffer as an eager build's with the same seed, and the same steps after."""
+    data = [(torch.randn(8, 16, generator=torch.Generator().manual_seed(i)), torch.randn(8, 4)) for i in range(3)]
+    runs = {}
+    for built in ("eager", "meta"):
+        torch.manual_seed(0)
+        with torch.device("meta") if built == "meta" else contextlib.nullcontext():
+            model = Stack()
+        blockwise = OffloadSession.placeholders(model, CPU) if built == "meta" else None
+        assert (blockwise is None) == (built == "eager")
+        session = OffloadSession.start(
+            model, [stack_optimizer(model)], CPU, precision, options(**option_values), 1, 1, blockwise=blockwise
+        )
+        device_copy = [p.detach().clone() for p in model.parameters()]
+        for batch in data:
+            session.before_training_forward()
+            session.zero_grad()
+            session.begin_backward()
+            low = session.param_dtype != torch.float32
+            with torch.autocast("cpu", dtype=session.param_dtype, enabled=low):
+                loss = mse(model, batch)
+            session.scale_loss(loss).backward()
+            session.finish_backward()
+            session.step()
+        session.sync()
+        runs[built] = (weights(session), device_copy, {k: v.clone() for k, v in model.state_dict().items()})
+        session.close()
+    for eager, meta in zip(runs["eager"], runs["meta"]):
+        if isinstance(eager, dict):
+            assert_equal(eager, meta)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(eager, meta))
+
+
+def test_a_failed_fill_closes_the_engine_it_started():
+    class Forgets(nn.Linear):
+        def reset_parameters(self) -> None:
+            nn.init.zeros_(self.weight)  # not the bias: left NaN
+
+    with torch.device("meta"):
+        model = nn.Sequential(Forgets(4, 4), Forgets(4, 4))
+    blockwise = OffloadSession.placeholders(model, CPU)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=r"left Forgets\.bias unset"):
+        OffloadSession.start(model, [optimizer], CPU, "32-true", options(), 1, 1, blockwise=blockwise)
+    assert not [t for t in threading.enumerate() if t.name.startswith("zero-offload-step")]

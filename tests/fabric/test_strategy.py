@@ -343,3 +343,35 @@ def test_two_call_setup_refuses_what_cannot_train():
         g.setup_optimizers(first, second)
     with pytest.raises(RuntimeError, match=r"zero_offload trains one optimizer per Fabric"):
         g.setup_optimizers(torch.optim.AdamW(model.parameters()))
+
+
+@pytest.mark.parametrize("two_calls", [False, True])
+def test_init_module_empty_init_builds_on_the_meta_device_and_trains_as_the_eager_build(two_calls):
+    """The optimizer built over the meta parameters (one call) or over the set-up module's (two calls): the
+    engine takes the model block by block, and it trains bitwise as the model built eagerly with that seed."""
+    from offload_params_helpers import Blocks, batches, loss_of, two_groups
+
+    def fit(empty_init: bool) -> dict[str, torch.Tensor]:
+        strategy = ZeroOffloadFabricStrategy(in_place_on_cpu=False)
+        fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed")
+        fabric.launch()
+        torch.manual_seed(0)
+        with fabric.init_module(empty_init=empty_init):
+            model = Blocks()
+        assert all(p.is_meta for p in model.parameters()) == empty_init
+        if two_calls:
+            model = fabric.setup_module(model)
+            optimizer = fabric.setup_optimizers(torch.optim.AdamW(two_groups(model)))
+        else:
+            model, optimizer = fabric.setup(model, torch.optim.AdamW(two_groups(model)))
+        for window in batches(steps=3, micro=2):
+            for x, y in window:
+                fabric.backward(loss_of(model, x, y, len(window)))
+            fabric.clip_gradients(model, optimizer, max_norm=0.3)
+            optimizer.step()
+            optimizer.zero_grad()
+        fabric.strategy.session.sync()
+        return {k: v.clone() for k, v in fabric.strategy.session.master_state_dict().items()}
+
+    got, want = fit(empty_init=True), fit(empty_init=False)
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)

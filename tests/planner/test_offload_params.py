@@ -12,12 +12,13 @@ from torch import nn
 from lightning_zero_offload.engine import OffloadOptions
 from lightning_zero_offload.planner import Machine, check_host_memory, largest_models, plan, presets, with_rates
 from lightning_zero_offload.planner.cli import main
+from lightning_zero_offload.planner.largest import IN_CONFIGURE_MODEL
 from lightning_zero_offload.planner.machine import probes
 from lightning_zero_offload.planner.offload_params import fsdp_units
 from lightning_zero_offload.planner.preflight import SKIP_CHECK_ENV
 from lightning_zero_offload.planner.shape import ModelShape
 from lightning_zero_offload.planner.timing import step_time_params
-from lightning_zero_offload.planner.verdicts import SETUP_BY_BLOCKS, SETUP_WHOLE
+from lightning_zero_offload.planner.verdicts import SETUP, SETUP_BY_BLOCKS, SETUP_WHOLE
 
 
 class Tiny(nn.Module):
@@ -150,7 +151,7 @@ def test_70b_on_an_8_gpu_node_fits_built_in_configure_model_only(cpu_state):
     assert "host RAM, setup" in str(whole).split("Smallest changes")[0]
 
 
-def test_a_model_the_root_holds_whole_and_configure_model_without_offload_are_said():
+def test_a_model_the_root_holds_whole_is_said():
     class Blob(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -161,10 +162,19 @@ def test_a_model_the_root_holds_whole_and_configure_model_without_offload_are_sa
     p = plan(blob, batch_size=1, seq_len=8, n_layer=1, machine=GPU_BOX, offload_params=True)
     assert p.device_bytes["root_params"] == 2 * 10**6 and p.params_offload.units.units == 0
     assert any(n.startswith("the root keeps 1.0M parameters") for n in p.notes)
-    zero2 = plan(blob, batch_size=1, seq_len=8, n_layer=1, machine=GPU_BOX, configure_model=True)
-    assert any(n.startswith("configure_model=True changes nothing without offload_params") for n in zero2.notes)
     cpu = plan(tiny(), batch_size=1, seq_len=8, n_layer=3, machine=CPU_BOX, offload_params=True)
     assert cpu.host["sync"].per_rank["device_buffers"] == sum(cpu.device_bytes.values())  # a CPU device is the host
+
+
+def test_the_zero2_mode_built_in_configure_model_holds_one_unit_at_setup_not_the_module():
+    args = dict(batch_size=1, seq_len=8, n_layer=3, machine=GPU_BOX)  # fmt: skip
+    whole, blockwise = plan(tiny(), **args), plan(tiny(), configure_model=True, **args)
+    # The unit initialized whole: a block (280 parameters), or the root's own (embedding, norm, head: 176).
+    assert whole.host["sync"].transient_model_per_rank == 4 * 1016
+    assert blockwise.host["sync"].transient_model_per_rank == 4 * 280
+    assert whole.host["sync"].setup_per_rank - blockwise.host["sync"].setup_per_rank == 4 * (1016 - 280)
+    assert [c.name for c in blockwise.verdict("sync").checks][1] == SETUP_BY_BLOCKS
+    assert [c.name for c in whole.verdict("sync").checks][1] == SETUP
 
 
 def test_the_preflight_check_plans_the_mode(monkeypatch):
@@ -194,10 +204,12 @@ def test_the_command_line_takes_the_mode(capsys):
 
 
 # The ZeRO-2 mode's answers as printed before offload_params came to the planner (computed on the commit
-# before it, 92b4f82): their text and JSON, and the --largest rows of the ZeRO-2 mode. Since, the JSON has one
-# more key, the host memory's checkpoint_save_first_rank ({} in this mode): without it the texts hash to the
-# earlier digest, 4fbdfbea5ae29b807cd4c395c4b9ff041d13290cfbe300e8af481480701e8516.
-ZERO2_DIGEST = "f9530c9881108f809e82623d7edb9e49caab73ded1ccdd40c3e76599725b6cdd"
+# before it, 92b4f82): their text and JSON, and the --largest rows of the ZeRO-2 mode built as before. Since,
+# the JSON has one more key, the host memory's checkpoint_save_first_rank ({} in this mode): without it the
+# texts hash to the earlier digest, 4fbdfbea5ae29b807cd4c395c4b9ff041d13290cfbe300e8af481480701e8516; and the
+# fixes offer "build the model in configure_model" to this mode too: without those lines, f9530c9881108f809e8
+# 2623d7edb9e49caab73ded1ccdd40c3e76599725b6cdd.
+ZERO2_DIGEST = "732829084d440578f3f77995c1127415cc0021143d57b88cd3cc38f3a25e1242"
 
 
 def test_the_zero2_answers_are_unchanged():
@@ -214,7 +226,7 @@ def test_the_zero2_answers_are_unchanged():
         texts += [
             repr((r.name, r.params, r.cpu_step, r.host_need, r.device_need, r.binds, r.refused))
             for r in rows
-            if not r.offload_params
+            if not r.offload_params and r.built != IN_CONFIGURE_MODEL
         ]
     assert hashlib.sha256("\n".join(texts).encode()).hexdigest() == ZERO2_DIGEST
 

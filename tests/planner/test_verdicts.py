@@ -146,11 +146,18 @@ def test_the_largest_model_per_way_of_training_on_the_h200_box():
     assert plan(plain.params, **args).plain_fits_device
     assert not plan(int(plain.params * 1.003), **args).plain_fits_device
     assert rows['zero_offload, cpu_state="bf16", built in bf16'].params == pytest.approx(128e9 / 10, rel=2e-3)
+    # Built in configure_model: 8 B/param of state and one layer (1/32 of the model) whole in fp32 at setup.
+    blockwise = rows['zero_offload, cpu_state="bf16", in configure_model']
+    assert blockwise.params == pytest.approx(128e9 / (8 + 4 / 32), rel=2e-3)
+    assert blockwise.binds == ["host RAM, setup (configure_model: the engine's buffers + one block whole in fp32)"]
+    args = dict(batch_size=1, seq_len=2048, n_layer=32, machine=H200_BOX, cpu_state="bf16", configure_model=True)
+    assert plan(blockwise.params, **args).recommended["cpu_step"] == "sync"
+    assert plan(int(blockwise.params * 1.003), **args).recommended == {}
     text = " ".join(str(answer).split())  # the assumptions are wrapped
     assert "micro-batch 1 x 2048 tokens" in text and "activation checkpointing off" in text
     assert 'cpu_state="bf16" 10.66B sync 128.0 34.7 host RAM, setup' in text
     refused = largest_models(H200_BOX, precision="16-mixed").rows
-    # bf16 state with fp16 params, parameters on the GPU (built in fp32, in fp16) or offloaded too
-    assert [r.refused != "" for r in refused] == [False, False, True, False, True, False, True]
+    # bf16 state with fp16 params, parameters on the GPU (built in fp32, in fp16, in configure_model) or offloaded
+    assert [r.refused != "" for r in refused] == [False, False, True, False, True, False, True, False, True]
     with pytest.raises(ValueError, match="device_memory_gb"):
         largest_models(CPU_BOX)

@@ -45,6 +45,8 @@ def runs(tmp_path_factory):
         "resumed_f1_at_2": {**full, "resume": tmp / "f1.ckpt"},
         "zero2": clipped,
         "ddp2": {**clipped, "strategy": "ddp"},
+        "blocks2": {**clipped, "precision": "bf16-mixed", "model": "blocks"},
+        "blocks_in_configure_model2": {**clipped, "precision": "bf16-mixed", "model": "blocks_in_configure_model"},
     }
     for fmt in FORMATS:  # DPU: an uninterrupted run and its first epoch (4 steps: update 4 pending) saved
         at2[f"dpu_full_{fmt}"] = {**dpu, "format": fmt, "max_epochs": 3}
@@ -129,3 +131,12 @@ def test_dpu_with_weight_prediction_resumes_bitwise_across_ranks(runs, fmt):
     # over the 8 steps after the resume: observed 1.3e-4, margin 8x (a one-step-stale resume: 8e-3).
     single = runs[f"dpu_resumed1_{fmt}"]
     assert max_abs_diff(single, full) < 1e-3
+
+
+def test_a_model_built_in_configure_model_at_two_ranks_trains_bitwise_as_the_eager_one(runs):
+    """Each rank builds from its own seed on the meta device; the engine fills it block by block with rank 0's
+    values, so the run is the eager one's (rank 0's weights broadcast), bit for bit."""
+    eager, built = runs["blocks2"], runs["blocks_in_configure_model2"]
+    assert eager["params"].keys() == built["params"].keys()
+    assert all(torch.equal(built["params"][k], v) for k, v in eager["params"].items())
+    assert built["losses"] == eager["losses"]

@@ -4,7 +4,8 @@ Run by tests/trainer/test_distributed.py in a subprocess: several runs one after
 launch costs more than a run). A run is a dict: ``strategy`` ("zero_offload", "zero_offload_params" with
 ``cpu_step``, or "ddp"), ``precision``, ``max_steps``, ``max_epochs``, ``accumulate``, ``clip``
 (gradient_clip_val, by norm), ``format`` (checkpoint_format), ``dpu`` (DPU with weight prediction after 3
-steps), ``resume``, ``save``, ``out``, ``model`` ("blocks": residual blocks in a ModuleList). Also run by
+steps), ``resume``, ``save``, ``out``, ``model`` ("blocks": residual blocks in a ModuleList;
+"blocks_in_configure_model": the same built in configure_model, each rank from its own seed). Also run by
 tests/trainer/test_offload_params_distributed.py.
 """
 
@@ -59,6 +60,19 @@ class ShardedBlocks(ShardedData):
         self.net = ResidualStack(width)
 
 
+class ShardedBlocksInConfigureModel(ShardedData):
+    """ShardedBlocks built in configure_model (on the meta device, filled block by block by the engine), each rank
+    from its own seed: rank 0's values must reach every rank."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width=width)
+        self.width = width
+
+    def configure_model(self) -> None:
+        torch.manual_seed(self.global_rank)
+        self.net = ResidualStack(self.width)
+
+
 def fit(run: dict, devices: int) -> None:
     """One training run; rank 0 writes what the test compares to ``run["out"]``."""
     if run.get("strategy", "zero_offload") == "zero_offload":
@@ -71,7 +85,8 @@ def fit(run: dict, devices: int) -> None:
     else:
         strategy = run["strategy"]
     # odd sizes: buckets (and FSDP2's shards) need padding at world sizes 2 and 3
-    model = ShardedBlocks(width=31) if run.get("model") == "blocks" else ShardedData(width=31)
+    models = {"blocks": ShardedBlocks, "blocks_in_configure_model": ShardedBlocksInConfigureModel}
+    model = models.get(run.get("model"), ShardedData)(width=31)
     norms = GradNorms()
     trainer = L.Trainer(
         strategy=strategy,

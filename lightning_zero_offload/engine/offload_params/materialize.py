@@ -2,7 +2,11 @@
 
 ``materialize`` serves both modes. A model wrapped with ``fully_shard`` (the parameter-offload mode) gets
 only this rank's shards, on the host (``CPUOffloadPolicy``), and its buffers on the mesh's device; a plain
-module (the ZeRO-2 mode) gets its tensors on ``device``.
+module gets its tensors on ``device``, whole. The ZeRO-2 engine takes a model built on the meta device in two
+steps instead (:class:`BlockwiseInit`): placeholders first, so the optimizer can be built over the parameters
+the engine will hold, then the values unit by unit (its repeated blocks), each handed to the engine's master
+weights as it is initialized: the host never holds more than one block whole, nor the device more than its
+low-precision copy.
 
 Values, module by module in module order (``module.modules()``, parents first; for a Hugging Face model
 the order of its own ``initialize_weights``: children first). Each module that owns tensors on the meta
@@ -32,7 +36,7 @@ model ends on the mesh's device with rank 0's values.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -52,21 +56,14 @@ def materialize(
     buffers uninitialized, for pretrained weights to be loaded next (``pretrained.load_pretrained``); the
     non-persistent buffers, which no checkpoint holds, are computed either way."""
     device = torch.device(device)
-    params = list(module.parameters())
-    if not any(t.is_meta for t in (*params, *module.buffers())):
+    if not on_meta(module):
         return
-    if any(p.is_meta for p in params) and not all(p.is_meta for p in params):
-        on_meta = [name for name, p in module.named_parameters() if p.is_meta]
-        raise ValueError(
-            f"{len(on_meta)} of the model's {len(params)} parameters are on the meta device ({', '.join(on_meta[:3])}"
-            ", ...) and the others are not: build the whole model under init_module(empty_init=True) (or "
-            "torch.device('meta')), or none of it."
-        )
+    params = list(module.parameters())
     sharded = any(isinstance(p, DTensor) for p in params)
     if sharded and not isinstance(module, FSDPModule):
         raise ValueError("materialize a sharded model from its root: call fully_shard on the root first.")
     plan = _init_plan(module, initialize, init_fn)
-    blank_buffers = {(id(m), n) for m in module.modules() for n, b in m._buffers.items() if b is not None and b.is_meta}
+    blank_buffers = {(id(m), n) for m in module.modules() for n, b in m._buffers.items() if _blank(b)}
     kept_buffers = [(owner, name, b) for owner in module.modules() for name, b in owner._buffers.items() if _real(b)]
     ties = _ties(module)
     # FSDPModule.to_empty re-points FSDP2's padded shard storage: only this rank's shards are allocated
@@ -74,12 +71,9 @@ def materialize(
     for (first, first_name), *others in ties:  # to_empty gives each holder of a tied parameter its own copy
         for owner, name in others:
             owner._parameters[name] = first._parameters[first_name]
-    done: set[int] = set()
     with torch.no_grad():
-        for group in _by_unit(plan, module):
-            with _whole(group, done, blank_buffers, initialize) as scratch:
-                for owner, init in group:
-                    init(owner)
+        groups = _by_unit(plan, _unit_of(module, None))
+        for scratch in _initialized(groups, blank_buffers, initialize, _dtype_if_sharded):
             for param, whole in scratch:
                 _keep_own_rows(param, whole)
         for owner, name, buffer in kept_buffers:
@@ -90,6 +84,91 @@ def materialize(
                 for name, buffer in owner._buffers.items():
                     if buffer is not None:
                         owner._buffers[name] = _from_rank0(buffer.to(device), mesh)
+
+
+Keep = Callable[[nn.Parameter, torch.Tensor], bool]
+
+
+class BlockwiseInit:
+    """A plain module built on the meta device, materialized for the ZeRO-2 engine in two steps.
+
+    Constructing it gives every parameter a placeholder of its shape and dtype that holds no memory (a zero
+    broadcast to its shape, on the host; the same object in every slot of a tied parameter), so an optimizer
+    can be built over the parameters the engine will hold; ``optimizers`` built over the meta parameters
+    before are given the placeholders in their place. Buffers get their memory on ``device``. What nothing
+    can initialize (a module without ``reset_parameters()``) is refused now, before anything is allocated.
+
+    :meth:`fill` then gives the values, unit by unit (``units``: the repeated blocks; what is outside them is
+    the root's unit): each parameter initialized whole in a scratch tensor on the host, made rank 0's by
+    ``rank0`` where several ranks train, and handed to ``keep(param, value)``, which returns True where the
+    engine took it (into its master weights); any other parameter gets its own memory on ``device``.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device | str,
+        units: Collection[nn.Module] = (),
+        optimizers: Iterable[torch.optim.Optimizer] = (),
+    ) -> None:
+        if not on_meta(module):
+            raise ValueError("BlockwiseInit takes a model built on the meta device; this one has no meta tensor")
+        self.module, self.device = module, torch.device(device)
+        self._plan = _init_plan(module, True, None)
+        self._units = _unit_of(module, units)
+        self._blank_buffers = {(id(m), n) for m in module.modules() for n, b in m._buffers.items() if _blank(b)}
+        self._placeholders: dict[int, nn.Parameter] = {}  # id of the meta parameter -> its placeholder
+        for owner in module.modules():
+            for name, p in list(owner._parameters.items()):
+                if p is not None:
+                    if id(p) not in self._placeholders:
+                        empty = torch.zeros((), dtype=p.dtype).expand(p.shape)
+                        self._placeholders[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
+                    owner._parameters[name] = self._placeholders[id(p)]
+            for name, b in list(owner._buffers.items()):
+                if _blank(b):
+                    owner._buffers[name] = torch.empty_like(b, device=self.device)
+        self._built_dtypes = {id(p): p.dtype for p in self._placeholders.values()}
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [self._placeholders.get(id(p), p) for p in group["params"]]
+
+    @property
+    def placeholder_ids(self) -> frozenset[int]:
+        """The ids of the placeholders: expanded zeros, not tied elements (core/model_rules.py asks)."""
+        return frozenset(self._built_dtypes)
+
+    def fill(self, keep: Keep, rank0: Callable[[list[torch.Tensor]], None] | None = None) -> None:
+        """Initialize the model unit by unit, each value to ``keep`` (see the class); then every buffer is rank
+        0's (``rank0``: overwrite tensors with rank 0's values; None for one rank)."""
+        groups = _by_unit(self._plan, self._units)
+        with torch.no_grad():
+            # In the dtype the model was built in: the engine has made its parameters low-precision views since.
+            for scratch in _initialized(groups, self._blank_buffers, True, lambda p: self._built_dtypes.get(id(p))):
+                if rank0 is not None:
+                    rank0([whole for _, whole in scratch])
+                for param, whole in scratch:
+                    if not keep(param, whole):
+                        param.data = whole.to(self.device)
+            if rank0 is not None:
+                rank0([b for m in self.module.modules() for b in m._buffers.values() if b is not None])
+
+
+def on_meta(module: nn.Module) -> bool:
+    """Whether ``module`` has tensors on the meta device; refuses a model whose parameters are partly there."""
+    params = list(module.parameters())
+    if any(p.is_meta for p in params) and not all(p.is_meta for p in params):
+        names = [name for name, p in module.named_parameters() if p.is_meta]
+        raise ValueError(
+            f"{len(names)} of the model's {len(params)} parameters are on the meta device ({', '.join(names[:3])}"
+            ", ...) and the others are not: build the whole model under init_module(empty_init=True) (or "
+            "torch.device('meta'), or in configure_model), or none of it."
+        )
+    return any(t.is_meta for t in (*params, *module.buffers()))
+
+
+def _blank(tensor: torch.Tensor | None) -> bool:
+    return tensor is not None and tensor.is_meta
 
 
 def _ties(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
@@ -166,24 +245,27 @@ def _reset(module: nn.Module) -> None:
     module.reset_parameters()
 
 
-def _unit_of(module: nn.Module) -> dict[int, nn.Module]:
-    """Each submodule's FSDP unit: the nearest ``FSDPModule`` at or above it (the root for a plain one)."""
-    units: dict[int, nn.Module] = {}
+def _unit_of(module: nn.Module, units: Collection[nn.Module] | None) -> dict[int, nn.Module]:
+    """Each submodule's unit: the nearest of ``units`` at or above it (None: each ``FSDPModule``), else the root."""
+    chosen = None if units is None else {id(u) for u in units}
+    unit_of: dict[int, nn.Module] = {}
 
     def visit(m: nn.Module, unit: nn.Module) -> None:
-        unit = m if isinstance(m, FSDPModule) else unit
-        units.setdefault(id(m), unit)
+        if isinstance(m, FSDPModule) if chosen is None else id(m) in chosen:
+            unit = m
+        unit_of.setdefault(id(m), unit)
         for child in m.children():
             visit(child, unit)
 
     visit(module, module)
-    return units
+    return unit_of
 
 
-def _by_unit(plan: list[tuple[nn.Module, InitFn]], root: nn.Module) -> Iterator[list[tuple[nn.Module, InitFn]]]:
-    """The plan in runs of consecutive modules of one FSDP unit (the unit whose scratch tensors the host
-    holds at once)."""
-    units = _unit_of(root)
+def _by_unit(
+    plan: list[tuple[nn.Module, InitFn]], units: dict[int, nn.Module]
+) -> Iterator[list[tuple[nn.Module, InitFn]]]:
+    """The plan in runs of consecutive modules of one unit (the unit whose scratch tensors the host holds at
+    once)."""
     run: list[tuple[nn.Module, InitFn]] = []
     for entry in plan:
         if run and units[id(entry[0])] is not units[id(run[0][0])]:
@@ -194,18 +276,41 @@ def _by_unit(plan: list[tuple[nn.Module, InitFn]], root: nn.Module) -> Iterator[
         yield run
 
 
+def _initialized(
+    groups: Iterable[list[tuple[nn.Module, InitFn]]],
+    blank_buffers: set[tuple[int, str]],
+    initialize: bool,
+    stands_in: Callable[[nn.Parameter], torch.dtype | None],
+) -> Iterator[list[tuple[nn.Parameter, torch.Tensor]]]:
+    """Run each group's initialization on whole scratch tensors standing in for the parameters that
+    ``stands_in`` gives a dtype (the scratch's: the parameter's as built; None: initialized in place); yields
+    each group's (parameter, scratch) pairs, for the caller to keep what it needs before the next group's
+    scratch is made."""
+    done: set[int] = set()
+    for group in groups:
+        with _whole(group, done, blank_buffers, initialize, stands_in) as scratch:
+            for owner, init in group:
+                init(owner)
+        yield scratch
+
+
 @contextlib.contextmanager
 def _whole(
-    group: list[tuple[nn.Module, InitFn]], done: set[int], blank_buffers: set[tuple[int, str]], initialize: bool
-) -> Iterator[list[tuple[DTensor, torch.Tensor]]]:
-    """Stand a whole scratch tensor on the host in for each sharded parameter the group's modules own, and
-    a throwaway one for a parameter an earlier module initialized already (a plain parameter is initialized
-    in place); yields the (parameter, scratch) pairs and puts the parameters back. What the group must
+    group: list[tuple[nn.Module, InitFn]],
+    done: set[int],
+    blank_buffers: set[tuple[int, str]],
+    initialize: bool,
+    stands_in: Callable[[nn.Parameter], torch.dtype | None],
+) -> Iterator[list[tuple[nn.Parameter, torch.Tensor]]]:
+    """Stand a whole scratch tensor on the host in for each parameter the group's modules own that
+    ``stands_in`` gives a dtype, and a throwaway one for a parameter an earlier module initialized already (any
+    other parameter is initialized in place); yields the (parameter, scratch) pairs and puts the parameters
+    back. What the group must
     initialize (its parameters, or with ``initialize=False`` its non-persistent buffers; ``blank_buffers``:
     the buffers ``to_empty`` allocated) starts as NaN, and a floating-point tensor still NaN afterwards is
     refused: an init that forgets a tensor would otherwise leave the garbage of ``to_empty`` in it."""
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
-    scratch: dict[int, tuple[DTensor, torch.Tensor]] = {}
+    scratch: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
     fresh: list[tuple[nn.Module, str, torch.Tensor]] = []
     try:
         for owner, _ in group:
@@ -213,11 +318,12 @@ def _whole(
                 if p is None:
                     continue
                 first = id(p) not in done and id(p) not in scratch  # else a later owner of a shared one
-                if first and not isinstance(p, DTensor):
+                dtype = stands_in(p)
+                if first and dtype is None:
                     done.add(id(p))
                     fresh += [(owner, name, p)] if initialize else []
                     continue
-                stand_in = torch.empty(p.shape, dtype=p.dtype)
+                stand_in = torch.empty(p.shape, dtype=dtype or p.dtype)
                 if first:
                     scratch[id(p)] = (p, stand_in)
                     fresh += [(owner, name, stand_in)] if initialize else []
@@ -236,7 +342,9 @@ def _whole(
     finally:
         for owner, name, p in swapped:
             owner._parameters[name] = p
-    if forgotten := [f"{type(o).__name__}.{n}" for o, n, t in fresh if _has_nan(t)]:
+    # A buffer the init replaced (litgpt's reset_parameters assigns a new rope cache) is checked as it is now.
+    now = [(o, n, o._buffers[n] if n in o._buffers else t) for o, n, t in fresh]
+    if forgotten := [f"{type(o).__name__}.{n}" for o, n, t in now if _has_nan(t)]:
         raise ValueError(
             f"the initialization left {', '.join(forgotten)} unset (still NaN): reset_parameters() (or init_fn, or "
             "the Hugging Face model's _init_weights) must initialize every parameter of its module and recompute "
@@ -247,6 +355,10 @@ def _whole(
 def _has_nan(tensor: torch.Tensor) -> bool:
     """Whether a floating-point tensor holds a NaN (max propagates NaN; no tensor of flags is made)."""
     return tensor.is_floating_point() and tensor.numel() > 0 and bool(tensor.max().isnan())
+
+
+def _dtype_if_sharded(param: nn.Parameter) -> torch.dtype | None:
+    return param.dtype if isinstance(param, DTensor) else None
 
 
 def _keep_own_rows(param: DTensor, whole: torch.Tensor) -> None:

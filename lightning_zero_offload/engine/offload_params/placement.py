@@ -61,6 +61,16 @@ def find_units(module: nn.Module, *, param_dtype: torch.dtype | None = None) -> 
     return [m for m in module.modules() if id(m) in chosen]
 
 
+def init_units(module: nn.Module) -> list[nn.Module]:
+    """The units a plain model built on the meta device is initialized in for the ZeRO-2 engine, one whole on
+    the host at a time: those of :func:`find_units`, or none (the whole model is one) where it finds no blocks
+    or a weight tied across blocks (the ZeRO-2 mode trains both)."""
+    try:
+        return find_units(module)
+    except ValueError:
+        return []
+
+
 def shard_model(
     module: nn.Module,
     mesh: DeviceMesh,

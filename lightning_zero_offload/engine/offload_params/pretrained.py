@@ -7,7 +7,9 @@
 Each tensor of the checkpoint goes to the parameter or persistent buffer of the same name (the names of
 ``module.state_dict()``), cast to its dtype. A sharded parameter (a DTensor of ``fully_shard``) gets only
 this rank's rows, read from the file alone (no collective; each rank reads its own 1/N); a plain one the
-whole tensor. Safetensors files are read by this module (their format is a JSON header and raw
+whole tensor; a parameter a ZeRO-2 engine trains (engine/engine.py) goes to its master weights, in the
+checkpoint's precision, and the device copy follows (written into the parameter, its low-precision device copy,
+it would reach the master rounded). Safetensors files are read by this module (their format is a JSON header and raw
 little-endian bytes: ~30 lines, no dependency), only the bytes of this rank's rows, one tensor at a time:
 the host holds one tensor's rows at once beyond the model. A state-dict file is memory-mapped by
 ``torch.load(mmap=True, weights_only=True)``: its pages are read as their rows are copied and stay
@@ -23,18 +25,21 @@ does; ``strict=False`` loads the rest and returns them.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lightning_zero_offload.engine.lifecycle import engine_training
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -92,10 +97,15 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, *, strict: bool 
                     "the model: a checkpoint of another configuration of this model?"
                 )
         written: set[int] = set()
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            into_engine = _engines_writers(targets.values(), stack)
             for key in checkpoint.shapes:
                 target = targets.get(names[key])
                 if target is None or id(target) in written:
+                    continue
+                written.add(id(target))
+                if (write := into_engine.get(id(target))) is not None:  # the ZeRO-2 engine's master weight
+                    write(target, checkpoint.read(key, None, None))  # the whole tensor
                     continue
                 index = local_index(target) if isinstance(target, DTensor) else _everything(target)
                 local = target.to_local() if isinstance(target, DTensor) else target
@@ -104,8 +114,23 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, *, strict: bool 
                 else:
                     rows = checkpoint.read(key, index[0].start, index[0].stop)
                     local.copy_(rows[(slice(None), *index[1:])])
-                written.add(id(target))
     return LoadResult(missing, unexpected)
+
+
+def _engines_writers(
+    targets: Iterable[torch.Tensor], stack: contextlib.ExitStack
+) -> dict[int, Callable[[torch.Tensor, torch.Tensor], bool]]:
+    """For each target whose master weight a ZeRO-2 engine holds, that engine's writer (entered on ``stack``):
+    the checkpoint's value goes to the master in its precision and the device copy follows, where a write into
+    the parameter (its low-precision device copy) would reach the master rounded."""
+    writers: dict[int, Callable] = {}
+    by_engine: dict[int, Callable] = {}
+    for target in targets:
+        if (engine := engine_training(target)) is not None:
+            if id(engine) not in by_engine:
+                by_engine[id(engine)] = stack.enter_context(engine.writing_master())
+            writers[id(target)] = by_engine[id(engine)]
+    return writers
 
 
 def local_index(tensor: DTensor) -> tuple[slice, ...]:

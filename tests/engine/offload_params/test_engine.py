@@ -199,7 +199,7 @@ def test_what_offload_params_cannot_run_is_refused_with_the_fix():
     sharded = sharded_copy(Blocks())
     optimizer = torch.optim.AdamW(sharded.parameters())
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="use cpu_step='speculative'"):
+    with pytest.raises(ValueError, match="the window cpu_step='speculative' uses exactly"):
         ParamOffloadEngine(optimizer, cpu, torch.float32, OffloadOptions(offload_params=True, cpu_step="delayed"))
     with pytest.raises(ValueError, match="speculation_rollback='undo' is not available"):
         options = OffloadOptions(offload_params=True, cpu_step="speculative", speculative=_undo())

@@ -1,0 +1,198 @@
+"""The ZeRO-2 mode with a model built on the meta device (``configure_model``, ``trainer.init_module(
+empty_init=True)``): filled block by block into the engine, it trains bitwise as the model built eagerly with the
+same seed; pretrained weights reach the master weights through the engine, in their own precision."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from helpers import QUIET
+from offload_params_helpers import Blocks, two_groups
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_zero_offload import ZeroOffloadStrategy, load_pretrained
+
+
+class Eager(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = Blocks()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self.model(x).float() - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(two_groups(self.model))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class InConfigureModel(Eager):
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            torch.manual_seed(0)
+            self.model = Blocks()
+
+
+def data(samples: int = 64) -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    inputs, targets = torch.randn(samples, 8, generator=generator), torch.randn(samples, 1, generator=generator)
+    return DataLoader(TensorDataset(inputs, targets), batch_size=8)
+
+
+def fit(module: L.LightningModule, precision: str, **options) -> dict[str, torch.Tensor]:
+    strategy = ZeroOffloadStrategy(**options)
+    trainer = L.Trainer(strategy=strategy, precision=precision, max_steps=4, gradient_clip_val=0.5, **QUIET)
+    trainer.fit(module, data())
+    return {name: t.detach().clone() for name, t in module.state_dict().items()}
+
+
+def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    assert not [name for name in got if not torch.equal(got[name], want[name])]
+
+
+@pytest.mark.parametrize(
+    ("precision", "options"),
+    [("32-true", {}), ("bf16-mixed", {"in_place_on_cpu": False}), ("bf16-mixed", {"cpu_state": "bf16"})],
+)
+def test_a_model_built_in_configure_model_trains_bitwise_as_the_eager_one(precision, options):
+    assert_bitwise(fit(InConfigureModel(), precision, **options), fit(Eager(), precision, **options))
+
+
+def test_init_module_empty_init_builds_on_the_meta_device_and_trains_as_the_eager_one():
+    strategy = ZeroOffloadStrategy(in_place_on_cpu=False)
+    trainer = L.Trainer(strategy=strategy, precision="bf16-mixed", max_steps=4, gradient_clip_val=0.5, **QUIET)
+    # Lightning's warning, for any strategy with a model_sharded_context of its own
+    with pytest.warns(UserWarning, match="cannot fully support"), trainer.init_module(empty_init=True):
+        module = Eager()
+    assert all(p.is_meta for p in module.parameters())
+    trainer.fit(module, data())
+    got = {name: t.detach().clone() for name, t in module.state_dict().items()}
+    assert_bitwise(got, fit(Eager(), "bf16-mixed", in_place_on_cpu=False))
+
+
+def test_validate_alone_materializes_the_model_whole():
+    module = InConfigureModel()
+    module.validation_step = lambda batch, batch_idx: module.log("loss", module.training_step(batch, batch_idx))
+    trainer = L.Trainer(strategy=ZeroOffloadStrategy(), **QUIET)
+    assert trainer.validate(module, data(16), verbose=False)[0]["loss"] > 0
+    assert not any(p.is_meta for p in module.parameters())
+
+
+class Pretrained(InConfigureModel):
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def on_fit_start(self) -> None:
+        load_pretrained(self.model, self.path)
+
+
+def test_load_pretrained_writes_the_engines_master_weights_in_the_checkpoints_precision(tmp_path):
+    """Written into the parameters (the bf16 device copy), the weights would reach the master rounded; through
+    the engine they are the file's fp32 values, as in a module that loaded them before setup."""
+    torch.manual_seed(5)
+    torch.save(Blocks().state_dict(), tmp_path / "weights.pt")
+    eager = Eager()
+    eager.model.load_state_dict(torch.load(tmp_path / "weights.pt", weights_only=True))
+    want = fit(eager, "bf16-mixed", in_place_on_cpu=False)
+    assert_bitwise(fit(Pretrained(str(tmp_path / "weights.pt")), "bf16-mixed", in_place_on_cpu=False), want)
+
+
+class Llama(L.LightningModule):
+    """A Hugging Face Llama from a save_pretrained directory: loaded before fit (``eager``), or built from its
+    config in configure_model and loaded with load_pretrained once the engine holds it."""
+
+    def __init__(self, directory: str, eager: bool) -> None:
+        super().__init__()
+        from transformers import LlamaForCausalLM
+
+        self.directory, self.eager = directory, eager
+        self.model = LlamaForCausalLM.from_pretrained(directory).train() if eager else None
+
+    def configure_model(self) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if self.model is None:  # on the meta device
+            self.model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.directory))
+
+    def on_fit_start(self) -> None:
+        if not self.eager:
+            load_pretrained(self.model, self.directory)
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.slow  # transformers' import and two Llama fits
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_hugging_face_llama_from_config_and_load_pretrained_trains_as_from_pretrained(tied, tmp_path):
+    from offload_params_helpers import tiny_llama_config
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1)
+    LlamaForCausalLM(tiny_llama_config(tied)).save_pretrained(tmp_path, max_shard_size="100KB")  # an index file
+    tokens = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for eager in (True, False):
+        module = Llama(str(tmp_path), eager)
+        trainer = L.Trainer(
+            strategy=ZeroOffloadStrategy(in_place_on_cpu=False), precision="bf16-mixed", max_steps=2, **QUIET
+        )
+        trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
+        runs[eager] = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+        assert (module.model.lm_head.weight is module.model.model.embed_tokens.weight) == tied
+    assert_bitwise(runs[False], runs[True])
+
+
+class LitGPT(L.LightningModule):
+    def __init__(self, eager: bool) -> None:
+        super().__init__()
+        from litgpt import GPT, Config
+
+        self.config = Config.from_name("pythia-14m")
+        self.gpt = None
+        if eager:
+            torch.manual_seed(0)
+            self.gpt = GPT(self.config)
+
+    def configure_model(self) -> None:
+        from litgpt import GPT
+
+        if self.gpt is None:  # on the meta device; GPT.reset_parameters recomputes its rope cache
+            torch.manual_seed(0)
+            self.gpt = GPT(self.config)
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        logits = self.gpt(tokens[:, :-1]).float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.slow  # litgpt's import and two fits
+def test_litgpt_built_in_configure_model_trains_bitwise_as_built_eagerly():
+    pytest.importorskip("litgpt")
+    tokens = torch.randint(0, 50_000, (8, 17), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for eager in (True, False):
+        module = LitGPT(eager)
+        strategy = ZeroOffloadStrategy(in_place_on_cpu=False)
+        trainer = L.Trainer(strategy=strategy, precision="bf16-mixed", max_steps=2, **QUIET)
+        trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
+        runs[eager] = {k: v.detach().clone() for k, v in module.gpt.state_dict().items()}
+    assert_bitwise(runs[False], runs[True])
