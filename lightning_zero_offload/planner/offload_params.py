@@ -18,7 +18,7 @@ from lightning_zero_offload.engine.options import Resolved
 from lightning_zero_offload.planner.memory import HostMemory
 from lightning_zero_offload.planner.shape import DEFAULT_N_LAYER, ModelShape
 
-REDUCE_BYTES = 4  # MixedPrecisionPolicy(reduce_dtype=torch.float32): the reduce-scatter runs in fp32
+REDUCE_BYTES = 4  # MixedPrecisionPolicy(reduce_dtype=torch.float32) across ranks (one rank: the compute dtype)
 
 
 @dataclass(frozen=True)
@@ -173,12 +173,12 @@ def device_memory_params(units: FsdpUnits, dtype: torch.dtype, state_dtype: torc
     running unit, unsharded in the compute dtype, and at several ranks the all-gather output of the unit
     FSDP2 prefetches (at one rank ``unshard`` is a no-op: each unit is copied up in its own pre-forward and
     pre-backward). ``backward_buffers``: the largest of three moments of a unit's backward (the root
-    counts as a unit here), each next to the previous unit's fp32 reduce-scatter input (held until this
-    unit reduces): computing, autograd's gradients (compute dtype); gathering, the shards coming up (at one
-    rank a tensor at a time, copied in the state's dtype and cast, with the previous tensor's input; at
-    several ranks the prefetched unit's input, freed before this unit computes); reducing, once the
-    running unit is resharded, its fp32 input with the fp32 output shard and the output's cast to the
-    state's dtype.
+    counts as a unit here), each next to the previous unit's reduce-scatter input (held until this unit
+    reduces; in the reduce dtype: fp32 across ranks, the compute dtype at one rank): computing, autograd's
+    gradients (compute dtype); gathering, the shards coming up (at one rank a tensor at a time, copied in
+    the state's dtype and cast, with the previous tensor's input; at several ranks the prefetched unit's
+    input, freed before this unit computes); reducing, once the running unit is resharded, its input with
+    the output shard and the output's cast to the state's dtype (none where they agree).
     """
     e, s, world = dtype.itemsize, state_dtype.itemsize, units.world_size
     block = units.largest_unit
@@ -192,9 +192,10 @@ def device_memory_params(units: FsdpUnits, dtype: torch.dtype, state_dtype: torc
     else:
         in_flight = 2
         gather_input = ((cast or s) * block + (s * tensor if cast else 0)) // world
-    computing = (e + REDUCE_BYTES) * unit
-    gathering = REDUCE_BYTES * unit + gather_input
-    reducing = REDUCE_BYTES * unit + (REDUCE_BYTES + (s if s != REDUCE_BYTES else 0)) * unit_shard - e * block
+    r = e if world == 1 else REDUCE_BYTES  # placement.shard_model's reduce dtype
+    computing = (e + r) * unit
+    gathering = r * unit + gather_input
+    reducing = r * unit + (r + (s if s != r else 0)) * unit_shard - e * block
     return {
         "root_params": e * units.root_params,
         "blocks_in_flight": in_flight * e * block,

@@ -343,7 +343,7 @@ def _whole(
         for owner, name, p in swapped:
             owner._parameters[name] = p
     # A buffer the init replaced (litgpt's reset_parameters assigns a new rope cache) is checked as it is now.
-    now = [(o, n, o._buffers[n] if n in o._buffers else t) for o, n, t in fresh]
+    now = [(o, n, o._buffers.get(n, t)) for o, n, t in fresh]
     if forgotten := [f"{type(o).__name__}.{n}" for o, n, t in now if _has_nan(t)]:
         raise ValueError(
             f"the initialization left {', '.join(forgotten)} unset (still NaN): reset_parameters() (or init_fn, or "

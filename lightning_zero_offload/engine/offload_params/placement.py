@@ -76,7 +76,7 @@ def shard_model(
     mesh: DeviceMesh,
     *,
     param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype | None = None,
     initialize: bool = True,
     init_fn: InitFn | None = None,
     pin_memory: bool = True,
@@ -85,13 +85,18 @@ def shard_model(
     ``find_units`` then the root with ``fully_shard(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=
     pin_memory and <not a CPU mesh>), mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype,
     cast_forward_inputs=False))``: inputs keep their dtype (a step's targets too), as under AMP, where
-    autocast casts per operation (pinning needs an accelerator). Where the user called
+    autocast casts per operation (pinning needs an accelerator). ``reduce_dtype`` None: fp32 across ranks
+    (the sum's precision), and at one rank the compute dtype: nothing is summed there (FSDP2 copies the
+    gradients into its reduce-scatter output), so the gradients are the same bits in half the device buffers
+    (the fp32 input and output of a block's reduce, 8 B/param of a block, become 4). Where the user called
     ``fully_shard`` already, their units are kept and only the root is wrapped if they did not wrap it
     (``check_units`` first). A model built on the meta device is then materialized unit by unit
     (``materialize``: ``initialize`` and ``init_fn`` are its own), never whole on the host or the device."""
     user_wrapped = any(isinstance(m, FSDPModule) for m in module.modules())
     if user_wrapped:
         check_units(module)
+    if reduce_dtype is None:
+        reduce_dtype = param_dtype if mesh.size() == 1 else torch.float32
     policies = {
         "mesh": mesh,
         "offload_policy": CPUOffloadPolicy(pin_memory=pin_memory and mesh.device_type != "cpu"),

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from offload_params_helpers import Block, Net, assert_same_state, tokens
+from offload_params_helpers import (
+    Block,
+    Blocks,
+    Net,
+    assert_same_state,
+    batches,
+    differences,
+    loss_of,
+    tokens,
+    training_state,
+    two_groups,
+)
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
+from lightning_zero_offload.engine import OffloadOptions
+from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
 from lightning_zero_offload.engine.offload_params.placement import find_units, shard_model
 
 
@@ -115,3 +130,30 @@ def test_frozen_blocks_train_as_without_fsdp(mesh):
             assert torch.equal(p.grad.full_tensor(), q.grad), name
         else:
             assert p.grad is None, name
+
+
+@pytest.mark.parametrize("cpu_state", ["fp32", "bf16"])
+def test_at_one_rank_the_reduce_runs_in_the_compute_dtype_with_the_same_bits(mesh, cpu_state):
+    """Nothing is summed at one rank: reducing in bf16 instead of fp32 hands the engine the same gradients
+    (bf16 values, exactly representable in fp32), in half the device buffers (planner/offload_params.py)."""
+    torch.manual_seed(0)
+    model, data = Blocks(), batches(steps=3, micro=2)
+    state_dtype = torch.bfloat16 if cpu_state == "bf16" else torch.float32
+    runs = {}
+    for reduce_dtype in (torch.float32, None):
+        copied = copy.deepcopy(model).to(state_dtype)
+        shard_model(copied, mesh, param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        policy = copied._get_fsdp_state()._fsdp_param_group.mp_policy
+        assert policy.reduce_dtype == (reduce_dtype or torch.bfloat16)
+        options = OffloadOptions(offload_params=True, cpu_state=cpu_state)
+        engine = ParamOffloadEngine(torch.optim.AdamW(two_groups(copied)), torch.device("cpu"), torch.bfloat16, options)
+        for window in data:
+            for x, y in window:
+                engine.begin_backward()
+                engine.scale_loss(loss_of(copied, x.to(torch.bfloat16), y, len(window)).float()).backward()
+                engine.finish_backward()
+            engine.step(clip_norm=0.3)
+            engine.zero_grad()
+        runs[reduce_dtype] = training_state(copied, engine)
+        engine.close()
+    assert not differences(runs[None], runs[torch.float32])
