@@ -10,6 +10,8 @@ from planner_helpers import CPU_BOX, GPU_BOX, h200, layers
 from torch import nn
 
 from lightning_zero_offload.engine import OffloadOptions
+from lightning_zero_offload.engine.offload_params.materialize import BlockwiseInit
+from lightning_zero_offload.engine.offload_params.placement import init_units
 from lightning_zero_offload.planner import Machine, check_host_memory, largest_models, plan, presets, with_rates
 from lightning_zero_offload.planner.cli import main
 from lightning_zero_offload.planner.largest import IN_CONFIGURE_MODEL
@@ -190,6 +192,24 @@ def test_the_preflight_check_plans_the_mode(monkeypatch):
     monkeypatch.setattr(probes, "host_memory_limit", lambda *args, **kwargs: (peak - 1, "MemAvailable"))
     with pytest.raises(MemoryError, match='host RAM, saving a "full" checkpoint: '):
         check_host_memory(tiny(), options, torch.bfloat16, 2, 2, device)
+
+
+def test_the_preflight_check_plans_a_zero2_model_built_on_the_meta_device_as_held_by_blocks(monkeypatch):
+    options = OffloadOptions(cpu_step="sync")
+    device = torch.device("cuda")  # planned only
+    planned = plan(tiny(), batch_size=1, seq_len=8, n_layer=3, machine=GPU_BOX, configure_model=True)
+    host = planned.host["sync"]
+    # Master, moments and gradient buffer (4 x 4 B x 1016) allocated next to one block whole in fp32 (4 B x 280).
+    assert host.setup_per_node == 4 * 4 * 1016 + 4 * 280
+    peak = max(host.per_node, host.setup_per_node, host.save_per_node("full"))
+    model = tiny()
+    BlockwiseInit(model, "cpu", init_units(model))  # placeholders, as OffloadSession.placeholders leaves them
+    monkeypatch.delenv(SKIP_CHECK_ENV, raising=False)
+    monkeypatch.setattr(probes, "host_memory_limit", lambda *args, **kwargs: (peak, "MemAvailable"))
+    check_host_memory(model, options, torch.bfloat16, 1, 1, device, blockwise=True)
+    monkeypatch.setattr(probes, "host_memory_limit", lambda *args, **kwargs: (peak - 1, "MemAvailable"))
+    with pytest.raises(MemoryError):
+        check_host_memory(model, options, torch.bfloat16, 1, 1, device, blockwise=True)
 
 
 def test_the_command_line_takes_the_mode(capsys):
