@@ -72,8 +72,10 @@ CONFIGS = tuple(
 )
 
 
-def build(width: int, blocks: int, heads: int):
-    """The demo GPT's pre-LN transformer blocks in a ModuleList and a final norm (the root's only parameters)."""
+def build(width: int, blocks: int, heads: int, vocab: int = 0, tied: bool = False):
+    """The demo GPT's pre-LN transformer blocks in a ModuleList and a final norm (the root's only parameters);
+    with ``vocab``, a language model: a token embedding before them and an output head after, both smaller
+    than a block, so the root holds them (``tied``: one weight), their gradients FSDP2's last to reduce."""
     from torch import nn
 
     from lightning_zero_offload.demo.model import Block
@@ -81,13 +83,20 @@ def build(width: int, blocks: int, heads: int):
     class Stack(nn.Module):
         def __init__(self) -> None:
             super().__init__()
+            self.embed = nn.Embedding(vocab, width) if vocab else None
             self.blocks = nn.ModuleList(Block(width, heads, 0.0) for _ in range(blocks))
             self.norm = nn.LayerNorm(width)
+            self.head = nn.Linear(width, vocab, bias=False) if vocab else None
+            if tied:
+                self.head.weight = self.embed.weight
 
         def forward(self, x):
+            if self.embed is not None:
+                x = self.embed(x)
             for block in self.blocks:
                 x = block(x)
-            return self.norm(x)
+            x = self.norm(x)
+            return self.head(x) if self.head is not None else x
 
     return Stack()
 
@@ -211,8 +220,9 @@ def scope(prof, name: str) -> tuple[int, int, int]:
     raise LookupError(name)
 
 
-def train_step(model, engine, x_shape: tuple[int, ...], compute: str) -> None:
-    """One optimizer step through the engine, forward and backward in named scopes."""
+def train_step(model, engine, x_shape: tuple[int, ...], compute: str, vocab: int = 0) -> None:
+    """One optimizer step through the engine, forward and backward in named scopes (``vocab``: token inputs
+    of ``x_shape[:2]``, else hidden states of ``x_shape``)."""
     import torch
     from torch.profiler import record_function
 
@@ -220,8 +230,13 @@ def train_step(model, engine, x_shape: tuple[int, ...], compute: str) -> None:
     engine.begin_backward()
     bf16 = compute == "bf16"
     with record_function("bench::forward"), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-        x = torch.randn(x_shape, generator=torch.Generator().manual_seed(1))
-        loss = model(x.to(torch.bfloat16) if bf16 else x).float().square().mean()  # bf16: an embedding's output
+        generator = torch.Generator().manual_seed(1)
+        if vocab:
+            x = torch.randint(0, vocab, x_shape[:2], generator=generator)
+        else:
+            x = torch.randn(x_shape, generator=generator)
+            x = x.to(torch.bfloat16) if bf16 else x  # bf16: an embedding's output
+        loss = model(x).float().square().mean()
     with record_function("bench::backward"):
         engine.scale_loss(loss).backward()
     engine.finish_backward()
@@ -229,18 +244,20 @@ def train_step(model, engine, x_shape: tuple[int, ...], compute: str) -> None:
     engine.zero_grad()
 
 
-def measure(model, engine, x_shape: tuple[int, ...], compute: str) -> dict:
+def measure(model, engine, x_shape: tuple[int, ...], compute: str, vocab: int = 0) -> dict:
     """A warm-up step (FSDP2's lazy init, the gradients' first allocation), then one profiled step."""
     from torch.profiler import ProfilerActivity, profile
 
-    train_step(model, engine, x_shape, compute)
+    train_step(model, engine, x_shape, compute, vocab)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
-        train_step(model, engine, x_shape, compute)
+        train_step(model, engine, x_shape, compute, vocab)
     forward, backward = scope(prof, "bench::forward"), scope(prof, "bench::backward")
     return peaks(allocations(prof, forward[:2], backward[:2], forward[2]))
 
 
-def planned(width: int, blocks: int, heads: int, batch: int, seq: int, world: int, config: Config) -> dict:
+def planned(
+    width: int, blocks: int, heads: int, vocab: int, tied: bool, batch: int, seq: int, world: int, config: Config
+) -> dict:
     """The planner's device figure (``device_memory_params``, bytes) and activation estimate for this model
     (built on the meta device), rank count and dtypes, with the units it sees."""
     import torch
@@ -250,7 +267,7 @@ def planned(width: int, blocks: int, heads: int, batch: int, seq: int, world: in
     from lightning_zero_offload.planner.shape import ModelShape
 
     with torch.device("meta"):
-        model = build(width, blocks, heads)
+        model = build(width, blocks, heads, vocab, tied)
     units = fsdp_units(ModelShape.of(model), blocks, world)
     compute, state = (getattr(torch, DTYPES[d]) for d in (config.compute, config.cpu_state))
     activations = activation_estimate(batch, seq, width, blocks, compute, False).bytes
@@ -262,7 +279,17 @@ def planned(width: int, blocks: int, heads: int, batch: int, seq: int, world: in
     }
 
 
-def rank_run(width: int, blocks: int, heads: int, batch: int, seq: int, configs: tuple[Config, ...], rank: int):
+def rank_run(
+    width: int,
+    blocks: int,
+    heads: int,
+    vocab: int,
+    tied: bool,
+    batch: int,
+    seq: int,
+    configs: tuple[Config, ...],
+    rank: int,
+):
     """Each configuration on a fresh model, sharded by the engine's placement: its measured peaks."""
     import torch
     import torch.distributed as dist
@@ -277,12 +304,12 @@ def rank_run(width: int, blocks: int, heads: int, batch: int, seq: int, configs:
     for config in configs:
         compute = getattr(torch, DTYPES[config.compute])
         torch.manual_seed(0)
-        model = build(width, blocks, heads).to(getattr(torch, DTYPES[config.cpu_state]))
+        model = build(width, blocks, heads, vocab, tied).to(getattr(torch, DTYPES[config.cpu_state]))
         shard_model(model, mesh, param_dtype=compute)
         options = OffloadOptions(offload_params=True, cpu_step=config.cpu_step, cpu_state=config.cpu_state)
         optimizer = torch.optim.AdamW(model.parameters())
         engine = ParamOffloadEngine(optimizer, torch.device("cpu"), compute, options, dist.get_world_size())
-        measured = measure(model, engine, (batch, seq, width), config.compute)
+        measured = measure(model, engine, (batch, seq, width), config.compute, vocab)
         engine.close()
         results.append({"rank": rank, **asdict(config), **measured})
     return results
@@ -304,6 +331,9 @@ def row(config: Config, world: int, plan: dict, measured: dict) -> dict:
         "per_block_ratio": blocks / (measured["fsdp_peak"] - root),
         "planned_total": total,
         "total_ratio": total / measured["device_peak"],
+        # FSDP2's buffers alone (the root's parameters with them): what the activation estimate leaves out
+        # (a language model's logits) aside
+        "fsdp_ratio": (root + blocks) / measured["fsdp_peak"],
     }
 
 
@@ -328,6 +358,7 @@ COLUMNS = (  # (header, width, value of a row, format)
     ("meas", 5, lambda r: r["measured_per_block_B_per_param"], ".2f"),
     ("ratio", 5, lambda r: r["per_block_ratio"], ".2f"),
     ("| total ratio", 13, lambda r: r["total_ratio"], ".2f"),
+    ("fsdp ratio", 10, lambda r: r["fsdp_ratio"], ".2f"),
 )
 
 
@@ -347,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=0, help="a language model: embedding and head in the root")
+    parser.add_argument("--tied", action="store_true", help="with --vocab: the head's weight is the embedding's")
     parser.add_argument("--ranks", type=int, nargs="+", help="world sizes (default: 1 2; --tiny: 1)")
     parser.add_argument("--tiny", action="store_true", help="3 blocks of width 64, sequence 8, two configs")
     parser.add_argument("--out", type=Path, help="the JSON file (default: benchmarks/results/offload_params/)")
@@ -358,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = args.ranks or ([1] if args.tiny else [1, 2])
     from lightning_zero_offload.testing.ranks import run_ranks
 
-    shape = (args.width, args.blocks, args.heads)
+    shape = (args.width, args.blocks, args.heads, args.vocab, args.tied)
     rows = []
     for world in ranks:
         with tempfile.TemporaryDirectory() as tmp:
@@ -374,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or RESULTS / ("device_peak_tiny.json" if args.tiny else "device_peak.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     setup = {"width": args.width, "blocks": args.blocks, "heads": args.heads, "batch": args.batch, "seq": args.seq}
+    setup |= {"vocab": args.vocab, "tied": args.tied}
     out.write_text(json.dumps({"setup": setup, "rows": rows, "printed": text}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0

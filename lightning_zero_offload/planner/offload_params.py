@@ -35,6 +35,7 @@ class FsdpUnits:
     largest_tensor: int  # a streamed full export gathers one tensor at a time
     tensor_shards: tuple[int, ...] = ()  # this rank's shard of each trainable tensor: each is pinned on its own
     largest_unit_tensor: int = 0  # a unit's largest parameter: one rank copies a unit up one tensor at a time
+    root_tied: int = 0  # the root's parameters that several modules use: autograd sums their gradients
 
     @property
     def largest_unit_shard(self) -> int:
@@ -96,6 +97,7 @@ def fsdp_units(shape: ModelShape, n_layer: int | None, world: int) -> FsdpUnits:
         shape.largest_tensor,
         tensors,
         shape.largest_unit_tensor,
+        shape.root_tied,
     )
 
 
@@ -193,13 +195,18 @@ def device_memory_params(units: FsdpUnits, dtype: torch.dtype, state_dtype: torc
         in_flight = 2
         gather_input = ((cast or s) * block + (s * tensor if cast else 0)) // world
     r = e if world == 1 else REDUCE_BYTES  # placement.shard_model's reduce dtype
-    computing = (e + r) * unit
-    gathering = r * unit + gather_input
-    reducing = r * unit + (r + (s if s != r else 0)) * unit_shard - e * block
+    # A weight the root's modules share (a tied embedding and head): autograd holds the head's gradient through
+    # every block's backward until the embedding's arrives, then sums the two out of place (docs/benchmarks.md,
+    # "Parameter offload: device memory, planned vs measured").
+    tied = e * units.root_tied
+    computing = (e + r) * unit + tied
+    gathering = r * unit + gather_input + tied
+    reducing = r * unit + (r + (s if s != r else 0)) * unit_shard - e * block + tied
+    root = e * (units.root_params + units.root_tied) + r * block  # the root's gradients and the sum's copy
     return {
         "root_params": e * units.root_params,
         "blocks_in_flight": in_flight * e * block,
-        "backward_buffers": max(computing, gathering, reducing),
+        "backward_buffers": max(computing, gathering, reducing, root),
     }
 
 

@@ -32,6 +32,7 @@ class ModelShape:
     root_params: int = 0
     largest_tensor: int = 0  # elements of the largest parameter (a streamed full export holds one at a time)
     largest_unit_tensor: int = 0  # elements of the largest parameter of a unit (gathered one tensor at a time)
+    root_tied: int = 0  # elements of the root's parameters that several modules use (tied embedding and head)
     configure_model: bool = False  # built in configure_model / init_module(empty_init=True): never whole
 
     @property
@@ -77,7 +78,7 @@ class ModelShape:
         matmul = matmul or sum(s.numel() for s in shapes)
         linear = linear or {(hidden, 4 * hidden): 1}
         blocks = _repeated_blocks(model)
-        units, root, unit_tensor = _fsdp_units(model)
+        units, root, unit_tensor, root_tied = _fsdp_units(model)
         largest = max(p.numel() for p in model.parameters())
         return cls(
             shapes,
@@ -91,6 +92,7 @@ class ModelShape:
             root_params=root,
             largest_tensor=largest,
             largest_unit_tensor=unit_tensor,
+            root_tied=root_tied,
         )
 
     @property
@@ -116,11 +118,12 @@ def _repeated_blocks(model: nn.Module) -> int | None:
     return best[1] if best else None
 
 
-def _fsdp_units(model: nn.Module) -> tuple[tuple[int, ...], int, int]:
+def _fsdp_units(model: nn.Module) -> tuple[tuple[int, ...], int, int, int]:
     """The parameters of each unit ``offload_params`` wraps with ``fully_shard`` (the engine's own choice,
     ``placement.find_units``: the repeated blocks, then big modules outside them), what is left to the root,
-    and the largest parameter of a unit. A model the engine would refuse (no repeated blocks) is planned as
-    the one unit it would be. Counts every parameter once, frozen ones too (FSDP2 shards them all)."""
+    the largest parameter of a unit, and what of the root several modules use (tied weights). A model the
+    engine would refuse (no repeated blocks) is planned as the one unit it would be. Counts every parameter
+    once, frozen ones too (FSDP2 shards them all)."""
     try:
         modules = find_units(model)
     except ValueError:
@@ -133,7 +136,13 @@ def _fsdp_units(model: nn.Module) -> tuple[tuple[int, ...], int, int]:
         unit_tensors += [p.numel() for p in own]
         seen.update(id(p) for p in own)
     total = sum(p.numel() for p in model.parameters())
-    return tuple(units), total - sum(units), max(unit_tensors, default=0)
+    holders: dict[int, int] = {}
+    for m in model.modules():
+        for p in m._parameters.values():
+            if p is not None:
+                holders[id(p)] = holders.get(id(p), 0) + 1
+    tied = sum(p.numel() for p in model.parameters() if id(p) not in seen and holders[id(p)] > 1)
+    return tuple(units), total - sum(units), max(unit_tensors, default=0), tied
 
 
 # Depth of the planner's model family when only a parameter count is known (--largest's default too).

@@ -89,10 +89,14 @@ def test_one_rank_tied_weights_bf16_state_built_whole_by_hand():
     assert sync.setup_per_rank == 4 * 936 + 2 * 280  # the fp32 module as built, and one block's shard
     assert [c.name for c in p.verdict("sync").checks][1] == SETUP_WHOLE
     # One rank: one block in flight (FSDP2 prefetches nothing); bf16 kept as it is gathered (no cast); the reduce
-    # in bf16 (nothing is summed at one rank). Computing, its gradients and the previous block's reduce input,
-    # 2 x 280 each = 1120; reducing, 2 x 280 of input and 2 x 280 of output (no cast: the state is bf16), the
-    # running block's 2 x 280 freed = 560; gathering 2 x 280 and two 128-element tensors in bf16 = 1072.
-    assert p.device_bytes == {"root_params": 2 * 96, "blocks_in_flight": 2 * 280, "backward_buffers": 1120}
+    # in bf16 (nothing is summed at one rank); beside each block's moment the head's gradient of the tied weight
+    # (2 x 80), which autograd holds until the embedding's arrives. Computing, its gradients and the previous
+    # block's reduce input, 2 x 280 each, = 1280; reducing, 2 x 280 of input and 2 x 280 of output (no cast: the
+    # state is bf16), the running block's 2 x 280 freed, = 720; gathering 2 x 280 and two 128-element tensors in
+    # bf16 = 1232; the root's own moment, its gradients and the sum's copy (2 x (96 + 80)) and the last block's
+    # reduce input (2 x 280) = 912.
+    assert p.device_bytes == {"root_params": 2 * 96, "blocks_in_flight": 2 * 280, "backward_buffers": 1280}
+    assert p.params_offload.units.root_tied == 80
 
 
 def test_step_time_by_hand():
