@@ -54,6 +54,26 @@ class Net(nn.Module):
         return self.head(self.norm(x))
 
 
+class Rotary(nn.Module):
+    """Buffers as models make them: one computed in __init__ on the default device (garbage after
+    to_empty unless recomputed), one made on the CPU explicitly (real even under the meta device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(WIDTH))
+        self.register_buffer("inv_freq", self.frequencies(), persistent=False)
+        self.register_buffer("positions", torch.arange(5.0, device="cpu") * 3, persistent=False)
+        self.reset_parameters()
+
+    def frequencies(self) -> torch.Tensor:
+        return 1.0 / 10000 ** (torch.arange(0, WIDTH, 2, dtype=torch.float32) / WIDTH)
+
+    def reset_parameters(self) -> None:
+        nn.init.uniform_(self.scale)
+        if not self.inv_freq.is_meta:
+            self.inv_freq.copy_(self.frequencies())
+
+
 def tokens(seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (4, 7), generator=torch.Generator().manual_seed(seed))
 

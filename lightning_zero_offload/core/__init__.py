@@ -1,6 +1,7 @@
 """The core both front ends share: plain torch and the engine, no Trainer and no Fabric.
 
-:mod:`.options` holds what they take (options, precision, timeout, validated once); :mod:`.session`
+:mod:`.meta_device` builds on the meta device; :mod:`.options` holds what they take (options, precision, timeout,
+validated once); :mod:`.session`
 what they do, the one door to the engine (build it, the backward window, the pending clip, the step,
 ``zero_grad``, what the engine did), with :mod:`.session_checkpoints` its state dicts and saves;
 :mod:`.optimizer` the optimizer for a loop that steps itself; :mod:`.gradients` what
@@ -10,6 +11,7 @@ Lightning's hooks into it and import nothing from the engine: what it did reache
 :class:`StepStats` (with :func:`hidden_fraction`), re-exported here.
 """
 
+from lightning_zero_offload.core.meta_device import built_on_meta
 from lightning_zero_offload.core.optimizer import OffloadedOptimizer
 from lightning_zero_offload.core.options import (
     OPTION_NAMES,
@@ -43,6 +45,7 @@ __all__ = [
     "OffloadedOptimizer",
     "SessionStrategy",
     "StepStats",
+    "built_on_meta",
     "coerced_precision",
     "collective_timeout",
     "hidden_fraction",

@@ -37,8 +37,9 @@ from lightning_zero_offload.core.model_rules import check_model
 from lightning_zero_offload.core.options import STRATEGY_DESCRIPTION, resolve_precision
 from lightning_zero_offload.core.session_checkpoints import SessionCheckpoints, state_dict_keys
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions, StepStats
+from lightning_zero_offload.engine.blockwise import BlockwiseInit
 from lightning_zero_offload.engine.infra.collectives import broadcast_tensors_
-from lightning_zero_offload.engine.offload_params.materialize import BlockwiseInit, materialize, on_meta
+from lightning_zero_offload.engine.offload_params.materialize import materialize, on_meta
 from lightning_zero_offload.engine.offload_params.placement import init_units
 from lightning_zero_offload.engine.options import Resolved
 from lightning_zero_offload.planner import check_host_memory
@@ -94,8 +95,10 @@ class OffloadSession(SessionCheckpoints):
         check_host_memory(
             module, options, param_dtype, world_size, local_world_size, device, blockwise=blockwise is not None
         )
-        if world_size > 1 and blockwise is None:
-            broadcast_tensors_(list(module.state_dict().values()), None, device)
+        if world_size > 1:  # rank 0's weights (a model built on the meta device: those built outside it)
+            broadcast_tensors_(
+                list(module.state_dict().values()) if blockwise is None else blockwise.real_tensors(), None, device
+            )
         # process_group=None means the default group to torch.distributed; holding the group object itself
         # would keep it alive past destroy_process_group (see release_process_group).
         engine = OffloadEngine(
@@ -117,10 +120,22 @@ class OffloadSession(SessionCheckpoints):
     ) -> BlockwiseInit | None:
         """A model built on the meta device (``configure_model``, ``init_module(empty_init=True)``) with
         placeholders for parameters (in ``optimizers`` built before too), for :meth:`start` to fill block by
-        block; None for a model with no tensor on the meta device."""
-        if not on_meta(module):
+        block; None for a model whose parameters are real (its buffers left on the meta device, by a load with
+        ``assign=True``, are computed here, on ``device``)."""
+        if not on_meta(module, partly=True):
+            return None
+        if not any(p.is_meta for p in module.parameters()):
+            materialize(module, device)  # the buffers alone
             return None
         return BlockwiseInit(module, device, init_units(module), optimizers)
+
+    @staticmethod
+    def give_placeholders_memory(blockwise: BlockwiseInit, world_size: int) -> None:
+        """The model of ``blockwise`` used before an engine takes it (evaluated, or loaded into): each
+        parameter gets its own memory on the device, with the values the fill would give the engine (rank
+        0's), and the model is then an ordinary one."""
+        rank0 = partial(broadcast_tensors_, group=None, device=blockwise.device) if world_size > 1 else None
+        blockwise.fill(lambda param, value: False, rank0)
 
     @property
     def training(self) -> bool:

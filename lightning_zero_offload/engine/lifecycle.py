@@ -204,8 +204,10 @@ class EngineLifecycle:
         """Inside: :meth:`load_master_param`, parameter by parameter (the step in flight finished first); on
         leaving, the device copy and the schedule follow (:meth:`master_loaded`)."""
         self._settle()
-        yield self.load_master_param
-        self.master_loaded()
+        try:
+            yield self.load_master_param
+        finally:  # a load that failed part-way: the device copy still shows the master as it now is
+            self.master_loaded()
 
     def load_master_param(self, param: torch.nn.Parameter, value: torch.Tensor) -> bool:
         """``value``, the whole tensor, into this rank's rows of ``param``'s master weight (converted to the

@@ -39,9 +39,11 @@ from lightning_zero_offload.core import (
     OffloadSession,
     ParamOffloadSession,
     SessionStrategy,
+    built_on_meta,
     coerced_precision,
     collective_timeout,
     make_offload_options,
+    materialize,
     move_untrained_to,
     on_meta,
     training_session,
@@ -99,7 +101,7 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         # modules may never get an optimizer. Each with its forward pre-hook that moves it for evaluation.
         self._awaiting_optimizer: WeakKeyDictionary[Module, RemovableHandle | None] = WeakKeyDictionary()
         # Those built on the meta device: their placeholders, for the engine to fill (OffloadSession.placeholders).
-        self._placeholders: WeakKeyDictionary[Module, BlockwiseInit | None] = WeakKeyDictionary()
+        self._placeholders: WeakKeyDictionary[Module, BlockwiseInit] = WeakKeyDictionary()
 
     # Fabric assigns a generic plugin built from `precision=`; the offload forward and backward need this one.
     precision = coerced_precision(ZeroOffloadFabricPrecision, "_precision")  # type: ignore[assignment]
@@ -115,8 +117,8 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         if not self.options.offload_params and not empty_init:
             return super().module_init_context(empty_init)
         stack = ExitStack()
-        if empty_init:
-            stack.enter_context(torch.device("meta"))
+        if empty_init:  # a load into the model before setup materializes it first (core/meta_device.py)
+            stack.enter_context(built_on_meta())
         stack.enter_context(self.precision.module_init_context())
         return stack
 
@@ -124,7 +126,7 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
     def module_to_device(self, module: Module) -> None:
         """Before setup, only what the engine will not own moves: the trainable fp32 weights would
         otherwise pass through device memory at 4 bytes per parameter."""
-        if self.options.offload_params or on_meta(module):
+        if self.options.offload_params or on_meta(module, partly=True):
             return  # FSDP2, or the engine's blockwise fill, puts the buffers on the device (setup)
         if self.session is not None or not any(p.requires_grad for p in module.parameters()):
             module.to(self.root_device)
@@ -153,6 +155,7 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         on the host (``module_to_device`` moved the rest) for ``fabric.setup_optimizers`` to start the engine
         with; a forward before that, evaluation, first moves them to the device as they are."""
         if self.session is not None:  # beside the model being trained: evaluation only
+            materialize(module, self.root_device)  # built on the meta device: whole, on the device
             module.to(self.root_device)
             return module
         if self.options.offload_params:
@@ -160,11 +163,16 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
                 self._shard(module)  # before the optimizer is built: it takes the sharded parameters
                 self._awaiting_optimizer[module] = None
             return module
-        if module not in self._awaiting_optimizer and on_meta(module):  # placeholders for the optimizer's build
-            self._placeholders[module] = OffloadSession.placeholders(module, self.root_device)
+        # Built on the meta device: placeholders for the optimizer's build (the engine fills them).
+        placeholders = on_meta(module, partly=True) and module not in self._awaiting_optimizer
+        if placeholders and (blockwise := OffloadSession.placeholders(module, self.root_device)) is not None:
+            self._placeholders[module] = blockwise
+            # Loaded into before an optimizer (fabric.load_raw): the placeholders get memory first.
+            module.register_load_state_dict_pre_hook(lambda module, *args: self._give_memory(module))
         if module not in self._awaiting_optimizer:
 
             def move_for_evaluation(module: Module, args: Any) -> None:
+                self._give_memory(module)
                 module.to(self.root_device)
                 if (hook := self._awaiting_optimizer.get(module)) is not None:  # None: a deep copy of the module
                     hook.remove()  # the module stays awaiting: setup_optimizers may still follow
@@ -172,6 +180,11 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
             # A closure, not a bound method: copy.deepcopy(model) would otherwise copy the strategy too.
             self._awaiting_optimizer[module] = module.register_forward_pre_hook(move_for_evaluation)
         return module
+
+    def _give_memory(self, module: Module) -> None:
+        """A module with placeholders used before its optimizer is set up: whole on the device from now on."""
+        if (blockwise := self._placeholders.pop(module, None)) is not None:
+            OffloadSession.give_placeholders_memory(blockwise, self.num_nodes * self.num_processes)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

@@ -27,11 +27,13 @@ SKIP_CHECK_ENV = "LZO_SKIP_MEMORY_CHECK"
 
 
 def _resident_bytes(model: nn.Module) -> int:
-    """Host bytes the module's trainable parameters hold now (released once the engine takes them)."""
+    """Host bytes the module's trainable parameters hold now (released once the engine takes them); a
+    placeholder of a model built on the meta device (an expanded zero) holds none."""
     seen: set[int] = set()
     total = 0
     for p in model.parameters():
-        if p.requires_grad and id(p) not in seen and p.device.type == "cpu":
+        placeholder = p.numel() > 1 and 0 in p.stride()
+        if p.requires_grad and id(p) not in seen and p.device.type == "cpu" and not placeholder:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     return total
@@ -62,7 +64,7 @@ def check_host_memory(
     layout = layout_summary(shape, options.bucket_size_mb, param_dtype, world_size)
     config = resolve(options, device, param_dtype, world_size, local_world_size)  # what the engine will run
     schedule = config.cpu_step
-    resident = 0 if blockwise else _resident_bytes(model)
+    resident = _resident_bytes(model)
     need, setup, shard = _host_need(config, shape, layout, param_dtype, local_world_size, device, resident, blockwise)
     available, source = probes.host_memory_limit()
     # The module is already built (its bytes are in use, not available) and is released at setup.
@@ -160,7 +162,7 @@ def _host_need(
     parameters of a rank's shard (``blockwise``: see check_host_memory)."""
     units = fsdp_units(shape, None, layout.world_size)
     if not config.offload_params:
-        built = initialized_unit_bytes(units) if blockwise else resident
+        built = resident + (initialized_unit_bytes(units) if blockwise else 0)
         need = host_memory(layout, param_dtype, config, local_world_size, device.type, shape.params, module_bytes=built)
         return need, SETUP_BY_BLOCKS if blockwise else SETUP, max(1, layout.shard_numel)
     need = host_memory_params(

@@ -30,6 +30,7 @@ from lightning_zero_offload.core import (
     OffloadSession,
     ParamOffloadSession,
     SessionStrategy,
+    built_on_meta,
     coerced_precision,
     collective_timeout,
     make_offload_options,
@@ -100,13 +101,21 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         self.metrics = metrics
         self.needs_process_group = self.options.offload_params
         self.session: OffloadSession | ParamOffloadSession | None = None
-        self._preflight_error: MemoryError | None = None
+        self._setup_error: BaseException | None = None  # what setup refused, which teardown must not replace
 
     # Lightning assigns a generic plugin built from `precision=`; the offload step needs this one.
     precision_plugin = coerced_precision(ZeroOffloadPrecision, "_precision_plugin")  # type: ignore[assignment]
 
     @override
     def setup(self, trainer: Trainer) -> None:
+        self._setup_error = None
+        try:
+            self._setup(trainer)
+        except BaseException as error:
+            self._setup_error = error  # see teardown
+            raise
+
+    def _setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.precision_plugin.device_type = self.root_device.type
@@ -117,13 +126,9 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
             raise ValueError("zero_offload does not support sync_batchnorm=True")
         if self.options.offload_params:
             # FSDP2 replaces the parameters: shard before configure_optimizers builds the optimizer over them.
-            try:
-                ParamOffloadSession.shard(module, self.root_device, precision, self.options, world, self.num_processes)
-            except MemoryError as error:
-                self._preflight_error = error  # teardown must not replace it (see teardown)
-                raise
+            ParamOffloadSession.shard(module, self.root_device, precision, self.options, world, self.num_processes)
         blockwise = None
-        if not self.options.offload_params and on_meta(module):
+        if not self.options.offload_params and on_meta(module, partly=True):
             if fitting(trainer):  # placeholders for configure_optimizers, filled block by block by the engine
                 blockwise = OffloadSession.placeholders(module, self.root_device)
             else:
@@ -137,20 +142,9 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
                     "Return a torch.optim.AdamW/Adam (or lightning_zero_offload.CPUAdam) over self.parameters()."
                 )
             extra = {} if self.options.offload_params else {"blockwise": blockwise}
-            try:
-                self.session = start(
-                    module,
-                    self.optimizers,
-                    self.root_device,
-                    precision,
-                    self.options,
-                    world,
-                    self.num_processes,
-                    **extra,
-                )
-            except MemoryError as error:
-                self._preflight_error = error  # teardown must not replace it (see teardown)
-                raise
+            self.session = start(
+                module, self.optimizers, self.root_device, precision, self.options, world, self.num_processes, **extra
+            )
             self.precision_plugin.attach(self.session)
             # The optimizer Lightning and users hold from now on: its step, zero_grad and state are the engine's.
             self.optimizers = [OffloadedOptimizer(self.session)]
@@ -170,14 +164,15 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
             with super().tensor_init_context(empty_init):
                 yield
             return
-        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+        with built_on_meta() if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
     @override
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` builds on the meta device, as under ``init_module(empty_init=True)``."""
-        with torch.device("meta"):
+        """``configure_model`` builds on the meta device, as under ``init_module(empty_init=True)`` (a load into
+        the model before setup materializes it first: core/meta_device.py)."""
+        with built_on_meta():
             yield
 
     def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
@@ -247,10 +242,11 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         try:
             super().teardown()
         except Exception:
-            # A refused pre-flight is what the user must fix; a module that cannot move back (one on the
-            # meta device: "Cannot copy out of meta tensor") must not take its place.
-            if self._preflight_error is None:
+            # What setup refused (the pre-flight, a model nothing can initialize) is what the user must fix; a
+            # module that cannot move back (one on the meta device: "Cannot copy out of meta tensor") must not
+            # take its place.
+            if self._setup_error is None:
                 raise
-            raise self._preflight_error from None
+            raise self._setup_error from None
         finally:
             self._optimizers = optimizers

@@ -423,6 +423,35 @@ def test_a_failed_fill_closes_the_engine_it_started():
         model = nn.Sequential(Forgets(4, 4), Forgets(4, 4))
     blockwise = OffloadSession.placeholders(model, CPU)
     optimizer = torch.optim.AdamW(model.parameters())
+    before = set(threading.enumerate())  # other tests' engines may still be open
     with pytest.raises(ValueError, match=r"left Forgets\.bias unset"):
         OffloadSession.start(model, [optimizer], CPU, "32-true", options(), 1, 1, blockwise=blockwise)
-    assert not [t for t in threading.enumerate() if t.name.startswith("zero-offload-step")]
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("zero-offload-step")]
+
+
+def test_a_pretrained_load_that_fails_part_way_leaves_the_device_copy_showing_the_master(tmp_path, monkeypatch):
+    """load_pretrained into the ZeRO-2 engine writes the master weights; a read failing after some of them
+    still refreshes the device copy from the master as it then is."""
+    from lightning_zero_offload.engine.offload_params import pretrained
+
+    torch.manual_seed(0)
+    model = Stack()
+    session = OffloadSession.start(model, [stack_optimizer(model)], CPU, "bf16-mixed", options(), 1, 1)
+    torch.manual_seed(5)
+    torch.save(Stack().state_dict(), tmp_path / "weights.pt")
+    reads = []
+    real_read = pretrained.Checkpoint.read
+
+    def failing_read(self, key, start, stop):
+        reads.append(key)
+        if len(reads) == 3:
+            raise OSError("the disk went away")
+        return real_read(self, key, start, stop)
+
+    monkeypatch.setattr(pretrained.Checkpoint, "read", failing_read)
+    with pytest.raises(OSError, match="went away"):
+        pretrained.load_pretrained(model, tmp_path / "weights.pt")
+    masters = session.engine.master_params()
+    assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(session.engine.params, masters))
+    assert not torch.equal(masters[0], masters[0].new_zeros(())) and len(reads) == 3
+    session.close()

@@ -375,3 +375,64 @@ def test_init_module_empty_init_builds_on_the_meta_device_and_trains_as_the_eage
 
     got, want = fit(empty_init=True), fit(empty_init=False)
     assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_model_on_the_meta_device_used_before_its_optimizer_is_set_up_behaves_as_built_eagerly(tmp_path):
+    """Loaded after init_module(empty_init=True), evaluated or loaded into before setup_optimizers, and an
+    evaluation-only model built on the meta device beside the trained one: each as if built eagerly."""
+
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 1))
+
+    def fabric() -> L.Fabric:
+        made = L.Fabric(strategy=ZeroOffloadFabricStrategy(), accelerator="cpu", devices=1)
+        made.launch()
+        return made
+
+    torch.manual_seed(0)
+    reference, x = net(), torch.randn(4, 8)
+    torch.save(reference.state_dict(), tmp_path / "weights.pt")
+    want = reference(x)
+
+    loaded = fabric()  # Fabric's documented pattern for empty_init: load, then set up
+    with loaded.init_module(empty_init=True):
+        model = net()
+    model.load_state_dict(torch.load(tmp_path / "weights.pt"))
+    model, _ = loaded.setup(model, torch.optim.AdamW(model.parameters(), lr=0.0))
+    assert torch.allclose(model(x).float(), want)
+
+    evaluated = fabric()  # a forward before setup_optimizers: the values drawn then, whole on the device
+    with evaluated.init_module(empty_init=True):
+        model = evaluated.setup_module(net())
+    torch.manual_seed(1)
+    eager = net()(x)
+    torch.manual_seed(1)
+    assert torch.equal(model(x), eager)
+    evaluated.setup_optimizers(torch.optim.AdamW(model.parameters()))  # and then it trains as usual
+
+    raw = fabric()  # fabric.load_raw into the set-up module, then its optimizer
+    with raw.init_module(empty_init=True):
+        model = raw.setup_module(net())
+    raw.load_raw(tmp_path / "weights.pt", model)
+    raw.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.0))
+    assert torch.allclose(model(x).float(), want)
+
+    with raw.init_module(empty_init=True):  # beside the trained model: evaluation only
+        teacher = net()
+    teacher = raw.setup_module(teacher)
+    raw.load_raw(tmp_path / "weights.pt", teacher)
+    assert torch.allclose(teacher(x).float(), want)
+
+
+def test_a_meta_module_set_up_and_dropped_is_released():
+    import gc
+    import weakref
+
+    fabric = L.Fabric(strategy=ZeroOffloadFabricStrategy(), accelerator="cpu", devices=1)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = fabric.setup_module(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1)))
+    released = weakref.ref(model.module)
+    del model
+    gc.collect()
+    assert released() is None

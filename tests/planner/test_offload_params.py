@@ -10,7 +10,7 @@ from planner_helpers import CPU_BOX, GPU_BOX, h200, layers
 from torch import nn
 
 from lightning_zero_offload.engine import OffloadOptions
-from lightning_zero_offload.engine.offload_params.materialize import BlockwiseInit
+from lightning_zero_offload.engine.blockwise import BlockwiseInit
 from lightning_zero_offload.engine.offload_params.placement import init_units
 from lightning_zero_offload.planner import Machine, check_host_memory, largest_models, plan, presets, with_rates
 from lightning_zero_offload.planner.cli import main

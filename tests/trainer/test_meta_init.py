@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import QUIET
 from offload_params_helpers import Blocks, two_groups
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero_offload import ZeroOffloadStrategy, load_pretrained
@@ -196,3 +197,128 @@ def test_litgpt_built_in_configure_model_trains_bitwise_as_built_eagerly():
         trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
         runs[eager] = {k: v.detach().clone() for k, v in module.gpt.state_dict().items()}
     assert_bitwise(runs[False], runs[True])
+
+
+# -- what users do around a model on the meta device (each was lost or refused once) -------------------------
+
+
+class Rotary(nn.Module):
+    """A non-persistent buffer that load_state_dict(assign=True) leaves on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.empty(4), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+
+
+class WithRotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.rotary = Rotary()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(x) * self.rotary.inv_freq.repeat(2))
+
+
+class AssignLoaded(L.LightningModule):
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.weights, self.model = weights, None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = WithRotary()  # on the meta device
+            self.model.load_state_dict(self.weights, assign=True)  # real weights, the buffer still on meta
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self.model(x) - y) ** 2).mean()
+
+    def validation_step(self, batch, batch_idx):
+        self.log("loss", self.training_step(batch, batch_idx))
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.0)  # the weights must stay the loaded ones
+
+
+def test_weights_loaded_with_assign_are_kept_and_the_buffer_left_on_meta_computed():
+    torch.manual_seed(0)
+    weights = WithRotary().state_dict()
+    loader = DataLoader(TensorDataset(torch.randn(8, 8), torch.randn(8, 1)), batch_size=8)
+    fitted = AssignLoaded(weights)
+    L.Trainer(strategy=ZeroOffloadStrategy(), max_steps=1, **QUIET).fit(fitted, loader)
+    validated = AssignLoaded(weights)
+    L.Trainer(strategy=ZeroOffloadStrategy(), **QUIET).validate(validated, loader, verbose=False)
+    for module in (fitted, validated):
+        assert all(torch.equal(module.model.state_dict()[k], v) for k, v in weights.items())
+        assert torch.equal(module.model.rotary.inv_freq, Rotary().inv_freq)
+
+
+def test_load_from_checkpoint_inside_init_module_empty_init_keeps_the_checkpoints_weights(tmp_path):
+    torch.manual_seed(3)
+    source = Eager()
+    torch.save({"state_dict": source.state_dict(), "pytorch-lightning_version": L.__version__}, tmp_path / "w.ckpt")
+    trainer = L.Trainer(strategy=ZeroOffloadStrategy(), max_steps=1, **QUIET)
+    with pytest.warns(UserWarning, match="cannot fully support"), trainer.init_module(empty_init=True):
+        module = Eager.load_from_checkpoint(tmp_path / "w.ckpt")  # a load inside: the model materialized first
+    assert_bitwise(module.state_dict(), source.state_dict())
+
+
+class PartlyInInit(Eager):
+    """An output scale built in __init__, the blocks in configure_model (on the meta device)."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        torch.manual_seed(0)
+        self.scale = nn.Linear(1, 1)
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            torch.manual_seed(1)
+            self.model = Blocks()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self.scale(self.model(x).float()) - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([*two_groups(self.model), {"params": self.scale.parameters()}])
+
+
+class PartlyEager(PartlyInInit):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.model = Blocks()
+
+
+def test_a_model_built_partly_in_init_and_partly_in_configure_model_trains_as_the_eager_one():
+    options = {"in_place_on_cpu": False}
+    assert_bitwise(fit(PartlyInInit(), "bf16-mixed", **options), fit(PartlyEager(), "bf16-mixed", **options))
+
+
+class Gain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(8))  # no reset_parameters: nothing can initialize it on meta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class Uninitializable(InConfigureModel):
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = nn.Sequential(Gain(), nn.Linear(8, 1))
+
+
+def test_what_nothing_can_initialize_is_the_error_the_user_sees():
+    trainer = L.Trainer(strategy=ZeroOffloadStrategy(), max_steps=1, **QUIET)
+    with pytest.raises(ValueError, match="cannot initialize the parameters or buffers of Gain"):
+        trainer.fit(Uninitializable(), data())  # not teardown's "Cannot copy out of meta tensor"

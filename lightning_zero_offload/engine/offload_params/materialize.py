@@ -3,10 +3,8 @@
 ``materialize`` serves both modes. A model wrapped with ``fully_shard`` (the parameter-offload mode) gets
 only this rank's shards, on the host (``CPUOffloadPolicy``), and its buffers on the mesh's device; a plain
 module gets its tensors on ``device``, whole. The ZeRO-2 engine takes a model built on the meta device in two
-steps instead (:class:`BlockwiseInit`): placeholders first, so the optimizer can be built over the parameters
-the engine will hold, then the values unit by unit (its repeated blocks), each handed to the engine's master
-weights as it is initialized: the host never holds more than one block whole, nor the device more than its
-low-precision copy.
+steps instead (engine/blockwise.py), with the planning and initialization here (``init_plan``,
+``initialized``).
 
 Values, module by module in module order (``module.modules()``, parents first; for a Hugging Face model
 the order of its own ``initialize_weights``: children first). Each module that owns tensors on the meta
@@ -59,23 +57,36 @@ def materialize(
     if not on_meta(module):
         return
     params = list(module.parameters())
+    if not any(p.is_meta for p in params):
+        _compute_meta_buffers(module, device)
+        return
     sharded = any(isinstance(p, DTensor) for p in params)
     if sharded and not isinstance(module, FSDPModule):
         raise ValueError("materialize a sharded model from its root: call fully_shard on the root first.")
-    plan = _init_plan(module, initialize, init_fn)
-    blank_buffers = {(id(m), n) for m in module.modules() for n, b in m._buffers.items() if _blank(b)}
+    plan = init_plan(module, initialize, init_fn)
+    blank_buffers = {(id(m), n) for m in module.modules() for n, b in m._buffers.items() if is_blank(b)}
     kept_buffers = [(owner, name, b) for owner in module.modules() for name, b in owner._buffers.items() if _real(b)]
     ties = _ties(module)
+    # The class and attributes of parameters (a no-weight-decay tag), which to_empty's new ones do not carry
+    tags = {
+        (id(m), n): (type(p), dict(p.__dict__))
+        for m in module.modules()
+        for n, p in m._parameters.items()
+        if p is not None
+    }
     # FSDPModule.to_empty re-points FSDP2's padded shard storage: only this rank's shards are allocated
     module.to_empty(device="cpu" if sharded else device)
     for (first, first_name), *others in ties:  # to_empty gives each holder of a tied parameter its own copy
         for owner, name in others:
             owner._parameters[name] = first._parameters[first_name]
+    if not sharded:  # FSDP2's own parameters are DTensors: left as they are
+        _retag(module, tags)
     with torch.no_grad():
-        groups = _by_unit(plan, _unit_of(module, None))
-        for scratch in _initialized(groups, blank_buffers, initialize, _dtype_if_sharded):
+        groups = by_unit(plan, unit_of(module, None))
+        for scratch in initialized(groups, blank_buffers, initialize, _dtype_if_sharded):
             for param, whole in scratch:
                 _keep_own_rows(param, whole)
+            scratch = param = whole = None  # freed before the next unit's scratch is made
         for owner, name, buffer in kept_buffers:
             owner._buffers[name] = buffer
         if sharded:
@@ -86,78 +97,44 @@ def materialize(
                         owner._buffers[name] = _from_rank0(buffer.to(device), mesh)
 
 
-Keep = Callable[[nn.Parameter, torch.Tensor], bool]
+def _retag(module: nn.Module, tags: dict[tuple[int, str], tuple[type, dict]]) -> None:
+    """Give each parameter slot's parameter the class and attributes it had (the same new object for every
+    holder of a tied one)."""
+    done: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for n, p in list(m._parameters.items()):
+            if p is None or (id(m), n) not in tags:
+                continue
+            if id(p) not in done:
+                cls, attributes = tags[(id(m), n)]
+                if type(p) is not cls:
+                    p = nn.Parameter.__new__(cls, p.data, p.requires_grad)
+                p.__dict__.update(attributes)
+                done[id(m._parameters[n])] = p
+            m._parameters[n] = done[id(m._parameters[n])]
 
 
-class BlockwiseInit:
-    """A plain module built on the meta device, materialized for the ZeRO-2 engine in two steps.
-
-    Constructing it gives every parameter a placeholder of its shape and dtype that holds no memory (a zero
-    broadcast to its shape, on the host; the same object in every slot of a tied parameter), so an optimizer
-    can be built over the parameters the engine will hold; ``optimizers`` built over the meta parameters
-    before are given the placeholders in their place. Buffers get their memory on ``device``. What nothing
-    can initialize (a module without ``reset_parameters()``) is refused now, before anything is allocated.
-
-    :meth:`fill` then gives the values, unit by unit (``units``: the repeated blocks; what is outside them is
-    the root's unit): each parameter initialized whole in a scratch tensor on the host, made rank 0's by
-    ``rank0`` where several ranks train, and handed to ``keep(param, value)``, which returns True where the
-    engine took it (into its master weights); any other parameter gets its own memory on ``device``.
-    """
-
-    def __init__(
-        self,
-        module: nn.Module,
-        device: torch.device | str,
-        units: Collection[nn.Module] = (),
-        optimizers: Iterable[torch.optim.Optimizer] = (),
-    ) -> None:
-        if not on_meta(module):
-            raise ValueError("BlockwiseInit takes a model built on the meta device; this one has no meta tensor")
-        self.module, self.device = module, torch.device(device)
-        self._plan = _init_plan(module, True, None)
-        self._units = _unit_of(module, units)
-        self._blank_buffers = {(id(m), n) for m in module.modules() for n, b in m._buffers.items() if _blank(b)}
-        self._placeholders: dict[int, nn.Parameter] = {}  # id of the meta parameter -> its placeholder
-        for owner in module.modules():
-            for name, p in list(owner._parameters.items()):
-                if p is not None:
-                    if id(p) not in self._placeholders:
-                        empty = torch.zeros((), dtype=p.dtype).expand(p.shape)
-                        self._placeholders[id(p)] = nn.Parameter(empty, requires_grad=p.requires_grad)
-                    owner._parameters[name] = self._placeholders[id(p)]
-            for name, b in list(owner._buffers.items()):
-                if _blank(b):
-                    owner._buffers[name] = torch.empty_like(b, device=self.device)
-        self._built_dtypes = {id(p): p.dtype for p in self._placeholders.values()}
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [self._placeholders.get(id(p), p) for p in group["params"]]
-
-    @property
-    def placeholder_ids(self) -> frozenset[int]:
-        """The ids of the placeholders: expanded zeros, not tied elements (core/model_rules.py asks)."""
-        return frozenset(self._built_dtypes)
-
-    def fill(self, keep: Keep, rank0: Callable[[list[torch.Tensor]], None] | None = None) -> None:
-        """Initialize the model unit by unit, each value to ``keep`` (see the class); then every buffer is rank
-        0's (``rank0``: overwrite tensors with rank 0's values; None for one rank)."""
-        groups = _by_unit(self._plan, self._units)
-        with torch.no_grad():
-            # In the dtype the model was built in: the engine has made its parameters low-precision views since.
-            for scratch in _initialized(groups, self._blank_buffers, True, lambda p: self._built_dtypes.get(id(p))):
-                if rank0 is not None:
-                    rank0([whole for _, whole in scratch])
-                for param, whole in scratch:
-                    if not keep(param, whole):
-                        param.data = whole.to(self.device)
-            if rank0 is not None:
-                rank0([b for m in self.module.modules() for b in m._buffers.values() if b is not None])
+def _compute_meta_buffers(module: nn.Module, device: torch.device) -> None:
+    """Parameters real and some buffers on the meta device (weights loaded with ``load_state_dict(...,
+    assign=True)`` into a model built there, which leaves its non-persistent buffers behind, a rotary cache):
+    each owner's init computes its buffers on ``device``, its parameters stood in by throwaway tensors so
+    that the weights are not touched."""
+    plan = init_plan(module, True, None, buffers_only=True)
+    blank = {(id(m), n) for m in module.modules() for n, b in m._buffers.items() if is_blank(b)}
+    for m in module.modules():
+        for name, b in list(m._buffers.items()):
+            if is_blank(b):
+                m._buffers[name] = torch.empty_like(b, device=device)
+    with torch.no_grad():
+        for scratch in initialized(([entry] for entry in plan), blank, True, lambda p: p.dtype):
+            del scratch
 
 
-def on_meta(module: nn.Module) -> bool:
-    """Whether ``module`` has tensors on the meta device; refuses a model whose parameters are partly there."""
+def on_meta(module: nn.Module, partly: bool = False) -> bool:
+    """Whether ``module`` has tensors on the meta device; refuses a model whose parameters are partly there
+    unless ``partly`` (the ZeRO-2 mode takes such a model)."""
     params = list(module.parameters())
-    if any(p.is_meta for p in params) and not all(p.is_meta for p in params):
+    if not partly and any(p.is_meta for p in params) and not all(p.is_meta for p in params):
         names = [name for name, p in module.named_parameters() if p.is_meta]
         raise ValueError(
             f"{len(names)} of the model's {len(params)} parameters are on the meta device ({', '.join(names[:3])}"
@@ -167,7 +144,7 @@ def on_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in (*params, *module.buffers()))
 
 
-def _blank(tensor: torch.Tensor | None) -> bool:
+def is_blank(tensor: torch.Tensor | None) -> bool:
     return tensor is not None and tensor.is_meta
 
 
@@ -212,14 +189,31 @@ def _in_init_order(module: nn.Module) -> Iterator[tuple[nn.Module, nn.Module | N
     yield from visit(module, None)
 
 
-def _init_plan(module: nn.Module, initialize: bool, init_fn: InitFn | None) -> list[tuple[nn.Module, InitFn]]:
-    """Which submodules to initialize, in order, and with what; refuses a module that owns tensors on
-    the meta device and that nothing can initialize."""
+Pending = Callable[[nn.Module, str, torch.Tensor], bool]
+
+
+def _is_meta(owner: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    return tensor.is_meta
+
+
+def init_plan(
+    module: nn.Module,
+    initialize: bool,
+    init_fn: InitFn | None,
+    buffers_only: bool = False,
+    pending: Pending = _is_meta,
+) -> list[tuple[nn.Module, InitFn]]:
+    """Which submodules to initialize, in order, and with what (``buffers_only``: the owners of buffers on the
+    meta device, nothing else; ``pending``: whether a module's tensor still needs its values, by default
+    whether it is on the meta device); refuses a module that owns such tensors and that nothing can
+    initialize."""
     plan, refused = [], []
     for m, owner in _in_init_order(module):
-        on_meta = {n for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None and t.is_meta}
+        on_meta = {n for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None and pending(m, n, t)}
         # A Hugging Face model's init visits every module, as its own initialize_weights does.
         wanted = (on_meta or owner is not None) if initialize else on_meta & m._non_persistent_buffers_set
+        if buffers_only:
+            wanted = any(b is not None and b.is_meta for b in m._buffers.values())
         if not wanted:
             continue
         if init_fn is not None:
@@ -245,7 +239,7 @@ def _reset(module: nn.Module) -> None:
     module.reset_parameters()
 
 
-def _unit_of(module: nn.Module, units: Collection[nn.Module] | None) -> dict[int, nn.Module]:
+def unit_of(module: nn.Module, units: Collection[nn.Module] | None) -> dict[int, nn.Module]:
     """Each submodule's unit: the nearest of ``units`` at or above it (None: each ``FSDPModule``), else the root."""
     chosen = None if units is None else {id(u) for u in units}
     unit_of: dict[int, nn.Module] = {}
@@ -261,7 +255,7 @@ def _unit_of(module: nn.Module, units: Collection[nn.Module] | None) -> dict[int
     return unit_of
 
 
-def _by_unit(
+def by_unit(
     plan: list[tuple[nn.Module, InitFn]], units: dict[int, nn.Module]
 ) -> Iterator[list[tuple[nn.Module, InitFn]]]:
     """The plan in runs of consecutive modules of one unit (the unit whose scratch tensors the host holds at
@@ -276,22 +270,25 @@ def _by_unit(
         yield run
 
 
-def _initialized(
+def initialized(
     groups: Iterable[list[tuple[nn.Module, InitFn]]],
     blank_buffers: set[tuple[int, str]],
     initialize: bool,
     stands_in: Callable[[nn.Parameter], torch.dtype | None],
+    done: Iterable[int] = (),
 ) -> Iterator[list[tuple[nn.Parameter, torch.Tensor]]]:
     """Run each group's initialization on whole scratch tensors standing in for the parameters that
     ``stands_in`` gives a dtype (the scratch's: the parameter's as built; None: initialized in place); yields
     each group's (parameter, scratch) pairs, for the caller to keep what it needs before the next group's
-    scratch is made."""
-    done: set[int] = set()
+    scratch is made. ``done``: ids of parameters that have their values already (a throwaway tensor stands
+    in for them)."""
+    done = set(done)
     for group in groups:
         with _whole(group, done, blank_buffers, initialize, stands_in) as scratch:
             for owner, init in group:
                 init(owner)
         yield scratch
+        del scratch
 
 
 @contextlib.contextmanager
@@ -305,10 +302,10 @@ def _whole(
     """Stand a whole scratch tensor on the host in for each parameter the group's modules own that
     ``stands_in`` gives a dtype, and a throwaway one for a parameter an earlier module initialized already (any
     other parameter is initialized in place); yields the (parameter, scratch) pairs and puts the parameters
-    back. What the group must
-    initialize (its parameters, or with ``initialize=False`` its non-persistent buffers; ``blank_buffers``:
-    the buffers ``to_empty`` allocated) starts as NaN, and a floating-point tensor still NaN afterwards is
-    refused: an init that forgets a tensor would otherwise leave the garbage of ``to_empty`` in it."""
+    back. What the group must initialize (its parameters, or with ``initialize=False`` its non-persistent
+    buffers; ``blank_buffers``: the buffers ``to_empty`` allocated) starts marked unset (NaN; an integer
+    tensor its smallest value), and a tensor still so afterwards is refused: an init that forgets a tensor
+    would otherwise leave the garbage of ``to_empty`` in it."""
     swapped: list[tuple[nn.Module, str, nn.Parameter]] = []
     scratch: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
     fresh: list[tuple[nn.Module, str, torch.Tensor]] = []
@@ -323,7 +320,7 @@ def _whole(
                     done.add(id(p))
                     fresh += [(owner, name, p)] if initialize else []
                     continue
-                stand_in = torch.empty(p.shape, dtype=dtype or p.dtype)
+                stand_in = torch.empty(p.shape, dtype=dtype or p.dtype, device="cpu")
                 if first:
                     scratch[id(p)] = (p, stand_in)
                     fresh += [(owner, name, stand_in)] if initialize else []
@@ -335,8 +332,7 @@ def _whole(
                 if (id(owner), name) in blank_buffers and (initialize or name in owner._non_persistent_buffers_set)
             ]
         for _, _, tensor in fresh:
-            if tensor.is_floating_point():
-                tensor.fill_(float("nan"))
+            _mark_unset(tensor)
         yield list(scratch.values())
         done.update(scratch)
     finally:
@@ -344,17 +340,36 @@ def _whole(
             owner._parameters[name] = p
     # A buffer the init replaced (litgpt's reset_parameters assigns a new rope cache) is checked as it is now.
     now = [(o, n, o._buffers.get(n, t)) for o, n, t in fresh]
-    if forgotten := [f"{type(o).__name__}.{n}" for o, n, t in now if _has_nan(t)]:
+    if forgotten := [f"{type(o).__name__}.{n}" for o, n, t in now if _unset(t)]:
         raise ValueError(
-            f"the initialization left {', '.join(forgotten)} unset (still NaN): reset_parameters() (or init_fn, or "
+            f"the initialization left {', '.join(forgotten)} unset (still NaN, or an integer tensor's smallest "
+            "value everywhere): reset_parameters() (or init_fn, or "
             "the Hugging Face model's _init_weights) must initialize every parameter of its module and recompute "
             "every buffer. Fix that function, or pass init_fn."
         )
 
 
-def _has_nan(tensor: torch.Tensor) -> bool:
-    """Whether a floating-point tensor holds a NaN (max propagates NaN; no tensor of flags is made)."""
-    return tensor.is_floating_point() and tensor.numel() > 0 and bool(tensor.max().isnan())
+def _mark_unset(tensor: torch.Tensor) -> None:
+    """Fill a tensor that the initialization must set with what it would never leave: NaN, or for integers
+    their smallest value (a bool tensor starts False: nothing marks it)."""
+    if tensor.is_floating_point():
+        tensor.fill_(float("nan"))
+    elif tensor.dtype != torch.bool and not tensor.is_complex():
+        tensor.fill_(torch.iinfo(tensor.dtype).min)
+    else:
+        tensor.zero_()
+
+
+def _unset(tensor: torch.Tensor) -> bool:
+    """Whether a tensor marked by :func:`_mark_unset` was left so: a NaN anywhere (max propagates it), or every
+    integer still the smallest value."""
+    if tensor.numel() == 0:
+        return False
+    if tensor.is_floating_point():
+        return bool(tensor.max().isnan())
+    if tensor.dtype != torch.bool and not tensor.is_complex():
+        return bool((tensor == torch.iinfo(tensor.dtype).min).all())
+    return False
 
 
 def _dtype_if_sharded(param: nn.Parameter) -> torch.dtype | None:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from offload_params_helpers import VOCAB, WIDTH, Net, assert_same_state, full_state
+from offload_params_helpers import Net, Rotary, assert_same_state
 from torch import nn
 
-from lightning_zero_offload.engine.offload_params import materialize as materialize_module
-from lightning_zero_offload.engine.offload_params.materialize import BlockwiseInit, materialize
-from lightning_zero_offload.engine.offload_params.placement import init_units, shard_model
+from lightning_zero_offload.engine.blockwise import BlockwiseInit
+from lightning_zero_offload.engine.offload_params.materialize import materialize
+from lightning_zero_offload.engine.offload_params.placement import shard_model
 from lightning_zero_offload.testing.ranks import run_ranks
 
 
@@ -36,26 +36,6 @@ def test_a_plain_meta_build_equals_the_eager_build_with_its_ties():
     materialize(net, "cpu")
     assert net.head.weight is net.embed.weight  # to_empty alone gives each holder its own copy
     assert_same_state(net, eager)
-
-
-class Rotary(nn.Module):
-    """Buffers as models make them: one computed in __init__ on the default device (garbage after
-    to_empty unless recomputed), one made on the CPU explicitly (real even under the meta device)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.empty(WIDTH))
-        self.register_buffer("inv_freq", self.frequencies(), persistent=False)
-        self.register_buffer("positions", torch.arange(5.0, device="cpu") * 3, persistent=False)
-        self.reset_parameters()
-
-    def frequencies(self) -> torch.Tensor:
-        return 1.0 / 10000 ** (torch.arange(0, WIDTH, 2, dtype=torch.float32) / WIDTH)
-
-    def reset_parameters(self) -> None:
-        nn.init.uniform_(self.scale)
-        if not self.inv_freq.is_meta:
-            self.inv_freq.copy_(self.frequencies())
 
 
 @pytest.mark.parametrize("initialize", [True, False])
@@ -96,7 +76,7 @@ def test_a_module_that_nothing_can_initialize_is_refused_before_anything_is_allo
 def test_an_init_that_forgets_a_parameter_is_refused():
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(3, 4), Forgets())
-    with pytest.raises(ValueError, match=r"left Forgets\.gate unset \(still NaN\)"):
+    with pytest.raises(ValueError, match=r"left Forgets\.gate unset \(still NaN"):
         materialize(model, "cpu")
 
 
@@ -133,72 +113,6 @@ def test_frozen_blocks_at_two_ranks_get_the_gradients_of_one_model(tmp_path):
     assert max(run_ranks(frozen_gradients, 2, tmp_path, timeout=240)) < 1e-6
 
 
-# -- BlockwiseInit: the ZeRO-2 engine's two steps ------------------------------------------------------------
-
-
-@pytest.mark.parametrize("tied", [False, True])
-def test_blockwise_placeholders_then_values_equal_the_eager_build_one_block_at_a_time(tied):
-    torch.manual_seed(0)
-    eager = nn.Sequential(Rotary(), Net(tied))
-    after_eager = torch.get_rng_state()
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = nn.Sequential(Rotary(), Net(tied))
-    meta_params = list(model.parameters())
-    optimizer = torch.optim.AdamW(meta_params)  # built over the meta parameters, as Fabric users do
-    blockwise = BlockwiseInit(model, "cpu", init_units(model[1]), [optimizer])
-    params = list(model.parameters())
-    assert not any(p.is_meta for p in params) and all(p.untyped_storage().nbytes() <= 4 for p in params)
-    assert optimizer.param_groups[0]["params"] == params  # the placeholders, in the same order
-    assert (model[1].head.weight is model[1].embed.weight) == tied
-    kept: dict[str, torch.Tensor] = {}
-    names = {id(p): name for name, p in model.named_parameters()}
-
-    def keep(param: nn.Parameter, value: torch.Tensor) -> bool:
-        if names[id(param)].endswith("bias"):
-            return False  # not the engine's: the parameter gets its own memory
-        kept[names[id(param)]] = value.clone()
-        return True
-
-    blockwise.fill(keep)
-    assert torch.equal(torch.get_rng_state(), after_eager)
-    want = full_state(eager)
-    for name, value in kept.items():
-        assert torch.equal(value, want[name]), name
-    for name, p in model.named_parameters():
-        if name.endswith("bias"):
-            assert p.untyped_storage().nbytes() == p.numel() * p.element_size() and torch.equal(p, want[name])
-    for name, buffer in model.named_buffers():
-        assert torch.equal(buffer, dict(eager.named_buffers())[name]), name
-
-
-def test_blockwise_holds_one_unit_whole_at_a_time(monkeypatch):
-    with torch.device("meta"):
-        net = Net()
-    blockwise = BlockwiseInit(net, "cpu", init_units(net))
-    held: list[int] = []  # scratch elements of each unit, handed over together
-    initialized = materialize_module._initialized
-
-    def spy(*args, **kwargs):
-        for scratch in initialized(*args, **kwargs):
-            held.append(sum(whole.numel() for _, whole in scratch))
-            yield scratch
-
-    monkeypatch.setattr(materialize_module, "_initialized", spy)
-    blockwise.fill(lambda param, value: True)
-    # The embedding, each block, the root's own (the final norm), the head: never two at once.
-    block = sum(p.numel() for p in net.blocks[0].parameters())
-    assert held == [VOCAB * WIDTH, block, block, block, 2 * WIDTH, VOCAB * WIDTH]
-
-
-def test_blockwise_refuses_what_nothing_initializes_before_any_placeholder():
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(3, 3), Mask())
-    with pytest.raises(ValueError, match="cannot initialize the .* of Mask"):
-        BlockwiseInit(model, "cpu")
-    assert model[0].weight.is_meta
-
-
 class ReplacesItsBuffer(nn.Module):
     """litgpt's GPT recomputes its rope cache in reset_parameters by assigning new tensors to its buffers."""
 
@@ -220,3 +134,44 @@ def test_an_init_that_replaces_a_buffer_instead_of_filling_it_is_accepted():
     BlockwiseInit(blockwise, "cpu").fill(lambda param, value: False)
     for model in (plain, blockwise):
         assert torch.equal(model.cache, torch.tensor([0.0, 2.0, 4.0])) and torch.equal(model.weight, torch.ones(3))
+
+
+def test_placeholders_and_materialized_parameters_keep_their_class_and_attributes():
+    class Tagged(nn.Parameter):
+        pass
+
+    class Mixer(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(4, 4)
+            self.decay = Tagged(torch.empty(4))
+            self.decay._no_weight_decay = True  # read by configure_optimizers to build its groups (mamba_ssm)
+
+        def reset_parameters(self) -> None:
+            super().reset_parameters()
+            if hasattr(self, "decay"):
+                nn.init.ones_(self.decay)
+
+    with torch.device("meta"):
+        plain, blockwise = Mixer(), Mixer()
+    materialize(plain, "cpu")
+    BlockwiseInit(blockwise, "cpu")
+    for model in (plain, blockwise):
+        assert type(model.decay) is Tagged and model.decay._no_weight_decay
+
+
+class Order(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("order", torch.empty(4, dtype=torch.long))  # reset_parameters forgets it
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+def test_an_integer_buffer_the_init_forgets_is_refused_too():
+    with torch.device("meta"):
+        plain, blockwise = Order(), Order()
+    with pytest.raises(ValueError, match=r"left Order\.order unset"):
+        materialize(plain, "cpu")
+    with pytest.raises(ValueError, match=r"left Order\.order unset"):
+        BlockwiseInit(blockwise, "cpu").fill(lambda param, value: False)
