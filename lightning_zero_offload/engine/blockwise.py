@@ -29,11 +29,13 @@ Keep = Callable[[nn.Parameter, torch.Tensor], bool]
 class BlockwiseInit:
     """A plain module built on the meta device, materialized for the ZeRO-2 engine in two steps.
 
-    Constructing it gives every parameter a placeholder of its shape and dtype that holds no memory (a zero
-    broadcast to its shape, on the host; the same object in every slot of a tied parameter), so an optimizer
-    can be built over the parameters the engine will hold; ``optimizers`` built over the meta parameters
-    before are given the placeholders in their place. Buffers get their memory on ``device``. What nothing
-    can initialize (a module without ``reset_parameters()``) is refused now, before anything is allocated.
+    Constructing it gives every parameter on the meta device a placeholder of its shape, dtype, class and
+    attributes that holds no memory (a zero broadcast to its shape, on the host; the same object in every slot
+    of a tied parameter), so an optimizer can be built over the parameters the engine will hold; ``optimizers``
+    built over the meta parameters before are given the placeholders in their place. Parameters built
+    elsewhere (layers made in ``__init__``) keep their values. Buffers on the meta device get their memory on
+    ``device``. What nothing can initialize (a module without ``reset_parameters()``) is refused now, before
+    anything is allocated.
 
     :meth:`fill` then gives the values, unit by unit (``units``: the repeated blocks; what is outside them is
     the root's unit): each parameter initialized whole in a scratch tensor on the host, made rank 0's by
