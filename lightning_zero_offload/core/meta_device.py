@@ -6,13 +6,16 @@ parameter ... is a no-op"), and ``setup`` would then initialize the weights at r
 is what a user of Lightning's default strategies does (``with fabric.init_module(empty_init=True): model =
 ...``, then ``model.load_state_dict(...)``; ``LightningModule.load_from_checkpoint`` inside
 ``trainer.init_module(empty_init=True)``), so every module given a parameter or a buffer while the model is
-built gets a ``load_state_dict`` pre-hook: a load that reaches a module still on the meta device first
-materializes it whole on the host (initialized, then overwritten by the load), as an eager build would hold
-it. Setup then takes a real model as it is.
+built (on the thread that builds it) gets a ``load_state_dict`` pre-hook: the tensors the load is about to
+fill get host memory first, in place (``torch.utils.swap_tensors``: a tied weight and an optimizer built
+already see it). What the load does not fill stays on the meta device, for setup to initialize (a model
+partly on the meta device is one the ZeRO-2 engine fills); a load with ``assign=True`` is left alone (it puts
+the state dict's tensors in place itself).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,18 +28,17 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-from lightning_zero_offload.engine.offload_params.materialize import materialize, on_meta
-
 
 @contextmanager
 def built_on_meta() -> Iterator[None]:
     """``torch.device("meta")``, and a load into a module built inside it before setup materializes it first."""
     hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+    builder = threading.get_ident()  # torch.device("meta") is this thread's; the registration hooks are global
 
     def record(module: nn.Module, name: str, tensor: Any) -> None:
-        if module not in hooked:  # at once: load_from_checkpoint loads inside the context
+        if threading.get_ident() == builder and module not in hooked:  # at once: load_from_checkpoint loads inside
             hooked.add(module)
-            module.register_load_state_dict_pre_hook(_materialize_before_load)
+            module.register_load_state_dict_pre_hook(_allocate_what_the_load_fills)
 
     handles = [register_module_parameter_registration_hook(record), register_module_buffer_registration_hook(record)]
     try:
@@ -47,7 +49,22 @@ def built_on_meta() -> Iterator[None]:
             handle.remove()
 
 
-def _materialize_before_load(module: nn.Module, *args: Any) -> None:
-    if on_meta(module):
-        with torch.device("cpu"):  # a load inside the context (configure_model's) must not build on meta
-            materialize(module, "cpu")
+def _allocate_what_the_load_fills(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any], *args: Any
+) -> None:
+    """The module's own parameters and persistent buffers on the meta device that ``state_dict`` holds: host
+    memory for the load to copy into."""
+    if local_metadata.get("assign_to_params_buffers"):
+        return
+    for name, p in list(module._parameters.items()):
+        if p is not None and p.is_meta and prefix + name in state_dict:
+            real = nn.Parameter.__new__(type(p), torch.empty_like(p, device="cpu"), p.requires_grad)
+            real.__dict__.update(p.__dict__)
+            try:
+                torch.utils.swap_tensors(p, real)
+            except RuntimeError:  # a weak reference to it: this module's slot only
+                module._parameters[name] = real
+    for name, b in list(module._buffers.items()):
+        persistent = name not in module._non_persistent_buffers_set
+        if b is not None and b.is_meta and persistent and prefix + name in state_dict:
+            module._buffers[name] = torch.empty_like(b, device="cpu")

@@ -134,7 +134,12 @@ def describe_model(module: nn.Module, optimizer: torch.optim.Optimizer, options:
     names: dict[int, str] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
-    lines = [f"{name}: shape {tuple(t.shape)}, {t.dtype}" for name, t in module.state_dict().items()]
+    # Which entries wait for their values (on the meta device, or placeholders of a model built there) must
+    # agree too: the ranks broadcast the others first, then initialize these.
+    lines = [
+        f"{name}: shape {tuple(t.shape)}, {t.dtype}" + (", pending" if t.is_meta or _placeholder_like(t) else "")
+        for name, t in module.state_dict(keep_vars=True).items()
+    ]
     for group_index, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             state = "trainable" if p.requires_grad else "frozen"
@@ -204,3 +209,8 @@ def check_model(
     check_param_dtypes(trainable, names, param_dtype, placeholders)
     if distributed:
         check_same_on_all_ranks(describe_model(module, optimizer, options, precision), device)
+
+
+def _placeholder_like(tensor: torch.Tensor) -> bool:
+    """An expanded zero standing for a parameter of a model built on the meta device (engine/blockwise.py)."""
+    return tensor.numel() > 1 and 0 in tensor.stride()

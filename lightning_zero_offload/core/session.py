@@ -39,7 +39,8 @@ from lightning_zero_offload.core.session_checkpoints import SessionCheckpoints, 
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions, StepStats
 from lightning_zero_offload.engine.blockwise import BlockwiseInit
 from lightning_zero_offload.engine.infra.collectives import broadcast_tensors_
-from lightning_zero_offload.engine.offload_params.materialize import materialize, on_meta
+from lightning_zero_offload.engine.initialization import on_meta
+from lightning_zero_offload.engine.offload_params.materialize import materialize
 from lightning_zero_offload.engine.offload_params.placement import init_units
 from lightning_zero_offload.engine.options import Resolved
 from lightning_zero_offload.planner import check_host_memory
@@ -130,12 +131,12 @@ class OffloadSession(SessionCheckpoints):
         return BlockwiseInit(module, device, init_units(module), optimizers)
 
     @staticmethod
-    def give_placeholders_memory(blockwise: BlockwiseInit, world_size: int) -> None:
+    def give_placeholders_memory(blockwise: BlockwiseInit, world_size: int, device: torch.device) -> None:
         """The model of ``blockwise`` used before an engine takes it (evaluated, or loaded into): each
-        parameter gets its own memory on the device, with the values the fill would give the engine (rank
-        0's), and the model is then an ordinary one."""
+        parameter gets its own memory on ``device`` (the host for a load: the engine takes it from there), with
+        the values the fill would give the engine (rank 0's), and the model is then an ordinary one."""
         rank0 = partial(broadcast_tensors_, group=None, device=blockwise.device) if world_size > 1 else None
-        blockwise.fill(lambda param, value: False, rank0)
+        blockwise.fill(lambda param, value: False, rank0, device)
 
     @property
     def training(self) -> bool:

@@ -1,7 +1,8 @@
 """A plain module built on the meta device, for the ZeRO-2 engine: placeholders first, so that an optimizer can
 be built over the parameters the engine will hold, then the values unit by unit (its repeated blocks), each
 handed to the engine's master weights as it is initialized: the host never holds more than one block whole,
-nor the device more than its low-precision copy. The planning and the initialization are materialize.py's.
+nor the device more than its low-precision copy. The planning and the initialization are
+engine/initialization.py's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Callable, Collection, Iterable
 import torch
 from torch import nn
 
-from lightning_zero_offload.engine.offload_params.materialize import (
+from lightning_zero_offload.engine.initialization import (
     by_unit,
     init_plan,
     initialized,
@@ -58,6 +59,7 @@ class BlockwiseInit:
         self._units = list(units)
         self._blank_buffers = {(id(m), n) for m in module.modules() for n, b in m._buffers.items() if is_blank(b)}
         self._placeholders: dict[int, nn.Parameter] = {}  # id of the meta parameter -> its placeholder
+        self._meta_and_placeholder: list[tuple[nn.Parameter, nn.Parameter]] = []  # for undo
         # Parameters built outside the meta device (layers made in __init__, the rest in configure_model) keep
         # their values: the engine takes them as they are.
         self._real = {id(p) for p in module.parameters() if not p.is_meta}
@@ -66,6 +68,7 @@ class BlockwiseInit:
                 if p is not None and p.is_meta:
                     if id(p) not in self._placeholders:
                         self._placeholders[id(p)] = _placeholder(p)
+                        self._meta_and_placeholder.append((p, self._placeholders[id(p)]))
                     owner._parameters[name] = self._placeholders[id(p)]
             for name, b in list(owner._buffers.items()):
                 if is_blank(b):
@@ -74,6 +77,21 @@ class BlockwiseInit:
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [self._placeholders.get(id(p), p) for p in group["params"]]
+
+    def undo(self) -> None:
+        """Put the meta parameters and buffers back (setup failed before the engine took the model): a later
+        use of the module sees a model on the meta device again, not the placeholders' zeros."""
+        module = self._module()
+        if module is None:
+            return
+        originals = {id(placeholder): meta for meta, placeholder in self._meta_and_placeholder}
+        for owner in module.modules():
+            for name, p in list(owner._parameters.items()):
+                if p is not None and id(p) in originals:
+                    owner._parameters[name] = originals[id(p)]
+            for name, b in list(owner._buffers.items()):
+                if (id(owner), name) in self._blank_buffers and b is not None:
+                    owner._buffers[name] = torch.empty_like(b, device="meta")
 
     def real_tensors(self) -> list[torch.Tensor]:
         """The parameters built outside the meta device and the buffers not waiting for their values, each once
@@ -95,9 +113,16 @@ class BlockwiseInit:
         """The ids of the placeholders: expanded zeros, not tied elements (core/model_rules.py asks)."""
         return frozenset(self._built_dtypes)
 
-    def fill(self, keep: Keep, rank0: Callable[[list[torch.Tensor]], None] | None = None) -> None:
-        """Initialize the model unit by unit, each value to ``keep`` (see the class); then every buffer is rank
-        0's (``rank0``: overwrite tensors with rank 0's values; None for one rank)."""
+    def fill(
+        self,
+        keep: Keep,
+        rank0: Callable[[list[torch.Tensor]], None] | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """Initialize the model unit by unit, each value to ``keep`` (see the class), a value it does not take
+        to its parameter's own memory on ``device`` (default: the device given at construction); then every
+        buffer is rank 0's (``rank0``: overwrite tensors with rank 0's values; None for one rank)."""
+        device = device or self.device
         module = self._module()
         if module is None:
             raise RuntimeError("the model of this BlockwiseInit is gone")
@@ -112,7 +137,7 @@ class BlockwiseInit:
                     rank0([whole for _, whole in scratch])
                 for param, whole in scratch:
                     if not keep(param, whole):
-                        param.data = whole.to(self.device)
+                        param.data = whole.to(device)
                 scratch = param = whole = None  # freed before the next unit's scratch is made
             if rank0 is not None:
                 rank0([b for m in module.modules() for b in m._buffers.values() if b is not None])

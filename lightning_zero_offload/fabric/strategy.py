@@ -12,6 +12,7 @@ and reads what the step did from ``strategy.last_step_stats`` (:class:`~lightnin
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
@@ -102,6 +103,7 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         self._awaiting_optimizer: WeakKeyDictionary[Module, RemovableHandle | None] = WeakKeyDictionary()
         # Those built on the meta device: their placeholders, for the engine to fill (OffloadSession.placeholders).
         self._placeholders: WeakKeyDictionary[Module, BlockwiseInit] = WeakKeyDictionary()
+        self._load_hooks: WeakKeyDictionary[Module, RemovableHandle] = WeakKeyDictionary()  # theirs, until then
 
     # Fabric assigns a generic plugin built from `precision=`; the offload forward and backward need this one.
     precision = coerced_precision(ZeroOffloadFabricPrecision, "_precision")  # type: ignore[assignment]
@@ -167,12 +169,17 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         placeholders = on_meta(module, partly=True) and module not in self._awaiting_optimizer
         if placeholders and (blockwise := OffloadSession.placeholders(module, self.root_device)) is not None:
             self._placeholders[module] = blockwise
-            # Loaded into before an optimizer (fabric.load_raw): the placeholders get memory first.
-            module.register_load_state_dict_pre_hook(lambda module, *args: self._give_memory(module))
+            strategy = weakref.ref(self)  # the hook must not keep the strategy (and its engine) alive
+
+            def give_memory_to_load_into(module: Module, *args: Any) -> None:  # fabric.load_raw before the optimizer
+                if (alive := strategy()) is not None:
+                    alive._give_memory(module, torch.device("cpu"))
+
+            self._load_hooks[module] = module.register_load_state_dict_pre_hook(give_memory_to_load_into)
         if module not in self._awaiting_optimizer:
 
             def move_for_evaluation(module: Module, args: Any) -> None:
-                self._give_memory(module)
+                self._give_memory(module, self.root_device)
                 module.to(self.root_device)
                 if (hook := self._awaiting_optimizer.get(module)) is not None:  # None: a deep copy of the module
                     hook.remove()  # the module stays awaiting: setup_optimizers may still follow
@@ -181,10 +188,12 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
             self._awaiting_optimizer[module] = module.register_forward_pre_hook(move_for_evaluation)
         return module
 
-    def _give_memory(self, module: Module) -> None:
-        """A module with placeholders used before its optimizer is set up: whole on the device from now on."""
+    def _give_memory(self, module: Module, device: torch.device) -> None:
+        """A module with placeholders used before its optimizer is set up: whole on ``device`` from now on."""
+        if (hook := self._load_hooks.pop(module, None)) is not None:
+            hook.remove()
         if (blockwise := self._placeholders.pop(module, None)) is not None:
-            OffloadSession.give_placeholders_memory(blockwise, self.num_nodes * self.num_processes)
+            OffloadSession.give_placeholders_memory(blockwise, self.num_nodes * self.num_processes, device)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -225,6 +234,8 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         if self.options.offload_params:
             self.session = ParamOffloadSession.start(*args)
         else:  # a model built on the meta device is filled by the engine, block by block
+            if (hook := self._load_hooks.pop(module, None)) is not None:
+                hook.remove()
             blockwise = self._placeholders.pop(module, None) or OffloadSession.placeholders(
                 module, self.root_device, optimizers
             )

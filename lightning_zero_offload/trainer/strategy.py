@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_zero_offload.core import (
     OPTION_NAMES,
     OPTIONS_DOC,
+    BlockwiseInit,
     OffloadedOptimizer,
     OffloadSession,
     ParamOffloadSession,
@@ -102,18 +103,23 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         self.needs_process_group = self.options.offload_params
         self.session: OffloadSession | ParamOffloadSession | None = None
         self._setup_error: BaseException | None = None  # what setup refused, which teardown must not replace
+        self._blockwise: BlockwiseInit | None = None  # during setup: the placeholders of a model built on meta
 
     # Lightning assigns a generic plugin built from `precision=`; the offload step needs this one.
     precision_plugin = coerced_precision(ZeroOffloadPrecision, "_precision_plugin")  # type: ignore[assignment]
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        self._setup_error = None
+        self._setup_error, earlier = None, self.session
         try:
             self._setup(trainer)
         except BaseException as error:
             self._setup_error = error  # see teardown
+            if self._blockwise is not None and self.session is earlier:  # no engine took the placeholders
+                self._blockwise.undo()  # the module is on the meta device again, not the placeholders' zeros
             raise
+        finally:
+            self._blockwise = None
 
     def _setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
@@ -127,10 +133,9 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         if self.options.offload_params:
             # FSDP2 replaces the parameters: shard before configure_optimizers builds the optimizer over them.
             ParamOffloadSession.shard(module, self.root_device, precision, self.options, world, self.num_processes)
-        blockwise = None
         if not self.options.offload_params and on_meta(module, partly=True):
             if fitting(trainer):  # placeholders for configure_optimizers, filled block by block by the engine
-                blockwise = OffloadSession.placeholders(module, self.root_device)
+                self._blockwise = OffloadSession.placeholders(module, self.root_device)
             else:
                 materialize(module, self.root_device)  # evaluation only: whole on the device
         if fitting(trainer):
@@ -141,7 +146,7 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
                     "zero_offload trains with the optimizer that configure_optimizers returns, and it returned None. "
                     "Return a torch.optim.AdamW/Adam (or lightning_zero_offload.CPUAdam) over self.parameters()."
                 )
-            extra = {} if self.options.offload_params else {"blockwise": blockwise}
+            extra = {} if self.options.offload_params else {"blockwise": self._blockwise}
             self.session = start(
                 module, self.optimizers, self.root_device, precision, self.options, world, self.num_processes, **extra
             )

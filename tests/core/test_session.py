@@ -455,3 +455,17 @@ def test_a_pretrained_load_that_fails_part_way_leaves_the_device_copy_showing_th
     assert all(torch.equal(p, m.to(p.dtype)) for p, m in zip(session.engine.params, masters))
     assert not torch.equal(masters[0], masters[0].new_zeros(())) and len(reads) == 3
     session.close()
+
+
+def test_a_load_before_setup_gives_memory_to_what_it_holds_only():
+    from lightning_zero_offload.core import built_on_meta
+
+    torch.manual_seed(0)
+    weights = Stack().state_dict()
+    with built_on_meta():
+        copied, assigned = Stack(), Stack()
+    copied.blocks.load_state_dict({k.removeprefix("blocks."): v for k, v in weights.items() if k.startswith("blocks.")})
+    assert [n for n, p in copied.named_parameters() if not p.is_meta] == [n for n in weights if n.startswith("blocks")]
+    assert all(torch.equal(copied.state_dict()[k], weights[k]) for k in weights if k.startswith("blocks."))
+    assigned.load_state_dict(weights, assign=True)  # torch puts the tensors in place itself
+    assert all(assigned.state_dict()[k].data_ptr() == weights[k].data_ptr() for k in weights)

@@ -436,3 +436,39 @@ def test_a_meta_module_set_up_and_dropped_is_released():
     del model
     gc.collect()
     assert released() is None
+
+
+class ScaleNorm(nn.Module):
+    """A norm as Hugging Face writes them: no reset_parameters (nothing can initialize it on the meta device)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.register_buffer("running", torch.zeros(width))  # persistent: in the state dict
+        self.register_buffer("cache", torch.arange(float(width), device="cpu"), persistent=False)  # real on meta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight + self.running + self.cache
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_load_before_setup_fills_what_it_holds_without_initializing_anything(assign):
+    """load_state_dict after fabric.init_module(empty_init=True), copying or assigning: only what the load holds
+    gets memory (a norm nothing could initialize included), and the model trains with the loaded values."""
+
+    def net() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), ScaleNorm(4), nn.Linear(4, 1))
+
+    torch.manual_seed(0)
+    reference = net()
+    reference[1].running.fill_(7.0)
+    fabric = L.Fabric(strategy=ZeroOffloadFabricStrategy(), accelerator="cpu", devices=1)
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = net()
+    model.load_state_dict(reference.state_dict(), assign=assign)
+    assert not any(t.is_meta for t in model.state_dict().values())
+    model, _ = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=0.0))
+    x = torch.randn(3, 4)
+    assert torch.equal(model(x), reference(x))
+    assert torch.equal(model.module[1].running, reference[1].running)

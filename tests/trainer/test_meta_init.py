@@ -322,3 +322,25 @@ def test_what_nothing_can_initialize_is_the_error_the_user_sees():
     trainer = L.Trainer(strategy=ZeroOffloadStrategy(), max_steps=1, **QUIET)
     with pytest.raises(ValueError, match="cannot initialize the parameters or buffers of Gain"):
         trainer.fit(Uninitializable(), data())  # not teardown's "Cannot copy out of meta tensor"
+
+
+def test_validate_alone_takes_a_model_built_partly_on_the_meta_device():
+    module = PartlyInInit()
+    module.validation_step = lambda batch, batch_idx: module.log("loss", module.training_step(batch, batch_idx))
+    scale = module.scale.weight.detach().clone()
+    trainer = L.Trainer(strategy=ZeroOffloadStrategy(), **QUIET)
+    assert trainer.validate(module, data(16), verbose=False)[0]["loss"] > 0
+    assert torch.equal(module.scale.weight, scale)  # built in __init__: kept as it was
+    assert not any(p.is_meta for p in module.parameters())
+
+
+class TwoOptimizers(InConfigureModel):
+    def configure_optimizers(self):
+        return [torch.optim.AdamW(self.model.embed.parameters()), torch.optim.AdamW(self.model.head.parameters())]
+
+
+def test_a_setup_that_fails_after_the_placeholders_leaves_the_model_on_the_meta_device():
+    module = TwoOptimizers()
+    with pytest.raises(RuntimeError, match="multiple optimizers"):
+        L.Trainer(strategy=ZeroOffloadStrategy(), max_steps=1, **QUIET).fit(module, data())
+    assert all(p.is_meta for p in module.parameters())  # not the placeholders' zeros

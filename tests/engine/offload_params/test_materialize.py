@@ -91,11 +91,19 @@ def test_init_fn_initializes_every_module_instead_of_reset_parameters(mesh):
     assert all(bool((p.full_tensor() == 0.5).all()) for p in net.parameters())
 
 
-def test_a_model_half_on_the_meta_device_is_refused():
+def test_a_plain_model_half_on_the_meta_device_gets_that_half_initialized_in_place():
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     with torch.device("meta"):
         first = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="2 of the model's 4 parameters are on the meta device"):
-        materialize(nn.Sequential(first, nn.Linear(2, 2)), "cpu")
+    second = nn.Linear(2, 2)
+    kept = second.weight.detach().clone()
+    model = nn.Sequential(first, second)
+    meta_weight = model[0].weight
+    torch.manual_seed(0)
+    materialize(model, "cpu")
+    assert model[0].weight is meta_weight and torch.equal(model[0].weight, eager[0].weight)  # in place
+    assert torch.equal(model[1].weight, kept)  # built outside the meta device: as it was
 
 
 @pytest.mark.slow  # two processes
@@ -175,3 +183,33 @@ def test_an_integer_buffer_the_init_forgets_is_refused_too():
         materialize(plain, "cpu")
     with pytest.raises(ValueError, match=r"left Order\.order unset"):
         BlockwiseInit(blockwise, "cpu").fill(lambda param, value: False)
+
+
+class Stats(nn.Module):
+    """A loaded statistic and a cache left on the meta device by load_state_dict(assign=True); its
+    reset_parameters resets both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running", torch.zeros(4))
+        self.register_buffer("cache", torch.empty(4), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.running.zero_()
+        self.cache = torch.arange(4.0, device=self.cache.device)
+
+
+def test_computing_a_buffer_left_on_meta_keeps_the_loaded_ones():
+    with torch.device("meta"):
+        plain, blockwise = nn.Sequential(nn.Linear(4, 4), Stats()), nn.Sequential(nn.Linear(4, 4), Stats())
+    for model in (plain, blockwise):
+        model.load_state_dict(
+            {**nn.Sequential(nn.Linear(4, 4), Stats()).state_dict(), "1.running": torch.full((4,), 7.0)}, assign=True
+        )
+    materialize(plain, "cpu")  # the buffers alone: the weights are real
+    with torch.device("meta"):
+        blockwise.append(nn.Linear(4, 4))  # partly on the meta device: BlockwiseInit
+    BlockwiseInit(blockwise, "cpu").fill(lambda param, value: False)
+    for model in (plain, blockwise):
+        assert torch.equal(model[1].running, torch.full((4,), 7.0)) and torch.equal(model[1].cache, torch.arange(4.0))
