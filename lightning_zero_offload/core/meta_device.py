@@ -31,12 +31,13 @@ from torch.nn.modules.module import (
 
 @contextmanager
 def built_on_meta() -> Iterator[None]:
-    """``torch.device("meta")``, and a load into a module built inside it before setup materializes it first."""
+    """``torch.device("meta")``, and a load into a module built inside it gives what it fills host memory first."""
     hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
     builder = threading.get_ident()  # torch.device("meta") is this thread's; the registration hooks are global
 
     def record(module: nn.Module, name: str, tensor: Any) -> None:
-        if threading.get_ident() == builder and module not in hooked:  # at once: load_from_checkpoint loads inside
+        # Hooked at once: load_from_checkpoint loads inside the context.
+        if threading.get_ident() == builder and module not in hooked:
             hooked.add(module)
             module.register_load_state_dict_pre_hook(_allocate_what_the_load_fills)
 
