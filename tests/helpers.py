@@ -12,6 +12,7 @@ from types import ModuleType
 
 import lightning as L
 import torch
+from offload_params_helpers import Blocks, two_groups
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -166,3 +167,43 @@ def train_in_ranks(tmp: Path, devices: int, runs: dict[str, dict]) -> dict[str, 
         [sys.executable, str(TRAIN_SCENARIO), "--devices", str(devices), "--runs", str(listing)], 300 + 60 * len(runs)
     )
     return {name: torch.load(tmp / f"{name}.pt", weights_only=True) for name in runs}
+
+
+class BlockRegression(L.LightningModule):
+    """Residual MLP blocks regressing a random target, two param groups and a step scheduler: the models the
+    meta-device and parameter-offload Trainer tests compare with their eager twin."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = Blocks()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self.model(x).float() - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(two_groups(self.model))
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class BlockRegressionInConfigureModel(BlockRegression):
+    """The same model built in configure_model (on the meta device under zero_offload), with the random numbers
+    the eager build draws."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.model = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            torch.manual_seed(0)
+            self.model = Blocks()
+
+
+def block_data(samples: int) -> DataLoader:
+    """BlockRegression's batches of 8: ``samples`` inputs of width 8 and targets, from seed 1."""
+    generator = torch.Generator().manual_seed(1)
+    inputs, targets = torch.randn(samples, 8, generator=generator), torch.randn(samples, 1, generator=generator)
+    return DataLoader(TensorDataset(inputs, targets), batch_size=8)

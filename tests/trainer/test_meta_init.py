@@ -7,7 +7,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from helpers import QUIET
+from helpers import QUIET, BlockRegression, BlockRegressionInConfigureModel, block_data
 from offload_params_helpers import Blocks, two_groups
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -15,43 +15,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_zero_offload import ZeroOffloadStrategy, load_pretrained
 
 
-class Eager(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = Blocks()
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return ((self.model(x).float() - y) ** 2).mean()
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(two_groups(self.model))
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-class InConfigureModel(Eager):
-    def __init__(self) -> None:
-        L.LightningModule.__init__(self)
-        self.model = None
-
-    def configure_model(self) -> None:
-        if self.model is None:
-            torch.manual_seed(0)
-            self.model = Blocks()
-
-
-def data(samples: int = 64) -> DataLoader:
-    generator = torch.Generator().manual_seed(1)
-    inputs, targets = torch.randn(samples, 8, generator=generator), torch.randn(samples, 1, generator=generator)
-    return DataLoader(TensorDataset(inputs, targets), batch_size=8)
-
-
 def fit(module: L.LightningModule, precision: str, **options) -> dict[str, torch.Tensor]:
     strategy = ZeroOffloadStrategy(**options)
     trainer = L.Trainer(strategy=strategy, precision=precision, max_steps=4, gradient_clip_val=0.5, **QUIET)
-    trainer.fit(module, data())
+    trainer.fit(module, block_data(64))
     return {name: t.detach().clone() for name, t in module.state_dict().items()}
 
 
@@ -65,7 +32,9 @@ def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) 
     [("32-true", {}), ("bf16-mixed", {"in_place_on_cpu": False}), ("bf16-mixed", {"cpu_state": "bf16"})],
 )
 def test_a_model_built_in_configure_model_trains_bitwise_as_the_eager_one(precision, options):
-    assert_bitwise(fit(InConfigureModel(), precision, **options), fit(Eager(), precision, **options))
+    assert_bitwise(
+        fit(BlockRegressionInConfigureModel(), precision, **options), fit(BlockRegression(), precision, **options)
+    )
 
 
 def test_init_module_empty_init_builds_on_the_meta_device_and_trains_as_the_eager_one():
@@ -73,22 +42,22 @@ def test_init_module_empty_init_builds_on_the_meta_device_and_trains_as_the_eage
     trainer = L.Trainer(strategy=strategy, precision="bf16-mixed", max_steps=4, gradient_clip_val=0.5, **QUIET)
     # Lightning's warning, for any strategy with a model_sharded_context of its own
     with pytest.warns(UserWarning, match="cannot fully support"), trainer.init_module(empty_init=True):
-        module = Eager()
+        module = BlockRegression()
     assert all(p.is_meta for p in module.parameters())
-    trainer.fit(module, data())
+    trainer.fit(module, block_data(64))
     got = {name: t.detach().clone() for name, t in module.state_dict().items()}
-    assert_bitwise(got, fit(Eager(), "bf16-mixed", in_place_on_cpu=False))
+    assert_bitwise(got, fit(BlockRegression(), "bf16-mixed", in_place_on_cpu=False))
 
 
 def test_validate_alone_materializes_the_model_whole():
-    module = InConfigureModel()
+    module = BlockRegressionInConfigureModel()
     module.validation_step = lambda batch, batch_idx: module.log("loss", module.training_step(batch, batch_idx))
     trainer = L.Trainer(strategy=ZeroOffloadStrategy(), **QUIET)
-    assert trainer.validate(module, data(16), verbose=False)[0]["loss"] > 0
+    assert trainer.validate(module, block_data(16), verbose=False)[0]["loss"] > 0
     assert not any(p.is_meta for p in module.parameters())
 
 
-class Pretrained(InConfigureModel):
+class Pretrained(BlockRegressionInConfigureModel):
     def __init__(self, path: str) -> None:
         super().__init__()
         self.path = path
@@ -102,7 +71,7 @@ def test_load_pretrained_writes_the_engines_master_weights_in_the_checkpoints_pr
     the engine they are the file's fp32 values, as in a module that loaded them before setup."""
     torch.manual_seed(5)
     torch.save(Blocks().state_dict(), tmp_path / "weights.pt")
-    eager = Eager()
+    eager = BlockRegression()
     eager.model.load_state_dict(torch.load(tmp_path / "weights.pt", weights_only=True))
     want = fit(eager, "bf16-mixed", in_place_on_cpu=False)
     assert_bitwise(fit(Pretrained(str(tmp_path / "weights.pt")), "bf16-mixed", in_place_on_cpu=False), want)
@@ -261,15 +230,17 @@ def test_weights_loaded_with_assign_are_kept_and_the_buffer_left_on_meta_compute
 
 def test_load_from_checkpoint_inside_init_module_empty_init_keeps_the_checkpoints_weights(tmp_path):
     torch.manual_seed(3)
-    source = Eager()
+    source = BlockRegression()
     torch.save({"state_dict": source.state_dict(), "pytorch-lightning_version": L.__version__}, tmp_path / "w.ckpt")
     trainer = L.Trainer(strategy=ZeroOffloadStrategy(), max_steps=1, **QUIET)
     with pytest.warns(UserWarning, match="cannot fully support"), trainer.init_module(empty_init=True):
-        module = Eager.load_from_checkpoint(tmp_path / "w.ckpt")  # a load inside: the model materialized first
+        module = BlockRegression.load_from_checkpoint(
+            tmp_path / "w.ckpt"
+        )  # a load inside: the model materialized first
     assert_bitwise(module.state_dict(), source.state_dict())
 
 
-class PartlyInInit(Eager):
+class PartlyInInit(BlockRegression):
     """An output scale built in __init__, the blocks in configure_model (on the meta device)."""
 
     def __init__(self) -> None:
@@ -312,7 +283,7 @@ class Gain(nn.Module):
         return x * self.gain
 
 
-class Uninitializable(InConfigureModel):
+class Uninitializable(BlockRegressionInConfigureModel):
     def configure_model(self) -> None:
         if self.model is None:
             self.model = nn.Sequential(Gain(), nn.Linear(8, 1))
@@ -321,7 +292,7 @@ class Uninitializable(InConfigureModel):
 def test_what_nothing_can_initialize_is_the_error_the_user_sees():
     trainer = L.Trainer(strategy=ZeroOffloadStrategy(), max_steps=1, **QUIET)
     with pytest.raises(ValueError, match="cannot initialize the parameters or buffers of Gain"):
-        trainer.fit(Uninitializable(), data())  # not teardown's "Cannot copy out of meta tensor"
+        trainer.fit(Uninitializable(), block_data(64))  # not teardown's "Cannot copy out of meta tensor"
 
 
 def test_validate_alone_takes_a_model_built_partly_on_the_meta_device():
@@ -329,12 +300,12 @@ def test_validate_alone_takes_a_model_built_partly_on_the_meta_device():
     module.validation_step = lambda batch, batch_idx: module.log("loss", module.training_step(batch, batch_idx))
     scale = module.scale.weight.detach().clone()
     trainer = L.Trainer(strategy=ZeroOffloadStrategy(), **QUIET)
-    assert trainer.validate(module, data(16), verbose=False)[0]["loss"] > 0
+    assert trainer.validate(module, block_data(16), verbose=False)[0]["loss"] > 0
     assert torch.equal(module.scale.weight, scale)  # built in __init__: kept as it was
     assert not any(p.is_meta for p in module.parameters())
 
 
-class TwoOptimizers(InConfigureModel):
+class TwoOptimizers(BlockRegressionInConfigureModel):
     def configure_optimizers(self):
         return [torch.optim.AdamW(self.model.embed.parameters()), torch.optim.AdamW(self.model.head.parameters())]
 
@@ -342,5 +313,5 @@ class TwoOptimizers(InConfigureModel):
 def test_a_setup_that_fails_after_the_placeholders_leaves_the_model_on_the_meta_device():
     module = TwoOptimizers()
     with pytest.raises(RuntimeError, match="multiple optimizers"):
-        L.Trainer(strategy=ZeroOffloadStrategy(), max_steps=1, **QUIET).fit(module, data())
+        L.Trainer(strategy=ZeroOffloadStrategy(), max_steps=1, **QUIET).fit(module, block_data(64))
     assert all(p.is_meta for p in module.parameters())  # not the placeholders' zeros

@@ -5,8 +5,8 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from helpers import QUIET
-from offload_params_helpers import Blocks, relative_error, tiny_llama_config, two_groups
+from helpers import QUIET, BlockRegression, BlockRegressionInConfigureModel, block_data
+from offload_params_helpers import relative_error, tiny_llama_config
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero_offload import ZeroOffloadStrategy, convert_checkpoint_to_fp32_state_dict, load_pretrained
@@ -23,32 +23,10 @@ def own_process_group():
     release_process_group()
 
 
-class BlockRegression(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = Blocks()
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return ((self.model(x).float() - y) ** 2).mean()
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(two_groups(self.model))
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def data(samples: int = 96) -> DataLoader:
-    generator = torch.Generator().manual_seed(1)
-    inputs, targets = torch.randn(samples, 8, generator=generator), torch.randn(samples, 1, generator=generator)
-    return DataLoader(TensorDataset(inputs, targets), batch_size=8)
-
-
 def fit(strategy, **trainer_args) -> dict[str, torch.Tensor]:
     module = BlockRegression()
     trainer = L.Trainer(strategy=strategy, max_steps=5, **{**QUIET, **trainer_args})
-    trainer.fit(module, data())
+    trainer.fit(module, block_data(96))
     return {
         name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
         for name, p in module.model.named_parameters()
@@ -84,7 +62,7 @@ def test_speculative_equals_sync_bitwise_in_the_trainer():
 def test_the_registered_name_offloads_the_parameters():
     module = BlockRegression()
     trainer = L.Trainer(strategy="zero_offload_params", max_steps=1, **QUIET)
-    trainer.fit(module, data())
+    trainer.fit(module, block_data(96))
     assert trainer.strategy.session.engine.resolved.offload_params
     assert type(module.model.blocks[0].fc1.weight).__name__ == "DTensor"
 
@@ -93,7 +71,7 @@ def fit_to(strategy, tmp_path, max_steps, ckpt_path=None, save=None, precision="
     module = BlockRegression()
     arguments = {**QUIET, "default_root_dir": tmp_path, "precision": precision}
     trainer = L.Trainer(strategy=strategy, max_steps=max_steps, **arguments)
-    trainer.fit(module, data(samples=24), ckpt_path=ckpt_path)  # 3 steps an epoch: resumes at an epoch's end
+    trainer.fit(module, block_data(24), ckpt_path=ckpt_path)  # 3 steps an epoch: resumes at an epoch's end
     if save is not None:
         trainer.save_checkpoint(save)
     return {
@@ -151,27 +129,13 @@ def test_sharded_checkpoints_resume_as_the_full_format_does(cpu_state, tmp_path)
     assert sorted(exported) == sorted(torch.load(tmp_path / "full", weights_only=True)["state_dict"])
 
 
-class BuiltInConfigureModel(BlockRegression):
-    """The same model built in configure_model: on the meta device under offload_params, materialized unit by
-    unit into its shards in setup (with the random numbers an eager build draws)."""
-
-    def __init__(self) -> None:
-        L.LightningModule.__init__(self)
-        self.model = None
-
-    def configure_model(self) -> None:
-        if self.model is None:
-            torch.manual_seed(0)
-            self.model = Blocks()
-
-
 def test_a_model_built_in_configure_model_trains_as_the_eager_one():
     want = fit("auto", accumulate_grad_batches=2)
-    module = BuiltInConfigureModel()
+    module = BlockRegressionInConfigureModel()
     trainer = L.Trainer(
         strategy=ZeroOffloadStrategy(offload_params=True), max_steps=5, accumulate_grad_batches=2, **QUIET
     )
-    trainer.fit(module, data())
+    trainer.fit(module, block_data(96))
     got = {name: p.full_tensor().detach().clone() for name, p in module.model.named_parameters()}
     assert relative_error(got, want) < FP32_ROUNDING
 
@@ -254,17 +218,17 @@ class Evaluated(BlockRegression):
 def test_validate_predict_after_fit_and_fit_again_on_the_sharded_model():
     module = Evaluated()
     trainer = L.Trainer(strategy=ZeroOffloadStrategy(offload_params=True), max_steps=3, **QUIET)
-    trainer.fit(module, data(), data(16))
-    validated = trainer.validate(module, data(16), verbose=False)[0]["val_loss"]
+    trainer.fit(module, block_data(96), block_data(16))
+    validated = trainer.validate(module, block_data(16), verbose=False)[0]["val_loss"]
     plain = BlockRegression()
     plain.model.load_state_dict(fit_weights(module))
-    x, y = data(16).dataset.tensors  # two batches of 8: the mean of their means is the mean over all 16
+    x, y = block_data(16).dataset.tensors  # two batches of 8: the mean of their means is the mean over all 16
     with torch.no_grad():
         want = float(((plain.model(x) - y) ** 2).mean())
     assert validated == pytest.approx(want, rel=1e-5)
-    assert len(trainer.predict(module, data(16))) == 2
+    assert len(trainer.predict(module, block_data(16))) == 2
     again = L.Trainer(strategy=ZeroOffloadStrategy(offload_params=True), max_steps=6, **QUIET)
-    again.fit(module, data())
+    again.fit(module, block_data(96))
     assert again.global_step == 6
 
 
