@@ -28,6 +28,8 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
+from lightning_zero_offload.engine.initialization import allocate
+
 
 @contextmanager
 def built_on_meta() -> Iterator[None]:
@@ -59,12 +61,7 @@ def _allocate_what_the_load_fills(
         return
     for name, p in list(module._parameters.items()):
         if p is not None and p.is_meta and prefix + name in state_dict:
-            real = nn.Parameter.__new__(type(p), torch.empty_like(p, device="cpu"), p.requires_grad)
-            real.__dict__.update(p.__dict__)
-            try:
-                torch.utils.swap_tensors(p, real)
-            except RuntimeError:  # a weak reference to it: this module's slot only
-                module._parameters[name] = real
+            module._parameters[name] = allocate(p, "cpu")  # in place, or (a weak reference to it) this slot
     for name, b in list(module._buffers.items()):
         persistent = name not in module._non_persistent_buffers_set
         if b is not None and b.is_meta and persistent and prefix + name in state_dict:

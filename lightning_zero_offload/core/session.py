@@ -24,7 +24,7 @@ run after a failure or at exit (``core/teardown.py``) and Fabric's checkpoint la
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -107,8 +107,7 @@ class OffloadSession(SessionCheckpoints):
         )
         if blockwise is not None:
             try:
-                rank0 = partial(broadcast_tensors_, group=None, device=device) if world_size > 1 else None
-                blockwise.fill(engine.load_master_param, rank0)
+                blockwise.fill(engine.load_master_param, _from_rank0(world_size, device))
             except BaseException:
                 engine.close(after_failure=True)
                 raise
@@ -132,11 +131,9 @@ class OffloadSession(SessionCheckpoints):
 
     @staticmethod
     def give_placeholders_memory(blockwise: BlockwiseInit, world_size: int, device: torch.device) -> None:
-        """The model of ``blockwise`` used before an engine takes it (evaluated, or loaded into): each
-        parameter gets its own memory on ``device`` (the host for a load: the engine takes it from there), with
-        the values the fill would give the engine (rank 0's), and the model is then an ordinary one."""
-        rank0 = partial(broadcast_tensors_, group=None, device=blockwise.device) if world_size > 1 else None
-        blockwise.fill(lambda param, value: False, rank0, device)
+        """The model of ``blockwise`` used before an engine takes it (evaluated, or loaded into: ``device`` the
+        host): each parameter gets its own memory there, with the values the engine would get (rank 0's)."""
+        blockwise.fill(lambda param, value: False, _from_rank0(world_size, blockwise.device), device)
 
     @property
     def training(self) -> bool:
@@ -371,6 +368,11 @@ class SessionStrategy:
             override=True,
             offload_params=True,
         )
+
+
+def _from_rank0(world_size: int, device: torch.device) -> Callable[[list[torch.Tensor]], None] | None:
+    """What makes tensors rank 0's on every rank (through ``device`` where the backend needs it); None alone."""
+    return partial(broadcast_tensors_, group=None, device=device) if world_size > 1 else None
 
 
 def move_untrained_to(module: nn.Module, device: torch.device) -> None:

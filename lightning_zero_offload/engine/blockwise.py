@@ -20,6 +20,7 @@ from lightning_zero_offload.engine.initialization import (
     is_blank,
     on_meta,
     unit_of,
+    with_data,
 )
 
 __all__ = ["BlockwiseInit"]
@@ -144,9 +145,5 @@ class BlockwiseInit:
 
 
 def _placeholder(param: nn.Parameter) -> nn.Parameter:
-    """A parameter of ``param``'s class, shape, dtype and attributes (a no-weight-decay tag that
-    configure_optimizers reads) whose memory is one zero element."""
-    empty = torch.zeros((), dtype=param.dtype, device="cpu").expand(param.shape)
-    placeholder = nn.Parameter.__new__(type(param), empty, param.requires_grad)
-    placeholder.__dict__.update(param.__dict__)
-    return placeholder
+    """A parameter like ``param`` whose memory is one zero element (expanded to its shape)."""
+    return with_data(param, torch.zeros((), dtype=param.dtype, device="cpu").expand(param.shape))

@@ -32,6 +32,26 @@ def on_meta(module: nn.Module, partly: bool = False) -> bool:
     return any(t.is_meta for t in (*params, *module.buffers()))
 
 
+def with_data(param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A parameter of ``param``'s class, ``requires_grad`` and attributes (a no-weight-decay tag that
+    configure_optimizers reads) holding ``data``."""
+    new = nn.Parameter.__new__(type(param), data, param.requires_grad)
+    new.__dict__.update(param.__dict__)
+    return new
+
+
+def allocate(param: nn.Parameter, device: torch.device | str) -> nn.Parameter:
+    """Memory on ``device`` for a parameter on the meta device, in place (``torch.utils.swap_tensors``: every
+    module holding it, a tied weight, and an optimizer built over it see it) and returned; where a weak
+    reference to it forbids that, a new parameter, for the caller to put in its slots."""
+    real = with_data(param, torch.empty_like(param, device=device))
+    try:
+        torch.utils.swap_tensors(param, real)
+    except RuntimeError:
+        return real
+    return param
+
+
 def is_blank(tensor: torch.Tensor | None) -> bool:
     return tensor is not None and tensor.is_meta
 

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from lightning_zero_offload.engine.initialization import (
     InitFn,
+    allocate,
     by_unit,
     init_plan,
     initialized,
@@ -66,29 +67,20 @@ def materialize(
     if not any(p.is_meta for p in params):
         _compute_meta_buffers(module, device)
         return
-    if not all(p.is_meta for p in params):
-        _materialize_what_is_on_meta(module, device, initialize, init_fn)
+    if not sharded:
+        _materialize_in_place(module, device, initialize, init_fn)
         return
-    if sharded and not isinstance(module, FSDPModule):
+    if not isinstance(module, FSDPModule):
         raise ValueError("materialize a sharded model from its root: call fully_shard on the root first.")
     plan = init_plan(module, initialize, init_fn)
     blank_buffers = {(id(m), n) for m in module.modules() for n, b in m._buffers.items() if is_blank(b)}
     kept_buffers = [(owner, name, b) for owner in module.modules() for name, b in owner._buffers.items() if _real(b)]
     ties = _ties(module)
-    # The class and attributes of parameters (a no-weight-decay tag), which to_empty's new ones do not carry
-    tags = {
-        (id(m), n): (type(p), dict(p.__dict__))
-        for m in module.modules()
-        for n, p in m._parameters.items()
-        if p is not None
-    }
     # FSDPModule.to_empty re-points FSDP2's padded shard storage: only this rank's shards are allocated
-    module.to_empty(device="cpu" if sharded else device)
+    module.to_empty(device="cpu")
     for (first, first_name), *others in ties:  # to_empty gives each holder of a tied parameter its own copy
         for owner, name in others:
             owner._parameters[name] = first._parameters[first_name]
-    if not sharded:  # FSDP2's own parameters are DTensors: left as they are
-        _retag(module, tags)
     with torch.no_grad():
         groups = by_unit(plan, unit_of(module, None))
         for scratch in initialized(groups, blank_buffers, initialize, _dtype_if_sharded):
@@ -97,28 +89,26 @@ def materialize(
             scratch = param = whole = None  # freed before the next unit's scratch is made
         for owner, name, buffer in kept_buffers:
             owner._buffers[name] = buffer
-        if sharded:
-            mesh = next(p for p in params if isinstance(p, DTensor)).device_mesh
-            for owner in module.modules():
-                for name, buffer in owner._buffers.items():
-                    if buffer is not None:
-                        owner._buffers[name] = _from_rank0(buffer.to(device), mesh)
+        mesh = next(p for p in params if isinstance(p, DTensor)).device_mesh
+        for owner in module.modules():
+            for name, buffer in owner._buffers.items():
+                if buffer is not None:
+                    owner._buffers[name] = _from_rank0(buffer.to(device), mesh)
 
 
-def _materialize_what_is_on_meta(
-    module: nn.Module, device: torch.device, initialize: bool, init_fn: InitFn | None
-) -> None:
-    """A plain module partly on the meta device (built partly in ``__init__``, or a load before setup filled
-    part of it): its tensors on the meta device get memory on ``device`` in place (``swap_tensors``: ties,
+def _materialize_in_place(module: nn.Module, device: torch.device, initialize: bool, init_fn: InitFn | None) -> None:
+    """A plain module wholly or partly on the meta device (built partly in ``__init__``, or a load before setup
+    filled part of it): its tensors on the meta device get memory on ``device`` in place (``allocate``: ties,
     classes and attributes stay) and their modules' init, the parameters that have their values stood in by
     throwaway tensors."""
     plan = init_plan(module, initialize, init_fn)
     real = {id(p) for p in module.parameters() if not p.is_meta}
     blank = {(id(m), n) for m in module.modules() for n, b in m._buffers.items() if is_blank(b)}
-    for p in {id(p): p for p in module.parameters() if p.is_meta}.values():
-        allocated = nn.Parameter.__new__(type(p), torch.empty_like(p, device=device), p.requires_grad)
-        allocated.__dict__.update(p.__dict__)
-        torch.utils.swap_tensors(p, allocated)
+    allocated = {id(p): allocate(p, device) for p in module.parameters() if p.is_meta}
+    for m in module.modules():  # where a weak reference kept a parameter from being allocated in place
+        for name, p in list(m._parameters.items()):
+            if p is not None and id(p) in allocated:
+                m._parameters[name] = allocated[id(p)]
     for m in module.modules():
         for name, b in list(m._buffers.items()):
             if is_blank(b):
@@ -126,23 +116,6 @@ def _materialize_what_is_on_meta(
     with torch.no_grad():
         for scratch in initialized(by_unit(plan, unit_of(module, None)), blank, initialize, lambda p: None, real):
             del scratch
-
-
-def _retag(module: nn.Module, tags: dict[tuple[int, str], tuple[type, dict]]) -> None:
-    """Give each parameter slot's parameter the class and attributes it had (the same new object for every
-    holder of a tied one)."""
-    done: dict[int, nn.Parameter] = {}
-    for m in module.modules():
-        for n, p in list(m._parameters.items()):
-            if p is None or (id(m), n) not in tags:
-                continue
-            if id(p) not in done:
-                cls, attributes = tags[(id(m), n)]
-                if type(p) is not cls:
-                    p = nn.Parameter.__new__(cls, p.data, p.requires_grad)
-                p.__dict__.update(attributes)
-                done[id(m._parameters[n])] = p
-            m._parameters[n] = done[id(m._parameters[n])]
 
 
 def _compute_meta_buffers(module: nn.Module, device: torch.device) -> None:
