@@ -32,6 +32,7 @@ COLLECTIVE_OPTIONS = (
     "speculative",  # speculation_rollback
     "checkpoint_format",
     "max_consecutive_skipped_steps",
+    "device_share",  # which units keep their shards on the device: FSDP2's collectives follow it
 )
 
 

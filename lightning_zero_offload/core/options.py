@@ -165,6 +165,12 @@ OPTIONS_DOC = """\
             no longer limited by device memory, at about 2 bytes per parameter moved in each of forward and
             backward. The CPU step is this project's (the sharded parameter is the master). Also registered as
             ``strategy="zero_offload_params"``.
+        device_share: with ``offload_params=True``, the fraction of the parameters (0 to 1) whose FSDP2 units keep
+            their shards, gradients and optimizer state on the device and step there, chosen where gradients
+            arrive last (the root's own parameters, then the first blocks): the host holds less, and the CPU
+            step that cannot hide behind backward shrinks (docs/offload-params.md, "A device share"). Whole
+            units, never more than the fraction. Results equal ``0``'s (fp32 state to fp32 rounding, bf16 state
+            bitwise); checkpoints do not depend on it.
         process_group_backend: torch.distributed backend (default: nccl on CUDA, gloo on CPU).
         timeout: how long any collective (the engine's, checkpointing's and Lightning's own) may wait for the
             other ranks before it raises: a ``timedelta`` or seconds. Default: torch's 30 minutes. A rank that

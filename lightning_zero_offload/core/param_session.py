@@ -28,7 +28,7 @@ from lightning_zero_offload.engine.offload_params.full_state import (
     load_full_model_state,
     load_full_optimizer_state,
 )
-from lightning_zero_offload.engine.offload_params.placement import shard_model
+from lightning_zero_offload.engine.offload_params.placement import device_resident, shard_model
 from lightning_zero_offload.engine.options import Resolved
 from lightning_zero_offload.planner import check_host_memory
 
@@ -76,7 +76,9 @@ class ParamOffloadSession:
         if options.cpu_state == "bf16":
             module.to(torch.bfloat16)  # the sharded parameter is the (bf16) master
         mesh = init_device_mesh(device.type, (world_size,))
-        shard_model(module, mesh, param_dtype=param_dtype, pin_memory=options.pin_memory)
+        shard_model(
+            module, mesh, param_dtype=param_dtype, device_share=options.device_share, pin_memory=options.pin_memory
+        )
         sharded = dict(module.named_parameters())
         for optimizer in optimizers:
             for group in optimizer.param_groups:
@@ -99,7 +101,8 @@ class ParamOffloadSession:
                 "Put the parameters in param groups of one optimizer instead."
             )
         _, param_dtype = resolve_precision(precision)
-        engine = ParamOffloadEngine(optimizers[0], device, param_dtype, options, world_size, local_world_size)
+        resident = device_resident(module)
+        engine = ParamOffloadEngine(optimizers[0], device, param_dtype, options, world_size, local_world_size, resident)
         return cls(module, engine)
 
     # -- what the engine is and did ----------------------------------------------------------------

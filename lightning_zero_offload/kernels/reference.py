@@ -59,9 +59,11 @@ def _hash32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def sr_bits(seed: int, step: int, offset: int, n: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The 16 random bits of p, m and v for elements ``offset .. offset + n - 1`` (int64 tensors)."""
-    index = torch.arange(offset, offset + n, dtype=torch.int64)
+def sr_bits(
+    seed: int, step: int, offset: int, n: int, device: torch.device | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The 16 random bits of p, m and v for elements ``offset .. offset + n - 1`` (int64 tensors on ``device``)."""
+    index = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
     high, low = index >> 32, index & _M32
     key_pm, key_v = torch.empty_like(index), torch.empty_like(index)
     for h in range(offset >> 32, ((offset + n - 1) >> 32) + 1 if n else 0):
@@ -127,6 +129,19 @@ def bf16_state_update(
     return _fma32(neg_step_size, _r32(m / denom), p), m, v
 
 
+def bf16_state_step(call: FlatAdamCall, chunk: int) -> None:
+    """:func:`bf16_state_update`, then the native hash and stochastic rounding, ``chunk`` elements at a time on
+    the tensors' own device: the same bits as every native backend."""
+    param, grad, exp_avg, exp_avg_sq = call.param, call.grad, call.exp_avg, call.exp_avg_sq
+    for start in range(0, param.numel(), chunk):
+        window = slice(start, start + chunk)
+        state = (t[window].double() for t in (param, grad, exp_avg, exp_avg_sq))
+        updated = bf16_state_update(call.hparams, call.step, call.grad_scale, *state)
+        bits = sr_bits(call.seed, call.step, call.offset + start, updated[0].numel(), param.device)
+        for t, x, r in zip((param, exp_avg, exp_avg_sq), updated, bits):
+            t[window] = round_bf16_stochastic(x.float(), r)
+
+
 class TorchBackend:
     """The kernels in torch ops; the same methods as :class:`kernels.native.NativeBackend`."""
 
@@ -146,7 +161,7 @@ class TorchBackend:
             torch._foreach_add_(list(steps), 1.0)
             step_tensors = list(steps)
         else:
-            step_tensors = [torch.tensor(float(s)) for s in steps]
+            step_tensors = [torch.tensor(float(s), device=params[0].device) for s in steps]
         if grads[0].dtype != torch.float32 or grad_scale != 1.0:
             grads = [g.to(torch.float32, copy=True).mul_(grad_scale) for g in grads]
         before = [p.clone() for p in params] if extrapolate and params_out is not None else None
@@ -203,16 +218,8 @@ class TorchBackend:
             exp_avg_sq[window] = ((v1 - one_minus_beta2 * g * g) * inv_beta2).clamp_(min=0.0)
 
     def adam_bf16_state(self, call: FlatAdamCall) -> None:
-        """adam_bf16state (native/kernels_simd.h) in torch ops: :func:`bf16_state_update`, then the same
-        hash and stochastic rounding, so the same bits as every native backend."""
-        param, grad, exp_avg, exp_avg_sq = call.param, call.grad, call.exp_avg, call.exp_avg_sq
-        for start in range(0, param.numel(), _BF16_STATE_CHUNK):
-            window = slice(start, start + _BF16_STATE_CHUNK)
-            state = (t[window].double() for t in (param, grad, exp_avg, exp_avg_sq))
-            updated = bf16_state_update(call.hparams, call.step, call.grad_scale, *state)
-            bits = sr_bits(call.seed, call.step, call.offset + start, updated[0].numel())
-            for t, x, r in zip((param, exp_avg, exp_avg_sq), updated, bits):
-                t[window] = round_bf16_stochastic(x.float(), r)
+        """adam_bf16state (native/kernels_simd.h) in torch ops: :func:`bf16_state_step`."""
+        bf16_state_step(call, _BF16_STATE_CHUNK)
 
     def grad_accumulate(self, dst: Tensor, src: Tensor, scale: float, overwrite: bool, num_threads: int) -> float:
         """Fallback: the same arithmetic (exact cast, multiply, add) in two passes."""

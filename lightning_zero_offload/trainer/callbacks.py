@@ -138,6 +138,12 @@ def format_summary(session: OffloadSession | ParamOffloadSession, totals: dict[s
             f"and {state / 2**20:.1f} MiB of optimizer state ({(shards + grads + state) * world / n:.1f} B/param "
             "over all ranks)"
         )
+        if shared := report["device_share_params"]:
+            kept = sum(report[f"device_{kind}_bytes"] for kind in ("shard", "grad", "state"))
+            lines.append(
+                f"  device share: {shared:,} parameters ({shared / n:.0%}) "
+                f"keep shards, gradients and state on the device and step there ({kept / 2**20:.1f} MiB on this rank)"
+            )
     elif resolved.in_place:
         lines.append(
             f"  in place on the CPU (nothing to offload): the parameters are the fp32 master weights, "

@@ -126,3 +126,14 @@ def test_a_sharded_checkpoint_resumes_bitwise_and_restores_the_other_entries(tmp
         step=2,
     )
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
+
+
+@pytest.mark.parametrize("two_calls", [False, True])
+def test_a_device_share_trains_as_none(two_calls):
+    """A share in both of Fabric's setups (the meta-device build with the two calls): the same weights, within
+    fp32 rounding (observed: bitwise); the share's shards step on the device."""
+    want, _ = train(ZeroOffloadFabricStrategy(offload_params=True))
+    strategy = ZeroOffloadFabricStrategy(offload_params=True, device_share=0.5)
+    got, _ = train(strategy, two_calls=two_calls, empty_init=two_calls)
+    assert relative_error(got, want) < FP32_ROUNDING
+    assert any(slot.on_device for slot in strategy.session.engine.slots)

@@ -3,6 +3,7 @@ placement, materialization and loading (each rank asserts its own results and re
 compares across ranks), and the engine against FSDP2 + torch AdamW on the same shards, the issue's anchor
 (what Lightning's ModelParallelStrategy runs: torch's AdamW stepping the shards, ``clip_grad_norm_`` over them)."""
 
+import copy
 import os
 import sys
 
@@ -20,6 +21,7 @@ from offload_params_helpers import (  # noqa: E402
     sharded_copy,
     tiny_llama_config,
     tokens,
+    train,
     two_groups,
 )
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -29,7 +31,7 @@ from torch.distributed.tensor import Shard, distribute_tensor  # noqa: E402
 from lightning_zero_offload.engine import OffloadOptions  # noqa: E402
 from lightning_zero_offload.engine.offload_params import ParamOffloadEngine  # noqa: E402
 from lightning_zero_offload.engine.offload_params.full_state import full_optimizer_state  # noqa: E402
-from lightning_zero_offload.engine.offload_params.placement import shard_model  # noqa: E402
+from lightning_zero_offload.engine.offload_params.placement import device_resident, shard_model  # noqa: E402
 from lightning_zero_offload.engine.offload_params.pretrained import load_pretrained, local_index  # noqa: E402
 
 
@@ -169,3 +171,34 @@ def engine_against_fsdp2_adamw(rank: int, cpu_step: str, clip_norm: float | None
         "moments": moments,
         "reference_moments": reference_moments,
     }
+
+
+def shares_trained(rank: int) -> dict:
+    """The weights after four steps (two micro-batches each, a clip that fires), each rank on its rows, for each
+    state dtype, schedule and device share (0: every shard on the host): what tests/engine/offload_params/
+    test_ranks.py compares."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = Blocks()
+    data = batches(steps=4, micro=2, rows=ROWS)
+    results = {}
+    for cpu_state, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for cpu_step in ("sync", "speculative"):
+            for share in (0.0, 0.5):
+                sharded = copy.deepcopy(model).to(dtype)
+                shard_model(sharded, mesh, param_dtype=dtype, device_share=share, pin_memory=False)
+                chosen = {"cpu_state": cpu_state, "cpu_step": cpu_step, "device_share": share}
+                options = OffloadOptions(offload_params=True, **chosen)
+                engine = ParamOffloadEngine(
+                    torch.optim.AdamW(two_groups(sharded)),
+                    torch.device("cpu"),
+                    dtype,
+                    options,
+                    world_size=dist.get_world_size(),
+                    on_device=device_resident(sharded),
+                )
+                assert any(slot.on_device for slot in engine.slots) == (share > 0)
+                train(sharded, engine, data, clip_norm=0.4)
+                engine.close()
+                results[cpu_state, cpu_step, share] = full_state(sharded)
+    return results

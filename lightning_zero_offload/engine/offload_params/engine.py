@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -35,8 +35,10 @@ from lightning_zero_offload.engine.offload_params.shards import (
     check_clip,
     check_shard,
     exceeds_limit,
+    memory_report,
     step_shard,
     step_shards,
+    sum_of_squares,
 )
 from lightning_zero_offload.engine.offload_params.speculation import Speculation
 from lightning_zero_offload.engine.optimizer_hooks import step_hooks
@@ -63,6 +65,8 @@ class ParamOffloadEngine:
         options: engine settings; ``offload_params`` is implied.
         world_size: ranks sharing the parameters (torch.distributed's default group).
         local_world_size: ranks on this node, for the default CPU thread count.
+        on_device: the parameters of the device share (placement.py's ``device_resident``): their shards,
+            moments and step stay on the device.
     """
 
     def __init__(
@@ -73,6 +77,7 @@ class ParamOffloadEngine:
         options: OffloadOptions,
         world_size: int = 1,
         local_world_size: int = 1,
+        on_device: Collection[nn.Parameter] = (),
     ) -> None:
         check_optimizer(optimizer)
         self.optimizer, self.device, self.param_dtype, self.world_size = optimizer, device, param_dtype, world_size
@@ -89,6 +94,7 @@ class ParamOffloadEngine:
         self._seed = rounding_seed(None, device, world_size) if self.state_dtype == torch.bfloat16 else 0
         self._threads = self.resolved.cpu_threads
         self._slots: dict[int, ShardSlot] = {}
+        self._on_device = {id(p) for p in on_device}
         self._next_element = 0
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         speculative = self.resolved.cpu_step == "speculative"
@@ -109,11 +115,12 @@ class ParamOffloadEngine:
     def _slot(self, param: nn.Parameter) -> ShardSlot:
         slot = self._slots.get(id(param))
         if slot is None:
-            slot = ShardSlot.for_param(param, self.state_dtype, self._next_element)
-            check_shard(param, slot, self.state_dtype)
+            slot = ShardSlot.for_param(param, self.state_dtype, self._next_element, id(param) in self._on_device)
+            check_shard(param, slot, self.state_dtype, self.device)
             self._next_element += param.numel()
             self._slots[id(param)] = slot
-            if self.speculation is not None:
+            # A device-resident shard steps after backward: on the device its step is short, and nothing waits.
+            if self.speculation is not None and not slot.on_device:
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_gradient))
         return slot
 
@@ -205,7 +212,7 @@ class ParamOffloadEngine:
                     continue
                 grad = slot.grad
                 assert grad is not None
-                part, bad = kernels.sum_of_squares(grad, num_threads=self._threads)
+                part, bad = sum_of_squares(slot, grad, self._threads)
                 sumsq, nonfinite = sumsq + part, nonfinite or bad
             if self.world_size > 1:
                 summary = torch.tensor([sumsq, float(nonfinite)], dtype=torch.float64)
@@ -377,15 +384,8 @@ class ParamOffloadEngine:
         return self._closed
 
     def memory_report(self) -> dict[str, int]:
-        """Host bytes this rank holds, by kind: the parameter shards (FSDP2's, the master weights), their
-        gradients, the optimizer state (moments, snapshots); and ``params``, the trainable count (all ranks)."""
-        slots = self._slots.values()
-        return {
-            "host_shard_bytes": sum(slot.master.numel() * slot.master.element_size() for slot in slots),
-            "host_grad_bytes": sum(g.numel() * g.element_size() for slot in slots if (g := slot.grad) is not None),
-            "host_state_bytes": sum(slot.state_bytes() for slot in slots),
-            "params": sum(slot.param.numel() for slot in slots),
-        }
+        """Bytes this rank holds by kind and side (shards.py's ``memory_report``)."""
+        return memory_report(list(self._slots.values()))
 
     def close(self) -> None:
         """Stop the worker and the hooks; the module keeps its (trained) shards and the state stays."""

@@ -1,8 +1,9 @@
 """Giving a model built on the meta device its memory and its values, one unit at a time, never whole.
 
 ``materialize`` serves both modes. A model wrapped with ``fully_shard`` (the parameter-offload mode) gets
-only this rank's shards, on the host (``CPUOffloadPolicy``), and its buffers on the mesh's device; a plain
-module gets its tensors on ``device``, whole (a module partly on the meta device: what is there). The ZeRO-2
+only this rank's shards, on the host (``CPUOffloadPolicy``; the device share's units: on the device), and its
+buffers on the mesh's device; a plain module gets its tensors on ``device``, whole (a module partly on the meta
+device: what is there). The ZeRO-2
 engine takes a model built on the meta device in two steps instead (engine/blockwise.py). Both plan and
 initialize with engine/initialization.py.
 
@@ -36,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from lightning_zero_offload.engine.initialization import (
@@ -76,8 +77,13 @@ def materialize(
     blank_buffers = {(id(m), n) for m in module.modules() for n, b in m._buffers.items() if is_blank(b)}
     kept_buffers = [(owner, name, b) for owner in module.modules() for name, b in owner._buffers.items() if _real(b)]
     ties = _ties(module)
-    # FSDPModule.to_empty re-points FSDP2's padded shard storage: only this rank's shards are allocated
-    module.to_empty(device="cpu")
+    # FSDPModule.to_empty re-points FSDP2's padded shard storage: only this rank's shards are allocated, each
+    # unit's where it keeps them (the root's side first, then the units on the other side)
+    root_side = _shard_side(module, device)
+    module.to_empty(device=root_side)
+    for unit in module.modules():
+        if unit is not module and isinstance(unit, FSDPModule) and _shard_side(unit, device) != root_side:
+            unit.to_empty(device=_shard_side(unit, device))
     for (first, first_name), *others in ties:  # to_empty gives each holder of a tied parameter its own copy
         for owner, name in others:
             owner._parameters[name] = first._parameters[first_name]
@@ -94,6 +100,17 @@ def materialize(
             for name, buffer in owner._buffers.items():
                 if buffer is not None:
                     owner._buffers[name] = _from_rank0(buffer.to(device), mesh)
+
+
+def keeps_shards_on_host(unit: FSDPModule) -> bool:
+    """Whether ``fully_shard`` put this unit's own parameters on the host (``CPUOffloadPolicy``); the units of
+    the device share keep theirs on the device. FSDP2 2.13 has no getter: read from its parameter groups."""
+    groups = unit._get_fsdp_state()._fsdp_param_groups
+    return all(isinstance(group.offload_policy, CPUOffloadPolicy) for group in groups)
+
+
+def _shard_side(unit: FSDPModule, device: torch.device) -> torch.device:
+    return torch.device("cpu") if keeps_shards_on_host(unit) else device
 
 
 def _materialize_in_place(module: nn.Module, device: torch.device, initialize: bool, init_fn: InitFn | None) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from lightning_zero_offload.engine.offload_params.materialize import InitFn, materialize
+from lightning_zero_offload.engine.offload_params.materialize import InitFn, keeps_shards_on_host, materialize
 
 GIB = 2**30
 
@@ -77,6 +77,7 @@ def shard_model(
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype | None = None,
+    device_share: float = 0.0,
     initialize: bool = True,
     init_fn: InitFn | None = None,
     pin_memory: bool = True,
@@ -88,29 +89,62 @@ def shard_model(
     autocast casts per operation (pinning needs an accelerator). ``reduce_dtype`` None: fp32 across ranks
     (the sum's precision), and at one rank the compute dtype: nothing is summed there (FSDP2 copies the
     gradients into its reduce-scatter output), so the gradients are the same bits in half the device buffers
-    (the fp32 input and output of a block's reduce, 8 B/param of a block, become 4). Where the user called
-    ``fully_shard`` already, their units are kept and only the root is wrapped if they did not wrap it
-    (``check_units`` first). A model built on the meta device is then materialized unit by unit
-    (``materialize``: ``initialize`` and ``init_fn`` are its own), never whole on the host or the device."""
+    (the fp32 input and output of a block's reduce, 8 B/param of a block, become 4). The units that
+    ``device_units`` picks for ``device_share`` are sharded without ``CPUOffloadPolicy``: their shards stay on
+    the device. Where the user called ``fully_shard`` already, their units are kept and only the root is
+    wrapped if they did not wrap it (``check_units`` first; no device share). A model built on the meta device
+    is then materialized unit by unit (``materialize``: ``initialize`` and ``init_fn`` are its own), never
+    whole on the host or the device."""
     user_wrapped = any(isinstance(m, FSDPModule) for m in module.modules())
     if user_wrapped:
         check_units(module)
+        if device_share:
+            raise ValueError(
+                f"device_share={device_share} chooses the units to keep on the device, and you called fully_shard "
+                "yourself: leave the wrapping to the strategy, or set device_share=0"
+            )
     if reduce_dtype is None:
         reduce_dtype = param_dtype if mesh.size() == 1 else torch.float32
-    policies = {
-        "mesh": mesh,
-        "offload_policy": CPUOffloadPolicy(pin_memory=pin_memory and mesh.device_type != "cpu"),
-        "mp_policy": MixedPrecisionPolicy(
-            param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
-        ),
-    }
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    offload = CPUOffloadPolicy(pin_memory=pin_memory and mesh.device_type != "cpu")
+    on_host = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload}
+    on_device = {"mesh": mesh, "mp_policy": mp_policy}
     units = [] if user_wrapped else find_units(module, param_dtype=param_dtype)
+    kept = {id(m) for m in device_units(module, units, device_share)}
     for unit in units:
-        fully_shard(unit, **policies)
+        fully_shard(unit, **(on_device if id(unit) in kept else on_host))  # type: ignore[arg-type]
     if not isinstance(module, FSDPModule):
-        fully_shard(module, **policies)
+        fully_shard(module, **(on_device if id(module) in kept else on_host))  # type: ignore[arg-type]
     materialize(module, mesh_device(mesh), initialize=initialize, init_fn=init_fn)
     return module
+
+
+def device_units(module: nn.Module, units: list[nn.Module], device_share: float) -> list[nn.Module]:
+    """The units of the device share: in the order their gradients arrive last in backward (the root, whose
+    own parameters FSDP2 reduces at the very end, then the units in forward order), as many as keep the
+    device's part within ``device_share`` of the parameters."""
+    if not device_share:
+        return []
+    in_units = {id(p) for unit in units for p in unit.parameters()}
+    sizes = [(module, sum(p.numel() for p in module.parameters() if id(p) not in in_units))]
+    sizes += [(unit, _count(unit)) for unit in units]
+    budget, taken, chosen = device_share * sum(size for _, size in sizes), 0, []
+    for unit, size in sizes:
+        if taken + size > budget:
+            break
+        taken += size
+        chosen.append(unit)
+    return chosen
+
+
+def device_resident(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``module``'s FSDP2 units that keep their shards on the device (the device share)."""
+    resident = []
+    for m in module.modules():
+        if isinstance(m, FSDPModule) and not keeps_shards_on_host(m):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                resident += [fsdp_param.sharded_param for fsdp_param in group.fsdp_params]
+    return resident
 
 
 def check_units(module: nn.Module) -> None:

@@ -1,7 +1,8 @@
 """The CPU state of the parameter-offload mode: for each sharded parameter, its moments and step count.
 
 FSDP2 (``fully_shard`` with ``CPUOffloadPolicy``) keeps each parameter as a DTensor whose local shard lives
-on the host; that shard *is* the master weight (fp32, or bf16 with ``cpu_state="bf16"``), written in place
+on the host (on the device for a unit of the ``device_share``, sharded without the policy); that shard *is*
+the master weight (fp32, or bf16 with ``cpu_state="bf16"``), written in place
 by the CPU step and gathered to the device by FSDP2's next all-gather. FSDP2 also leaves the reduced
 gradient shard in ``p.grad``. So the engine's own state is only the two moments (and, while a speculated
 step may be taken back, a snapshot): one :class:`ShardSlot` per trainable parameter.
@@ -18,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_zero_offload import kernels
+from lightning_zero_offload.kernels import device as device_kernels
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
@@ -39,21 +41,26 @@ def first_row(param: Tensor) -> int:
 class ShardSlot:
     """One trainable parameter's CPU state: its Adam moments (local, like the shard), its step count, the
     global number of its shard's first element (the bf16 state's rounding counter, so one run rounds the
-    same at any world size) and, once it has been speculated, a snapshot of (param, exp_avg, exp_avg_sq)."""
+    same at any world size) and, once it has been speculated, a snapshot of (param, exp_avg, exp_avg_sq).
+    ``on_device``: its unit is in the device share, so shard, moments and step stay on the device."""
 
     param: nn.Parameter
     exp_avg: Tensor
     exp_avg_sq: Tensor
     first_element: int
+    on_device: bool = False
     step: int = 0
     saved: tuple[Tensor, Tensor, Tensor] | None = None
 
     @classmethod
-    def for_param(cls, param: nn.Parameter, state_dtype: torch.dtype, first_of_param: int) -> ShardSlot:
+    def for_param(
+        cls, param: nn.Parameter, state_dtype: torch.dtype, first_of_param: int, on_device: bool = False
+    ) -> ShardSlot:
         shard = local_tensor(param)
         row_numel = param[0].numel() if param.dim() > 0 else 1
         first = first_of_param + first_row(param) * row_numel
-        return cls(param, torch.zeros_like(shard, dtype=state_dtype), torch.zeros_like(shard, dtype=state_dtype), first)
+        moments = (torch.zeros_like(shard, dtype=state_dtype) for _ in range(2))  # where the shard lies
+        return cls(param, *moments, first, on_device)
 
     @property
     def master(self) -> Tensor:
@@ -81,14 +88,19 @@ class ShardSlot:
         return self.master, self.exp_avg, self.exp_avg_sq
 
     def state_bytes(self) -> int:
-        """Host bytes this slot holds beyond the parameter and its gradient (FSDP2's)."""
+        """Bytes this slot holds beyond the parameter and its gradient (FSDP2's), on its side."""
         held = [self.exp_avg, self.exp_avg_sq, *(self.saved or ())]
         return sum(t.numel() * t.element_size() for t in held)
 
 
-def check_shard(param: nn.Parameter, slot: ShardSlot, state_dtype: torch.dtype) -> None:
+def check_shard(param: nn.Parameter, slot: ShardSlot, state_dtype: torch.dtype, device: torch.device) -> None:
     shard = slot.master
-    if shard.device.type != "cpu":
+    if slot.on_device and shard.device.type != device.type:
+        raise ValueError(
+            f"a trainable parameter of shape {tuple(param.shape)} is in the device share and has its shard on "
+            f"{shard.device}, not on the {device.type} device: its unit must be sharded without CPUOffloadPolicy"
+        )
+    if not slot.on_device and shard.device.type != "cpu":
         raise ValueError(
             f"a trainable parameter of shape {tuple(param.shape)} has its shard on {shard.device}: offload_params "
             "needs FSDP2 to keep the shards on the host (fully_shard(..., offload_policy=CPUOffloadPolicy()))"
@@ -115,23 +127,17 @@ def check_clip(name: str, value: float | None) -> None:
 
 
 def step_shards(slots: list[ShardSlot], hparams: kernels.AdamArgs, grad_scale: float, seed: int, threads: int) -> None:
-    """The Adam step of every shard in ``slots`` (with a gradient), one native call for fp32 state; counted."""
-    if not slots:
-        return
-    if slots[0].exp_avg.dtype == torch.bfloat16:
-        for slot in slots:
-            step_shard(slot, slot.grad, hparams, grad_scale, seed, threads)  # type: ignore[arg-type]
-    else:
-        kernels.adam_step_multi(
-            [slot.master for slot in slots],
-            [slot.grad for slot in slots],  # type: ignore[misc]
-            [slot.exp_avg for slot in slots],
-            [slot.exp_avg_sq for slot in slots],
-            [slot.step + 1 for slot in slots],
-            hparams=hparams,
-            grad_scale=grad_scale,
-            num_threads=threads,
-        )
+    """The Adam step of every shard in ``slots`` (with a gradient), one call per side for fp32 state; counted."""
+    for on_device in (False, True):
+        side = [slot for slot in slots if slot.on_device == on_device]
+        if not side:
+            continue
+        if side[0].exp_avg.dtype == torch.bfloat16:
+            for slot in side:
+                step_shard(slot, slot.grad, hparams, grad_scale, seed, threads)  # type: ignore[arg-type]
+        else:
+            grads: list[Tensor] = [slot.grad for slot in side]  # type: ignore[misc]
+            _adam_fp32(side, grads, hparams, grad_scale, threads)
     for slot in slots:
         slot.step += 1
 
@@ -139,29 +145,47 @@ def step_shards(slots: list[ShardSlot], hparams: kernels.AdamArgs, grad_scale: f
 def step_shard(
     slot: ShardSlot, grad: Tensor, hparams: kernels.AdamArgs, grad_scale: float, seed: int, threads: int
 ) -> None:
-    """One shard's Adam step (step count ``slot.step + 1``; the caller counts it). The same native call as
+    """One shard's Adam step (step count ``slot.step + 1``; the caller counts it). The same call as
     :func:`step_shards` makes for it, so a speculated step and a synchronous one give the same bits."""
     if slot.exp_avg.dtype == torch.bfloat16:
-        kernels.adam_step_bf16_state(
-            slot.master,
-            grad,
-            slot.exp_avg,
-            slot.exp_avg_sq,
-            hparams=hparams,
-            step=slot.step + 1,
-            seed=seed,
-            offset=slot.first_element,
-            grad_scale=grad_scale,
-            num_threads=threads,
-        )
+        args = (slot.master, grad, slot.exp_avg, slot.exp_avg_sq)
+        common = {"hparams": hparams, "step": slot.step + 1, "seed": seed, "offset": slot.first_element}
+        if slot.on_device:
+            device_kernels.adam_step_bf16_state(*args, **common, grad_scale=grad_scale)
+        else:
+            kernels.adam_step_bf16_state(*args, **common, grad_scale=grad_scale, num_threads=threads)
     else:
-        kernels.adam_step_multi(
-            [slot.master],
-            [grad],
-            [slot.exp_avg],
-            [slot.exp_avg_sq],
-            [slot.step + 1],
-            hparams=hparams,
-            grad_scale=grad_scale,
-            num_threads=threads,
-        )
+        _adam_fp32([slot], [grad], hparams, grad_scale, threads)
+
+
+def sum_of_squares(slot: ShardSlot, grad: Tensor, threads: int) -> tuple[float, bool]:
+    """The sum of squares of a shard's gradient and whether it holds an inf or nan, on the side it lies."""
+    if slot.on_device:
+        return device_kernels.sum_of_squares(grad)
+    return kernels.sum_of_squares(grad, num_threads=threads)
+
+
+def _adam_fp32(
+    slots: list[ShardSlot], grads: list[Tensor], hparams: kernels.AdamArgs, grad_scale: float, threads: int
+) -> None:
+    """One fused fp32 step of ``slots`` (all on one side): the native kernel on the host, torch's on the device."""
+    tensors = ([s.master for s in slots], grads, [s.exp_avg for s in slots], [s.exp_avg_sq for s in slots])
+    steps = [slot.step + 1 for slot in slots]
+    if slots[0].on_device:
+        device_kernels.adam_step_multi(*tensors, steps, hparams=hparams, grad_scale=grad_scale)
+    else:
+        kernels.adam_step_multi(*tensors, steps, hparams=hparams, grad_scale=grad_scale, num_threads=threads)
+
+
+def memory_report(slots: list[ShardSlot]) -> dict[str, int]:
+    """Bytes this rank holds, by kind and side (``host_*``, and ``device_*`` for the device share): the parameter
+    shards (FSDP2's, the master weights), their gradients, the optimizer state (moments, snapshots); ``params``,
+    the trainable count (all ranks), and ``device_share_params``, the device share's."""
+    report = {"params": sum(slot.param.numel() for slot in slots)}
+    for side, on_device in (("host", False), ("device", True)):
+        kept = [slot for slot in slots if slot.on_device == on_device]
+        report[f"{side}_shard_bytes"] = sum(slot.master.numel() * slot.master.element_size() for slot in kept)
+        report[f"{side}_grad_bytes"] = sum(g.numel() * g.element_size() for s in kept if (g := s.grad) is not None)
+        report[f"{side}_state_bytes"] = sum(slot.state_bytes() for slot in kept)
+    report["device_share_params"] = sum(slot.param.numel() for slot in slots if slot.on_device)
+    return report

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 from offload_params_helpers import relative_error
-from workers.offload_params import engine_against_fsdp2_adamw
+from workers.offload_params import engine_against_fsdp2_adamw, shares_trained
 
 from lightning_zero_offload.testing.ranks import run_ranks
 
@@ -39,3 +39,19 @@ def test_equals_fsdp2_with_torch_adamw_with_clipping_that_fires(world, cpu_step,
         got = {i: ours[i][moment] for i in ours}
         assert relative_error(got, {i: reference[i][moment] for i in ours}) < MOMENTS_ROUNDING
     assert all(other["moments"] == {} for other in results[1:])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_device_share_trains_as_none_at_several_ranks(world, tmp_path):
+    """Each rank's device share is its shards of the same units: bf16 state bitwise, fp32 within rounding
+    (observed: bitwise), both schedules, clipping that fires, two micro-batches a step."""
+    results = run_ranks(shares_trained, world, tmp_path)
+    first = results[0]
+    for (cpu_state, cpu_step, share), got in first.items():
+        want = first[cpu_state, cpu_step, 0.0]
+        if cpu_state == "bf16":
+            assert all(torch.equal(got[k], v) for k, v in want.items()), (cpu_step, share)
+        else:
+            assert relative_error(got, want) < FP32_ROUNDING, (cpu_step, share)
+    for other in results[1:]:
+        assert all(torch.equal(other[key][k], v) for key, state in first.items() for k, v in state.items())

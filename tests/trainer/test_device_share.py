@@ -1,0 +1,80 @@
+"""``ZeroOffloadStrategy(offload_params=True, device_share=...)`` in the Trainer: the same training as without a
+share, checkpoints that resume with another share, and the summary that says what the share holds."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from helpers import QUIET, BlockRegression, BlockRegressionInConfigureModel, block_data
+from offload_params_helpers import relative_error
+
+from lightning_zero_offload import ZeroOffloadStrategy
+from lightning_zero_offload.core import release_process_group
+from lightning_zero_offload.trainer.callbacks import format_summary
+
+FP32_ROUNDING = 1e-6  # normwise; observed 0 (the device step, torch's fused AdamW, agrees with the kernel here)
+STATE = {"fp32": "32-true", "bf16": "bf16-mixed"}
+
+
+@pytest.fixture(autouse=True)
+def own_process_group():
+    yield
+    release_process_group()
+
+
+def weights(module) -> dict[str, torch.Tensor]:
+    return {name: p.full_tensor().detach().float().clone() for name, p in module.model.named_parameters()}
+
+
+def fit(share, cpu_state="fp32", module=None, max_steps=5, ckpt_path=None, save=None, tmp_path=None, **options):
+    module = module or BlockRegression()
+    strategy = ZeroOffloadStrategy(offload_params=True, device_share=share, cpu_state=cpu_state, **options)
+    arguments = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.3, "precision": STATE[cpu_state]}
+    trainer = L.Trainer(strategy=strategy, max_steps=max_steps, default_root_dir=tmp_path, **{**QUIET, **arguments})
+    trainer.fit(module, block_data(48), ckpt_path=ckpt_path)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return weights(module), trainer
+
+
+def same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], cpu_state: str) -> bool:
+    """bf16 state bitwise; fp32 within rounding."""
+    if cpu_state == "bf16":
+        return all(torch.equal(got[k], v) for k, v in want.items())
+    return relative_error(got, want) < FP32_ROUNDING
+
+
+@pytest.mark.parametrize("cpu_state", ["fp32", "bf16"])
+def test_a_share_trains_as_none_with_accumulation_clipping_and_a_scheduler(cpu_state):
+    want, _ = fit(0.0, cpu_state)
+    got, trainer = fit(0.5, cpu_state, cpu_step="speculative")
+    assert same(got, want, cpu_state)
+    engine = trainer.strategy.session.engine
+    assert 0 < engine.memory_report()["device_share_params"] <= 0.5 * engine.memory_report()["params"]
+    summary = format_summary(trainer.strategy.session, {}, 0)
+    assert "device share:" in summary and "keep shards, gradients and state on the device" in summary
+
+
+def test_a_model_built_in_configure_model_takes_the_share_too():
+    want, _ = fit(0.0)
+    got, trainer = fit(0.5, module=BlockRegressionInConfigureModel())
+    assert same(got, want, "fp32")
+    assert any(slot.on_device for slot in trainer.strategy.session.engine.slots)
+
+
+@pytest.mark.parametrize(
+    ("cpu_state", "checkpoint_format"),
+    [("fp32", "full"), ("bf16", "sharded")],
+)
+def test_a_checkpoint_resumes_with_another_share(cpu_state, checkpoint_format, tmp_path):
+    """Saved with no share, resumed with one, and the other way round: both equal the run resumed as it was."""
+    runs = {}
+    for saved, resumed in ((0.0, 0.0), (0.0, 1.0), (0.5, 0.0)):
+        path = tmp_path / f"{saved}-{resumed}"
+        common = {"cpu_state": cpu_state, "checkpoint_format": checkpoint_format, "tmp_path": tmp_path}
+        fit(saved, max_steps=3, save=path, **common)
+        runs[saved, resumed], _ = fit(resumed, max_steps=6, ckpt_path=path, **common)
+    want = runs[0.0, 0.0]
+    assert same(runs[0.0, 1.0], want, cpu_state)
+    assert same(runs[0.5, 0.0], want, cpu_state)
