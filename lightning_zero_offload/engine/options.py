@@ -135,6 +135,7 @@ class Resolved:
     state_dtype: torch.dtype = torch.float32
     notes: tuple[str, ...] = ()
     offload_params: bool = False
+    device_share: float = 0.0  # offload_params only: the fraction of the parameters whose units stay on the device
 
     def warn(self) -> None:
         """Warn once for each note (the engine calls this when it is built; re-planning does not)."""
@@ -295,6 +296,7 @@ def resolve(
         state_dtype,
         tuple(notes),
         options.offload_params,
+        options.device_share,
     )
 
 

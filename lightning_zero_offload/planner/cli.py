@@ -106,6 +106,12 @@ def parser() -> argparse.ArgumentParser:
         help="the parameters offloaded too (FSDP2 shards per block on the host, the blocks in flight on the device)",
     )
     p.add_argument(
+        "--device-share",
+        type=float,
+        default=0.0,
+        help="with --offload-params: the fraction of the parameters whose units stay on the device (the option)",
+    )
+    p.add_argument(
         "--configure-model",
         action="store_true",
         help="the model is built in configure_model or under init_module(empty_init=True): materialized block by "
@@ -158,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_state=args.cpu_state,
         offload_params=args.offload_params,
         configure_model=args.configure_model,
+        device_share=args.device_share,
     )
     print(json.dumps(result.to_dict(), indent=1) if args.json else result)
     return EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT

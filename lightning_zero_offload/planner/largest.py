@@ -51,13 +51,15 @@ class Largest:
     built: str = "fp32"  # the module's dtype as built, on the host until setup, or IN_CONFIGURE_MODEL
     refused: str = ""  # why this setup cannot run with these options at all
     offload_params: bool = False  # the parameters offloaded too, the model built in configure_model
+    device_share: float = 0.0  # offload_params: the fraction of the parameters whose units stay on the GPU
 
     @property
     def name(self) -> str:
         if self.setup == PLAIN:
             return "plain training (AdamW on the GPU)"
         if self.offload_params:
-            return f'zero_offload_params, cpu_state="{self.setup}"'
+            share = f", device_share={self.device_share:.3f}" if self.device_share else ""
+            return f'zero_offload_params, cpu_state="{self.setup}"{share}'
         built = {"fp32": "", IN_CONFIGURE_MODEL: f", {IN_CONFIGURE_MODEL}"}.get(self.built, f", built in {self.built}")
         return f'zero_offload, cpu_state="{self.setup}"{built}'
 
@@ -77,14 +79,14 @@ class LargestModels:
             f"{m.device_memory_gb:.0f} GB per GPU",
             *textwrap.wrap(f"assuming {self.assumptions}", 118),
             "",
-            f"  {'how':<52} {'params':>8}  {'cpu_step':<12} {'host GB':>8} {'GPU GB':>7}  a larger model runs out of",
+            f"  {'how':<60} {'params':>8}  {'cpu_step':<12} {'host GB':>8} {'GPU GB':>7}  a larger model runs out of",
         ]
         for row in self.rows:
             if row.refused:
-                lines.append(f"  {row.name:<52} {'-':>8}  refused: {row.refused}")
+                lines.append(f"  {row.name:<60} {'-':>8}  refused: {row.refused}")
                 continue
             lines.append(
-                f"  {row.name:<52} {row.params / 1e9:>7.2f}B  {row.cpu_step or '-':<12} {row.host_need / GB:>8.1f}"
+                f"  {row.name:<60} {row.params / 1e9:>7.2f}B  {row.cpu_step or '-':<12} {row.host_need / GB:>8.1f}"
                 f" {row.device_need / GB:>7.1f}  {'; '.join(row.binds)}"
             )
         return "\n".join(lines)
@@ -142,34 +144,13 @@ def largest_models(
                 cpu_state=cpu_state,  # type: ignore[arg-type]
                 offload_params=offload_params,
             )
-            args = (dtype, machine, devices, num_nodes, options, batch_size, seq_len, n_layer, activation_checkpointing)
-            shape_of = partial(_shape, n_layer, 2 if built in _HALF.values() else 4, built == IN_CONFIGURE_MODEL)
-            checks = partial(_offload_checks, shape_of, args, checkpoint_format)
-            if offload_params:  # the shards: training needs 4 x the state's bytes per parameter, per node / nodes
-                bound = int(machine.host_memory_gb * GB) * num_nodes // (4 * STATE_DTYPES[cpu_state].itemsize) + 1
-            else:
-                bound = never
-            try:
-                params, binds = _largest(checks, bound)
-            except ValueError as refusal:  # a combination the engine refuses (bf16 state with fp16 parameters)
-                rows.append(Largest(cpu_state, 0, None, 0, 0, [], built, str(refusal), offload_params))
-                continue
-            row = Largest(cpu_state, params, None, 0, 0, binds, built, offload_params=offload_params)
-            if params:
-                shape = shape_of(params)
-                evaluation = evaluate(shape, *args)
-                verdicts = evaluation.verdicts
-                fitting = [s for s in evaluation.schedules if verdicts[f"{s}/{checkpoint_format}"].fits]
-                flops = step_flops(shape, batch_size * seq_len, seq_len, n_layer)
-                world = devices * num_nodes
-                chosen = recommend(
-                    shape, dtype, machine, devices, world, flops, 1, fitting, options, units=evaluation.units
-                )
-                row.cpu_step = str(chosen["cpu_step"])
-                at = verdicts[f"{row.cpu_step}/{checkpoint_format}"].checks
-                row.host_need = max(c.need for c in at if c.name.startswith("host"))
-                row.device_need = max(c.need for c in at if c.name.startswith("device"))
+            context = (dtype, machine, devices, num_nodes, batch_size, seq_len, n_layer, activation_checkpointing)
+            row = _row(options, built, context)
             rows.append(row)
+            shared = _row_with_a_share(options, built, context, row) if offload_params and row.params else None
+            if shared is not None:
+                rows.append(shared)
+
     assumptions = (
         f"a {n_layer}-layer transformer of width sqrt(params / (12 x {n_layer})), {precision}, micro-batch "
         f"{batch_size} x {seq_len} tokens, activation checkpointing {'on' if activation_checkpointing else 'off'} "
@@ -185,6 +166,70 @@ def largest_models(
         "pinned shard rounded up to a power of two by torch's pinned allocator, for a GPT layer's four matrices)"
     )
     return LargestModels(rows, machine, assumptions)
+
+
+def _row(options: OffloadOptions, built: str, context: tuple) -> Largest:
+    """The largest model ``options`` train, the module built as ``built``, with the schedule :func:`plan`
+    recommends at that size (``context``: dtype, machine, devices, nodes, micro-batch, sequence, depth,
+    activation checkpointing)."""
+    dtype, machine, devices, num_nodes, batch_size, seq_len, n_layer, checkpointing = context
+    checkpoint_format, cpu_state = options.checkpoint_format, options.cpu_state
+    args = (dtype, machine, devices, num_nodes, options, batch_size, seq_len, n_layer, checkpointing)
+    shape_of = partial(_shape, n_layer, 2 if built in _HALF.values() else 4, built == IN_CONFIGURE_MODEL)
+    checks = partial(_offload_checks, shape_of, args, checkpoint_format)
+    share = options.device_share
+    if options.offload_params:  # the shards: training needs 4 x the state's bytes per parameter, on host or GPU
+        room = machine.host_memory_gb + (machine.device_memory_gb * devices if share else 0)
+        bound = int(room * GB) * num_nodes // (4 * STATE_DTYPES[cpu_state].itemsize) + 1
+    else:
+        bound = int(machine.device_memory_gb * GB) // dtype.itemsize + 1  # every rank holds all parameters
+    try:
+        params, binds = _largest(checks, bound)
+    except ValueError as refusal:  # a combination the engine refuses (bf16 state with fp16 parameters)
+        return Largest(cpu_state, 0, None, 0, 0, [], built, str(refusal), options.offload_params)
+    row = Largest(cpu_state, params, None, 0, 0, binds, built, offload_params=options.offload_params)
+    row.device_share = share
+    if params:
+        shape = shape_of(params)
+        evaluation = evaluate(shape, *args)
+        verdicts = evaluation.verdicts
+        fitting = [s for s in evaluation.schedules if verdicts[f"{s}/{checkpoint_format}"].fits]
+        flops = step_flops(shape, batch_size * seq_len, seq_len, n_layer)
+        world = devices * num_nodes
+        chosen = recommend(shape, dtype, machine, devices, world, flops, 1, fitting, options, units=evaluation.units)
+        row.cpu_step = str(chosen["cpu_step"])
+        at = verdicts[f"{row.cpu_step}/{checkpoint_format}"].checks
+        row.host_need = max(c.need for c in at if c.name.startswith("host"))
+        row.device_need = max(c.need for c in at if c.name.startswith("device"))
+    return row
+
+
+def _row_with_a_share(options: OffloadOptions, built: str, context: tuple, without: Largest) -> Largest | None:
+    """The largest model with the device share that trains the most: the share of k of the n layers, k the
+    fewest at which the GPU binds (or one fewer: before it, the host binds and more share helps; after, the GPU
+    binds and more share hurts), by bisection. None where the GPU binds without a share already."""
+    n_layer = context[6]
+
+    def at(k: int) -> Largest:
+        return _row(replace(options, device_share=min(1.0, (k + 0.5) / n_layer)), built, context)
+
+    def gpu_binds(row: Largest) -> bool:
+        return any(name.startswith("device") for name in row.binds)
+
+    if gpu_binds(without):
+        return None
+    low, high = 0, n_layer  # the GPU does not bind at low (share 0); find the first k where it does
+    rows = {}
+    while high - low > 1:
+        mid = (low + high) // 2
+        rows[mid] = at(mid)
+        if gpu_binds(rows[mid]):
+            high = mid
+        else:
+            low = mid
+    candidates = [rows.get(k) or at(k) for k in {low, high} if k > 0]
+    best = max(candidates, key=lambda row: row.params, default=None)
+    return best if best is not None and best.params > without.params else None
 
 
 def _shape(n_layer: int, built_bytes_per_param: int, configure_model: bool, params: int) -> ModelShape:

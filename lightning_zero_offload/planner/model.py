@@ -60,6 +60,7 @@ def plan(
     cpu_state: str = "fp32",
     offload_params: bool = False,
     configure_model: bool = False,
+    device_share: float = 0.0,
 ) -> Plan:
     """Predict memory and step time of training ``model`` with zero_offload, and recommend settings.
 
@@ -94,6 +95,8 @@ def plan(
         configure_model: the model is built in ``configure_model`` or under ``init_module(empty_init=True)``:
             on the meta device, then materialized block by block (into its shards with ``offload_params``,
             into the ZeRO-2 engine's master weights without), never whole.
+        device_share: with ``offload_params``, the fraction of the parameters whose units keep their shards and
+            state on the device (the strategy option).
     """
     if precision not in DTYPES:
         raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
@@ -110,6 +113,7 @@ def plan(
         speculative=SpeculativeOptions(speculation_rollback),  # type: ignore[arg-type]
         cpu_state=cpu_state,  # type: ignore[arg-type]
         offload_params=offload_params,
+        device_share=device_share,
     )
     if n_layer is not None and n_layer < 1:
         raise ValueError(f"n_layer must be >= 1, got {n_layer}")
@@ -146,11 +150,22 @@ def plan(
     else:
         steps = {
             s: step_time_params(
-                units, dtype, s, machine, threads, devices, flops, micro, state_dtype, memory.resolved[s].pin_memory
+                units,
+                dtype,
+                s,
+                machine,
+                threads,
+                devices,
+                flops,
+                micro,
+                state_dtype,
+                memory.resolved[s].pin_memory,
+                memory.resolved[s].device_share,
             )
             for s in memory.schedules
         }
-        params_offload = ParamsOffload(units, traffic(units, dtype, state_dtype, micro), configure_model)
+        moved = traffic(units, dtype, state_dtype, micro, memory.resolved["sync"].device_share)
+        params_offload = ParamsOffload(units, moved, configure_model)
         shard = units.shard_numel
     plain = None
     if machine.device_type != "cpu":

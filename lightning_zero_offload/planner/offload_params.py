@@ -36,6 +36,7 @@ class FsdpUnits:
     tensor_shards: tuple[int, ...] = ()  # this rank's shard of each trainable tensor: each is pinned on its own
     largest_unit_tensor: int = 0  # a unit's largest parameter: one rank copies a unit up one tensor at a time
     root_tied: int = 0  # the root's parameters that several modules use: autograd sums their gradients
+    unit_sizes: tuple[int, ...] = ()  # each unit's parameters, in module order (the device share takes them)
 
     @property
     def largest_unit_shard(self) -> int:
@@ -82,6 +83,7 @@ def fsdp_units(shape: ModelShape, n_layer: int | None, world: int) -> FsdpUnits:
             largest,
             tensors * depth,
             min(largest, per_layer),
+            unit_sizes=(per_layer,) * depth,
         )
     tensors = tuple(_shard(size, world) for size in shape.shapes)
     total = sum(shape.units) + shape.root_params
@@ -98,7 +100,25 @@ def fsdp_units(shape: ModelShape, n_layer: int | None, world: int) -> FsdpUnits:
         tensors,
         shape.largest_unit_tensor,
         shape.root_tied,
+        tuple(shape.units),
     )
+
+
+def device_fraction(units: FsdpUnits, device_share: float) -> float:
+    """The fraction of the parameters ``device_share`` keeps on the device: placement.device_units' rule (the
+    root's own parameters, then whole units in module order, while they stay within the share)."""
+    budget, taken = device_share * units.params, 0
+    for size in (units.root_params, *units.unit_sizes):
+        if taken + size > budget:
+            break
+        taken += size
+    return taken / units.params if units.params else 0.0
+
+
+def host_part(count: int, on_device: float) -> int:
+    """What of ``count`` (elements or bytes spread over the parameters) stays on the host with ``on_device``
+    (:func:`device_fraction`) of the parameters on the device."""
+    return count - round(on_device * count)
 
 
 def initialized_unit_bytes(units: FsdpUnits) -> int:
@@ -125,23 +145,25 @@ def host_memory_params(
     one gathers one tensor at a time on every rank, and at several ranks the first rank keeps the whole
     weights and moments for the file (engine/offload_params/full_state.py; at one rank they are views)."""
     state = config.state_dtype.itemsize
-    shard, block_shard = units.shard_numel, units.largest_unit_shard
+    on_device = device_fraction(units, config.device_share)  # the device share's units keep theirs on the device
+    shard, block_shard = host_part(units.shard_numel, on_device), units.largest_unit_shard
     buffers = {
         "master": state * shard,
         "exp_avg": state * shard,
         "exp_avg_sq": state * shard,
         "grad": state * shard,
-        "frozen_shards": state * units.frozen_shard_numel,
+        "frozen_shards": state * host_part(units.frozen_shard_numel, on_device),
         "block_grad_copies": state * block_shard,
     }
     if config.cpu_step == "speculative":
         buffers["snapshot"] = 3 * state * shard if config.speculation_rollback == "snapshot" else 0
     if device_type == "cpu":  # the "device" is host memory too
-        buffers["device_buffers"] = sum(device_memory_params(units, dtype, config.state_dtype).values())
-    shards = state * units.held_shard_numel
+        device_side = device_memory_params(units, dtype, config.state_dtype, config.device_share)
+        buffers["device_buffers"] = sum(device_side.values())
+    shards = state * host_part(units.held_shard_numel, on_device)
     pinned = 0
     if config.pin_memory:  # CPUOffloadPolicy(pin_memory=True) pins the shards, each rounded up
-        buffers["pinned_rounding"] = units.pinned_rounding(state)
+        buffers["pinned_rounding"] = host_part(units.pinned_rounding(state), on_device)
         pinned = shards + buffers["pinned_rounding"]
         shards = pinned
     if configure_model:
@@ -166,7 +188,9 @@ def host_memory_params(
     )
 
 
-def device_memory_params(units: FsdpUnits, dtype: torch.dtype, state_dtype: torch.dtype) -> dict[str, int]:
+def device_memory_params(
+    units: FsdpUnits, dtype: torch.dtype, state_dtype: torch.dtype, device_share: float = 0.0
+) -> dict[str, int]:
     """Device bytes of one rank at the peak of backward, activations aside: FSDP2's allocations in the order
     it makes and frees them (torch 2.13), as measured on the CPU device by
     benchmarks/offload_params_device_peak.py (docs/benchmarks.md).
@@ -180,7 +204,8 @@ def device_memory_params(units: FsdpUnits, dtype: torch.dtype, state_dtype: torc
     gradients (compute dtype); gathering, the shards coming up (at one rank a tensor at a time, copied in
     the state's dtype and cast, with the previous tensor's input; at several ranks the prefetched unit's
     input, freed before this unit computes); reducing, once the running unit is resharded, its input with
-    the output shard and the output's cast to the state's dtype (none where they agree).
+    the output shard and the output's cast to the state's dtype (none where they agree). ``device_share``: its
+    units' shards, gradient shards and two moments, in the state's dtype, held for the whole run.
     """
     e, s, world = dtype.itemsize, state_dtype.itemsize, units.world_size
     block = units.largest_unit
@@ -203,11 +228,15 @@ def device_memory_params(units: FsdpUnits, dtype: torch.dtype, state_dtype: torc
     gathering = r * unit + gather_input + tied
     reducing = r * unit + (r + (s if s != r else 0)) * unit_shard - e * block + tied
     root = e * (units.root_params + units.root_tied) + r * block  # the root's gradients and the sum's copy
-    return {
+    held = {
         "root_params": e * units.root_params,
         "blocks_in_flight": in_flight * e * block,
         "backward_buffers": max(computing, gathering, reducing, root),
     }
+    if fraction := device_fraction(units, device_share):
+        kept = 4 * units.shard_numel + units.frozen_shard_numel  # master, gradient, two moments; frozen shards
+        held["device_share"] = s * (kept - host_part(kept, fraction))
+    return held
 
 
 @dataclass(frozen=True)
@@ -220,15 +249,19 @@ class Traffic:
     reduce_scatter: int  # interconnect: what the reduce-scatters send to them (fp32)
 
 
-def traffic(units: FsdpUnits, dtype: torch.dtype, state_dtype: torch.dtype, micro: int) -> Traffic:
+def traffic(
+    units: FsdpUnits, dtype: torch.dtype, state_dtype: torch.dtype, micro: int, device_share: float = 0.0
+) -> Traffic:
     """Per optimizer step of ``micro`` micro-batches: FSDP2 gathers each unit before its forward and again
     before its backward (the shard crosses the link in the state's dtype and is cast on the device), and
-    the engine reduces every micro-batch, so that the device holds only the blocks in flight."""
+    the engine reduces every micro-batch, so that the device holds only the blocks in flight. The device
+    share's units do not cross the link; the interconnect carries every unit."""
     world, s = units.world_size, state_dtype.itemsize
     others = (world - 1) / world  # padded, as FSDP2 gathers and scatters them
+    on_device = device_fraction(units, device_share)
     return Traffic(
-        up=micro * 2 * s * units.held_shard_numel,
-        down=micro * s * units.shard_numel,
+        up=micro * 2 * s * host_part(units.held_shard_numel, on_device),
+        down=micro * s * host_part(units.shard_numel, on_device),
         all_gather=math.ceil(micro * 2 * dtype.itemsize * units.held_shard_numel * world * others),
         reduce_scatter=math.ceil(micro * REDUCE_BYTES * units.shard_numel * world * others),
     )

@@ -8,7 +8,7 @@ import torch
 
 from lightning_zero_offload.planner.machine import GB, Machine
 from lightning_zero_offload.planner.machine.probes import ADAM_BYTES_PER_PARAM
-from lightning_zero_offload.planner.offload_params import FsdpUnits, traffic
+from lightning_zero_offload.planner.offload_params import FsdpUnits, device_fraction, host_part, traffic
 from lightning_zero_offload.planner.shape import LayoutSummary
 
 
@@ -99,6 +99,7 @@ def step_time_params(
     micro: int,
     state_dtype: torch.dtype,
     pinned: bool,
+    device_share: float = 0.0,
 ) -> StepTime:
     """One optimizer step's time with ``offload_params=True`` (docs/planning.md, "Parameters offloaded too").
 
@@ -110,9 +111,13 @@ def step_time_params(
     reduce and copy (and the add). The CPU step (the ZeRO-2 mode's kernels over this rank's shard) runs
     after backward (sync), or per unit as its last gradient lands, behind the rest of the last backward
     (speculative). Nothing is copied back: the next forward gathers the updated shard (``copy_back`` 0).
+    The device share's units neither cross the link nor step on the CPU; their step on the device is not
+    modelled (a few milliseconds per GB of state at HBM bandwidth), and with one the speculative schedule's
+    last unit, whose step no backward is left to hide, is the device's.
     """
-    moved = traffic(units, dtype, state_dtype, micro)
-    state, shard = state_dtype.itemsize, units.shard_numel
+    moved = traffic(units, dtype, state_dtype, micro, device_share)
+    on_device = device_fraction(units, device_share)
+    state, shard = state_dtype.itemsize, host_part(units.shard_numel, on_device)
     bandwidth = m.rank_bandwidth(threads, ranks_per_node)
     forward_backward = flops / (m.device_tflops * 1e12)
     collective = 0.0
@@ -143,7 +148,7 @@ def step_time_params(
         exposed = micro * forward_wait + blocking * waits_for_copies + (micro - blocking) * overlapped + accumulate
         if schedule == "speculative":
             last_backward = backward_mb + (reduce if blocking else 0.0)
-            exposed += max(0.0, cpu_step - last_backward) + cpu_step * per_unit
+            exposed += max(0.0, cpu_step - last_backward) + (0.0 if on_device else cpu_step * per_unit)
         else:
             exposed += cpu_step
     work = {

@@ -151,11 +151,11 @@ def evaluate(
             )
             for s in schedules
         }
-        states = device_memory_params(units, dtype, configs["sync"].state_dtype)
-        once = states["root_params"]
+        states = device_memory_params(units, dtype, configs["sync"].state_dtype, options.device_share)
+        once = states["root_params"] + states.get("device_share", 0)
         cycled = sum(states.values()) - once  # gathered, allocated and freed unit by unit, every step
         setup = SETUP_BY_BLOCKS if shape.configure_model else SETUP_WHOLE
-        held = "root params + blocks in flight"
+        held = "root params + blocks in flight" + (" + device share" if options.device_share else "")
     else:
         # In configure_model the engine takes the model block by block (materialize.BlockwiseInit).
         built = initialized_unit_bytes(fsdp_units(shape, n_layer, 1)) if shape.configure_model else shape.built_bytes

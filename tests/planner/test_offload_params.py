@@ -6,15 +6,17 @@ import json
 
 import pytest
 import torch
+from offload_params_helpers import one_rank_group, tokens
 from planner_helpers import CPU_BOX, GPU_BOX, h200, layers
 from torch import nn
 
 from lightning_zero_offload.engine import OffloadOptions
 from lightning_zero_offload.engine.blockwise import BlockwiseInit
-from lightning_zero_offload.engine.offload_params.placement import init_units
+from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
+from lightning_zero_offload.engine.offload_params.placement import device_resident, init_units, shard_model
 from lightning_zero_offload.planner import Machine, check_host_memory, largest_models, plan, presets, with_rates
 from lightning_zero_offload.planner.cli import main
-from lightning_zero_offload.planner.largest import IN_CONFIGURE_MODEL
+from lightning_zero_offload.planner.largest import IN_CONFIGURE_MODEL, PLAIN
 from lightning_zero_offload.planner.machine import probes
 from lightning_zero_offload.planner.offload_params import fsdp_units
 from lightning_zero_offload.planner.preflight import SKIP_CHECK_ENV
@@ -34,6 +36,12 @@ class Tiny(nn.Module):
         self.head = nn.Linear(8, 10, bias=False)
         if tied:
             self.head.weight = self.emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
 
 
 def tiny(tied: bool = False) -> nn.Module:
@@ -99,6 +107,37 @@ def test_one_rank_tied_weights_bf16_state_built_whole_by_hand():
     assert p.params_offload.units.root_tied == 80
 
 
+def test_a_device_share_moves_its_units_from_the_host_by_hand_and_as_the_engine_holds_them():
+    """Share 0.45 of Tiny's 1016 parameters: the root's own 176 and the first block's 280 (456; a second block would
+    pass the 457 allowed). At one rank the engine's ledger is the plan's, byte for byte, on each side."""
+    args = dict(batch_size=1, seq_len=8, n_layer=3, machine=GPU_BOX, offload_params=True, configure_model=True)
+    p = plan(tiny(), **args, device_share=0.45)
+    host = p.host["sync"].per_rank
+    assert host["master"] == host["grad"] == 4 * (1016 - 456)
+    assert p.device_bytes["device_share"] == 4 * 4 * 456  # master, gradient, two moments, fp32
+    moved = p.params_offload.traffic
+    assert (moved.up, moved.down) == (2 * 4 * 560, 4 * 560)  # the share does not cross the link
+    assert "device_share" not in plan(tiny(), **args).device_bytes
+    with one_rank_group() as mesh:
+        model = Tiny()
+        shard_model(model, mesh, param_dtype=torch.float32, device_share=0.45, pin_memory=False)
+        engine = ParamOffloadEngine(
+            torch.optim.AdamW(model.parameters()),
+            torch.device("cpu"),
+            torch.float32,
+            OffloadOptions(offload_params=True, device_share=0.45),
+            on_device=device_resident(model),
+        )
+        model(tokens().reshape(-1) % 10).sum().backward()  # 2-D activations: no block returns a view
+        engine.step()
+        report = engine.memory_report()
+        engine.close()
+    assert report["host_shard_bytes"] == host["master"] and report["host_grad_bytes"] == host["grad"]
+    assert report["host_state_bytes"] == host["exp_avg"] + host["exp_avg_sq"]
+    device = sum(report[f"device_{kind}_bytes"] for kind in ("shard", "grad", "state"))
+    assert device == p.device_bytes["device_share"]
+
+
 def test_step_time_by_hand():
     m = Machine(host_bandwidth_gbs=14, cpu_cores=1, host_memory_gb=64, device_tflops=1, h2d_gbs=10, d2h_gbs=10,
                 call_overhead_s=0, link_latency_s=0)  # fmt: skip
@@ -126,7 +165,7 @@ def test_the_largest_model_grows_with_host_memory():
     sizes = {}
     for host in (128, 256, 512, 1024):
         rows = largest_models(with_rates(GPU_BOX, host_memory_gb=host), activation_checkpointing=True).rows
-        offloaded = {r.setup: r for r in rows if r.offload_params}
+        offloaded = {r.setup: r for r in rows if r.offload_params and not r.device_share}
         assert all(r.name.startswith("zero_offload_params") for r in offloaded.values())
         for state, row in offloaded.items():
             assert all(b.startswith("host RAM") for b in row.binds), row.binds
@@ -135,11 +174,33 @@ def test_the_largest_model_grows_with_host_memory():
         assert sizes[state] == sorted(sizes[state]) and sizes[state][0] < sizes[state][-1]
     assert all(b > f for f, b in zip(sizes["fp32"], sizes["bf16"]))
     # plan() agrees with a row: that size recommends its schedule, 0.3% more has nothing that fits
-    row = next(r for r in largest_models(GPU_BOX).rows if r.offload_params and r.setup == "bf16")
+    row = next(r for r in largest_models(GPU_BOX).rows if r.offload_params and r.setup == "bf16" and not r.device_share)
     args = dict(batch_size=1, seq_len=2048, n_layer=32, machine=GPU_BOX, cpu_state="bf16", offload_params=True,
                 configure_model=True)  # fmt: skip
     assert plan(row.params, **args).recommended["cpu_step"] == row.cpu_step
     assert plan(int(row.params * 1.003), **args).recommended == {}
+
+
+H200_BOX = presets.machine("DGX H100 (2 sockets, 8ch DDR5-4800 each, 2 TB)", "H200 SXM (PCIe 5)")
+
+
+def test_a_device_share_trains_three_times_plain_on_the_h200_box():
+    """141 GB of GPU, 128 GB of host: host RAM binds without a share, with 120 GB of the GPU idle; the share
+    row's fraction is where the GPU starts to bind, and plan() agrees with it (0.3% more fits nowhere)."""
+    rows = largest_models(with_rates(H200_BOX, host_memory_gb=128)).rows
+    plain = next(r for r in rows if r.setup == PLAIN)
+    shared = {r.setup: r for r in rows if r.offload_params and r.device_share}
+    without = {r.setup: r for r in rows if r.offload_params and not r.device_share}
+    assert shared["bf16"].params >= 3 * plain.params
+    for state, row in shared.items():
+        assert row.params > 2 * without[state].params
+        assert any(b.startswith("device memory") for b in row.binds), row.binds
+        assert 0 < row.device_share < 1
+        box = with_rates(H200_BOX, host_memory_gb=128)
+        args = dict(batch_size=1, seq_len=2048, n_layer=32, machine=box, cpu_state=state, offload_params=True,
+                    configure_model=True, device_share=row.device_share)  # fmt: skip
+        assert plan(row.params, **args).recommended["cpu_step"] == row.cpu_step
+        assert plan(int(row.params * 1.003), **args).recommended == {}
 
 
 DGX = presets.machine("DGX H100 (2 sockets, 8ch DDR5-4800 each, 2 TB)", "H100 SXM (PCIe 5)")
@@ -233,8 +294,9 @@ def test_the_command_line_takes_the_mode(capsys):
 # the JSON has one more key, the host memory's checkpoint_save_first_rank ({} in this mode): without it the
 # texts hash to the earlier digest, 4fbdfbea5ae29b807cd4c395c4b9ff041d13290cfbe300e8af481480701e8516; and the
 # fixes offer "build the model in configure_model" to this mode too: without those lines, f9530c9881108f809e8
-# 2623d7edb9e49caab73ded1ccdd40c3e76599725b6cdd.
-ZERO2_DIGEST = "732829084d440578f3f77995c1127415cc0021143d57b88cd3cc38f3a25e1242"
+# 2623d7edb9e49caab73ded1ccdd40c3e76599725b6cdd; and the resolved options' JSON has device_share (0.0 in this
+# mode): without it, 732829084d440578f3f77995c1127415cc0021143d57b88cd3cc38f3a25e1242.
+ZERO2_DIGEST = "fd2b2ea60c1ad8a2405fe4865cb502876bf97e21eaa5e8a36edb35664eb9126d"
 
 
 def test_the_zero2_answers_are_unchanged():
