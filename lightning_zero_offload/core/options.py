@@ -170,7 +170,9 @@ OPTIONS_DOC = """\
             arrive last (the root's own parameters, then the first blocks): the host holds less, and the CPU
             step that cannot hide behind backward shrinks (docs/offload-params.md, "A device share"). Whole
             units, never more than the fraction. Results equal ``0``'s (fp32 state to fp32 rounding, bf16 state
-            bitwise); checkpoints do not depend on it.
+            bitwise); checkpoints do not depend on it. ``"auto"``: chosen at setup, the fewest units that let the
+            host hold the rest (with ``cpu_step="speculative"`` at least the last unit), within 80% of the device
+            memory free beyond FSDP2's buffers; the summary says what it chose and why.
         process_group_backend: torch.distributed backend (default: nccl on CUDA, gloo on CPU).
         timeout: how long any collective (the engine's, checkpointing's and Lightning's own) may wait for the
             other ranks before it raises: a ``timedelta`` or seconds. Default: torch's 30 minutes. A rank that

@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
@@ -31,6 +33,11 @@ from lightning_zero_offload.engine.offload_params.full_state import (
 from lightning_zero_offload.engine.offload_params.placement import device_resident, shard_model
 from lightning_zero_offload.engine.options import Resolved
 from lightning_zero_offload.planner import check_host_memory
+from lightning_zero_offload.planner.device_share import ShareChoice, auto_device_share
+
+# The device share each module was sharded with (``device_share="auto"``: what it chose and why), for the
+# session that starts on it: FSDP2 fixes where each unit's shards live when it wraps the unit.
+_SHARES: WeakKeyDictionary[nn.Module, ShareChoice] = WeakKeyDictionary()
 
 
 class ParamOffloadSession:
@@ -71,6 +78,12 @@ class ParamOffloadSession:
                 )
         names = {id(p): name for name, p in module.named_parameters()}
         _, param_dtype = resolve_precision(precision)
+        if options.device_share == "auto":
+            choice = auto_device_share(module, options, param_dtype, world_size, local_world_size, device)
+        else:
+            choice = ShareChoice(options.device_share, 0, "")
+        _SHARES[module] = choice
+        options = replace(options, device_share=choice.share)
         # Refused here, before a shard or a moment is allocated, if the host cannot hold the run.
         check_host_memory(module, options, param_dtype, world_size, local_world_size, device)
         if options.cpu_state == "bf16":
@@ -101,11 +114,18 @@ class ParamOffloadSession:
                 "Put the parameters in param groups of one optimizer instead."
             )
         _, param_dtype = resolve_precision(precision)
+        choice = _SHARES.get(module)
+        options = replace(options, device_share=choice.share if choice is not None else 0.0)
         resident = device_resident(module)
         engine = ParamOffloadEngine(optimizers[0], device, param_dtype, options, world_size, local_world_size, resident)
         return cls(module, engine)
 
     # -- what the engine is and did ----------------------------------------------------------------
+
+    @property
+    def share_choice(self) -> ShareChoice | None:
+        """The device share the module was sharded with, and why (``device_share="auto"``); None if not set."""
+        return _SHARES.get(self.module)
 
     @property
     def training(self) -> bool:

@@ -85,7 +85,7 @@ class OffloadOptions:
     max_consecutive_skipped_steps: int | None = 20
     in_place_on_cpu: bool | None = None
     offload_params: bool = False
-    device_share: float = 0.0
+    device_share: float | Literal["auto"] = 0.0
 
     def __post_init__(self) -> None:
         check_real("bucket_size_mb", self.bucket_size_mb, "> 0 (megabytes)", lambda v: v > 0)
@@ -102,15 +102,23 @@ class OffloadOptions:
         check_int("max_consecutive_skipped_steps", self.max_consecutive_skipped_steps, 1, optional=True)
         check_bool("in_place_on_cpu", self.in_place_on_cpu, optional=True)
         check_bool("offload_params", self.offload_params)
-        check_real("device_share", self.device_share, "in [0, 1] (a fraction of the parameters)", lambda v: 0 <= v <= 1)
+        if self.device_share != "auto":
+            check_real("device_share", self.device_share, 'in [0, 1] (a fraction of the parameters), or "auto"', _unit)
         if self.device_share and not self.offload_params:
             raise ValueError(
-                f"device_share={self.device_share} keeps whole FSDP2 units on the device, which only "
+                f"device_share={self.device_share!r} keeps whole FSDP2 units on the device, which only "
                 "offload_params=True has so far (the ZeRO-2 buckets do not take a share yet): set offload_params=True, "
                 "or device_share=0"
             )
         if self.delayed.weight_prediction and self.cpu_step != "delayed":
             raise ValueError("dpu_weight_prediction=True only changes the delayed update; set cpu_step='delayed' too")
+
+    @property
+    def fixed_device_share(self) -> float:
+        """The device share as a number; ``"auto"`` is chosen at setup (planner/device_share.py) and replaced."""
+        if self.device_share == "auto":
+            raise ValueError("device_share='auto' is chosen when the model is sharded: replace it with the choice")
+        return self.device_share
 
     def bucket_numel(self, element_size: int) -> int:
         return max(1, int(self.bucket_size_mb * 2**20) // element_size)
@@ -296,8 +304,12 @@ def resolve(
         state_dtype,
         tuple(notes),
         options.offload_params,
-        options.device_share,
+        options.fixed_device_share,
     )
+
+
+def _unit(value: float) -> bool:
+    return 0 <= value <= 1
 
 
 def with_compact_state(options: OffloadOptions) -> OffloadOptions:

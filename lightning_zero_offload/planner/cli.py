@@ -107,9 +107,10 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--device-share",
-        type=float,
+        type=_share,
         default=0.0,
-        help="with --offload-params: the fraction of the parameters whose units stay on the device (the option)",
+        help='with --offload-params: the fraction of the parameters whose units stay on the device, or "auto" '
+        "(the strategy's choice with this machine's device memory free)",
     )
     p.add_argument(
         "--configure-model",
@@ -194,3 +195,7 @@ def _largest(args: argparse.Namespace, machine: Machine) -> int:
     result = largest_models(machine, **_shared(args), n_layer=args.n_layer)
     print(json.dumps(asdict(result), indent=1) if args.json else result)
     return EXIT_FITS if any(r.params for r in result.rows if r.setup != PLAIN) else EXIT_DOES_NOT_FIT
+
+
+def _share(text: str) -> float | str:
+    return text if text == "auto" else float(text)

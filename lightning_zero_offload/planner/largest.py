@@ -19,6 +19,7 @@ from functools import partial
 import torch
 
 from lightning_zero_offload.engine.options import STATE_DTYPES, OffloadOptions
+from lightning_zero_offload.planner.device_share import planned_share
 from lightning_zero_offload.planner.machine import GB, Machine
 from lightning_zero_offload.planner.memory import (
     PLAIN_DEVICE_BYTES_PER_PARAM,
@@ -28,7 +29,7 @@ from lightning_zero_offload.planner.memory import (
 )
 from lightning_zero_offload.planner.model import DTYPES, recommend, step_flops
 from lightning_zero_offload.planner.shape import DEFAULT_N_LAYER, ModelShape, width_for
-from lightning_zero_offload.planner.verdicts import EXACT_SCHEDULES, Check, evaluate
+from lightning_zero_offload.planner.verdicts import EXACT_SCHEDULES, Check, Evaluation, evaluate
 
 PLAIN = "plain"  # no offload: the strategy Lightning picks by itself, AdamW on the GPU
 CPU_STATE_SETUPS = ("fp32", "bf16")
@@ -52,13 +53,14 @@ class Largest:
     refused: str = ""  # why this setup cannot run with these options at all
     offload_params: bool = False  # the parameters offloaded too, the model built in configure_model
     device_share: float = 0.0  # offload_params: the fraction of the parameters whose units stay on the GPU
+    auto_share: bool = False  # that fraction is device_share="auto"'s choice at this size
 
     @property
     def name(self) -> str:
         if self.setup == PLAIN:
             return "plain training (AdamW on the GPU)"
         if self.offload_params:
-            share = f", device_share={self.device_share:.3f}" if self.device_share else ""
+            share = f', device_share="auto" -> {self.device_share:.3f}' if self.auto_share else ""
             return f'zero_offload_params, cpu_state="{self.setup}"{share}'
         built = {"fp32": "", IN_CONFIGURE_MODEL: f", {IN_CONFIGURE_MODEL}"}.get(self.built, f", built in {self.built}")
         return f'zero_offload, cpu_state="{self.setup}"{built}'
@@ -79,14 +81,14 @@ class LargestModels:
             f"{m.device_memory_gb:.0f} GB per GPU",
             *textwrap.wrap(f"assuming {self.assumptions}", 118),
             "",
-            f"  {'how':<60} {'params':>8}  {'cpu_step':<12} {'host GB':>8} {'GPU GB':>7}  a larger model runs out of",
+            f"  {'how':<68} {'params':>8}  {'cpu_step':<12} {'host GB':>8} {'GPU GB':>7}  a larger model runs out of",
         ]
         for row in self.rows:
             if row.refused:
-                lines.append(f"  {row.name:<60} {'-':>8}  refused: {row.refused}")
+                lines.append(f"  {row.name:<68} {'-':>8}  refused: {row.refused}")
                 continue
             lines.append(
-                f"  {row.name:<60} {row.params / 1e9:>7.2f}B  {row.cpu_step or '-':<12} {row.host_need / GB:>8.1f}"
+                f"  {row.name:<68} {row.params / 1e9:>7.2f}B  {row.cpu_step or '-':<12} {row.host_need / GB:>8.1f}"
                 f" {row.device_need / GB:>7.1f}  {'; '.join(row.binds)}"
             )
         return "\n".join(lines)
@@ -145,11 +147,9 @@ def largest_models(
                 offload_params=offload_params,
             )
             context = (dtype, machine, devices, num_nodes, batch_size, seq_len, n_layer, activation_checkpointing)
-            row = _row(options, built, context)
-            rows.append(row)
-            shared = _row_with_a_share(options, built, context, row) if offload_params and row.params else None
-            if shared is not None:
-                rows.append(shared)
+            rows.append(_row(options, built, context))
+            if offload_params:  # and with the share a run's device_share="auto" chooses at each size
+                rows.append(_row(replace(options, device_share="auto"), built, context))
 
     assumptions = (
         f"a {n_layer}-layer transformer of width sqrt(params / (12 x {n_layer})), {precision}, micro-batch "
@@ -177,9 +177,8 @@ def _row(options: OffloadOptions, built: str, context: tuple) -> Largest:
     args = (dtype, machine, devices, num_nodes, options, batch_size, seq_len, n_layer, checkpointing)
     shape_of = partial(_shape, n_layer, 2 if built in _HALF.values() else 4, built == IN_CONFIGURE_MODEL)
     checks = partial(_offload_checks, shape_of, args, checkpoint_format)
-    share = options.device_share
     if options.offload_params:  # the shards: training needs 4 x the state's bytes per parameter, on host or GPU
-        room = machine.host_memory_gb + (machine.device_memory_gb * devices if share else 0)
+        room = machine.host_memory_gb + (machine.device_memory_gb * devices if options.device_share else 0)
         bound = int(room * GB) * num_nodes // (4 * STATE_DTYPES[cpu_state].itemsize) + 1
     else:
         bound = int(machine.device_memory_gb * GB) // dtype.itemsize + 1  # every rank holds all parameters
@@ -188,10 +187,11 @@ def _row(options: OffloadOptions, built: str, context: tuple) -> Largest:
     except ValueError as refusal:  # a combination the engine refuses (bf16 state with fp16 parameters)
         return Largest(cpu_state, 0, None, 0, 0, [], built, str(refusal), options.offload_params)
     row = Largest(cpu_state, params, None, 0, 0, binds, built, offload_params=options.offload_params)
-    row.device_share = share
+    row.auto_share = options.device_share == "auto"
     if params:
         shape = shape_of(params)
-        evaluation = evaluate(shape, *args)
+        evaluation, options = _evaluated(shape, args)
+        row.device_share = options.device_share if row.offload_params else 0.0  # type: ignore[assignment]
         verdicts = evaluation.verdicts
         fitting = [s for s in evaluation.schedules if verdicts[f"{s}/{checkpoint_format}"].fits]
         flops = step_flops(shape, batch_size * seq_len, seq_len, n_layer)
@@ -202,34 +202,6 @@ def _row(options: OffloadOptions, built: str, context: tuple) -> Largest:
         row.host_need = max(c.need for c in at if c.name.startswith("host"))
         row.device_need = max(c.need for c in at if c.name.startswith("device"))
     return row
-
-
-def _row_with_a_share(options: OffloadOptions, built: str, context: tuple, without: Largest) -> Largest | None:
-    """The largest model with the device share that trains the most: the share of k of the n layers, k the
-    fewest at which the GPU binds (or one fewer: before it, the host binds and more share helps; after, the GPU
-    binds and more share hurts), by bisection. None where the GPU binds without a share already."""
-    n_layer = context[6]
-
-    def at(k: int) -> Largest:
-        return _row(replace(options, device_share=min(1.0, (k + 0.5) / n_layer)), built, context)
-
-    def gpu_binds(row: Largest) -> bool:
-        return any(name.startswith("device") for name in row.binds)
-
-    if gpu_binds(without):
-        return None
-    low, high = 0, n_layer  # the GPU does not bind at low (share 0); find the first k where it does
-    rows = {}
-    while high - low > 1:
-        mid = (low + high) // 2
-        rows[mid] = at(mid)
-        if gpu_binds(rows[mid]):
-            high = mid
-        else:
-            low = mid
-    candidates = [rows.get(k) or at(k) for k in {low, high} if k > 0]
-    best = max(candidates, key=lambda row: row.params, default=None)
-    return best if best is not None and best.params > without.params else None
 
 
 def _shape(n_layer: int, built_bytes_per_param: int, configure_model: bool, params: int) -> ModelShape:
@@ -248,9 +220,17 @@ def _offload_checks(
 ) -> list[Check]:
     """zero_offload's checks for a model of ``params``: those of the first exact schedule that fits, else
     sync's (the smallest)."""
-    verdicts = evaluate(shape_of(params), *args).verdicts
+    verdicts = _evaluated(shape_of(params), args)[0].verdicts
     exact = [verdicts[f"{s}/{checkpoint_format}"] for s in EXACT_SCHEDULES]
     return next((v.checks for v in exact if v.fits), exact[0].checks)
+
+
+def _evaluated(shape: ModelShape, args: tuple) -> tuple[Evaluation, OffloadOptions]:
+    """:func:`evaluate` of ``args`` (``device_share="auto"``: the number a run would choose for ``shape``), and the
+    options evaluated."""
+    dtype, machine, devices, num_nodes, options, *rest = args
+    options, _ = planned_share(shape, options, dtype, machine, devices, devices * num_nodes)
+    return evaluate(shape, dtype, machine, devices, num_nodes, options, *rest), options
 
 
 def _largest(checks_of: Callable[[int], list[Check]], never: int) -> tuple[int, list[str]]:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from lightning_zero_offload.engine.options import OffloadOptions, SpeculativeOptions
+from lightning_zero_offload.planner.device_share import planned_share
 from lightning_zero_offload.planner.fixes import fixes_for
 from lightning_zero_offload.planner.machine import Machine, format_gb, measure_machine
 from lightning_zero_offload.planner.memory import (
@@ -60,7 +61,7 @@ def plan(
     cpu_state: str = "fp32",
     offload_params: bool = False,
     configure_model: bool = False,
-    device_share: float = 0.0,
+    device_share: float | str = 0.0,
 ) -> Plan:
     """Predict memory and step time of training ``model`` with zero_offload, and recommend settings.
 
@@ -133,6 +134,7 @@ def plan(
     if n_layer is None:
         depth, width, assumed = assumed_depth(shape, hidden_given=hidden is not None)
         shape = replace(shape, hidden=width)
+    options, choice = planned_share(shape, options, dtype, machine, devices, world)  # "auto": a run's choice
     args = (dtype, machine, devices, num_nodes, options, batch_size, seq_len, depth, activation_checkpointing)
     memory = evaluate(shape, *args)
     if memory.activations is not None:
@@ -204,7 +206,7 @@ def plan(
         result.recommended["checkpoint_format"] = chosen
     if not memory.verdicts[f"sync/{checkpoint_format}"].fits or chosen is None:
         result.fixes = fixes_for(shape, args, memory, checkpoint_format)
-    result.notes = _notes(result)
+    result.notes = _notes(result) + ([f"device_share={choice.why}"] if choice is not None else [])
     return result
 
 

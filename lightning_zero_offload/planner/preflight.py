@@ -26,7 +26,7 @@ from lightning_zero_offload.planner.verdicts import SETUP, SETUP_BY_BLOCKS, SETU
 SKIP_CHECK_ENV = "LZO_SKIP_MEMORY_CHECK"
 
 
-def _resident_bytes(model: nn.Module) -> int:
+def resident_bytes(model: nn.Module) -> int:
     """Host bytes the module's trainable parameters hold now (released once the engine takes them); a
     placeholder of a model built on the meta device (an expanded zero) holds none."""
     seen: set[int] = set()
@@ -64,7 +64,7 @@ def check_host_memory(
     layout = layout_summary(shape, options.bucket_size_mb, param_dtype, world_size)
     config = resolve(options, device, param_dtype, world_size, local_world_size)  # what the engine will run
     schedule = config.cpu_step
-    resident = _resident_bytes(model)
+    resident = resident_bytes(model)
     need, setup, shard = _host_need(config, shape, layout, param_dtype, local_world_size, device, resident, blockwise)
     available, source = probes.host_memory_limit()
     # The module is already built (its bytes are in use, not available) and is released at setup.
@@ -95,6 +95,11 @@ def check_host_memory(
         fixes.append(
             f"more nodes: the optimizer state per node is {per_param} B x params / nodes (more ranks per node do "
             f"not help), so about {max(nodes + 1, nodes_needed)} nodes fit"
+        )
+    if options.offload_params and device.type != "cpu" and options.device_share == 0:
+        fixes.append(
+            'device_share="auto": whole units keep their shards and state on the device, as many as the host '
+            'needs and the device has room for (docs/offload-params.md, "A device share")'
         )
     fixes.append("fewer trainable parameters (freeze some: frozen parameters get no CPU state) or a smaller model")
     if schedule == "delayed":

@@ -144,6 +144,9 @@ def format_summary(session: OffloadSession | ParamOffloadSession, totals: dict[s
                 f"  device share: {shared:,} parameters ({shared / n:.0%}) "
                 f"keep shards, gradients and state on the device and step there ({kept / 2**20:.1f} MiB on this rank)"
             )
+        choice = getattr(session, "share_choice", None)
+        if choice is not None and choice.why:
+            lines.append(f"  device_share={choice.why}")
     elif resolved.in_place:
         lines.append(
             f"  in place on the CPU (nothing to offload): the parameters are the fp32 master weights, "

@@ -83,7 +83,7 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         max_consecutive_skipped_steps: int | None = 20,
         in_place_on_cpu: bool | None = None,
         offload_params: bool = False,
-        device_share: float = 0.0,
+        device_share: float | Literal["auto"] = 0.0,
         process_group_backend: str | None = None,
         timeout: timedelta | float | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",

@@ -78,3 +78,13 @@ def test_a_checkpoint_resumes_with_another_share(cpu_state, checkpoint_format, t
     want = runs[0.0, 0.0]
     assert same(runs[0.0, 1.0], want, cpu_state)
     assert same(runs[0.5, 0.0], want, cpu_state)
+
+
+@pytest.mark.parametrize("share", [0.5, "auto"])
+def test_a_second_fit_keeps_the_units_where_the_first_put_them(share):
+    module = BlockRegression()
+    first, trainer = fit(share, module=module, max_steps=2)
+    held = trainer.strategy.session.engine.memory_report()["device_share_params"]
+    again, trainer = fit(share, module=module, max_steps=2)
+    assert trainer.strategy.session.engine.memory_report()["device_share_params"] == held
+    assert any(not torch.equal(again[k], v) for k, v in first.items())  # it trained on

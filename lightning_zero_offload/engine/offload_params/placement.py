@@ -98,10 +98,11 @@ def shard_model(
     user_wrapped = any(isinstance(m, FSDPModule) for m in module.modules())
     if user_wrapped:
         check_units(module)
-        if device_share:
+        if device_share and not holds_share(module, device_share):
             raise ValueError(
                 f"device_share={device_share} chooses the units to keep on the device, and you called fully_shard "
-                "yourself: leave the wrapping to the strategy, or set device_share=0"
+                "yourself: leave the wrapping to the strategy, or set device_share=0 (a unit you wrap without "
+                "CPUOffloadPolicy keeps its shards and state on the device)"
             )
     if reduce_dtype is None:
         reduce_dtype = param_dtype if mesh.size() == 1 else torch.float32
@@ -137,6 +138,14 @@ def device_units(module: nn.Module, units: list[nn.Module], device_share: float)
     return chosen
 
 
+def holds_share(module: nn.Module, device_share: float) -> bool:
+    """Whether ``module``, wrapped already (by the user, or at an earlier setup), keeps on the device exactly the
+    units ``device_units`` picks for ``device_share``."""
+    units = [m for m in module.modules() if isinstance(m, FSDPModule) and m is not module]
+    resident = {id(m) for m in module.modules() if isinstance(m, FSDPModule) and not keeps_shards_on_host(m)}
+    return {id(m) for m in device_units(module, units, device_share)} == resident
+
+
 def device_resident(module: nn.Module) -> list[nn.Parameter]:
     """The parameters of ``module``'s FSDP2 units that keep their shards on the device (the device share)."""
     resident = []
@@ -148,28 +157,24 @@ def device_resident(module: nn.Module) -> list[nn.Parameter]:
 
 
 def check_units(module: nn.Module) -> None:
-    """Refuse FSDP units this mode cannot train: one without ``CPUOffloadPolicy`` (the CPU step needs its
-    shards on the host), or with ``reshard_after_backward`` off (``set_reshard_after_backward(False)``):
-    its unsharded parameters would outlive the step, which writes the shards in place, and the next
-    forward would use the stale copy. ``reshard_after_forward`` (any value) is accepted: what it keeps
-    after forward, backward reshards before the step. FSDP2 2.13 has no getter for either setting, so
-    they are read from its parameter groups."""
+    """Refuse FSDP units this mode cannot train: one with ``reshard_after_backward`` off
+    (``set_reshard_after_backward(False)``): its unsharded parameters would outlive the step, which writes the
+    shards in place, and the next forward would use the stale copy. ``reshard_after_forward`` (any value) is
+    accepted: what it keeps after forward, backward reshards before the step. A unit without
+    ``CPUOffloadPolicy`` keeps its shards on the device, as the device share's do, and steps there. FSDP2 2.13
+    has no getter for the setting, so it is read from its parameter groups."""
     problems = []
     for name, m in module.named_modules():
         if not isinstance(m, FSDPModule):
             continue
         where = name or "the root"
         for group in m._get_fsdp_state()._fsdp_param_groups:
-            if not isinstance(group.offload_policy, CPUOffloadPolicy):
-                problems.append(
-                    f"{where}: no CPUOffloadPolicy (fix: fully_shard(..., offload_policy=CPUOffloadPolicy()))"
-                )
             if not group.reshard_after_backward:
                 problems.append(f"{where}: reshard_after_backward is off (fix: set_reshard_after_backward(True))")
     if problems:
         raise ValueError(
-            "offload_params steps each rank's shard on the host in place, so every FSDP unit must keep its "
-            "shards there and reshard after backward; your fully_shard calls give:\n  " + "\n  ".join(problems)
+            "offload_params steps each rank's shard in place, so every FSDP unit must reshard after backward; "
+            "your fully_shard calls give:\n  " + "\n  ".join(problems)
         )
 
 

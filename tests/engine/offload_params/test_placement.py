@@ -23,7 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
 from lightning_zero_offload.engine import OffloadOptions
 from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
-from lightning_zero_offload.engine.offload_params.placement import find_units, shard_model
+from lightning_zero_offload.engine.offload_params.placement import device_resident, find_units, shard_model
 
 
 def test_the_blocks_and_the_modules_as_large_as_one_are_the_units_in_module_order():
@@ -91,20 +91,27 @@ def test_the_users_units_are_kept_and_only_the_root_is_wrapped(mesh):
     assert_same_state(net, eager)
 
 
-@pytest.mark.parametrize(
-    "why, fix",
-    [("offload", "fully_shard\\(..., offload_policy=CPUOffloadPolicy\\(\\)\\)"), ("reshard", "set_reshard_after")],
-)
-def test_users_units_that_keep_parameters_off_the_host_or_unsharded_are_refused(mesh, why, fix):
+def test_users_units_that_stay_unsharded_after_backward_are_refused(mesh):
     with torch.device("meta"):
         net = Net()
-    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if why == "reshard" else {}
     for block in net.blocks:
-        fully_shard(block, mesh=mesh, **policy)
-    if why == "reshard":
-        net.blocks[1].set_reshard_after_backward(False)
-    with pytest.raises(ValueError, match=f"blocks.{0 if why == 'offload' else 1}: .*{fix}"):
+        fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    net.blocks[1].set_reshard_after_backward(False)
+    with pytest.raises(ValueError, match="blocks.1: .*set_reshard_after_backward"):
         shard_model(net, mesh, param_dtype=torch.float32)
+
+
+def test_users_units_without_cpu_offload_keep_their_shards_on_the_device(mesh):
+    """As the device share's do; a share asked for on top of them is refused unless it is what they hold."""
+    with torch.device("meta"):
+        net = Net()
+    fully_shard(net.blocks[0], mesh=mesh)
+    for block in net.blocks[1:]:
+        fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    with pytest.raises(ValueError, match="leave the wrapping to the strategy, or set device_share=0"):
+        shard_model(net, mesh, param_dtype=torch.float32, device_share=0.9)
+    shard_model(net, mesh, param_dtype=torch.float32)
+    assert {id(p) for p in device_resident(net)} == {id(p) for p in net.blocks[0].parameters()}
 
 
 def freeze(net: Net) -> None:
