@@ -348,6 +348,13 @@ OFFLOAD_PARAMS_VARIANTS = {  # name: ZeroOffloadStrategy options (each mode's de
     "offload_params": {"offload_params": True},
     "offload_params, speculative": {"offload_params": True, "cpu_step": "speculative"},  # faster than the default?
     "offload_params, bf16 state": {"offload_params": True, "cpu_state": "bf16"},
+    # the device share: "auto" with the speculative step (the last unit at least), and half the model
+    "offload_params, speculative, device_share auto": {
+        "offload_params": True,
+        "cpu_step": "speculative",
+        "device_share": "auto",
+    },
+    "offload_params, bf16 state, device_share 0.5": {"offload_params": True, "cpu_state": "bf16", "device_share": 0.5},
 }
 
 
@@ -408,6 +415,11 @@ def check_offload_params(device: torch.device, tiny: bool, results: Path) -> dic
         row = {"step_ms": 1e3 * step_s, "tokens_per_s": spec["batch"] * spec["seq"] / step_s}
         row["cpu_step"] = trainer.strategy.session.resolved.cpu_step
         row["speculated_fraction_max"] = max(clock.speculated[warmup:])
+        if options.get("offload_params"):
+            held = trainer.strategy.session.engine.memory_report()
+            row["device_share_params"] = held["device_share_params"]
+            choice = trainer.strategy.session.share_choice
+            row["device_share_why"] = choice.why if choice is not None else ""
         if cuda:
             row["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
             row["peak_device_bytes_per_param"] = row["peak_device_bytes"] / out["params"]
@@ -430,9 +442,75 @@ def check_offload_params(device: torch.device, tiny: bool, results: Path) -> dic
         verdicts["offload_params, speculative speculates in backward"] = (
             rows["offload_params, speculative"]["speculated_fraction_max"] > 0
         )
+        # "auto" with the speculative step keeps at least the last unit on the device; half the model there
+        # holds its bf16 state (8 B/param) on the device beside the blocks in flight
+        verdicts["device_share auto keeps a unit on the device"] = (
+            rows["offload_params, speculative, device_share auto"]["device_share_params"] > 0
+        )
+        half = rows["offload_params, bf16 state, device_share 0.5"]
+        verdicts["device_share 0.5 holds its state on the device"] = (
+            half["peak_device_bytes"]
+            >= rows["offload_params, bf16 state"]["peak_device_bytes"] + 6 * half["device_share_params"]
+        )
     out["verdicts"] = verdicts
     save_partial(results, "offload_params", out)
     return {"ok": all(verdicts.values()), **out}
+
+
+def check_device_step(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
+    """The device share's step (kernels/device.py) on the device against the native CPU kernels on the same
+    numbers: bf16 state bitwise (the same widened arithmetic, hash and rounding, in float64 on the GPU), fp32
+    state within the kernels' rounding; and its time per step of 100M parameters (the planner leaves it out)."""
+    from lightning_zero_offload import kernels
+    from lightning_zero_offload.kernels import device as on_device
+
+    n = 2**12 + 5 if tiny else 2**22 + 5
+    hparams = kernels.AdamArgs(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=True)
+    out: dict[str, Any] = {"numel": n}
+    gen = torch.Generator().manual_seed(0)
+    state = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 0.01, torch.rand(n, generator=gen) * 1e-4]
+    # gradients over six orders of magnitude, so eps and the square root both matter
+    grads = [torch.randn(n, generator=gen) * 10.0 ** torch.randint(-3, 3, (n,), generator=gen) for _ in range(3)]
+    for dtype in (torch.bfloat16, torch.float32):
+        host = [t.to(dtype) for t in state]
+        there = [t.to(device) for t in host]
+        for step, grad in enumerate(grads, start=1):
+            g = grad.bfloat16()
+            common = {"hparams": hparams, "grad_scale": 0.5}
+            if dtype == torch.bfloat16:
+                rounding = {"step": step, "seed": 7, "offset": 3, **common}
+                kernels.adam_step_bf16_state(host[0], g, host[1], host[2], **rounding)
+                on_device.adam_step_bf16_state(there[0], g.to(device), there[1], there[2], **rounding)
+            else:
+                kernels.adam_step_multi([host[0]], [g], [host[1]], [host[2]], [step], **common)
+                on_device.adam_step_multi([there[0]], [g.to(device)], [there[1]], [there[2]], [step], **common)
+        got = [t.cpu() for t in there]
+        if dtype == torch.bfloat16:
+            same = [torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(got, host)]
+            out["bf16_state_bitwise"] = all(same)
+        else:
+            out["fp32_max_abs_diff"] = float((got[0] - host[0]).abs().max())
+            out["fp32_within_rounding"] = bool(torch.allclose(got[0], host[0], rtol=3 * 2**-23, atol=3 * 1e-2 * 2**-21))
+    sizes = 100_000_000 if not tiny else 2**12
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        p, m, v = (torch.zeros(sizes, dtype=dtype, device=device) for _ in range(3))
+        g = torch.zeros(sizes, dtype=torch.bfloat16, device=device)
+        times = []
+        for step in range(1, 4):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            if dtype == torch.float32:
+                on_device.adam_step_multi([p], [g], [m], [v], [step], hparams=hparams)
+            else:
+                on_device.adam_step_bf16_state(p, g, m, v, hparams=hparams, step=step, seed=7)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        out[f"{name}_step_ms_per_100M_params"] = 1e3 * min(times[1:]) * 100_000_000 / sizes
+        del p, m, v, g
+    save_partial(results, "device_step", out)
+    return {"ok": out["bf16_state_bitwise"] and out["fp32_within_rounding"], **out}
 
 
 def check_determinism(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
@@ -944,7 +1022,8 @@ CHECKS: dict[str, tuple[Callable[..., dict[str, Any]], int, dict[str, str]]] = {
     "micro": (check_micro, 45, {}),
     "cuda_tests": (check_cuda_tests, 60, {}),
     "correctness": (check_correctness, 45, {}),
-    "offload_params": (check_offload_params, 50, {}),
+    "offload_params": (check_offload_params, 70, {}),
+    "device_step": (check_device_step, 15, {}),
     "throughput": (check_throughput, 180, {}),
     "sanitizer": (check_sanitizer, 40, {"TORCH_CUDA_SANITIZER": "1"}),
     "determinism": (check_determinism, 35, {}),

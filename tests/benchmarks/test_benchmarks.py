@@ -284,3 +284,18 @@ def test_zero2_setup_from_the_meta_device_holds_less_than_the_module_built_whole
         rows[built] = json.loads(done.stdout.strip().splitlines()[-1])
     # The fp32 module as built (4 B/param) against one block of 31 (0.13): measured 3.5 less at 100M.
     assert rows["meta"]["setup_peak_B_per_param"] < rows["eager"]["setup_peak_B_per_param"] - 2
+
+
+def test_the_device_step_check_compares_the_device_kernels_with_the_native_ones(tmp_path):
+    result = load_benchmark("gpu_check").check_device_step(torch.device("cpu"), True, tmp_path)
+    assert result["ok"] and result["bf16_state_bitwise"] and result["fp32_within_rounding"], result
+    assert result["fp32_step_ms_per_100M_params"] > 0 and (tmp_path / "device_step.json").exists()
+
+
+@pytest.mark.slow  # six short fits
+def test_the_offload_params_check_runs_every_variant_on_the_cpu(tmp_path):
+    result = load_benchmark("gpu_check").check_offload_params(torch.device("cpu"), True, tmp_path)
+    assert result["ok"], result
+    rows = result["rows"]
+    assert rows["offload_params, bf16 state, device_share 0.5"]["device_share_params"] > 0
+    assert "a CPU device is host memory" in rows["offload_params, speculative, device_share auto"]["device_share_why"]

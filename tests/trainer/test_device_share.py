@@ -7,7 +7,8 @@ import lightning as L
 import pytest
 import torch
 from helpers import QUIET, BlockRegression, BlockRegressionInConfigureModel, block_data
-from offload_params_helpers import relative_error
+from offload_params_helpers import relative_error, tiny_llama_config
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero_offload import ZeroOffloadStrategy
 from lightning_zero_offload.core import release_process_group
@@ -88,3 +89,47 @@ def test_a_second_fit_keeps_the_units_where_the_first_put_them(share):
     again, trainer = fit(share, module=module, max_steps=2)
     assert trainer.strategy.session.engine.memory_report()["device_share_params"] == held
     assert any(not torch.equal(again[k], v) for k, v in first.items())  # it trained on
+
+
+class Llama(L.LightningModule):
+    """A Hugging Face Llama built from its config in configure_model (on the meta device under the strategy)."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.tied, self.model = tied, None
+
+    def configure_model(self) -> None:
+        from transformers import LlamaForCausalLM
+
+        if self.model is None:
+            torch.manual_seed(0)
+            self.model = LlamaForCausalLM(tiny_llama_config(tied=self.tied))
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.slow  # transformers' import and four Llama fits
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_hugging_face_llama_with_a_share_trains_as_without(tied):
+    """The root (the embedding, the head: tied or not, the final norm) and the first decoder layers on the device,
+    bf16 state: bitwise the run without a share, with a clip that fires."""
+    runs = {}
+    for share in (0.0, 0.6):
+        module = Llama(tied)
+        strategy = ZeroOffloadStrategy(offload_params=True, device_share=share, cpu_state="bf16")
+        tokens = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(3))
+        trainer = L.Trainer(strategy=strategy, max_steps=3, precision="bf16-mixed", gradient_clip_val=0.5, **QUIET)
+        trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
+        engine = trainer.strategy.session.engine
+        names = {id(p): n for n, p in module.model.named_parameters()}
+        runs[share] = weights(module), {names[id(s.param)] for s in engine.slots if s.on_device}
+        assert engine.last.grad_norm > 0.5
+    (without, none), (got, on_device) = runs[0.0], runs[0.6]
+    assert not none and "model.embed_tokens.weight" in on_device and "model.layers.0.mlp.up_proj.weight" in on_device
+    assert "model.layers.1.mlp.up_proj.weight" not in on_device
+    assert all(torch.equal(got[k], v) for k, v in without.items())
