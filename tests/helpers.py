@@ -168,6 +168,18 @@ def train_in_ranks(tmp: Path, devices: int, runs: dict[str, dict]) -> dict[str, 
     return {name: torch.load(tmp / f"{name}.pt", weights_only=True) for name in runs}
 
 
+class CausalLM(L.LightningModule):
+    """A Hugging Face causal LM in ``self.model`` (the subclass builds it), trained on its batches' tokens with
+    AdamW: the Llamas the meta-device, parameter-offload and device-share Trainer tests fit."""
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
 class BlockRegression(L.LightningModule):
     """Residual MLP blocks regressing a random target, two param groups and a step scheduler: the models the
     meta-device and parameter-offload Trainer tests compare with their eager twin."""

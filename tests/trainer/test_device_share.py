@@ -6,7 +6,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from helpers import QUIET, BlockRegression, BlockRegressionInConfigureModel, block_data
+from helpers import QUIET, BlockRegression, BlockRegressionInConfigureModel, CausalLM, block_data
 from offload_params_helpers import relative_error, tiny_llama_config
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -91,7 +91,7 @@ def test_a_second_fit_keeps_the_units_where_the_first_put_them(share):
     assert any(not torch.equal(again[k], v) for k, v in first.items())  # it trained on
 
 
-class Llama(L.LightningModule):
+class Llama(CausalLM):
     """A Hugging Face Llama built from its config in configure_model (on the meta device under the strategy)."""
 
     def __init__(self, tied: bool) -> None:
@@ -104,13 +104,6 @@ class Llama(L.LightningModule):
         if self.model is None:
             torch.manual_seed(0)
             self.model = LlamaForCausalLM(tiny_llama_config(tied=self.tied))
-
-    def training_step(self, batch, batch_idx):
-        (tokens,) = batch
-        return self.model(input_ids=tokens, labels=tokens).loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 @pytest.mark.slow  # transformers' import and four Llama fits

@@ -7,7 +7,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from helpers import QUIET, BlockRegression, BlockRegressionInConfigureModel, block_data
+from helpers import QUIET, BlockRegression, BlockRegressionInConfigureModel, CausalLM, block_data
 from offload_params_helpers import Blocks, two_groups
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -77,7 +77,7 @@ def test_load_pretrained_writes_the_engines_master_weights_in_the_checkpoints_pr
     assert_bitwise(fit(Pretrained(str(tmp_path / "weights.pt")), "bf16-mixed", in_place_on_cpu=False), want)
 
 
-class Llama(L.LightningModule):
+class Llama(CausalLM):
     """A Hugging Face Llama from a save_pretrained directory: loaded before fit (``eager``), or built from its
     config in configure_model and loaded with load_pretrained once the engine holds it."""
 
@@ -97,13 +97,6 @@ class Llama(L.LightningModule):
     def on_fit_start(self) -> None:
         if not self.eager:
             load_pretrained(self.model, self.directory)
-
-    def training_step(self, batch, batch_idx):
-        (tokens,) = batch
-        return self.model(input_ids=tokens, labels=tokens).loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 @pytest.mark.slow  # transformers' import and two Llama fits

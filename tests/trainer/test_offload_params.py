@@ -5,7 +5,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from helpers import QUIET, BlockRegression, BlockRegressionInConfigureModel, block_data
+from helpers import QUIET, BlockRegression, BlockRegressionInConfigureModel, CausalLM, block_data
 from offload_params_helpers import relative_error, tiny_llama_config
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -140,7 +140,7 @@ def test_a_model_built_in_configure_model_trains_as_the_eager_one():
     assert relative_error(got, want) < FP32_ROUNDING
 
 
-class TinyLlama(L.LightningModule):
+class TinyLlama(CausalLM):
     """A Hugging Face Llama built from its config in configure_model, or loaded from a save_pretrained directory:
     under offload_params with lightning_zero_offload.load_pretrained once sharded, otherwise from_pretrained."""
 
@@ -171,13 +171,6 @@ class TinyLlama(L.LightningModule):
     def on_fit_start(self) -> None:
         if self.pretrained is not None and getattr(self.trainer.strategy, "options", None) is not None:
             load_pretrained(self.model, self.pretrained)  # into the shards, tensor by tensor
-
-    def training_step(self, batch, batch_idx):
-        (tokens,) = batch
-        return self.model(input_ids=tokens, labels=tokens).loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 def fit_llama(strategy, pretrained=None) -> dict[str, torch.Tensor]:
