@@ -28,11 +28,13 @@ from lightning_zero_offload.kernels.arguments import (
 from lightning_zero_offload.kernels.backends import REFERENCE
 from lightning_zero_offload.kernels.reference import bf16_state_step
 
-# Elements per pass of the bf16-state step: its float64 temporaries (about ten of them) stay near 300 MB, and a
-# large parameter is a few dozen passes, not thousands of small launches.
-_BF16_STATE_CHUNK = 1 << 22
+# Elements per pass of the bf16-state step: a large parameter is a few dozen passes, not thousands of small
+# launches, and the passes' float64 and int64 temporaries stay under 600 MB (docs/benchmarks.md, "The device
+# step's scratch").
+BF16_STATE_CHUNK = 1 << 22
+BF16_STATE_SCRATCH_BYTES = 140  # per element of a pass: what the planner counts
 
-__all__ = ["adam_step_bf16_state", "adam_step_multi", "sum_of_squares"]
+__all__ = ["BF16_STATE_CHUNK", "BF16_STATE_SCRATCH_BYTES", "adam_step_bf16_state", "adam_step_multi", "sum_of_squares"]
 
 
 def adam_step_multi(
@@ -45,10 +47,17 @@ def adam_step_multi(
     hparams: AdamArgs,
     grad_scale: float = 1.0,
 ) -> None:
-    """``kernels.adam_step_multi`` on fp32 state wherever it lies: ``steps[i]`` (an int >= 1) is tensor i's step."""
+    """``kernels.adam_step_multi`` on fp32 state wherever it lies: ``steps[i]`` (an int >= 1) is tensor i's step.
+
+    One tensor at a time: a gradient that is not fp32 or a ``grad_scale`` other than 1 takes an fp32 copy of the
+    gradient, which stays the size of one tensor instead of the whole call's."""
     check_args(hparams)
     grad_scale = real("grad_scale", grad_scale)
     steps = [check_step(f"steps[{i}]", s) for i, s in enumerate(steps)]
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "steps": steps}
+    for name, given in lists.items():
+        if len(given) != len(params):
+            raise ValueError(f"{name} has {len(given)} entries and params {len(params)}; pass one per param")
     if not params:
         return
     device = params[0].device
@@ -57,10 +66,8 @@ def adam_step_multi(
         _check(f"grads[{i}]", grads[i], GRAD_DTYPES, device, p.numel())
         _check(f"exp_avgs[{i}]", exp_avgs[i], (torch.float32,), device, p.numel())
         _check(f"exp_avg_sqs[{i}]", exp_avg_sqs[i], (torch.float32,), device, p.numel())
-    if len({g.dtype for g in grads}) > 1:
-        raise TypeError("all grads of one call must share a dtype; split the call by dtype")
-    call = AdamCall(hparams, [], params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale, 1, None, 0.0)
-    REFERENCE.adam(call)
+    for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
+        REFERENCE.adam(AdamCall(hparams, [], [p], [g], [m], [v], [step], grad_scale, 1, None, 0.0))
 
 
 def adam_step_bf16_state(
@@ -85,7 +92,7 @@ def adam_step_bf16_state(
     _check("exp_avg_sq", exp_avg_sq, (torch.bfloat16,), param.device, param.numel())
     flat = (t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq))  # element i is the i-th in memory, as natively
     call = FlatAdamCall(hparams, *flat, step, grad_scale, 1, int(seed), int(offset))
-    bf16_state_step(call, _BF16_STATE_CHUNK)
+    bf16_state_step(call, BF16_STATE_CHUNK)
 
 
 def sum_of_squares(src: Tensor) -> tuple[float, bool]:

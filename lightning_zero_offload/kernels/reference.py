@@ -161,7 +161,8 @@ class TorchBackend:
             torch._foreach_add_(list(steps), 1.0)
             step_tensors = list(steps)
         else:
-            step_tensors = [torch.tensor(float(s), device=params[0].device) for s in steps]
+            # float32, as torch keeps state["step"]: CUDA's fused Adam reads the counter as a float
+            step_tensors = [torch.tensor(float(s), dtype=torch.float32, device=params[0].device) for s in steps]
         if grads[0].dtype != torch.float32 or grad_scale != 1.0:
             grads = [g.to(torch.float32, copy=True).mul_(grad_scale) for g in grads]
         before = [p.clone() for p in params] if extrapolate and params_out is not None else None

@@ -66,12 +66,15 @@ def choose_device_share(
     """The share "auto" runs with (see the module's docstring). ``host_budget``: host bytes this node's ranks may
     use (the pre-flight's); ``device_free``: device bytes free now on this rank's device (None: unknown);
     ``resident``: host bytes of the module as built (0: built on the meta device, materialized unit by unit)."""
-    if device.type == "cpu" or device_free is None:
+    if device.type == "cpu":
         return ShareChoice(0.0, 0, "auto: none, a CPU device is host memory (nothing to move)")
+    if device_free is None:
+        return ShareChoice(0.0, 0, "auto: none, the device's free memory is not known")
     units = fsdp_units(shape, None, world_size)
     sizes = [units.root_params, *units.unit_sizes]
     prefixes = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
-    shares = [0.0] + [(prefix + 0.5) / units.params for prefix in prefixes[1:]]  # whole units within the share
+    # whole units within the share: half a parameter over the prefix, so that rounding never drops the last one
+    shares = [0.0] + [min(1.0, (prefix + 0.5) / units.params) for prefix in prefixes[1:]]
     base = replace(options, device_share=0.0)
     own = device_memory_params(units, param_dtype, resolve(base, device, param_dtype, world_size).state_dtype)
     room = int((1 - AUTO_ACTIVATION_RESERVE) * max(0, device_free - sum(own.values())))
@@ -84,9 +87,8 @@ def choose_device_share(
         return all(c.fits for c in host_checks(need, options.checkpoint_format, host_budget, config.cpu_step, setup))
 
     def cost(share: float) -> int:
-        return device_memory_params(units, param_dtype, resolve(base, device, param_dtype).state_dtype, share).get(
-            "device_share", 0
-        )
+        held = device_memory_params(units, param_dtype, resolve(base, device, param_dtype).state_dtype, share)
+        return held.get("device_share", 0) + held.get("device_share_step", 0)
 
     affordable = [k for k, share in enumerate(shares) if cost(share) <= room]
     host_k = next((k for k in affordable if host_fits(shares[k])), None)
@@ -126,7 +128,7 @@ def auto_device_share(
     its units where they are."""
     if any(isinstance(m, FSDPModule) for m in module.modules()):
         held = sum(p.numel() for p in device_resident(module))
-        share = (held + 0.5) / sum(p.numel() for p in module.parameters()) if held else 0.0
+        share = min(1.0, (held + 0.5) / sum(p.numel() for p in module.parameters())) if held else 0.0
         return ShareChoice(share, held, f"auto: {held / 1e6:.1f}M parameters kept on the device where setup put them")
     available, _ = probes.host_memory_limit()
     resident = resident_bytes(module)

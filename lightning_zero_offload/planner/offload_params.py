@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_zero_offload.engine.options import Resolved
+from lightning_zero_offload.kernels.device import BF16_STATE_CHUNK, BF16_STATE_SCRATCH_BYTES
 from lightning_zero_offload.planner.memory import HostMemory
 from lightning_zero_offload.planner.shape import DEFAULT_N_LAYER, ModelShape
 
@@ -173,7 +174,9 @@ def host_memory_params(
         transient = module_bytes
         setup = module_bytes + state * block_shard  # the block being sharded next to the module as built
     saves = {"full": state * units.largest_tensor, "sharded": 3 * state * block_shard}
-    whole_state = 3 * state * units.params if units.world_size > 1 else 0  # weights and both moments
+    # weights and both moments; at one rank the host shards are the file's tensors, and only the share's are copied
+    held = units.params if units.world_size > 1 else units.params - host_part(units.params, on_device)
+    whole_state = 3 * state * held
     per_rank = sum(buffers.values())
     return HostMemory(
         per_rank=buffers,
@@ -236,6 +239,11 @@ def device_memory_params(
     if fraction := device_fraction(units, device_share):
         kept = 4 * units.shard_numel + units.frozen_shard_numel  # master, gradient, two moments; frozen shards
         held["device_share"] = s * (kept - host_part(kept, fraction))
+        # its step's scratch (kernels/device.py): the bf16 step's float64 passes, or an fp32 copy of one scaled
+        # gradient (clipping, fp16's unscale), at most the largest tensor's shard
+        tensor = -(-units.largest_tensor // world)
+        scratch = BF16_STATE_SCRATCH_BYTES * min(tensor, BF16_STATE_CHUNK) if s == 2 else 4 * tensor
+        held["device_share_step"] = scratch
     return held
 
 

@@ -152,7 +152,7 @@ def evaluate(
             for s in schedules
         }
         states = device_memory_params(units, dtype, configs["sync"].state_dtype, options.device_share)
-        once = states["root_params"] + states.get("device_share", 0)
+        once = states["root_params"] + states.get("device_share", 0) + states.get("device_share_step", 0)
         cycled = sum(states.values()) - once  # gathered, allocated and freed unit by unit, every step
         setup = SETUP_BY_BLOCKS if shape.configure_model else SETUP_WHOLE
         held = "root params + blocks in flight" + (" + device share" if options.device_share else "")

@@ -18,7 +18,7 @@ SHAPE = (3, 1001)  # 2-D, as a shard of a matrix
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     """The device step's passes made small, so that one call here takes several (the tails included)."""
-    monkeypatch.setattr(device, "_BF16_STATE_CHUNK", 1000)
+    monkeypatch.setattr(device, "BF16_STATE_CHUNK", 1000)
 
 
 def state(dtype: torch.dtype, seed: int) -> list[torch.Tensor]:

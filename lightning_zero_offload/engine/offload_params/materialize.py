@@ -77,13 +77,7 @@ def materialize(
     blank_buffers = {(id(m), n) for m in module.modules() for n, b in m._buffers.items() if is_blank(b)}
     kept_buffers = [(owner, name, b) for owner in module.modules() for name, b in owner._buffers.items() if _real(b)]
     ties = _ties(module)
-    # FSDPModule.to_empty re-points FSDP2's padded shard storage: only this rank's shards are allocated, each
-    # unit's where it keeps them (the root's side first, then the units on the other side)
-    root_side = _shard_side(module, device)
-    module.to_empty(device=root_side)
-    for unit in module.modules():
-        if unit is not module and isinstance(unit, FSDPModule) and _shard_side(unit, device) != root_side:
-            unit.to_empty(device=_shard_side(unit, device))
+    _allocate_shards(module, device)
     for (first, first_name), *others in ties:  # to_empty gives each holder of a tied parameter its own copy
         for owner, name in others:
             owner._parameters[name] = first._parameters[first_name]
@@ -111,6 +105,28 @@ def keeps_shards_on_host(unit: FSDPModule) -> bool:
 
 def _shard_side(unit: FSDPModule, device: torch.device) -> torch.device:
     return torch.device("cpu") if keeps_shards_on_host(unit) else device
+
+
+def _allocate_shards(module: nn.Module, device: torch.device) -> None:
+    """Memory for this rank's shards only, each module's on its unit's side (the host, or the device for the
+    device share), one module at a time: a recursive ``to_empty`` from the root would allocate every unit's
+    shards on the root's side first. FSDP2 re-points its padded shard storage when a unit's own ``_apply``
+    runs, which a non-recursive call leaves to the unit's submodules: so each unit's parameters are reset once
+    all of them have memory, as ``FSDPModule._apply`` does."""
+
+    def allocate(m: nn.Module, side: torch.device) -> None:
+        if isinstance(m, FSDPModule):
+            side = _shard_side(m, device)
+        m.to_empty(device=side, recurse=False)
+        for child in m.children():
+            allocate(child, side)
+
+    allocate(module, _shard_side(module, device))  # type: ignore[arg-type]
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    fsdp_param.reset_sharded_param()
 
 
 def _materialize_in_place(module: nn.Module, device: torch.device, initialize: bool, init_fn: InitFn | None) -> None:

@@ -134,7 +134,8 @@ def device_units(module: nn.Module, units: list[nn.Module], device_share: float)
         if taken + size > budget:
             break
         taken += size
-        chosen.append(unit)
+        if size:  # a root without parameters of its own has nothing to keep anywhere
+            chosen.append(unit)
     return chosen
 
 
