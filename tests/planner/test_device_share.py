@@ -110,3 +110,11 @@ def test_auto_is_refused_where_there_is_nothing_to_share():
         OffloadOptions(device_share="auto")
     with pytest.raises(ValueError, match="chosen when the model is sharded"):
         resolve(SYNC, GPU, torch.bfloat16)
+
+
+def test_every_unit_on_the_device_is_a_share_of_at_most_one():
+    """A host that cannot hold anything, a device that takes it all: the whole model, as a valid option."""
+    choice = choose(SYNC, host=1, device=10**12)
+    assert choice.params == ROOT + 3 * BLOCK and choice.share <= 1.0
+    assert replace(SYNC, device_share=choice.share).device_share == choice.share
+    assert "cannot hold the rest even so" in choice.why

@@ -7,15 +7,27 @@ import copy
 
 import pytest
 import torch
-from offload_params_helpers import Blocks, batches, full_state, relative_error, train, two_groups
+from offload_params_helpers import (
+    Blocks,
+    MlpBlock,
+    assert_same_state,
+    batches,
+    full_state,
+    relative_error,
+    train,
+    two_groups,
+)
+from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from lightning_zero_offload.engine import OffloadOptions
-from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
+from lightning_zero_offload.engine.offload_params import ParamOffloadEngine, materialize
+from lightning_zero_offload.engine.offload_params.materialize import keeps_shards_on_host
 from lightning_zero_offload.engine.offload_params.placement import (
     device_resident,
     device_units,
     find_units,
+    holds_share,
     shard_model,
 )
 
@@ -112,3 +124,42 @@ def test_a_share_is_refused_where_it_cannot_apply(mesh):
         fully_shard(block, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
     with pytest.raises(ValueError, match="leave the wrapping to the strategy, or set device_share=0"):
         shard_model(model, mesh, param_dtype=torch.float32, device_share=0.5, pin_memory=False)
+
+
+def test_a_root_without_parameters_of_its_own_is_passed_over(mesh):
+    """Every parameter in a block: the share starts at the first block, and the model so wrapped holds the share
+    it was given (a second fit finds the wrapping its own)."""
+    model = nn.Sequential(*(MlpBlock(8) for _ in range(4)))
+    units = find_units(model)
+    assert device_units(model, units, 0.5) == units[:2]
+    shard_model(model, mesh, param_dtype=torch.float32, device_share=0.5, pin_memory=False)
+    assert holds_share(model, 0.5) and not holds_share(model, 0.25)
+
+
+def test_a_model_built_on_the_meta_device_gets_each_shard_on_its_own_side(mesh, monkeypatch):
+    """The device share's units on the device, the others on the host, one module at a time: nothing of a host
+    unit is ever allocated on the device (the "device" is recorded while the memory is the CPU's)."""
+    allocated: dict[int, str] = {}
+    real = nn.Module.to_empty
+
+    def recording(self, *, device, recurse=True):
+        assert not recurse, "a recursive to_empty allocates other units' shards on this one's side"
+        for p in self.parameters(recurse=False):
+            allocated[id(p)] = str(device)
+        return real(self, device="cpu", recurse=False)
+
+    monkeypatch.setattr(nn.Module, "to_empty", recording)
+    monkeypatch.setattr(
+        materialize, "_shard_side", lambda unit, device: "cpu" if keeps_shards_on_host(unit) else "cuda"
+    )
+    torch.manual_seed(0)
+    eager = Blocks()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Blocks()
+    shard_model(model, mesh, param_dtype=torch.float32, device_share=0.5, pin_memory=False)
+    on_device = {id(p) for p in device_resident(model)}
+    params = list(model.parameters())
+    assert on_device and len(on_device) < len(params)
+    assert all(allocated[id(p)] == ("cuda" if id(p) in on_device else "cpu") for p in params)
+    assert_same_state(model, eager)  # the values are the eager build's: FSDP2's shard storage followed
