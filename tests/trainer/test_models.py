@@ -102,8 +102,12 @@ def test_hugging_face_gradient_checkpointing_trains_as_without_it(options):
     def run(strategy, checkpointing: bool) -> Wrapped:
         build, loss_fn, lr, _ = MODELS["llama"]
         model = Wrapped(build, loss_fn, lr)
-        if checkpointing:
-            model.net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if checkpointing:  # transformers 5 renamed it; pyproject allows 4.40 and up
+            enable = getattr(model.net, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return fit_wrapped(model, strategy)
 
     ours = run(ZeroOffloadStrategy(**options), checkpointing=True)
