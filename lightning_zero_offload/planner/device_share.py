@@ -21,9 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_zero_offload.engine.infra.collectives import all_reduce_sum
 from lightning_zero_offload.engine.offload_params.placement import device_resident
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
 from lightning_zero_offload.planner.machine import GB, Machine, format_gb, probes
@@ -124,15 +126,19 @@ def auto_device_share(
     device: torch.device,
 ) -> ShareChoice:
     """:func:`choose_device_share` for ``module`` on this machine now: the host memory the pre-flight would allow
-    this node's ranks, the device memory free on ``device``. A module sharded already (an earlier setup) keeps
-    its units where they are."""
+    this node's ranks, the device memory free on ``device``, each the least over the ranks (a collective where
+    there are several), so that every rank makes the same choice. A module sharded already (an earlier setup)
+    keeps its units where they are."""
     if any(isinstance(m, FSDPModule) for m in module.modules()):
         held = sum(p.numel() for p in device_resident(module))
         share = min(1.0, (held + 0.5) / sum(p.numel() for p in module.parameters())) if held else 0.0
         return ShareChoice(share, held, f"auto: {held / 1e6:.1f}M parameters kept on the device where setup put them")
     available, _ = probes.host_memory_limit()
     resident = resident_bytes(module)
-    device_free = None if device.type == "cpu" else torch.accelerator.get_memory_info(device)[0]
+    device_free = None
+    if device.type != "cpu":
+        free = torch.accelerator.get_memory_info(device)[0]
+        available, device_free = least_over_ranks([available, free], world_size, device)
     return choose_device_share(
         ModelShape.of(module),
         options,
@@ -168,3 +174,12 @@ def planned_share(
         resident=0 if shape.configure_model else shape.built_bytes,
     )
     return replace(options, device_share=choice.share), choice
+
+
+def least_over_ranks(values: list[int], world_size: int, device: torch.device) -> list[int]:
+    """Each of ``values``, the least any rank has (one all-reduce of a rank-by-value table; none at one rank)."""
+    if world_size == 1:
+        return values
+    table = torch.zeros(world_size, len(values), dtype=torch.float64)
+    table[dist.get_rank()] = torch.tensor(values, dtype=torch.float64)
+    return [int(v) for v in all_reduce_sum(table, None, device).min(dim=0).values]

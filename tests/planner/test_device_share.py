@@ -118,3 +118,13 @@ def test_every_unit_on_the_device_is_a_share_of_at_most_one():
     assert choice.params == ROOT + 3 * BLOCK and choice.share <= 1.0
     assert replace(SYNC, device_share=choice.share).device_share == choice.share
     assert "cannot hold the rest even so" in choice.why
+
+
+@pytest.mark.slow  # two processes
+def test_every_rank_chooses_from_the_least_memory_any_rank_has(tmp_path):
+    """So every rank keeps the same units on the device (each rank's free memory differs a little)."""
+    from workers.planner import least_memory_over_ranks
+
+    from lightning_zero_offload.testing.ranks import run_ranks
+
+    assert run_ranks(least_memory_over_ranks, 2, tmp_path) == [[2**40, 7 * 2**30 - 1]] * 2
