@@ -7,8 +7,8 @@ of n elements on the CPU device, after its inputs exist. Run once per size (the 
 
 from __future__ import annotations
 
+import argparse
 import resource
-import sys
 
 import torch
 
@@ -16,7 +16,9 @@ from lightning_zero_offload.kernels import AdamArgs, device
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else device.BF16_STATE_CHUNK
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("n", type=int, nargs="?", default=device.BF16_STATE_CHUNK, help="elements (default: a pass)")
+    n = parser.parse_args().n
     p, g, m, v = (torch.randn(n).to(torch.bfloat16) for _ in range(4))
     v.abs_()
     hparams = AdamArgs(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adamw_mode=True)
