@@ -54,6 +54,7 @@ class Largest:
     offload_params: bool = False  # the parameters offloaded too, the model built in configure_model
     device_share: float = 0.0  # offload_params: the fraction of the parameters whose units stay on the GPU
     auto_share: bool = False  # that fraction is device_share="auto"'s choice at this size
+    step_s: float | None = None  # the predicted step time at that size, with that schedule (plain: not predicted)
 
     @property
     def name(self) -> str:
@@ -81,7 +82,8 @@ class LargestModels:
             f"{m.device_memory_gb:.0f} GB per GPU",
             *textwrap.wrap(f"assuming {self.assumptions}", 118),
             "",
-            f"  {'how':<68} {'params':>8}  {'cpu_step':<12} {'host GB':>8} {'GPU GB':>7}  a larger model runs out of",
+            f"  {'how':<68} {'params':>8}  {'cpu_step':<12} {'host GB':>8} {'GPU GB':>7} {'s/step':>7}  "
+            "a larger model runs out of",
         ]
         for row in self.rows:
             if row.refused:
@@ -89,7 +91,7 @@ class LargestModels:
                 continue
             lines.append(
                 f"  {row.name:<68} {row.params / 1e9:>7.2f}B  {row.cpu_step or '-':<12} {row.host_need / GB:>8.1f}"
-                f" {row.device_need / GB:>7.1f}  {'; '.join(row.binds)}"
+                f" {row.device_need / GB:>7.1f} {_seconds(row.step_s):>7}  {'; '.join(row.binds)}"
             )
         return "\n".join(lines)
 
@@ -198,6 +200,7 @@ def _row(options: OffloadOptions, built: str, context: tuple) -> Largest:
         world = devices * num_nodes
         chosen = recommend(shape, dtype, machine, devices, world, flops, 1, fitting, options, units=evaluation.units)
         row.cpu_step = str(chosen["cpu_step"])
+        row.step_s = float(chosen["step_s"])  # type: ignore[arg-type]
         at = verdicts[f"{row.cpu_step}/{checkpoint_format}"].checks
         row.host_need = max(c.need for c in at if c.name.startswith("host"))
         row.device_need = max(c.need for c in at if c.name.startswith("device"))
@@ -223,6 +226,10 @@ def _offload_checks(
     verdicts = _evaluated(shape_of(params), args)[0].verdicts
     exact = [verdicts[f"{s}/{checkpoint_format}"] for s in EXACT_SCHEDULES]
     return next((v.checks for v in exact if v.fits), exact[0].checks)
+
+
+def _seconds(step_s: float | None) -> str:
+    return "-" if step_s is None else f"{step_s:.2f}"
 
 
 def _evaluated(shape: ModelShape, args: tuple) -> tuple[Evaluation, OffloadOptions]:

@@ -264,7 +264,17 @@ def recommend(
         best = {}
         for schedule in exact:
             step = step_time_params(
-                units, dtype, schedule, machine, threads, ranks_per_node, flops, micro, state_dtype, default.pin_memory
+                units,
+                dtype,
+                schedule,
+                machine,
+                threads,
+                ranks_per_node,
+                flops,
+                micro,
+                state_dtype,
+                default.pin_memory,
+                options.fixed_device_share,
             )
             best[schedule] = (step.total, None)
     else:

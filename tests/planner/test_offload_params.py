@@ -205,11 +205,25 @@ def test_device_share_auto_trains_three_times_plain_on_the_h200_box():
                     configure_model=True, device_share="auto", checkpoint_format="sharded")  # fmt: skip
         planned = plan(row.params, **args)
         assert planned.recommended["cpu_step"] == row.cpu_step
+        assert planned.recommended["step_s"] == pytest.approx(row.step_s)  # the recommendation's, with the share
+        without_share = plan(row.params, **{**args, "device_share": 0.0})
+        assert planned.steps["sync"].cpu_step < without_share.steps["sync"].cpu_step  # the share steps elsewhere
         assert any(n.startswith("device_share=auto: ") for n in planned.notes)
         assert plan(int(row.params * 1.003), **args).recommended == {}
     # the full format: the save copies the share's weights and both moments whole to the host (3 x 2 B/param)
     full = next(r for r in largest_models(box).rows if r.offload_params and r.auto_share and r.setup == "bf16")
     assert 18e9 < full.params < shared["bf16"].params and full.binds == ['host RAM, saving a "full" checkpoint']
+
+
+def test_the_recommended_step_time_counts_the_share():
+    """Half the layers on the device: half the CPU step and half the link's traffic, in the schedule the planner
+    recommends as in the table it prints (a host that holds either)."""
+    box = with_rates(H200_BOX, host_memory_gb=4000)
+    args = dict(batch_size=1, seq_len=2048, n_layer=32, machine=box, cpu_state="bf16", offload_params=True,
+                configure_model=True)  # fmt: skip
+    without, shared = plan(int(20e9), **args), plan(int(20e9), **args, device_share=0.5)
+    assert shared.recommended["step_s"] < 0.7 * without.recommended["step_s"]
+    assert shared.steps["sync"].cpu_step == pytest.approx(without.steps["sync"].cpu_step / 2, rel=0.05)
 
 
 DGX = presets.machine("DGX H100 (2 sockets, 8ch DDR5-4800 each, 2 TB)", "H100 SXM (PCIe 5)")

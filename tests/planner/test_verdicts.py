@@ -155,7 +155,12 @@ def test_the_largest_model_per_way_of_training_on_the_h200_box():
     assert plan(int(blockwise.params * 1.003), **args).recommended == {}
     text = " ".join(str(answer).split())  # the assumptions are wrapped
     assert "micro-batch 1 x 2048 tokens" in text and "activation checkpointing off" in text
-    assert 'cpu_state="bf16" 10.66B sync 128.0 34.7 host RAM, setup' in text
+    assert 'cpu_state="bf16" 10.66B sync 128.0 34.7 1.70 host RAM, setup' in text  # GB, GB, seconds per step
+    assert rows['zero_offload, cpu_state="bf16"'].step_s == pytest.approx(
+        plan(bf16.params, batch_size=1, seq_len=2048, n_layer=32, machine=H200_BOX, cpu_state="bf16").recommended[
+            "step_s"
+        ]
+    )
     refused = largest_models(H200_BOX, precision="16-mixed").rows
     # bf16 state with fp16 params, parameters on the GPU (built in fp32, in fp16, in configure_model) or offloaded
     # (each with a row for device_share="auto")
