@@ -37,8 +37,8 @@ from lightning_zero_offload.kernels.arguments import (
     FlatAdamCall,
     adam_table,
     check_args,
+    check_bf16_state_call,
     check_extrapolate,
-    check_seed_and_offset,
     check_step,
     check_steps,
     check_tensor,
@@ -265,14 +265,9 @@ def adam_step_bf16_state(
     lies above the largest finite bf16, with the probability of rounding up; zeros keep their sign, and
     subnormals are rounded like any other value (bf16 has fp32's exponent range).
     """
-    check_args(hparams)
-    grad_scale, step = real("grad_scale", grad_scale), check_step("step", step)
-    check_seed_and_offset(seed, offset)
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    grad_scale, step = check_bf16_state_call(hparams, grad_scale, step, seed, offset, tensors)
     nt = backends.threads(num_threads)
-    check_tensor("param", param, (torch.bfloat16,))
-    check_tensor("grad", grad, GRAD_DTYPES, param.numel(), "param")
-    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        check_tensor(name, t, (torch.bfloat16,), param.numel(), "param")
     call = FlatAdamCall(hparams, param, grad, exp_avg, exp_avg_sq, step, grad_scale, nt, int(seed), int(offset))
     backends.active().adam_bf16_state(call)
 

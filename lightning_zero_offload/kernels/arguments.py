@@ -149,11 +149,20 @@ def check_seed_and_offset(seed: object, offset: object) -> None:
 
 
 def check_tensor(
-    name: str, t: object, dtypes: tuple[torch.dtype, ...], numel: int | None = None, numel_of: str = ""
+    name: str,
+    t: object,
+    dtypes: tuple[torch.dtype, ...],
+    numel: int | None = None,
+    numel_of: str = "",
+    device: torch.device | None = None,
 ) -> None:
+    """A dense contiguous tensor of one of ``dtypes`` (of ``numel`` elements, as ``numel_of``): on the CPU for the
+    CPU kernels, on ``device`` for the device share's step (kernels/device.py)."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu" or t.layout != torch.strided:
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the call's first tensor on {device}: keep one call on one device")
+    if (device is None and t.device.type != "cpu") or t.layout != torch.strided:
         raise ValueError(
             f"{name} is a {t.layout} tensor on {t.device}; the CPU kernels need dense CPU tensors "
             "(use .cpu() / .to_dense())"
@@ -168,6 +177,29 @@ def check_tensor(
         )
     if numel is not None and t.numel() != numel:
         raise ValueError(f"{name} has {t.numel()} elements but {numel_of} has {numel}; sizes must match")
+
+
+def check_bf16_state_call(
+    hparams: AdamArgs,
+    grad_scale: object,
+    step: object,
+    seed: object,
+    offset: object,
+    tensors: tuple[object, object, object, object],
+    device: torch.device | None = None,
+) -> tuple[float, int]:
+    """The arguments of a bf16-state step (param, grad, exp_avg, exp_avg_sq; ``device`` as :func:`check_tensor`'s);
+    returns (grad_scale, step) as numbers."""
+    check_args(hparams)
+    grad_scale, step = real("grad_scale", grad_scale), check_step("step", step)
+    check_seed_and_offset(seed, offset)
+    param, grad, exp_avg, exp_avg_sq = tensors
+    check_tensor("param", param, (torch.bfloat16,), device=device)
+    numel = param.numel()  # type: ignore[attr-defined]
+    check_tensor("grad", grad, GRAD_DTYPES, numel, "param", device)
+    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        check_tensor(name, t, (torch.bfloat16,), numel, "param", device)
+    return grad_scale, step
 
 
 def check_extrapolate(extrapolate: float, has_out: bool) -> None:

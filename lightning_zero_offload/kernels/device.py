@@ -21,8 +21,9 @@ from lightning_zero_offload.kernels.arguments import (
     AdamCall,
     FlatAdamCall,
     check_args,
-    check_seed_and_offset,
+    check_bf16_state_call,
     check_step,
+    check_tensor,
     real,
 )
 from lightning_zero_offload.kernels.backends import REFERENCE
@@ -62,10 +63,10 @@ def adam_step_multi(
         return
     device = params[0].device
     for i, p in enumerate(params):
-        _check(f"params[{i}]", p, (torch.float32,), device)
-        _check(f"grads[{i}]", grads[i], GRAD_DTYPES, device, p.numel())
-        _check(f"exp_avgs[{i}]", exp_avgs[i], (torch.float32,), device, p.numel())
-        _check(f"exp_avg_sqs[{i}]", exp_avg_sqs[i], (torch.float32,), device, p.numel())
+        check_tensor(f"params[{i}]", p, (torch.float32,), device=device)
+        for name, t in (("grads", grads[i]), ("exp_avgs", exp_avgs[i]), ("exp_avg_sqs", exp_avg_sqs[i])):
+            dtypes = GRAD_DTYPES if name == "grads" else (torch.float32,)
+            check_tensor(f"{name}[{i}]", t, dtypes, p.numel(), f"params[{i}]", device)
     for p, g, m, v, step in zip(params, grads, exp_avgs, exp_avg_sqs, steps):
         REFERENCE.adam(AdamCall(hparams, [], [p], [g], [m], [v], [step], grad_scale, 1, None, 0.0))
 
@@ -83,13 +84,8 @@ def adam_step_bf16_state(
     grad_scale: float = 1.0,
 ) -> None:
     """``kernels.adam_step_bf16_state`` wherever the state lies: the same bits as the CPU kernels."""
-    check_args(hparams)
-    grad_scale, step = real("grad_scale", grad_scale), check_step("step", step)
-    check_seed_and_offset(seed, offset)
-    _check("param", param, (torch.bfloat16,), param.device)
-    _check("grad", grad, GRAD_DTYPES, param.device, param.numel())
-    _check("exp_avg", exp_avg, (torch.bfloat16,), param.device, param.numel())
-    _check("exp_avg_sq", exp_avg_sq, (torch.bfloat16,), param.device, param.numel())
+    tensors = (param, grad, exp_avg, exp_avg_sq)
+    grad_scale, step = check_bf16_state_call(hparams, grad_scale, step, seed, offset, tensors, param.device)
     flat = (t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq))  # element i is the i-th in memory, as natively
     call = FlatAdamCall(hparams, *flat, step, grad_scale, 1, int(seed), int(offset))
     bf16_state_step(call, BF16_STATE_CHUNK)
@@ -98,21 +94,6 @@ def adam_step_bf16_state(
 def sum_of_squares(src: Tensor) -> tuple[float, bool]:
     """The sum of squares of ``src`` in float64, wherever it lies, and whether it holds an inf or nan (one
     synchronisation with the device)."""
-    _check("src", src, GRAD_DTYPES, src.device)
+    check_tensor("src", src, GRAD_DTYPES, device=src.device)
     sumsq = float(torch.linalg.vector_norm(src, dtype=torch.float64)) ** 2
     return sumsq, not math.isfinite(sumsq)
-
-
-def _check(
-    name: str, t: object, dtypes: tuple[torch.dtype, ...], device: torch.device, numel: int | None = None
-) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided or not t.is_contiguous():
-        raise ValueError(f"{name} must be a dense contiguous tensor, got a {t.layout} tensor of strides {t.stride()}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, the call's first tensor on {device}: keep one call on one device")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected {' or '.join(str(d) for d in dtypes)}")
-    if numel is not None and t.numel() != numel:
-        raise ValueError(f"{name} has {t.numel()} elements, and the parameter {numel}; sizes must match")
