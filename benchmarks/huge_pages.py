@@ -73,7 +73,7 @@ def run(numel: int, cpu_state: str, threads: int, steps: int) -> dict[str, objec
                 times[name]["step_s"].append(elapsed)
     state = {name: engine.state for name, (_, engine) in arms.items()}
     huge_kib = {
-        name: anon_huge_kib([t for t in (s.master, s.exp_avg, s.exp_avg_sq, s.grad) if t is not None])
+        name: anon_huge_kib([t.host for t in (s.master, s.exp_avg, s.exp_avg_sq, s.grad) if t is not None])
         for name, s in state.items()
     }
     medians = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}

@@ -92,7 +92,7 @@ def fp16_headroom(device: torch.device = CPU) -> tuple[float, bool]:
     engine = OffloadEngine(torch.optim.AdamW([p]), device, torch.float16, options())
     (p.float() * 40000).sum().backward()
     engine.finish_backward()
-    return float(engine.grad.max()), engine.grads.local_summary()[1]
+    return float(engine.grad.host.max()), engine.grads.local_summary()[1]
 
 
 def unfreeze_training(rank: int, world: int, unfreeze_at: int = 3, steps: int = 6) -> dict:

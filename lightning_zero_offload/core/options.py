@@ -172,7 +172,9 @@ OPTIONS_DOC = """\
             units, never more than the fraction. Results equal ``0``'s (fp32 state to fp32 rounding, bf16 state
             bitwise); checkpoints do not depend on it. ``"auto"``: chosen at setup, the fewest units that let the
             host hold the rest (with ``cpu_step="speculative"`` at least the last unit), within 80% of the device
-            memory free beyond FSDP2's buffers; the summary says what it chose and why.
+            memory free beyond FSDP2's buffers; the summary says what it chose and why. Without
+            ``offload_params`` (ZeRO-2), the last buckets, whole, keep master weights, moments and gradients on
+            the device (a fixed fraction; not with ``cpu_step="delayed"``; docs/usage.md, "A device share").
         process_group_backend: torch.distributed backend (default: nccl on CUDA, gloo on CPU).
         timeout: how long any collective (the engine's, checkpointing's and Lightning's own) may wait for the
             other ranks before it raises: a ``timedelta`` or seconds. Default: torch's 30 minutes. A rank that

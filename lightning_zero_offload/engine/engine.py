@@ -150,9 +150,8 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.layout: Layout = build_layout([p.shape for p in self.params], options.bucket_numel(element), world, rank)
         self.in_place = self.resolved.in_place
         self.pin = self.resolved.pin_memory and can_pin(device)
-        self.state = CpuState(
-            self.layout, self.group_of, not self.in_place, self.resolved.state_dtype, self._rounding_seed
-        )
+        state_args = (self.resolved.state_dtype, self._rounding_seed, device, self.resolved.device_share)
+        self.state = CpuState(self.layout, self.group_of, not self.in_place, *state_args)
         self._original_dtypes = [p.dtype for p in self.params]
         state_dicts.load_shard(self.layout, self.master, [p.detach() for p in self.params])
 
@@ -162,7 +161,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         # In place the update can take the norm and the inf/nan check itself (engine.step).
         self._in_place_update: InPlaceUpdate | None = None
         if self.in_place:
-            self.publisher = NullPublisher(self.layout, self.params, self.master)
+            self.publisher = NullPublisher(self.layout, self.params, self.master.host)
             self.grads = in_place_grads = InPlaceGradients(self.params, self.num_threads)
             update = InPlaceUpdate(optimizer, self.group_of, self.state, in_place_grads, self.num_threads)
             self._in_place_update = update

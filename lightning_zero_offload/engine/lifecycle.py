@@ -239,7 +239,8 @@ class EngineLifecycle:
         """This rank's flat master and moments (in the state's dtype), as stored in a sharded checkpoint."""
         self.refuse_after_failure("sharded checkpoint")
         self._settle()
-        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        # One host tensor per key: the device share's part is copied behind the host's (a copy of the shard).
+        return {name: getattr(self, name).to_host() for name in ("master", "exp_avg", "exp_avg_sq")}
 
     def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam)."""
@@ -271,8 +272,12 @@ class EngineLifecycle:
     # -- accounting and teardown ---------------------------------------------------------------
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes held by the engine, as recorded where each buffer was allocated (see ledger.MemoryLedger)."""
-        return self.ledger.report(sum(p.numel() for p in self.params))
+        """Bytes held by the engine, as recorded where each buffer was allocated (see ledger.MemoryLedger), and
+        ``device_share_params``: the trainable parameters whose state is on the device."""
+        return {
+            **self.ledger.report(sum(p.numel() for p in self.params)),
+            "device_share_params": self.state.device_share_numel,
+        }
 
     @property
     def closed(self) -> bool:

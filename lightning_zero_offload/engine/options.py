@@ -104,11 +104,11 @@ class OffloadOptions:
         check_bool("offload_params", self.offload_params)
         if self.device_share != "auto":
             check_real("device_share", self.device_share, 'in [0, 1] (a fraction of the parameters), or "auto"', _unit)
-        if self.device_share and not self.offload_params:
+        if self.device_share == "auto" and not self.offload_params:
             raise ValueError(
-                f"device_share={self.device_share!r} keeps whole FSDP2 units on the device, which only "
-                "offload_params=True has so far (the ZeRO-2 buckets do not take a share yet): set offload_params=True, "
-                "or device_share=0"
+                'device_share="auto" is chosen from the FSDP2 units of offload_params=True; the ZeRO-2 buckets '
+                "take a fixed share so far: give the fraction (zero-offload-plan --device-share prints what each "
+                "fraction needs), or set offload_params=True"
             )
         if self.delayed.weight_prediction and self.cpu_step != "delayed":
             raise ValueError("dpu_weight_prediction=True only changes the delayed update; set cpu_step='delayed' too")
@@ -143,7 +143,7 @@ class Resolved:
     state_dtype: torch.dtype = torch.float32
     notes: tuple[str, ...] = ()
     offload_params: bool = False
-    device_share: float = 0.0  # offload_params only: the fraction of the parameters whose units stay on the device
+    device_share: float = 0.0  # the fraction of the parameters whose units or buckets stay on the device
 
     def warn(self) -> None:
         """Warn once for each note (the engine calls this when it is built; re-planning does not)."""
@@ -230,13 +230,14 @@ def resolve(
             (f"cpu_step is {cpu_step!r}, not 'sync'", cpu_step != "sync"),
             ("cpu_state is 'bf16', not 'fp32'", options.cpu_state != "fp32"),
             ("offload_params is True (the parameters are FSDP2 shards)", options.offload_params),
+            (f"device_share is {options.device_share}, not 0", bool(options.device_share)),
         )
         if fails
     ]
     if options.in_place_on_cpu and unmet:
         raise ValueError(
-            "in_place_on_cpu=True needs a CPU device, precision='32-true', one process, cpu_step='sync' and "
-            "cpu_state='fp32', but "
+            "in_place_on_cpu=True needs a CPU device, precision='32-true', one process, cpu_step='sync', "
+            "cpu_state='fp32' and device_share=0, but "
             + "; ".join(unmet)
             + ". Leave in_place_on_cpu unset (None) to use it exactly where it applies."
         )
@@ -257,6 +258,12 @@ def resolve(
         _check_compact_state(options, param_dtype, cpu_step)
     if options.offload_params:
         notes.extend(_check_offload_params(options, cpu_step))
+    elif options.device_share and cpu_step == "delayed":
+        raise ValueError(
+            f"device_share={options.device_share} steps the last buckets on the device, and cpu_step='delayed' "
+            "updates the master in the background one step behind, which the device share does not follow: use "
+            "cpu_step='speculative' (the CPU step hidden in backward, results as sync) or 'sync', or device_share=0"
+        )
 
     rollback: Literal["undo", "snapshot"] | None = None
     if cpu_step == "speculative":

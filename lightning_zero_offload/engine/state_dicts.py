@@ -70,7 +70,7 @@ def full_tensors(engine: ShardedState, shard: torch.Tensor) -> list[torch.Tensor
     for bucket in layout.buckets:
         chunk = shard[bucket.shard_range]
         if layout.world_size == 1:
-            whole = chunk
+            whole = chunk.cpu()  # a device-share bucket is copied to the host (bucket by bucket)
         elif share:
             whole = engine.save_sharing.placeholders.add(shard, bucket.shard_range, layout.world_size)
         else:

@@ -155,9 +155,8 @@ def format_summary(session: OffloadSession | ParamOffloadSession, totals: dict[s
         )
     else:
         device_param = report["device_param_bytes"] / n
-        buckets = (
-            report["device_total_bytes"] - report["device_param_bytes"]
-        )  # gradient buckets, collectives' temporaries
+        # gradient buckets, collectives' temporaries (the device share's state has a line of its own)
+        buckets = report["device_total_bytes"] - report["device_param_bytes"] - report["device_state_bytes"]
         lines += [
             f"  device, model states: {device_param:.1f} B/param (parameters) + {buckets / 2**20:.1f} MiB of gradient "
             f"buckets, vs {PLAIN_MIXED_ADAM_DEVICE_BYTES} B/param for plain mixed-precision Adam "
@@ -168,6 +167,12 @@ def format_summary(session: OffloadSession | ParamOffloadSession, totals: dict[s
             f"{report['host_staging_bytes'] / 2**20:.1f} MiB staging "
             f"({report['host_pinned_bytes'] / 2**20:.1f} MiB of host memory pinned)",
         ]
+        if shared := report["device_share_params"]:
+            lines.append(
+                f"  device share: {shared:,} parameters ({shared / n:.0%}, the last buckets) keep master weights, "
+                f"moments and gradients on the device and step there "
+                f"({report['device_state_bytes'] / 2**20:.1f} MiB on this rank)"
+            )
     if steps:
         per = {k: 1e3 * v / steps for k, v in totals.items()}
         hidden = 100 * hidden_fraction(totals["transfer"], totals["transfer_wait"])

@@ -58,12 +58,12 @@ def test_the_full_format_checkpoint_holds_views_of_the_engine_buffers_at_one_ran
         engine = trainer.strategy.engine
         checkpoint = trainer._checkpoint_connector.dump_checkpoint()
         weights = [checkpoint["state_dict"][keys[0]] for keys in trainer.strategy.session.param_keys]
-        assert {storage_of(w) for w in weights} == {storage_of(engine.master)}
+        assert {storage_of(w) for w in weights} == {storage_of(engine.master.host)}
         moments = [
             t for s in checkpoint["optimizer_states"][0]["state"].values() for t in (s["exp_avg"], s["exp_avg_sq"])
         ]
         assert len(moments) == 2 * len(weights)
-        assert {storage_of(t) for t in moments} == {storage_of(engine.exp_avg), storage_of(engine.exp_avg_sq)}
+        assert {storage_of(t) for t in moments} == {storage_of(engine.exp_avg.host), storage_of(engine.exp_avg_sq.host)}
         for keys, weight, param in zip(trainer.strategy.session.param_keys, weights, engine.params):
             assert weight.shape == param.shape and weight.dtype == torch.float32, keys
 
@@ -76,7 +76,7 @@ def test_a_user_checkpoint_io_gets_copies_it_may_keep_or_write_later():
     def check(trainer):
         engine = trainer.strategy.engine
         checkpoint = trainer._checkpoint_connector.dump_checkpoint()
-        buffers = {storage_of(b) for b in (engine.master, engine.exp_avg, engine.exp_avg_sq)}
+        buffers = {storage_of(b.host) for b in (engine.master, engine.exp_avg, engine.exp_avg_sq)}
         tensors = list(checkpoint["state_dict"].values()) + [
             t for s in checkpoint["optimizer_states"][0]["state"].values() for t in (s["exp_avg"], s["exp_avg_sq"])
         ]
@@ -195,7 +195,7 @@ def test_fabric_full_save_writes_the_engine_buffers_and_loads_back(tmp_path, mon
     fabric.save(tmp_path / "f.ckpt", {"model": model, "optimizer": optimizer})
     engine = fabric.strategy.engine
     state_dict = written["checkpoint"]["model"]
-    assert {storage_of(state_dict[k]) for k in ("0.weight", "2.bias")} == {storage_of(engine.master)}
+    assert {storage_of(state_dict[k]) for k in ("0.weight", "2.bias")} == {storage_of(engine.master.host)}
     loaded = torch.load(tmp_path / "f.ckpt", weights_only=True)
     for key, master in zip(("0.weight", "0.bias", "2.weight", "2.bias"), engine.master_params()):
         assert torch.equal(loaded["model"][key], master), key

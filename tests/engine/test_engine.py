@@ -139,7 +139,7 @@ def test_fp16_overflow_skips_step_and_leaves_state_untouched():
     assert all(torch.equal(a, b) for a, b in zip(before_master, engine.master_params()))
     assert all(torch.equal(a, p.detach()) for a, p in zip(before_device, net.parameters()))
     assert engine.optimizer_state_dict()["state"] == {}
-    assert not engine.exp_avg.any() and not engine.exp_avg_sq.any()
+    assert not engine.exp_avg.host.any() and not engine.exp_avg_sq.host.any()
     # the next finite step runs and unscales: the update equals an unscaled fp32 AdamW first step (±lr)
     engine.scale_loss(net(x).float().sum()).backward()
     stats = engine.step()
@@ -222,7 +222,7 @@ def test_device_gradient_memory_stays_within_two_buckets():
     n = report["params"]
     assert report["host_state_bytes"] == 16 * n  # fp32 master, exp_avg, exp_avg_sq, grad
     assert report["device_param_bytes"] == 2 * n  # bf16 on the device, nothing else per parameter
-    assert engine.master.dtype == torch.float32 and engine.master.device.type == "cpu"
+    assert engine.master.dtype == torch.float32 and engine.master.host.device.type == "cpu"
 
 
 def test_optimizer_state_round_trips_through_torch_adamw():

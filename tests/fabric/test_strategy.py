@@ -472,3 +472,13 @@ def test_a_load_before_setup_fills_what_it_holds_without_initializing_anything(a
     x = torch.randn(3, 4)
     assert torch.equal(model(x), reference(x))
     assert torch.equal(model.module[1].running, reference[1].running)
+
+
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_a_device_share_of_the_buckets_trains_as_none(clip):
+    """The ZeRO-2 mode's share under Fabric: the last buckets step on the device, the weights are the same."""
+    want = train(fabric(in_place_on_cpu=False), steps=6, clip=clip)
+    f = fabric(in_place_on_cpu=False, device_share=0.5)
+    got = train(f, steps=6, clip=clip)
+    assert f.strategy.session.engine.memory_report()["device_share_params"] > 0
+    assert_weights_close(got, want, rtol=1e-6, atol=0)

@@ -126,3 +126,44 @@ def test_a_hugging_face_llama_with_a_share_trains_as_without(tied):
     assert not none and "model.embed_tokens.weight" in on_device and "model.layers.0.mlp.up_proj.weight" in on_device
     assert "model.layers.1.mlp.up_proj.weight" not in on_device
     assert all(torch.equal(got[k], v) for k, v in without.items())
+
+
+def zero2_fit(share, cpu_state, tmp_path, max_steps=6, ckpt_path=None, save=None, checkpoint_format="full"):
+    """The ZeRO-2 mode (no ``offload_params``) on the offload data path, small buckets: several on each side."""
+    from helpers import Classifier, loader
+
+    module = Classifier(width=64)
+    strategy = ZeroOffloadStrategy(
+        device_share=share,
+        cpu_state=cpu_state,
+        cpu_step="speculative",
+        in_place_on_cpu=False,
+        bucket_size_mb=0.004,
+        checkpoint_format=checkpoint_format,
+    )
+    arguments = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.3, "precision": STATE[cpu_state]}
+    trainer = L.Trainer(strategy=strategy, max_steps=max_steps, default_root_dir=tmp_path, **{**QUIET, **arguments})
+    trainer.fit(module, loader(48), loader(16), ckpt_path=ckpt_path)  # 3 steps an epoch: resumes at its end
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return {k: v.detach().float().clone() for k, v in module.state_dict().items()}, trainer
+
+
+@pytest.mark.parametrize(("cpu_state", "checkpoint_format"), [("fp32", "full"), ("bf16", "sharded")])
+def test_zero2_buckets_take_a_share_and_checkpoints_move_between_shares(cpu_state, checkpoint_format, tmp_path):
+    want, _ = zero2_fit(0.0, cpu_state, tmp_path)
+    got, trainer = zero2_fit(0.5, cpu_state, tmp_path)
+    assert same(got, want, cpu_state)
+    session = trainer.strategy.session
+    assert 0 < session.engine.memory_report()["device_share_params"] <= 0.5 * session.engine.memory_report()["params"]
+    assert "device share:" in format_summary(session, {}, 0)
+    resumed = {}
+    for saved, loaded in ((0.0, 0.0), (0.5, 0.0), (0.0, 1.0)):
+        path = tmp_path / f"{saved}-{loaded}.ckpt"
+        zero2_fit(saved, cpu_state, tmp_path, max_steps=3, save=path, checkpoint_format=checkpoint_format)
+        resumed[saved, loaded], _ = zero2_fit(
+            loaded, cpu_state, tmp_path, ckpt_path=path, checkpoint_format=checkpoint_format
+        )
+    assert same(resumed[0.5, 0.0], resumed[0.0, 0.0], cpu_state) and same(
+        resumed[0.0, 1.0], resumed[0.0, 0.0], cpu_state
+    )

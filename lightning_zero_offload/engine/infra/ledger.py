@@ -60,6 +60,7 @@ class MemoryLedger:
             "device_grad_buffer_bytes": self.bytes(DEVICE, "gradient buckets") // max(1, grad_buffers),
             "device_grad_buffers_peak": grad_buffers,
             "device_collective_bytes": self.bytes(DEVICE, COLLECTIVE),
+            "device_state_bytes": self.bytes(DEVICE, "state"),
             "device_total_bytes": self.bytes(DEVICE),
         }
 

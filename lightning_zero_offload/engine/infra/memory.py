@@ -207,9 +207,10 @@ class HostToDevice:
         self.staged_copies = 0
 
     def copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
-        """``target.copy_(source)``, queued on the current stream; ``source`` may change once this returns."""
+        """``target.copy_(source)``, queued on the current stream; ``source`` may change once this returns (a
+        device source, the device share's master, is copied on the device)."""
         numel, dtype, pin = self._shape
-        if not pin or is_pinned_here(source) or source.numel() > numel:
+        if not pin or is_pinned_here(source) or source.numel() > numel or source.device.type != "cpu":
             target.copy_(source, non_blocking=True)
             return
         if self._pool is None:

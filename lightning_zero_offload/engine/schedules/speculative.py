@@ -93,12 +93,12 @@ class SpeculativeSchedule(Schedule):
         super().__init__(parts)
         self.parts: ScheduleParts[UpdatePipeline] = parts
         self.pipeline = parts.update
-        shard = parts.layout.shard_numel
         self.mode = parts.resolved.speculation_rollback  # "undo" or "snapshot" (engine/options.resolve)
         # Speculated low-precision results wait here until validated (None where the master has the device
         # dtype: the master is published).
-        self.out = host_zeros(shard, parts.param_dtype, False) if parts.publisher.pool is not None else None
-        self.snapshot = [parts.state.new_buffer() for _ in range(3)] if self.mode == "snapshot" else []
+        self.out = host_zeros(parts.state.split, parts.param_dtype, False) if parts.publisher.pool is not None else None
+        # Host buckets only: the device share is not speculated (its step is short, and after backward).
+        self.snapshot = [parts.state.new_buffer(host_only=True) for _ in range(3)] if self.mode == "snapshot" else []
         # Per bucket: the snapshot holds the bucket's state as it is now. Taken behind the forward (the host
         # is free while the device computes it), so a speculated step only copies what changed since.
         self.snapshot_current = [False] * len(parts.layout.buckets)
@@ -140,7 +140,11 @@ class SpeculativeSchedule(Schedule):
         if self.mode != "snapshot" or self.paused or self.snapshotting is not None:
             return
         # A bucket speculated for a step that has not come keeps its snapshot: it is that step's rollback.
-        due = [i for i, current in enumerate(self.snapshot_current) if not current and i not in self.speculated]
+        due = [
+            i
+            for i, current in enumerate(self.snapshot_current)
+            if not current and i not in self.speculated and i < self.parts.state.first_device_bucket
+        ]
         if due:
             self.snapshotting = self.pipeline.worker.submit(self._take_snapshots, due)
 
@@ -192,7 +196,7 @@ class SpeculativeSchedule(Schedule):
                 "A backward pass added gradient to a bucket whose optimizer step was already speculated. "
                 "Call engine.begin_backward() before every backward pass (it takes unvalidated speculation back)."
             )
-        if not self.armed or not final or nonfinite:
+        if not self.armed or not final or nonfinite or parts.state.on_device(bucket):
             return
         runs = self.pipeline.plan_bucket(bucket, parts.grads.has_grad, self.multiplier, self.hparams)
         if self.mode == "undo" and not all(kernels.can_undo(run.hparams) for run in runs if run.hparams is not None):

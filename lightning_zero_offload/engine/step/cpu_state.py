@@ -14,6 +14,11 @@ master, moments and gradient buffers in bf16, the update computed in fp32 and st
 rounding whose random bits are a hash of (seed, step, element), the element numbered by its place among
 all trainable elements (padding left out), so the bits do not depend on the world size or the thread count.
 
+With a device share (``device_share``), the buckets whose gradients arrive last keep their state on the device:
+each buffer is a :class:`ShardBuffer`, the shard's first elements on the host and its last ones (whole buckets) on
+the device, indexed by the same shard windows. A window lies on one side (buckets never straddle the split), and
+the update, accumulate and sums of a device window run there (kernels/device.py: the same arithmetic).
+
 The delayed schedule keeps a second gradient buffer so that backward t+1 can fill one while the
 update of step t reads the other; :meth:`CpuState.swap_grad` is the one place the buffers trade
 roles, so there is a single owner of "the buffer backward fills now".
@@ -28,11 +33,61 @@ import torch.distributed as dist
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.infra.collectives import broadcast_tensors_
-from lightning_zero_offload.engine.infra.memory import host_zeros
+from lightning_zero_offload.engine.infra.memory import device_zeros, host_zeros
 from lightning_zero_offload.engine.options import STATE_DTYPES
 from lightning_zero_offload.engine.step.layout import Bucket, Layout
+from lightning_zero_offload.kernels import device as device_kernels
 
 STATE_NAMES = {dtype: name for name, dtype in STATE_DTYPES.items()}  # the cpu_state option's name of each dtype
+
+
+def first_device_bucket(layout: Layout, share: float) -> int:
+    """The first of the buckets whose state stays on the device with ``device_share=share``: the last buckets
+    (layout order is reverse registration, so their gradients arrive last), whole, as many as hold at most
+    ``share`` of the trainable elements. ``len(layout.buckets)``: none."""
+    budget = share * sum(bucket.numel for bucket in layout.buckets)
+    first, held = len(layout.buckets), 0
+    while first > 0 and held + layout.buckets[first - 1].numel <= budget:
+        first -= 1
+        held += layout.buckets[first].numel
+    return first
+
+
+class ShardBuffer:
+    """One of the state's shard-sized buffers: elements ``[0, split)`` on the host, ``[split, numel)`` on the
+    device (the device share's buckets). Indexed by shard windows, each of which lies on one side."""
+
+    def __init__(self, host: torch.Tensor, device_part: torch.Tensor) -> None:
+        self.host = host
+        self.device_part = device_part
+        self.split = host.numel()
+        self.dtype = host.dtype
+
+    def numel(self) -> int:
+        return self.split + self.device_part.numel()
+
+    def __getitem__(self, window: slice) -> torch.Tensor:
+        start, stop, _ = window.indices(self.numel())
+        if stop <= self.split:
+            return self.host[start:stop]
+        if start >= self.split:
+            return self.device_part[start - self.split : stop - self.split]
+        raise IndexError(f"shard window [{start}, {stop}) straddles the device share, which starts at {self.split}")
+
+    @property
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.host, self.device_part
+
+    def zero_(self) -> ShardBuffer:
+        for part in self.parts:
+            part.zero_()
+        return self
+
+    def to_host(self) -> torch.Tensor:
+        """The whole shard in one host tensor: the host part itself without a device share, else a copy."""
+        if not self.device_part.numel():
+            return self.host
+        return torch.cat([self.host, self.device_part.cpu()])
 
 
 class CpuState:
@@ -45,16 +100,23 @@ class CpuState:
         keeps_grad: bool,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        device: torch.device | None = None,
+        device_share: float = 0.0,
     ) -> None:
         self.layout = layout
         self.group_of = group_of  # param group of each trainable parameter, in optimizer order
         self.dtype = dtype
         self.seed = seed  # of the stochastic rounding (bf16 only), the same on every rank
+        # The device share: buckets from first_device_bucket on keep their state on ``device``.
+        self.device = device if device is not None else torch.device("cpu")
+        self.first_device_bucket = first_device_bucket(layout, device_share) if device_share else len(layout.buckets)
+        on_device = layout.buckets[self.first_device_bucket :]
+        self.split = on_device[0].shard_start if on_device else layout.shard_numel
         self.master = self.new_buffer()
         self.exp_avg = self.new_buffer()
         self.exp_avg_sq = self.new_buffer()
         # The buffer backward accumulates into now (in place: gradients stay in the tensors autograd made).
-        self.grad: torch.Tensor | None = self.new_buffer() if keeps_grad else None
+        self.grad: ShardBuffer | None = self.new_buffer() if keeps_grad else None
         self._steps = [0] * len(layout.slots)
         # Each bucket's shift from this rank's shard positions to the elements' global numbers.
         self._element_base = []
@@ -68,11 +130,23 @@ class CpuState:
         """bf16 state, stochastically rounded (``cpu_state="bf16"``)."""
         return self.dtype == torch.bfloat16
 
-    def new_buffer(self) -> torch.Tensor:
-        """A shard-sized buffer of the state's dtype (the state's own, a second gradient buffer, a snapshot).
+    def new_buffer(self, host_only: bool = False) -> ShardBuffer:
+        """A shard-sized buffer of the state's dtype (the state's own, a second gradient buffer, a snapshot), the
+        device share's part on the device (``host_only``: without it, for what only host buckets use).
 
         Model-sized, so never pinned (see HostToDevice)."""
-        return host_zeros(self.layout.shard_numel, self.dtype, False)
+        host = host_zeros(self.split, self.dtype, False)
+        device_numel = 0 if host_only else self.layout.shard_numel - self.split
+        return ShardBuffer(host, device_zeros(device_numel, self.dtype, self.device, "state"))
+
+    def on_device(self, bucket: Bucket) -> bool:
+        """Whether ``bucket``'s state is in the device share."""
+        return bucket.index >= self.first_device_bucket
+
+    @property
+    def device_share_numel(self) -> int:
+        """Trainable elements whose state is on the device (all ranks)."""
+        return sum(bucket.numel for bucket in self.layout.buckets[self.first_device_bucket :])
 
     def element_number(self, bucket: Bucket, shard_position: int) -> int:
         """The global number of the element at ``shard_position`` (in ``bucket``'s shard range): its place
@@ -88,15 +162,30 @@ class CpuState:
         training accumulates ``.grad`` (one pass with one micro-batch at one rank, a copy of ``src``).
         """
         dst = self.grad[window]  # type: ignore[index]
-        if not self.compact:
+        if not self.compact and window.stop <= self.split:
             return kernels.grad_accumulate(dst, src, scale=scale, overwrite=overwrite, num_threads=num_threads)
-        if overwrite and scale == 1.0:
+        self.accumulate_torch(dst, src, scale, overwrite)
+        return self.sum_of_squares(window, dst, num_threads)
+
+    @staticmethod
+    def accumulate_torch(dst: torch.Tensor, src: torch.Tensor, scale: float, overwrite: bool) -> None:
+        """``dst (+)= src * scale`` in torch ops, wherever ``dst`` lies (bf16 state, the device share)."""
+        if overwrite and dst.dtype == torch.float32:  # widened exactly, then scaled in fp32 (as natively)
+            dst.copy_(src)
+            if scale != 1.0:
+                dst.mul_(scale)
+        elif overwrite and scale == 1.0:
             dst.copy_(src)
         elif overwrite:
             torch.mul(src, scale, out=dst)
         else:
             dst.add_(src, alpha=scale)
-        return kernels.sum_of_squares(dst, num_threads=num_threads)
+
+    def sum_of_squares(self, window: slice, grad: torch.Tensor, num_threads: int) -> tuple[float, bool]:
+        """(sum of squares, any inf/nan) of ``grad``, this window's gradient, on the side it lies."""
+        if window.start >= self.split and window.stop > window.start:
+            return device_kernels.sum_of_squares(grad)
+        return kernels.sum_of_squares(grad, num_threads=num_threads)
 
     def update(
         self,
@@ -105,7 +194,7 @@ class CpuState:
         hparams: kernels.AdamArgs,
         step: int,
         grad_scale: float,
-        grad: torch.Tensor,
+        grad: ShardBuffer,
         out: torch.Tensor | None,
         extrapolate: float,
         num_threads: int,
@@ -113,8 +202,12 @@ class CpuState:
         """The fused Adam step of ``window`` (inside ``bucket``'s shard range), reading ``grad[window]``.
 
         fp32: the low-precision copy goes to ``out`` in the same pass (None: the master is published).
-        bf16: the master is the copy to publish (``out`` is None, ``extrapolate`` 0).
+        bf16: the master is the copy to publish (``out`` is None, ``extrapolate`` 0). A device-share window
+        steps on the device (kernels/device.py) and is published from its master (``out`` None).
         """
+        if window.start >= self.split and window.stop > window.start:
+            self._update_on_device(bucket, window, hparams, step, grad_scale, grad)
+            return
         if self.compact:
             kernels.adam_step_bf16_state(
                 self.master[window],
@@ -142,6 +235,27 @@ class CpuState:
             num_threads=num_threads,
         )
 
+    def _update_on_device(
+        self, bucket: Bucket, window: slice, hparams: kernels.AdamArgs, step: int, grad_scale: float, grad: ShardBuffer
+    ) -> None:
+        master, exp_avg, exp_avg_sq = self.master[window], self.exp_avg[window], self.exp_avg_sq[window]
+        if self.compact:
+            device_kernels.adam_step_bf16_state(
+                master,
+                grad[window],
+                exp_avg,
+                exp_avg_sq,
+                hparams=hparams,
+                step=step,
+                seed=self.seed,
+                offset=self.element_number(bucket, window.start),
+                grad_scale=grad_scale,
+            )
+        else:
+            device_kernels.adam_step_multi(
+                [master], [grad[window]], [exp_avg], [exp_avg_sq], [step], hparams=hparams, grad_scale=grad_scale
+            )
+
     @property
     def steps(self) -> Sequence[int]:
         """Each trainable parameter's step count (read-only: it changes through the methods below)."""
@@ -162,18 +276,18 @@ class CpuState:
             raise ValueError(f"{len(steps)} step counts for {len(self._steps)} trainable parameters")
         self._steps = [_checked_step(step) for step in steps]
 
-    def swap_grad(self, other: torch.Tensor) -> torch.Tensor:
+    def swap_grad(self, other: ShardBuffer) -> ShardBuffer:
         """Make ``other`` the buffer backward accumulates into; returns the one it replaces."""
         previous, self.grad = self.grad, other
         assert previous is not None, "in place there is no gradient buffer to swap"
         return previous
 
-    def snapshot(self, window: slice, into: list[torch.Tensor]) -> None:
+    def snapshot(self, window: slice, into: list[ShardBuffer]) -> None:
         """Copy the master and moments of ``window`` into ``into`` (three :meth:`new_buffer` buffers)."""
         for saved, buffer in zip(into, (self.master, self.exp_avg, self.exp_avg_sq)):
             saved[window].copy_(buffer[window])
 
-    def restore(self, window: slice, saved: list[torch.Tensor]) -> None:
+    def restore(self, window: slice, saved: list[ShardBuffer]) -> None:
         """Undo everything since :meth:`snapshot` of ``window`` (bitwise)."""
         for kept, buffer in zip(saved, (self.master, self.exp_avg, self.exp_avg_sq)):
             buffer[window].copy_(kept[window])

@@ -16,6 +16,7 @@ when it builds it (the speculative schedule listens there).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Protocol
@@ -113,3 +114,29 @@ def global_summary(
         has_grad = (summary[2:] > 0).tolist()
     overflow = overflow or not math.isfinite(sumsq)
     return sumsq, overflow, has_grad
+
+
+def check_gradient(grad: torch.Tensor, seen: bool) -> None:
+    """Refuse what neither data path can take: sparse gradients, and a gradient twice in one pass."""
+    if grad.is_sparse:
+        raise RuntimeError("zero_offload does not support sparse gradients (nn.Embedding(sparse=True))")
+    if seen:
+        raise RuntimeError(
+            "A parameter received its gradient twice in one backward pass. This happens with reentrant "
+            "activation checkpointing when a parameter is used inside and outside the checkpointed region: "
+            "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
+        )
+
+
+def register_grad_hooks(
+    params: list[torch.nn.Parameter], on_grad: Callable[[int, torch.Tensor], None]
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Call ``on_grad(index, param)`` once each parameter's gradient of a backward pass is accumulated."""
+    return [
+        p.register_post_accumulate_grad_hook(functools.partial(_call_with_index, on_grad, i))
+        for i, p in enumerate(params)
+    ]
+
+
+def _call_with_index(on_grad: Callable[[int, torch.Tensor], None], index: int, param: torch.Tensor) -> None:
+    on_grad(index, param)

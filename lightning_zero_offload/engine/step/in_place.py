@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lightning_zero_offload import kernels
-from lightning_zero_offload.engine.step.streamer import check_gradient, register_grad_hooks
+from lightning_zero_offload.engine.step.gradient_source import check_gradient, register_grad_hooks
 from lightning_zero_offload.engine.step.update import CpuUpdate
 
 if TYPE_CHECKING:

@@ -17,11 +17,16 @@ was published; the written elements become the new master values (in low precisi
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.infra.ledger import DEVICE, current_ledger
 from lightning_zero_offload.engine.step.layout import Bucket, Layout
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.engine.step.cpu_state import ShardBuffer
 
 _WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -112,7 +117,7 @@ class ParamWriteWatch:
         self.record(bucket)
         return written, device_chunk
 
-    def merge_into(self, bucket: Bucket, master: torch.Tensor, published: torch.Tensor | None) -> int:
+    def merge_into(self, bucket: Bucket, master: ShardBuffer, published: torch.Tensor | None) -> int:
         """Make the written elements of this rank's chunk of ``bucket`` the new master values.
 
         ``published``: the low-precision chunk the device was given (None: ``master`` rounded to the
@@ -122,8 +127,8 @@ class ParamWriteWatch:
         shard = master[bucket.shard_range]
         if published is None:
             published = shard.to(self.flat_params.dtype)
-        written, device_chunk = self.find_writes(bucket, published)
+        written, device_chunk = self.find_writes(bucket, published.cpu())  # a device-share master is on the device
         count = int(written.sum())
         if count:
-            shard[written] = device_chunk[written].to(shard.dtype)
+            shard[written.to(shard.device)] = device_chunk[written].to(shard.device, shard.dtype)
         return count

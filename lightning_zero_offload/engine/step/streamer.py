@@ -17,7 +17,6 @@ wakes up and raises it, so backward ends instead of waiting for a buffer that wi
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -25,13 +24,12 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.infra.collectives import reduce_scatter
 from lightning_zero_offload.engine.infra.ledger import COLLECTIVE, MemoryLedger, current_ledger
 from lightning_zero_offload.engine.infra.memory import BufferPool, DeviceBufferPool, device_empty
 from lightning_zero_offload.engine.infra.streams import on_stream, record_event, side_stream, wait_event, worker_pool
 from lightning_zero_offload.engine.step.cpu_state import CpuState
-from lightning_zero_offload.engine.step.gradient_source import BucketArrivals
+from lightning_zero_offload.engine.step.gradient_source import BucketArrivals, check_gradient, register_grad_hooks
 from lightning_zero_offload.engine.step.launch_order import Launch, LaunchOrder
 from lightning_zero_offload.engine.step.layout import Bucket, Layout
 
@@ -51,32 +49,6 @@ def device_transfer_times(
         transfer_s += (b - a) / 1e3
         hidden_s += max(0.0, min(b, end_ms) - a) / 1e3
     return transfer_s, hidden_s
-
-
-def check_gradient(grad: torch.Tensor, seen: bool) -> None:
-    """Refuse what neither data path can take: sparse gradients, and a gradient twice in one pass."""
-    if grad.is_sparse:
-        raise RuntimeError("zero_offload does not support sparse gradients (nn.Embedding(sparse=True))")
-    if seen:
-        raise RuntimeError(
-            "A parameter received its gradient twice in one backward pass. This happens with reentrant "
-            "activation checkpointing when a parameter is used inside and outside the checkpointed region: "
-            "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)."
-        )
-
-
-def register_grad_hooks(
-    params: list[torch.nn.Parameter], on_grad: Callable[[int, torch.Tensor], None]
-) -> list[torch.utils.hooks.RemovableHandle]:
-    """Call ``on_grad(index, param)`` once each parameter's gradient of a backward pass is accumulated."""
-    return [
-        p.register_post_accumulate_grad_hook(functools.partial(_call_with_index, on_grad, i))
-        for i, p in enumerate(params)
-    ]
-
-
-def _call_with_index(on_grad: Callable[[int, torch.Tensor], None], index: int, param: torch.Tensor) -> None:
-    on_grad(index, param)
 
 
 class GradientStreamer:
@@ -189,7 +161,8 @@ class GradientStreamer:
             if index not in filled:  # no gradient (yet) in this buffer: it counts as zero
                 slot = self.layout.slots[index]
                 buffer[slot.bucket_offset : slot.bucket_offset + slot.numel].zero_()
-        staging = self._staging.acquire()
+        on_device = self.state.on_device(bucket)  # the device share: its gradient stays on the device
+        staging = None if on_device else self._staging.acquire()
         if self._device_origin is None:  # on the compute stream, before anything this pass times
             self._device_origin = record_event(self.device, timing=True)
         with on_stream(self._stream):  # the transfer overlaps the rest of backward on the device
@@ -201,14 +174,21 @@ class GradientStreamer:
                 chunk = device_empty(bucket.shard_numel, self.grad_dtype, self.device, COLLECTIVE, self.ledger)
                 reduce_scatter(chunk, source, self.process_group)
                 source = chunk
-            staging[: bucket.shard_numel].copy_(source, non_blocking=True)
+            if on_device:  # added in on this stream, in order with this bucket's earlier launches
+                overwrite, self._fresh[bucket.index] = self._fresh[bucket.index], False
+                target = self.state.grad[bucket.shard_range]  # type: ignore[index]
+                self.state.accumulate_torch(target, source[: bucket.shard_numel], self.scale, overwrite)
+            else:
+                staging[: bucket.shard_numel].copy_(source, non_blocking=True)  # type: ignore[index]
             copied = record_event(self.device, timing=True)
         if started is not None:
             self._device_spans.append((started, copied))
         self._bucket_buffer[bucket.index] = None
         self.device_buffers.release(buffer, copied, bucket.index)
         self._buffers_held -= 1
-        if self.overlap:
+        if on_device:  # its sums are read on the worker, which waits for the device, backward does not
+            self._futures.append(self.worker.submit(self._sum_on_device, bucket, copied, final))
+        elif self.overlap:
             self._futures.append(self.worker.submit(self._accumulate, bucket, staging, copied, True, final))
         else:  # measured baseline: backward stops while each bucket is accumulated
             self._accumulate(bucket, staging, copied, False, final)
@@ -231,6 +211,18 @@ class GradientStreamer:
             self.bucket_nonfinite[bucket.index] = nonfinite
             self._host_spans.append((start, time.perf_counter(), overlaps))
             self.arrivals.report(bucket, final, nonfinite)
+        except BaseException as error:
+            self._fail(error, bucket)
+            raise
+
+    def _sum_on_device(self, bucket: Bucket, copied: torch.Event | None, final: bool) -> None:
+        """A device-share bucket's gradient was added on the device: its sums, then the arrival."""
+        try:
+            wait_event(copied)
+            window = bucket.shard_range
+            sums = self.state.sum_of_squares(window, self.state.grad[window], self.num_threads)  # type: ignore[index]
+            self.bucket_sumsq[bucket.index], self.bucket_nonfinite[bucket.index] = sums
+            self.arrivals.report(bucket, final, sums[1])
         except BaseException as error:
             self._fail(error, bucket)
             raise
@@ -344,17 +336,17 @@ class GradientStreamer:
             self.has_grad[index] = value is not None
             touched.add(bucket.index)
         for bucket_index in touched:
-            grad = self.state.grad[self.layout.buckets[bucket_index].shard_range]  # type: ignore[index]
-            self.bucket_sumsq[bucket_index], self.bucket_nonfinite[bucket_index] = kernels.sum_of_squares(
-                grad, num_threads=self.num_threads
-            )
+            window = self.layout.buckets[bucket_index].shard_range
+            grad = self.state.grad[window]  # type: ignore[index]
+            sums = self.state.sum_of_squares(window, grad, self.num_threads)
+            self.bucket_sumsq[bucket_index], self.bucket_nonfinite[bucket_index] = sums
 
     def refresh_sums(self) -> None:
         """Sum the stored gradients again (they were changed in place after they were accumulated)."""
         for bucket in self.layout.buckets:
             if not self._fresh[bucket.index]:
                 grad = self.state.grad[bucket.shard_range]  # type: ignore[index]
-                sums = kernels.sum_of_squares(grad, num_threads=self.num_threads)
+                sums = self.state.sum_of_squares(bucket.shard_range, grad, self.num_threads)
                 self.bucket_sumsq[bucket.index], self.bucket_nonfinite[bucket.index] = sums
 
     def local_summary(self) -> tuple[float, bool]:

@@ -185,13 +185,15 @@ class UpdatePipeline(CpuUpdate):
         pool = self.publisher.pool
 
         def update(bucket: Bucket, runs: list[Run]) -> tuple[torch.Tensor | None, float]:
-            out = pool.acquire() if pool is not None else None
+            # The device share steps on the device and is published from its master.
+            out = pool.acquire() if pool is not None and not self.state.on_device(bucket) else None
             t = time.perf_counter()
             try:
                 self.update_bucket(bucket, runs, self.state.grad, out)
             except BaseException as error:
                 if pool is not None:  # the later buckets' updates must not wait for buffers nobody returns
-                    pool.release(out)
+                    if out is not None:
+                        pool.release(out)
                     pool.fail(error)
                 raise
             return out, time.perf_counter() - t

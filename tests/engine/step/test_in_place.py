@@ -92,9 +92,9 @@ def test_bitwise_the_offload_data_path(case):
 def test_parameters_are_the_master_and_nothing_is_copied():
     net = make_net()
     engine = OffloadEngine(torch.optim.AdamW(net.parameters(), lr=1e-2), CPU, torch.float32, in_place())
-    storage = engine.master.untyped_storage().data_ptr()
+    storage = engine.master.host.untyped_storage().data_ptr()
     assert all(p.untyped_storage().data_ptr() == storage for p in net.parameters())
-    assert engine.grad is None and engine.publisher.flat_params is engine.master
+    assert engine.grad is None and engine.publisher.flat_params is engine.master.host
     report = engine.memory_report()
     n = sum(p.numel() for p in net.parameters())
     # master + two moments; no gradient buffer, staging or device copy (gradients live where autograd puts them)
@@ -195,7 +195,7 @@ def test_close_hands_back_standalone_parameters():
     engine, net, _ = train(in_place(), steps=3, net=net)
     trained = [t.clone() for t in engine.master_params()]
     engine.close()
-    engine.master.zero_()  # the parameters no longer share it
+    engine.master.host.zero_()  # the parameters no longer share it
     assert all(torch.equal(p.detach(), t) for p, t in zip(net.parameters(), trained))
     assert all(p.grad is None for p in net.parameters())
 

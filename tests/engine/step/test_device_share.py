@@ -1,0 +1,159 @@
+"""``device_share`` in the ZeRO-2 mode: the last buckets keep master, moments and gradient on the device and step
+there, and training is the same as without a share (bf16 state bitwise, fp32 state within fp32 rounding)."""
+
+from functools import partial
+
+import pytest
+import torch
+from engine_helpers import CPU, batches, loss_fn, make_net, options, two_groups
+
+from lightning_zero_offload.engine import OffloadEngine
+from lightning_zero_offload.engine.step.cpu_state import ShardBuffer, first_device_bucket
+from lightning_zero_offload.engine.step.layout import build_layout
+from lightning_zero_offload.testing.ranks import run_ranks
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+FP32_ROUNDING = 1e-6  # relative, per tensor; observed 0 at one rank (the device step is torch's fused Adam)
+CLIP = 0.05  # below the gradients' norm here: clipping fires at every step
+
+
+def train(share, cpu_state="fp32", dtype=torch.float32, steps=4, accumulate=2, clip=CLIP, rank=0, world=1, **kw):
+    torch.manual_seed(7)  # the bf16 state's rounding seed
+    net = make_net().to(dtype)
+    engine = OffloadEngine(two_groups(net), CPU, dtype, options(cpu_state=cpu_state, device_share=share, **kw))
+    data = batches(steps * accumulate)
+    for step in range(steps):
+        for micro in range(accumulate):
+            x, y = data[step * accumulate + micro]
+            mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+            engine.expect_step(micro == accumulate - 1, publish_early=True)
+            engine.begin_backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
+                loss_fn(net, (x[mine].to(dtype), y[mine])).backward()
+            engine.finish_backward()
+        engine.step(clip_norm=clip)
+    engine.sync()
+    return net, engine
+
+
+def close(got: list[torch.Tensor], want: list[torch.Tensor], cpu_state: str) -> bool:
+    if cpu_state == "bf16":
+        return all(torch.equal(a, b) for a, b in zip(got, want))
+    return all(float((a - b).norm() / b.norm().clamp_min(1e-30)) <= FP32_ROUNDING for a, b in zip(got, want))
+
+
+def moments(engine: OffloadEngine) -> list[torch.Tensor]:
+    state = engine.optimizer_state_dict()["state"]
+    return [t for entry in state.values() for t in (entry["exp_avg"], entry["exp_avg_sq"])]
+
+
+def test_the_last_buckets_whole_and_within_the_share_are_on_the_device():
+    layout = build_layout([torch.Size([300]), torch.Size([200]), torch.Size([100])], bucket_numel=250)
+    assert [b.numel for b in layout.buckets] == [100, 200, 300]  # reverse registration: the first layer last
+    assert first_device_bucket(layout, 0.0) == 3
+    assert first_device_bucket(layout, 0.49) == 3  # the last bucket alone is half: whole buckets only
+    assert first_device_bucket(layout, 0.5) == 2
+    assert first_device_bucket(layout, 0.8) == 2
+    assert first_device_bucket(layout, 0.84) == 1
+    assert first_device_bucket(layout, 1.0) == 0
+
+
+def test_a_window_lies_on_one_side():
+    buffer = ShardBuffer(torch.zeros(4), torch.ones(3))
+    assert torch.equal(buffer[slice(1, 3)], torch.zeros(2)) and torch.equal(buffer[slice(5, 7)], torch.ones(2))
+    with pytest.raises(IndexError, match="straddles the device share"):
+        buffer[slice(3, 5)]
+
+
+@pytest.mark.parametrize(
+    ("cpu_state", "dtype", "cpu_step"),
+    [
+        ("fp32", torch.float32, "sync"),
+        ("fp32", torch.float32, "speculative"),
+        ("fp32", torch.bfloat16, "speculative"),
+        ("bf16", torch.bfloat16, "sync"),
+        ("bf16", torch.bfloat16, "speculative"),
+    ],
+)
+def test_a_share_trains_as_none_with_clipping_and_accumulation(cpu_state, dtype, cpu_step):
+    _, want = train(0.0, cpu_state, dtype, cpu_step=cpu_step)
+    _, got = train(0.5, cpu_state, dtype, cpu_step=cpu_step)
+    assert 0 < got.state.first_device_bucket < len(got.layout.buckets)  # some buckets on each side
+    assert close(got.master_params(), want.master_params(), cpu_state)
+    assert close(moments(got), moments(want), cpu_state)
+    assert got.state.steps == want.state.steps
+
+
+def test_the_whole_state_on_the_device_trains_as_none():
+    _, want = train(0.0, cpu_step="speculative")
+    _, got = train(1.0, cpu_step="speculative")
+    assert got.state.first_device_bucket == 0 and got.memory_report()["host_state_bytes"] == 0
+    assert close(got.master_params(), want.master_params(), "fp32")
+
+
+def test_the_device_share_is_neither_speculated_nor_counted_on_the_host():
+    _, none = train(0.0, cpu_step="speculative", clip=None)
+    _, engine = train(0.5, cpu_step="speculative", clip=None)
+    report, state = engine.memory_report(), engine.state
+    on_device = state.device_share_numel
+    assert 0 < on_device == report["device_share_params"] <= 0.5 * report["params"]
+    assert report["device_state_bytes"] == 4 * 4 * on_device  # fp32 master, moments, gradient
+    # master, moments and gradient on the device; nor is the rollback's snapshot of master and moments on the host
+    assert report["host_state_bytes"] == none.memory_report()["host_state_bytes"] - 4 * (4 + 3) * on_device
+    host_numel = sum(b.numel for b in engine.layout.buckets[: state.first_device_bucket])
+    assert engine.last.speculated_fraction == pytest.approx(host_numel / report["params"])
+
+
+def test_a_checkpoint_moves_between_shares():
+    """Saved with a share, loaded without (and back): the run goes on as the one that never changed."""
+    _, want = train(0.0, steps=6, accumulate=1)
+    for saved, loaded in ((0.5, 0.0), (0.0, 1.0)):
+        _, first = train(saved, steps=3, accumulate=1)
+        net, second = train(loaded, steps=0, accumulate=1)
+        second.load_master_params(first.master_params())
+        second.load_optimizer_state_dict(first.optimizer_state_dict())
+        assert close(second.master_params(), first.master_params(), "fp32")
+        for x, y in batches(6)[3:]:
+            second.begin_backward()
+            loss_fn(net, (x, y)).backward()
+            second.step(clip_norm=CLIP)
+        assert close(second.master_params(), want.master_params(), "fp32")
+
+
+def test_a_write_into_a_device_bucket_and_a_reset_step_count_land_as_without_a_share():
+    results = []
+    for share in (0.0, 1.0):
+        net, engine = train(share, steps=2, accumulate=1)
+        with torch.no_grad():
+            net[4].weight.mul_(0.5)  # a callback's write between steps, into the last layer's bucket
+        engine.set_param_step(0, 0)  # optimizer.state[p]["step"] = 0: fresh moments for the first weight
+        for x, y in batches(2, seed=3):
+            engine.begin_backward()
+            loss_fn(net, (x, y)).backward()
+            engine.step()
+        results.append((engine.master_params(), moments(engine)))
+    assert close(results[1][0], results[0][0], "fp32") and close(results[1][1], results[0][1], "fp32")
+
+
+def test_what_a_share_cannot_run_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="use cpu_step='speculative'"):
+        train(0.5, cpu_step="delayed", steps=0)
+    with pytest.raises(ValueError, match="device_share=0"):
+        train(0.5, in_place_on_cpu=True, overlap=None, steps=0)
+
+
+def share_at_rank(rank: int, share: float, cpu_state: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    _, engine = train(share, cpu_state, cpu_step="speculative", rank=rank, world=2)
+    assert engine.layout.world_size == 2 and (engine.state.device_share_numel > 0) == (share > 0)
+    return engine.master_params(), moments(engine)
+
+
+@pytest.mark.slow  # two processes
+@pytest.mark.parametrize("cpu_state", ["fp32", "bf16"])
+def test_a_share_trains_as_none_at_two_ranks(cpu_state, tmp_path):
+    (tmp_path / "none").mkdir(), (tmp_path / "half").mkdir()
+    want = run_ranks(partial(share_at_rank, share=0.0, cpu_state=cpu_state), 2, tmp_path / "none")
+    got = run_ranks(partial(share_at_rank, share=0.5, cpu_state=cpu_state), 2, tmp_path / "half")
+    for (weights, state), (want_weights, want_state) in zip(got, want):
+        assert close(weights, want_weights, cpu_state) and close(state, want_state, cpu_state)
