@@ -4,7 +4,8 @@
 epoch=3-step=400.ckpt/          never removed or renamed while a checkpoint lives there
   v000007/                      one directory per save, a fresh name each time
     shard_00000.pt              rank r: its flat master, exp_avg and exp_avg_sq (1/world of each; fp32 or bf16;
-                                without optimizer state in the checkpoint, the master alone)
+                                without optimizer state in the checkpoint, the master alone); with a device
+                                share each in two: "<name>" the host's part, "<name>@device" the share's
     shard_00001.pt
     meta.pt                     rank 0, written last: the Lightning checkpoint minus the sharded tensors,
                                 plus the layout, the save id and each shard's size and CRC-32
@@ -47,6 +48,7 @@ from lightning_zero_offload.checkpoints.files import (
 )
 from lightning_zero_offload.checkpoints.keys import FORMAT_KEY
 from lightning_zero_offload.checkpoints.writer import FileRecord
+from lightning_zero_offload.engine.step.cpu_state import DEVICE_PART
 
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.step.layout import Layout
@@ -151,7 +153,7 @@ def save_sharded(
     started = attempt(_begin, root, meta) if rank == 0 else None
     version_name, save_id, names = raise_any([broadcast(started)])[0]
     version = root / version_name
-    shard = {name: shard[name] for name in names}
+    shard = {name: shard[name] for key in names for name in (key, key + DEVICE_PART) if name in shard}
     with removed_unless_published(version, rank):
         records = raise_any(
             gather(attempt(save_file, {**shard, "save_id": save_id, "rank": rank}, version / shard_file(rank), True))
@@ -350,8 +352,9 @@ def _load_shards(version: Location, info: dict[str, Any], with_optimizer: bool) 
             if file_record(source).crc32 != expected.crc32:
                 raise CheckpointError(f"{what} {source} does not match its checksum in the metadata: corrupt or edited")
         for key in SHARD_KEYS if with_optimizer else SHARD_KEYS[:1]:
-            tensor = shard.get(key)
-            if not isinstance(tensor, torch.Tensor) or tensor.dim() != 1 or tensor.numel() < needed:
+            parts = [shard.get(key), shard.get(key + DEVICE_PART, torch.empty(0))]
+            valid = all(isinstance(t, torch.Tensor) and t.dim() == 1 for t in parts)
+            if not valid or sum(t.numel() for t in parts) < needed:  # type: ignore[union-attr]
                 raise CheckpointError(f"{what} {source} has no valid {key!r} tensor")
         shards.append(shard)
     return shards
@@ -383,6 +386,15 @@ def _assemble(
         global_index = offset + position  # index inside the padded bucket
         rank, inside = divmod(global_index, chunk)
         take = min(chunk - inside, shape.numel() - position)
-        out[position : position + take] = shards[rank][name][start + inside : start + inside + take]
+        out[position : position + take] = _shard_part(shards[rank], name, start + inside, take)
         position += take
     return out.view(shape)
+
+
+def _shard_part(shard: dict[str, torch.Tensor], name: str, start: int, numel: int) -> torch.Tensor:
+    """``numel`` elements of a shard tensor from ``start``, from its host part or its device part (a bucket's
+    chunk lies in one of them)."""
+    host = shard[name]
+    if start < host.numel():
+        return host[start : start + numel]
+    return shard[name + DEVICE_PART][start - host.numel() : start - host.numel() + numel]

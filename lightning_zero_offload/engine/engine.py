@@ -87,10 +87,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         check_optimizer(optimizer)
         if param_dtype not in (*LOW_PRECISION, torch.float32):
             raise ValueError(f"param_dtype must be bfloat16, float16 or float32, got {param_dtype}")
-        self.optimizer = optimizer
-        self.device = device
-        self.param_dtype = param_dtype
-        self.options = options
+        self.optimizer, self.device, self.param_dtype, self.options = optimizer, device, param_dtype, options
         self.process_group = process_group
         distributed = process_group is not None or (dist.is_available() and dist.is_initialized())
         world = dist.get_world_size(process_group) if distributed else 1
@@ -114,6 +111,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.failed = False  # closed after an exception, without gathering (see _close_after_failure)
         self._closed = False
         self._parked = ParkedState()  # moments and step counts of parameters that left the trainable set
+        self.share_choice = None  # device_share="auto" (ZeRO-2): chosen after the first step
         self.save_sharing = SaveSharing()  # how a full save takes the state (engine/state_dicts.py)
         # bf16 state: the seed of its stochastic rounding, rank 0's on every rank (checkpoints keep it).
         compact = resolved.state_dtype != torch.float32
@@ -247,6 +245,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         """
         if self._closed or self.failed:
             return
+        self.choose_device_share()
         self.replan_if_changed()
         if self.publisher.writes.rounds and not self.schedule.update_in_flight:
             self.absorb_param_writes()  # the forward then computes with a write as the (bf16) master keeps it

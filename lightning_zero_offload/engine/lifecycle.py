@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,9 +20,12 @@ from lightning_zero_offload.engine import state_dicts
 from lightning_zero_offload.engine.failures import NonFinitePolicy
 from lightning_zero_offload.engine.infra.ledger import MemoryLedger
 from lightning_zero_offload.engine.optimizer_support import check_optimizer
+from lightning_zero_offload.engine.options import OffloadOptions, Resolved
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import Schedule
-from lightning_zero_offload.engine.step.cpu_state import STATE_NAMES, CpuState, ParkedState
+from lightning_zero_offload.engine.stats import StepStats
+from lightning_zero_offload.engine.step.cpu_state import DEVICE_PART, STATE_NAMES, CpuState, ParkedState
+from lightning_zero_offload.engine.step.device_share import ShareChoice, auto_bucket_share
 from lightning_zero_offload.engine.step.gradient_source import GradientSource
 from lightning_zero_offload.engine.step.layout import Layout
 from lightning_zero_offload.engine.step.publisher import NullPublisher, Publisher
@@ -58,6 +62,12 @@ class EngineLifecycle:
     _parked: ParkedState
     _original_dtypes: list[torch.dtype]
     _rounding_seed: int
+    options: OffloadOptions
+    resolved: Resolved
+    in_place: bool
+    cpu_step: str
+    last: StepStats
+    share_choice: ShareChoice | None  # device_share="auto": what it chose after the first step, and why
 
     # OffloadEngine's, used here: _build (lay out and build the parts), sync, absorb_param_writes.
 
@@ -119,6 +129,32 @@ class EngineLifecycle:
         if self._closed or self.failed or self.trainable_signature() == self._signature:
             return False
         check_optimizer(self.optimizer)
+        self._replan()
+        return True
+
+    def take_device_share(self, share: float) -> None:
+        """Re-plan with ``device_share=share`` (the ZeRO-2 mode: the last buckets, whole, within it, keep their
+        state on the device); every parameter keeps its master weights, moments and step count bitwise."""
+        if self.resolved.offload_params or self.in_place:
+            raise ValueError("take_device_share re-plans the ZeRO-2 mode's offload data path only")
+        self.resolved = replace(self.resolved, device_share=share)
+        self._replan()
+
+    def choose_device_share(self) -> ShareChoice | None:
+        """``device_share="auto"``: after the first step that was not skipped, choose from what it measured
+        (engine/step/device_share.py) and re-plan with the choice; the choice, once made (None before)."""
+        if self.options.device_share != "auto" or self.share_choice is not None or self.step_calls < 1:
+            return self.share_choice
+        if self.last.skipped or self._closed or self.failed:
+            return None
+        speculative = self.cpu_step == "speculative"
+        self.share_choice = choice = auto_bucket_share(self.layout, self.state, self.last, speculative, self.device)
+        if choice.share:
+            self.take_device_share(choice.share)
+        return choice
+
+    def _replan(self) -> None:
+        """Lay the state out again (``_build``), carrying every parameter's master, moments and step count."""
         self.sync()  # an update in flight lands and is published
         # The device holds the master now, and the re-planned schedule starts from it: nothing stays pending
         # (a delayed update's stale weights are of the old trainable set).
@@ -141,7 +177,6 @@ class EngineLifecycle:
         state_dicts.load_shard(self.layout, self.exp_avg_sq, exp_avg_sqs)
         self.refresh_device_params()
         self.schedule.load_state_dict({"name": self.schedule.name, **schedule_state})
-        return True
 
     # -- state in and out ----------------------------------------------------------------------
 
@@ -239,8 +274,14 @@ class EngineLifecycle:
         """This rank's flat master and moments (in the state's dtype), as stored in a sharded checkpoint."""
         self.refuse_after_failure("sharded checkpoint")
         self._settle()
-        # One host tensor per key: the device share's part is copied behind the host's (a copy of the shard).
-        return {name: getattr(self, name).to_host() for name in ("master", "exp_avg", "exp_avg_sq")}
+        # The host's part as it is; the device share's apart, copied to the host (no copy of the host's part).
+        tensors = {}
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            buffer = getattr(self.state, name)
+            tensors[name] = buffer.host
+            if buffer.device_part.numel():
+                tensors[name + DEVICE_PART] = buffer.device_part.cpu()
+        return tensors
 
     def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam)."""

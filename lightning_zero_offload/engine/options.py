@@ -104,21 +104,18 @@ class OffloadOptions:
         check_bool("offload_params", self.offload_params)
         if self.device_share != "auto":
             check_real("device_share", self.device_share, 'in [0, 1] (a fraction of the parameters), or "auto"', _unit)
-        if self.device_share == "auto" and not self.offload_params:
-            raise ValueError(
-                'device_share="auto" is chosen from the FSDP2 units of offload_params=True; the ZeRO-2 buckets '
-                "take a fixed share so far: give the fraction (zero-offload-plan --device-share prints what each "
-                "fraction needs), or set offload_params=True"
-            )
         if self.delayed.weight_prediction and self.cpu_step != "delayed":
             raise ValueError("dpu_weight_prediction=True only changes the delayed update; set cpu_step='delayed' too")
 
     @property
     def fixed_device_share(self) -> float:
-        """The device share as a number; ``"auto"`` is chosen at setup (planner/device_share.py) and replaced."""
-        if self.device_share == "auto":
+        """The device share as a number to start with: ``"auto"`` is chosen at setup with ``offload_params``
+        (planner/device_share.py, which replaces it) and after the first step without (none until then)."""
+        if self.device_share != "auto":
+            return self.device_share
+        if self.offload_params:
             raise ValueError("device_share='auto' is chosen when the model is sharded: replace it with the choice")
-        return self.device_share
+        return 0.0
 
     def bucket_numel(self, element_size: int) -> int:
         return max(1, int(self.bucket_size_mb * 2**20) // element_size)
@@ -230,7 +227,7 @@ def resolve(
             (f"cpu_step is {cpu_step!r}, not 'sync'", cpu_step != "sync"),
             ("cpu_state is 'bf16', not 'fp32'", options.cpu_state != "fp32"),
             ("offload_params is True (the parameters are FSDP2 shards)", options.offload_params),
-            (f"device_share is {options.device_share}, not 0", bool(options.device_share)),
+            (f"device_share is {options.device_share}, not 0", options.device_share not in (0, "auto")),
         )
         if fails
     ]

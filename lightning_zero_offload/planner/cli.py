@@ -109,8 +109,8 @@ def parser() -> argparse.ArgumentParser:
         "--device-share",
         type=_share,
         default=0.0,
-        help='with --offload-params: the fraction of the parameters whose units stay on the device, or "auto" '
-        "(the strategy's choice with this machine's device memory free)",
+        help="the fraction of the parameters whose units (with --offload-params) or last buckets stay on the device, "
+        "or with --offload-params \"auto\" (the strategy's choice with this machine's device memory free)",
     )
     p.add_argument(
         "--configure-model",

@@ -18,16 +18,16 @@ estimated), which a run can pass as a number.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_zero_offload.engine.infra.collectives import all_reduce_sum
+from lightning_zero_offload.engine.infra.collectives import least_over_ranks
 from lightning_zero_offload.engine.offload_params.placement import device_resident
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
+from lightning_zero_offload.engine.step.device_share import AUTO_ACTIVATION_RESERVE, ShareChoice
 from lightning_zero_offload.planner.machine import GB, Machine, format_gb, probes
 from lightning_zero_offload.planner.memory import DEVICE_CONTEXT_BYTES
 from lightning_zero_offload.planner.offload_params import (
@@ -39,18 +39,6 @@ from lightning_zero_offload.planner.offload_params import (
 from lightning_zero_offload.planner.preflight import resident_bytes
 from lightning_zero_offload.planner.shape import ModelShape
 from lightning_zero_offload.planner.verdicts import SETUP_BY_BLOCKS, SETUP_WHOLE, host_checks
-
-AUTO_ACTIVATION_RESERVE = 0.2  # of the device memory free at setup beyond FSDP2's buffers: never the share's
-
-
-@dataclass(frozen=True)
-class ShareChoice:
-    """What "auto" chose: the fraction to shard with (whole units within it), the parameters it puts on the
-    device, and why, in the words the run's summary prints."""
-
-    share: float
-    params: int
-    why: str
 
 
 def choose_device_share(
@@ -159,6 +147,12 @@ def planned_share(
     empty but for the runtime, its host memory all available); other options as they are, and no choice."""
     if options.device_share != "auto":
         return options, None
+    if not options.offload_params:  # the ZeRO-2 mode chooses from the first step's measurements
+        why = (
+            "auto: chosen after the first step, from its backward and CPU step times and the device memory its peak "
+            "left (planned here as none; --device-share F plans a fraction)"
+        )
+        return replace(options, device_share=0.0), ShareChoice(0.0, 0, why)
     device_free = None
     if machine.device_type != "cpu" and machine.device_memory_gb is not None:
         device_free = int(machine.device_memory_gb * GB) - DEVICE_CONTEXT_BYTES
@@ -174,12 +168,3 @@ def planned_share(
         resident=0 if shape.configure_model else shape.built_bytes,
     )
     return replace(options, device_share=choice.share), choice
-
-
-def least_over_ranks(values: list[int], world_size: int, device: torch.device) -> list[int]:
-    """Each of ``values``, the least any rank has (one all-reduce of a rank-by-value table; none at one rank)."""
-    if world_size == 1:
-        return values
-    table = torch.zeros(world_size, len(values), dtype=torch.float64)
-    table[dist.get_rank()] = torch.tensor(values, dtype=torch.float64)
-    return [int(v) for v in all_reduce_sum(table, None, device).min(dim=0).values]

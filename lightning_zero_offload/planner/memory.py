@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_zero_offload.engine.options import Resolved
+from lightning_zero_offload.kernels.device import BF16_STATE_CHUNK, BF16_STATE_SCRATCH_BYTES
 from lightning_zero_offload.planner.shape import LayoutSummary
 
 SCHEDULES = ("sync", "speculative", "delayed")
@@ -161,7 +162,8 @@ def host_memory(
     and each checkpoint format's save. ``config`` is what the engine runs with
     (:func:`~lightning_zero_offload.engine.options.resolve`: the schedule, in place or not, the rollback,
     the state's dtype)."""
-    shard, element = layout.shard_numel, dtype.itemsize
+    # The device share (ZeRO-2: the last buckets) keeps its state on the device: the host's buffers hold the rest.
+    shard, element = layout.host_shard_numel, dtype.itemsize
     max_shard, max_bucket = layout.max_shard, layout.max_bucket
     state = config.state_dtype.itemsize  # master, moments and every gradient buffer (engine/step/cpu_state.py)
     # The updates write a low-precision copy to publish, unless the master has the device's dtype already
@@ -170,6 +172,12 @@ def host_memory(
     pin, schedule = config.pin_memory, config.cpu_step
     module = 4 * params if module_bytes is None else module_bytes
     saves = {f: checkpoint_save_bytes(params, f, layout.world_size, config.state_dtype) for f in CHECKPOINT_FORMATS}
+    # A save copies the device share's master and moments to the host (a full one at one rank, which otherwise
+    # writes views; a sharded one, whose host part is written as it is).
+    share_copy = 3 * state * layout.device_shard_numel
+    saves["sharded"] += share_copy
+    if layout.world_size == 1:
+        saves["full"] += share_copy
     if config.in_place:
         # In place (engine/step/in_place.py, fp32 state only): the parameters are the master; gradients are
         # autograd's own tensors.
@@ -210,7 +218,8 @@ def host_memory(
     if device_type == "cpu":  # the "device" is host memory too
         buffers["device_params"] = layout.flat_numel * element
         buffers["device_grad_buckets"] = 2 * max_bucket * element
-        first += buffers["device_params"]
+        buffers["device_share"] = 4 * state * layout.device_shard_numel
+        first += buffers["device_params"] + buffers["device_share"]
     if not pin:
         pinned = 0
     per_rank = sum(buffers.values())
@@ -226,11 +235,21 @@ def host_memory(
     )
 
 
-def device_memory(layout: LayoutSummary, dtype: torch.dtype) -> dict[str, int]:
-    """Device bytes of the model states (activations are the model's own and not included)."""
+def device_memory(
+    layout: LayoutSummary, dtype: torch.dtype, state_dtype: torch.dtype = torch.float32
+) -> dict[str, int]:
+    """Device bytes of the model states (activations are the model's own and not included); with a device share,
+    its master, moments and gradient buffer, and the scratch of its step (kernels/device.py: the bf16 state's
+    pass over at most BF16_STATE_CHUNK elements; fp32, an fp32 copy of one run's gradient)."""
     element = dtype.itemsize
     max_bucket, max_shard = layout.max_bucket, layout.max_shard
     states = {"params": layout.flat_numel * element, "grad_buckets": 2 * max_bucket * element}
     if layout.world_size > 1:
         states["collective_chunks"] = 2 * max_shard * element  # reduce-scatter out, all-gather in
+    if layout.device_shard_numel:
+        states["device_share"] = 4 * state_dtype.itemsize * layout.device_shard_numel
+        window = layout.device_max_shard
+        compact = state_dtype == torch.bfloat16
+        scratch = BF16_STATE_SCRATCH_BYTES * min(BF16_STATE_CHUNK, window) if compact else 4 * window
+        states["device_share_step"] = scratch
     return states

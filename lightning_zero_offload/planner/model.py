@@ -147,7 +147,8 @@ def plan(
     params_offload = None
     if units is None:
         steps = {
-            s: step_time(layout, dtype, s, machine, threads, devices, flops, micro, state_dtype) for s in SCHEDULES
+            s: step_time(layout, dtype, s, machine, threads, devices, flops, micro, state_dtype)
+            for s in memory.schedules
         }
     else:
         steps = {
@@ -278,7 +279,8 @@ def recommend(
             )
             best[schedule] = (step.total, None)
     else:
-        layouts = {mb: layout_summary(shape, mb, dtype, world) for mb in BUCKET_CHOICES_MB}
+        share = options.fixed_device_share
+        layouts = {mb: layout_summary(shape, mb, dtype, world, share) for mb in BUCKET_CHOICES_MB}
         best = {}
         for schedule in [s for s in SCHEDULES if s in allowed]:
             totals = []

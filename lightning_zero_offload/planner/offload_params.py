@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_zero_offload.engine.options import Resolved
+from lightning_zero_offload.engine.step.layout import count_within_share
 from lightning_zero_offload.kernels.device import BF16_STATE_CHUNK, BF16_STATE_SCRATCH_BYTES
 from lightning_zero_offload.planner.memory import HostMemory
 from lightning_zero_offload.planner.shape import DEFAULT_N_LAYER, ModelShape
@@ -108,11 +109,8 @@ def fsdp_units(shape: ModelShape, n_layer: int | None, world: int) -> FsdpUnits:
 def device_fraction(units: FsdpUnits, device_share: float) -> float:
     """The fraction of the parameters ``device_share`` keeps on the device: placement.device_units' rule (the
     root's own parameters, then whole units in module order, while they stay within the share)."""
-    budget, taken = device_share * units.params, 0
-    for size in (units.root_params, *units.unit_sizes):
-        if taken + size > budget:
-            break
-        taken += size
+    sizes = (units.root_params, *units.unit_sizes)
+    taken = sum(sizes[: count_within_share(sizes, device_share)])
     return taken / units.params if units.params else 0.0
 
 

@@ -61,8 +61,9 @@ def check_host_memory(
     if os.environ.get(SKIP_CHECK_ENV, "") not in ("", "0"):
         return
     shape = ModelShape.of(model)
-    layout = layout_summary(shape, options.bucket_size_mb, param_dtype, world_size)
     config = resolve(options, device, param_dtype, world_size, local_world_size)  # what the engine will run
+    zero2_share = 0.0 if options.offload_params else config.device_share  # the last buckets' state on the device
+    layout = layout_summary(shape, options.bucket_size_mb, param_dtype, world_size, zero2_share)
     schedule = config.cpu_step
     resident = resident_bytes(model)
     need, setup, shard = _host_need(config, shape, layout, param_dtype, local_world_size, device, resident, blockwise)

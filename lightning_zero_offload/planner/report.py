@@ -49,7 +49,8 @@ class Plan:
 
     @property
     def schedules(self) -> tuple[str, ...]:
-        """The schedules planned: all three, or with offload_params the exact ones (delayed is refused)."""
+        """The schedules planned: all three, or with offload_params or a device share the exact ones (delayed is
+        refused)."""
         return tuple(self.steps)
 
     @property
@@ -156,6 +157,8 @@ def format_plan(p: Plan) -> str:
             lines.append(
                 "  (cpu_step='delayed' does not apply: FSDP2 gathers the master itself, there is no older copy)"
             )
+        elif "delayed" not in p.schedules:
+            lines.append("  (cpu_step='delayed' does not take a device_share: it updates the master one step behind)")
         elif r["delayed_step_s"] is not None:
             lines.append(
                 f"  (cpu_step='delayed' would take {_ms(r['delayed_step_s'])} ms, {r['delayed_speedup']:.2f}x, "

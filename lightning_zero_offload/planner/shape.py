@@ -10,7 +10,8 @@ from torch import nn
 
 from lightning_zero_offload.engine.offload_params.placement import find_units
 from lightning_zero_offload.engine.options import OffloadOptions
-from lightning_zero_offload.engine.step.layout import Layout, build_layout
+from lightning_zero_offload.engine.step.cpu_state import first_device_bucket
+from lightning_zero_offload.engine.step.layout import Layout, build_layout, count_within_share
 
 
 @dataclass
@@ -189,9 +190,17 @@ class LayoutSummary:
     buckets: int
     max_bucket: int  # padded elements of the largest bucket
     max_shard: int  # this rank's chunk of it
+    device_shard_numel: int = 0  # of shard_numel, the device share's (its state on the device)
+    device_max_shard: int = 0  # this rank's chunk of the device share's largest bucket
+
+    @property
+    def host_shard_numel(self) -> int:
+        """This rank's elements whose state is on the host."""
+        return self.shard_numel - self.device_shard_numel
 
     @classmethod
-    def of(cls, layout: Layout) -> LayoutSummary:
+    def of(cls, layout: Layout, device_share: float = 0.0) -> LayoutSummary:
+        on_device = layout.buckets[first_device_bucket(layout, device_share) :]
         return cls(
             layout.world_size,
             layout.shard_numel,
@@ -199,16 +208,33 @@ class LayoutSummary:
             len(layout.buckets),
             max(b.padded_numel for b in layout.buckets),
             max(b.shard_numel for b in layout.buckets),
+            sum(b.shard_numel for b in on_device),
+            max((b.shard_numel for b in on_device), default=0),
         )
 
 
-def layout_summary(shape: ModelShape, bucket_size_mb: float, dtype: torch.dtype, world: int) -> LayoutSummary:
-    """The layout the engine would build for ``shape`` (a bare count: buckets of exactly the bucket size)."""
+def layout_summary(
+    shape: ModelShape, bucket_size_mb: float, dtype: torch.dtype, world: int, device_share: float = 0.0
+) -> LayoutSummary:
+    """The layout the engine would build for ``shape`` (a bare count: buckets of exactly the bucket size, the
+    remainder last), and the ZeRO-2 device share's part of it."""
     bucket_numel = OffloadOptions(bucket_size_mb=bucket_size_mb).bucket_numel(dtype.itemsize)
     if shape.shapes is None:  # a bare parameter count: buckets of exactly the bucket size
         full, rest = divmod(shape.params, bucket_numel)
         padded, padded_rest = (-(-n // world) * world for n in (bucket_numel, rest))
         flat = full * padded + padded_rest
         largest = padded if full else padded_rest
-        return LayoutSummary(world, flat // world, flat, full + (rest > 0), largest, largest // world)
-    return LayoutSummary.of(build_layout(shape.shapes, bucket_numel, world, 0))
+        numels = [bucket_numel] * full + ([rest] if rest else [])
+        kept = count_within_share(numels[::-1], device_share)  # the last buckets, whole
+        padded_kept = [-(-n // world) * world for n in numels[len(numels) - kept :]]
+        return LayoutSummary(
+            world,
+            flat // world,
+            flat,
+            len(numels),
+            largest,
+            largest // world,
+            sum(padded_kept) // world,
+            max(padded_kept, default=0) // world,
+        )
+    return LayoutSummary.of(build_layout(shape.shapes, bucket_numel, world, 0), device_share)

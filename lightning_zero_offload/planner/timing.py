@@ -40,7 +40,8 @@ def step_time(
     """One optimizer step's time under ``schedule`` (see docs/planning.md for the model). ``state_dtype``:
     the CPU state's; the Adam step and the gradient buffer move bytes of its size (bf16 state: half of fp32's,
     at the efficiency measured for its own kernel)."""
-    shard, element, world = layout.shard_numel, dtype.itemsize, layout.world_size
+    # The device share's gradients stay on the device and its step runs there (at device bandwidth: left out).
+    shard, element, world = layout.host_shard_numel, dtype.itemsize, layout.world_size
     state = state_dtype.itemsize
     buckets = layout.buckets
     bandwidth = m.rank_bandwidth(threads, ranks_per_node)

@@ -101,7 +101,8 @@ class Evaluation:
 
     @property
     def schedules(self) -> tuple[str, ...]:
-        """The schedules evaluated: all three, or with offload_params the exact ones (delayed is refused)."""
+        """The schedules evaluated: all three, or with offload_params or a device share the exact ones (delayed is
+        refused)."""
         return tuple(self.resolved)
 
 
@@ -132,8 +133,10 @@ def evaluate(
     checkpointing: bool,
 ) -> Evaluation:
     world = devices * num_nodes
-    layout = layout_summary(shape, options.bucket_size_mb, dtype, world)
-    schedules = EXACT_SCHEDULES if options.offload_params else SCHEDULES
+    zero2_share = 0.0 if options.offload_params else options.fixed_device_share  # the last buckets on the device
+    layout = layout_summary(shape, options.bucket_size_mb, dtype, world, zero2_share)
+    # cpu_step="delayed" takes neither parameter offload nor a device share
+    schedules = EXACT_SCHEDULES if options.offload_params or zero2_share else SCHEDULES
     configs = {s: resolve_for(schedule_options(options, s), machine, dtype, world, devices) for s in schedules}
     units = None
     setup = SETUP
@@ -164,11 +167,11 @@ def evaluate(
             for s in schedules
         }
         setup = SETUP_BY_BLOCKS if shape.configure_model else SETUP
-        states = device_memory(layout, dtype)
+        states = device_memory(layout, dtype, configs["sync"].state_dtype)
         # Frozen parameters go to the device as they are (fp32 assumed); activations come on top.
         once = sum(states.values()) + 4 * shape.frozen  # allocated once
         cycled = 0
-        held = "model states"
+        held = "model states" + (" + device share" if zero2_share else "")
     activations = None
     if n_layer:
         activations = activation_estimate(batch_size, seq_len, shape.hidden, n_layer, dtype, checkpointing)

@@ -144,9 +144,6 @@ def format_summary(session: OffloadSession | ParamOffloadSession, totals: dict[s
                 f"  device share: {shared:,} parameters ({shared / n:.0%}) "
                 f"keep shards, gradients and state on the device and step there ({kept / 2**20:.1f} MiB on this rank)"
             )
-        choice = getattr(session, "share_choice", None)
-        if choice is not None and choice.why:
-            lines.append(f"  device_share={choice.why}")
     elif resolved.in_place:
         lines.append(
             f"  in place on the CPU (nothing to offload): the parameters are the fp32 master weights, "
@@ -173,6 +170,10 @@ def format_summary(session: OffloadSession | ParamOffloadSession, totals: dict[s
                 f"moments and gradients on the device and step there "
                 f"({report['device_state_bytes'] / 2**20:.1f} MiB on this rank)"
             )
+    # device_share="auto": the parameter-offload session's choice at setup, the ZeRO-2 engine's after a step
+    choice = getattr(session, "share_choice", None) or getattr(session.engine, "share_choice", None)
+    if choice is not None and choice.why:
+        lines.append(f"  device_share={choice.why}")
     if steps:
         per = {k: 1e3 * v / steps for k, v in totals.items()}
         hidden = 100 * hidden_fraction(totals["transfer"], totals["transfer_wait"])

@@ -116,8 +116,8 @@ def test_the_engine_fires_every_hook_once_per_step_around_the_update(path, recor
     engine = OffloadEngine(two_groups(net), CPU, dtype, options(**engine_options))
     recorder = recorder_for(engine.optimizer)
     seen: list[tuple[str, torch.Tensor]] = []  # the master weights each hook saw
-    engine.optimizer.register_step_pre_hook(lambda *args: seen.append(("pre", engine.master.to_host().clone())))
-    engine.optimizer.register_step_post_hook(lambda *args: seen.append(("post", engine.master.to_host().clone())))
+    engine.optimizer.register_step_pre_hook(lambda *args: seen.append(("pre", engine.master.host.clone())))
+    engine.optimizer.register_step_post_hook(lambda *args: seen.append(("post", engine.master.host.clone())))
     for batch in batches(4):
         drive(engine, net, batch, speculative=name == "offload-speculative")
     engine.sync()

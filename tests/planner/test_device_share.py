@@ -9,12 +9,14 @@ import lightning as L
 import pytest
 import torch
 from helpers import QUIET, BlockRegression, block_data
+from planner_helpers import H200_BOX
 from torch import nn
 
 from lightning_zero_offload import ZeroOffloadStrategy
 from lightning_zero_offload.core import release_process_group
 from lightning_zero_offload.engine import OffloadOptions
 from lightning_zero_offload.engine.options import resolve
+from lightning_zero_offload.planner import plan
 from lightning_zero_offload.planner.device_share import AUTO_ACTIVATION_RESERVE, choose_device_share
 from lightning_zero_offload.planner.offload_params import device_memory_params, fsdp_units, host_memory_params
 from lightning_zero_offload.planner.shape import ModelShape
@@ -105,11 +107,15 @@ def test_a_run_with_auto_on_the_cpu_device_says_what_it_chose():
         release_process_group()
 
 
-def test_auto_is_refused_where_there_is_nothing_to_share():
-    with pytest.raises(ValueError, match="the ZeRO-2 buckets take a fixed share so far: give the fraction"):
-        OffloadOptions(device_share="auto")
+def test_auto_is_a_number_only_once_chosen():
+    """The parameter-offload mode chooses at setup (resolving "auto" before is refused); the ZeRO-2 mode starts with
+    none and chooses after the first step (engine/step/device_share.py), which the planner says."""
     with pytest.raises(ValueError, match="chosen when the model is sharded"):
         resolve(SYNC, GPU, torch.bfloat16)
+    zero2 = OffloadOptions(device_share="auto")
+    assert resolve(zero2, GPU, torch.bfloat16).device_share == 0.0
+    planned = plan(10**6, batch_size=1, seq_len=8, device_share="auto", machine=H200_BOX)
+    assert any("chosen after the first step" in note for note in planned.notes)
 
 
 def test_every_unit_on_the_device_is_a_share_of_at_most_one():

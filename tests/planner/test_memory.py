@@ -15,8 +15,8 @@ from lightning_zero_offload.planner import (
     plan,
     with_rates,
 )
-from lightning_zero_offload.planner.memory import DEVICE_CONTEXT_BYTES, host_memory
-from lightning_zero_offload.planner.shape import LayoutSummary, ModelShape
+from lightning_zero_offload.planner.memory import DEVICE_CONTEXT_BYTES, device_memory, host_memory
+from lightning_zero_offload.planner.shape import LayoutSummary, ModelShape, layout_summary
 
 
 @pytest.mark.parametrize("cpu_state", ["fp32", "bf16"])
@@ -211,3 +211,31 @@ def test_the_save_peak_is_one_constant(monkeypatch):
     before = h200("1.3B").host["sync"].save_per_node("full")
     monkeypatch.setitem(planner_memory.CHECKPOINT_SAVE_BYTES_PER_PARAM, "full", (8, 12))  # a save with a copy
     assert h200("1.3B").host["sync"].save_per_node("full") == pytest.approx(before + 8 * 1.3e9)
+
+
+@pytest.mark.parametrize("cpu_state", ["fp32", "bf16"])
+@pytest.mark.parametrize("schedule", ["sync", "speculative"])
+def test_a_device_share_of_the_buckets_is_planned_as_the_engine_allocates_it(schedule, cpu_state):
+    """The ZeRO-2 share: the host's state shrinks by the last buckets', the device holds it (the CPU device's
+    ledger tells the two apart), and a save copies its master and moments to the host."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(6)))  # a bucket each
+    share = {"device_share": 0.5, "in_place_on_cpu": False}  # the offload data path on the CPU device
+    options = make_offload_options(bucket_size_mb=0.01, cpu_threads=1, cpu_step=schedule, cpu_state=cpu_state, **share)
+    engine = OffloadEngine(torch.optim.AdamW(model.parameters()), torch.device("cpu"), torch.bfloat16, options)
+    try:
+        params = sum(p.numel() for p in model.parameters())
+        layout = LayoutSummary.of(engine.layout, 0.5)
+        predicted = host_memory(layout, torch.bfloat16, engine.resolved, 1, "cpu", params)
+        report = engine.memory_report()
+        assert 0 < layout.device_shard_numel == report["device_share_params"] < params / 2 + 1
+        assert predicted.state_per_rank == report["host_state_bytes"]
+        states = device_memory(layout, torch.bfloat16, engine.state.dtype)
+        assert states["device_share"] == report["device_state_bytes"] == predicted.per_rank["device_share"]
+        share_copy = 3 * engine.state.dtype.itemsize * layout.device_shard_numel
+        assert predicted.checkpoint_save_per_rank == {"full": share_copy, "sharded": share_copy}
+        # a bare parameter count: the same rule, whole buckets from the last
+        bare = layout_summary(ModelShape(None, params, (), 8, params), 0.01, torch.bfloat16, 1, 0.5)
+        assert 0 < bare.device_shard_numel <= params / 2 and bare.host_shard_numel + bare.device_shard_numel == params
+    finally:
+        engine.close()

@@ -167,3 +167,9 @@ def test_zero2_buckets_take_a_share_and_checkpoints_move_between_shares(cpu_stat
     assert same(resumed[0.5, 0.0], resumed[0.0, 0.0], cpu_state) and same(
         resumed[0.0, 1.0], resumed[0.0, 0.0], cpu_state
     )
+
+
+def test_zero2_auto_says_what_it_chose_after_the_first_step(tmp_path):
+    _, trainer = zero2_fit("auto", "fp32", tmp_path, max_steps=2)
+    assert trainer.strategy.session.engine.share_choice.share == 0.0
+    assert "device_share=auto: none, a CPU device is host memory" in format_summary(trainer.strategy.session, {}, 0)

@@ -61,6 +61,6 @@ def ledger_at_two_ranks(rank: int) -> list[tuple]:
 
 def least_memory_over_ranks(rank: int) -> list[int]:
     """``device_share="auto"``'s agreement: each rank's own numbers in, the least of each out, on every rank."""
-    from lightning_zero_offload.planner.device_share import least_over_ranks
+    from lightning_zero_offload.engine.infra.collectives import least_over_ranks
 
     return least_over_ranks([2**40 + rank, 7 * 2**30 - rank], 2, torch.device("cpu"))

@@ -102,3 +102,12 @@ def abandon_process_group() -> None:
         except Exception:  # noqa: BLE001 - destroying the group is the fallback
             pass
     dist.destroy_process_group()
+
+
+def least_over_ranks(values: list[int], world_size: int, device: torch.device) -> list[int]:
+    """Each of ``values``, the least any rank has (one all-reduce of a rank-by-value table; none at one rank)."""
+    if world_size == 1:
+        return values
+    table = torch.zeros(world_size, len(values), dtype=torch.float64)
+    table[dist.get_rank()] = torch.tensor(values, dtype=torch.float64)
+    return [int(v) for v in all_reduce_sum(table, None, device).min(dim=0).values]

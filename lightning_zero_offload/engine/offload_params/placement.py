@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from lightning_zero_offload.engine.offload_params.materialize import InitFn, keeps_shards_on_host, materialize
+from lightning_zero_offload.engine.step.layout import count_within_share
 
 GIB = 2**30
 
@@ -129,14 +130,8 @@ def device_units(module: nn.Module, units: list[nn.Module], device_share: float)
     in_units = {id(p) for unit in units for p in unit.parameters()}
     sizes = [(module, sum(p.numel() for p in module.parameters() if id(p) not in in_units))]
     sizes += [(unit, _count(unit)) for unit in units]
-    budget, taken, chosen = device_share * sum(size for _, size in sizes), 0, []
-    for unit, size in sizes:
-        if taken + size > budget:
-            break
-        taken += size
-        if size:  # a root without parameters of its own has nothing to keep anywhere
-            chosen.append(unit)
-    return chosen
+    chosen = sizes[: count_within_share([size for _, size in sizes], device_share)]
+    return [unit for unit, size in chosen if size]  # a root without parameters of its own keeps nothing anywhere
 
 
 def holds_share(module: nn.Module, device_share: float) -> bool:

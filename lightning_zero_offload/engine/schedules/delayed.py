@@ -341,7 +341,7 @@ class DelayedSchedule(Schedule):
             if self.next_from_checkpoint:
                 load_shard(self.parts.layout, self.next_params, pending["next_params"])
             else:
-                self.next_params.copy_(self.parts.state.master.to_host())  # no device share with delayed
+                self.next_params.copy_(self.parts.state.master.host)  # the whole shard: no device share with delayed
         # What the device holds, kept as a run that saved here keeps it (writes before the next step merge).
         load_shard(self.parts.layout, self.spare_grad, pending["device_params"])
         self.parts.publisher.writes.record_all()  # the engine's own write: the device holds the stale weights again

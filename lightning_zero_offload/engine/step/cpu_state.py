@@ -35,22 +35,20 @@ from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.infra.collectives import broadcast_tensors_
 from lightning_zero_offload.engine.infra.memory import device_zeros, host_zeros
 from lightning_zero_offload.engine.options import STATE_DTYPES
-from lightning_zero_offload.engine.step.layout import Bucket, Layout
+from lightning_zero_offload.engine.step.layout import Bucket, Layout, count_within_share
 from lightning_zero_offload.kernels import device as device_kernels
 
 STATE_NAMES = {dtype: name for name, dtype in STATE_DTYPES.items()}  # the cpu_state option's name of each dtype
+# A sharded checkpoint's key suffix for a state buffer's device part (saved apart: no copy of the host's part).
+DEVICE_PART = "@device"
 
 
 def first_device_bucket(layout: Layout, share: float) -> int:
     """The first of the buckets whose state stays on the device with ``device_share=share``: the last buckets
     (layout order is reverse registration, so their gradients arrive last), whole, as many as hold at most
     ``share`` of the trainable elements. ``len(layout.buckets)``: none."""
-    budget = share * sum(bucket.numel for bucket in layout.buckets)
-    first, held = len(layout.buckets), 0
-    while first > 0 and held + layout.buckets[first - 1].numel <= budget:
-        first -= 1
-        held += layout.buckets[first].numel
-    return first
+    numels = [bucket.numel for bucket in reversed(layout.buckets)]
+    return len(numels) - count_within_share(numels, share)
 
 
 class ShardBuffer:
@@ -82,12 +80,6 @@ class ShardBuffer:
         for part in self.parts:
             part.zero_()
         return self
-
-    def to_host(self) -> torch.Tensor:
-        """The whole shard in one host tensor: the host part itself without a device share, else a copy."""
-        if not self.device_part.numel():
-            return self.host
-        return torch.cat([self.host, self.device_part.cpu()])
 
 
 class CpuState:

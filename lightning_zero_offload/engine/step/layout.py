@@ -159,3 +159,14 @@ def _segments(bucket: Bucket, slots: Sequence[ParamSlot | None], rank: int) -> l
                 )
             )
     return segments
+
+
+def count_within_share(sizes: Sequence[int], share: float) -> int:
+    """How many of ``sizes``, taken in order, hold at most ``share`` of their sum: the device share's rule for
+    ZeRO-2 buckets and FSDP2 units alike (each given in the order its gradients arrive last), whole ones only."""
+    budget, taken = share * sum(sizes), 0
+    for count, size in enumerate(sizes):
+        if taken + size > budget:
+            return count
+        taken += size
+    return len(sizes)

@@ -9,6 +9,7 @@ from engine_helpers import CPU, batches, loss_fn, make_net, options, two_groups
 
 from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.engine.step.cpu_state import ShardBuffer, first_device_bucket
+from lightning_zero_offload.engine.step.device_share import ShareChoice, choose_bucket_share, exposed_after_backward
 from lightning_zero_offload.engine.step.layout import build_layout
 from lightning_zero_offload.testing.ranks import run_ranks
 
@@ -157,3 +158,57 @@ def test_a_share_trains_as_none_at_two_ranks(cpu_state, tmp_path):
     got = run_ranks(partial(share_at_rank, share=0.5, cpu_state=cpu_state), 2, tmp_path / "half")
     for (weights, state), (want_weights, want_state) in zip(got, want):
         assert close(weights, want_weights, cpu_state) and close(state, want_state, cpu_state)
+
+
+def test_auto_keeps_the_bucket_whose_step_no_backward_is_left_to_hide():
+    """A tied embedding's bucket (the largest, its gradient last): with it on the host the step ends half a step
+    after backward; with it on the device the rest ends within backward."""
+    shards = [10, 10, 10, 10, 40]
+    rate = 1 / 80  # the whole step takes as long as backward
+    assert exposed_after_backward(shards, 5, 1.0, rate) == pytest.approx(0.5)
+    assert exposed_after_backward(shards, 4, 1.0, rate) == 0.0
+    choice = choose_bucket_share(shards, shards, 1.0, rate, 16, device_room=10**6, speculative=True)
+    assert choice.params == 40 and 0.5 <= choice.share < 0.51 and "fewest last buckets (1)" in choice.why
+    # the fraction chosen keeps the same bucket when the engine lays it out
+    layout = build_layout([torch.Size([n]) for n in reversed(shards)], bucket_numel=10)
+    assert first_device_bucket(layout, choice.share) == 4
+
+
+def test_auto_stays_within_the_room_and_takes_the_most_it_can_where_the_target_is_out_of_reach():
+    shards = [10, 10, 10, 10, 40]
+    none = choose_bucket_share(shards, shards, 1.0, 1 / 80, 16, device_room=16 * 40 - 1, speculative=True)
+    assert none.share == 0.0 and "(0 buckets)" in none.why
+    sync = choose_bucket_share(shards, shards, 1.0, 1 / 80, 16, device_room=16 * 60, speculative=False)
+    assert sync.params == 60 and "cpu_step='sync' steps every host bucket after backward" in sync.why
+
+
+def test_auto_on_a_cpu_device_keeps_nothing_and_says_why():
+    _, engine = train("auto", steps=2)
+    assert engine.share_choice is not None and engine.share_choice.share == 0.0
+    assert "a CPU device is host memory" in engine.share_choice.why
+    assert engine.state.device_share_numel == 0
+
+
+def test_auto_re_plans_after_the_first_step_and_trains_as_none(monkeypatch):
+    """What an accelerator's "auto" does, with the choice given: after the first step the engine re-plans with the
+    share, and the run goes on as without one."""
+    from lightning_zero_offload.engine import lifecycle
+
+    chosen = []
+
+    def pretend(layout, state, first_step, speculative, device):
+        assert (
+            first_step.backward_s > 0
+            and first_step.cpu_step_s > 0
+            and speculative
+            and state.split == state.layout.shard_numel
+        )
+        chosen.append(ShareChoice(0.5, 0, "auto: as an accelerator might"))
+        return chosen[-1]
+
+    monkeypatch.setattr(lifecycle, "auto_bucket_share", pretend)
+    _, want = train(0.0, cpu_step="speculative")
+    _, got = train("auto", cpu_step="speculative")
+    assert len(chosen) == 1 and got.share_choice is chosen[0]
+    assert 0 < got.state.device_share_numel <= 0.5 * sum(b.numel for b in got.layout.buckets)
+    assert close(got.master_params(), want.master_params(), "fp32") and close(moments(got), moments(want), "fp32")

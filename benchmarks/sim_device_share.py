@@ -1,0 +1,354 @@
+"""The ZeRO-2 mode's device share on the simulated accelerator, with a model whose embedding's gradient arrives last.
+
+The model has a Hugging Face GPT-2's parameters (``GPT2Config()``, 124M: the shapes read from ``GPT2LMHeadModel``
+built on the meta device), grouped into the blocks its forward runs: the embeddings (``wte``, ``wpe``), each
+transformer layer, the final norm, and the output layer, **tied** (``wte`` used again, as GPT-2 has it) or
+**untied** (an ``lm_head`` of its own, registered last). Every block sleeps for its device time in forward and
+backward and hands back gradients of real size (benchmarks/sim_device.py's simulated device): the layers and the
+output layer in proportion to their parameters (their matmuls), the embedding lookup none. With tied weights the
+embedding's gradient is added at the output (first in backward) and at the input (last), so it is complete only
+when backward ends; untied, the output layer's arrives first and the embedding's still last. Either way the
+embedding, a third of the model, is one bucket of its own (a parameter is never split across buckets) whose CPU
+step nothing can hide behind backward.
+
+Configurations alternate fit by fit, round after round, each fit in a fresh interpreter (a model-sized state
+freed in a process is not all given back to the system, and the next fit's memory check then refuses it):
+``sync`` and ``speculative``, with no share and with the share ``device_share="auto"`` chooses on an accelerator
+after the first step (engine/step/device_share.py's rule, from this model's layout, its device backward time and
+the CPU step time calibrated first; the device's memory taken as ample: on the CPU device "auto" keeps nothing).
+The share's work is device time: its
+step and gradient norm (sim_device_params.py's :func:`simulate_device_steps`), its gradient accumulation and its
+cast into the device parameters asleep for the bytes they move at an H100's memory bandwidth, the host free
+meanwhile. Reported per configuration: the step time, the host time the device waited for (``exposed_ms``: the
+step time less the simulated device time), and the time from the end of the device's backward (the embedding
+block's, the last to run) to the end of the step (``after_backward_ms``: the last buckets' transfer and step,
+the validation, the copy-back), against one bucket's CPU step (``bucket_size_mb`` of the bf16 copy: the issue's
+bound on what may stay exposed).
+
+    python benchmarks/sim_device_share.py                 # tied and untied, 3 rounds (minutes)
+    python benchmarks/sim_device_share.py --quick         # a 4-layer model, one round: the logic only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sim_device import CLIP_QUIET, GRAD_NORM  # noqa: E402
+from sim_device_params import DEVICE_BANDWIDTH, simulate_device_steps  # noqa: E402
+
+from lightning_zero_offload import ZeroOffloadStrategy, kernels  # noqa: E402
+from lightning_zero_offload.engine.infra import memory  # noqa: E402
+from lightning_zero_offload.engine.step import cpu_state  # noqa: E402
+from lightning_zero_offload.engine.step.device_share import choose_bucket_share  # noqa: E402
+from lightning_zero_offload.engine.step.layout import build_layout  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+_GRADIENTS: dict[tuple[int, int], torch.Tensor] = {}  # (block, weight) -> its fixed gradient, once per process
+_BACKWARD_ENDS: list[float] = []  # when each step's device backward ended (the first block's, the last to run)
+
+
+class _SleepingBlock(torch.autograd.Function):
+    """Identity on the activations; the block's device time asleep; a fixed gradient for each weight."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, block: tuple[int, float, float, float], *weights: torch.Tensor):
+        ctx.block, ctx.shapes = block, [(w.shape, w.dtype) for w in weights]
+        time.sleep(block[1])
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):
+        index, _, backward_s, scale = ctx.block
+        time.sleep(backward_s)
+        if index == 0:
+            _BACKWARD_ENDS.append(time.perf_counter())
+        grads = []
+        for j, (shape, dtype) in enumerate(ctx.shapes):
+            if (index, j) not in _GRADIENTS:
+                generator = torch.Generator().manual_seed(1000 * index + j)
+                _GRADIENTS[index, j] = (torch.randn(shape, generator=generator) * scale).to(dtype)
+            grads.append(_GRADIENTS[index, j])
+        return (grad_out, None, *grads)
+
+
+def gpt2_shapes(n_layer: int) -> dict[str, torch.Size]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=n_layer))
+    return {name.removeprefix("transformer."): p.shape for name, p in model.named_parameters()}
+
+
+class SleepingGpt2(L.LightningModule):
+    """GPT-2's parameters in its registration order, its forward's blocks asleep for their device time."""
+
+    def __init__(self, n_layer: int, tied: bool) -> None:
+        super().__init__()
+        shapes = gpt2_shapes(n_layer)
+        self.n_layer, self.tied = n_layer, tied
+
+        def params(prefix: str | tuple[str, ...]) -> nn.ParameterList:
+            chosen = [s for name, s in shapes.items() if name.startswith(prefix)]
+            return nn.ParameterList(nn.Parameter(torch.full(s, 0.01)) for s in chosen)
+
+        self.embed = params(("wte.", "wpe."))
+        self.layers = nn.ModuleList(params(f"h.{i}.") for i in range(n_layer))
+        self.final = params("ln_f.")
+        self.head = None if tied else nn.Parameter(torch.full(shapes["wte.weight"], 0.01))
+        # (weights, share of the backward time) per block in forward order
+        head = [self.embed[0]] if tied else [self.head]
+        self.blocks = [(list(self.embed), 0.0)]
+        self.blocks += [(list(layer), 1.0) for layer in self.layers]
+        self.blocks += [(list(self.final), 0.0), (head, head[0].numel() / sum(p.numel() for p in self.layers[0]))]
+        n = sum(p.numel() for weights, _ in self.blocks for p in weights)
+        self.scale = GRAD_NORM / math.sqrt(n)
+        self.forward_s = self.backward_s = 0.0  # of one layer; the others in proportion
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x = batch[0]
+        for index, (weights, share) in enumerate(self.blocks):
+            block = (index, share * self.forward_s, share * self.backward_s, self.scale)
+            x = _SleepingBlock.apply(x, block, *weights)
+        return x.sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01)
+
+    def device_time_units(self) -> float:
+        """Backward time of the whole model in units of one layer's."""
+        return sum(share for _, share in self.blocks)
+
+
+def simulate_device_state_work() -> None:
+    """The device share's gradient accumulation and its cast into the device parameters as device time: asleep
+    for the bytes they move (on a CPU device both are host copies that a GPU would run from its own memory)."""
+    storages: set[int] = set()
+    allocate = cpu_state.device_zeros
+
+    def device_zeros(numel: int, dtype: torch.dtype, device: torch.device, kind: str, ledger: Any = None):
+        tensor = allocate(numel, dtype, device, kind, ledger)
+        storages.add(tensor.untyped_storage().data_ptr())
+        return tensor
+
+    def on_device(tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() in storages
+
+    accumulate = cpu_state.CpuState.accumulate_torch
+
+    def accumulate_torch(dst: torch.Tensor, src: torch.Tensor, scale: float, overwrite: bool) -> None:
+        if not on_device(dst):
+            return accumulate(dst, src, scale, overwrite)
+        time.sleep((2 * dst.nbytes + src.nbytes) / DEVICE_BANDWIDTH)
+
+    copy = memory.HostToDevice.copy
+
+    def host_to_device(self: memory.HostToDevice, target: torch.Tensor, source: torch.Tensor) -> None:
+        if not on_device(source):
+            return copy(self, target, source)
+        time.sleep((target.nbytes + source.nbytes) / DEVICE_BANDWIDTH)
+
+    cpu_state.device_zeros = device_zeros  # type: ignore[assignment]
+    cpu_state.CpuState.accumulate_torch = staticmethod(accumulate_torch)  # type: ignore[method-assign]
+    memory.HostToDevice.copy = host_to_device  # type: ignore[method-assign]
+
+
+class _StepClock(L.Callback):
+    """Wall time at the end of every training batch and the engine's statistics of that step."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+        self.stats: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self.ends.append(time.perf_counter())
+        self.stats.append({k: float(v) for k, v in asdict(trainer.strategy.engine.last).items()})
+
+
+def fit(n_layer: int, tied: bool, schedule: str, share: float, layer_s: tuple[float, float], steps: int, args):
+    model = SleepingGpt2(n_layer, tied)
+    model.forward_s, model.backward_s = layer_s
+    clock = _StepClock()
+    strategy = ZeroOffloadStrategy(
+        cpu_step=schedule, overlap=True, device_share=share, cpu_threads=args.cpu_threads, metrics=False
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="bf16-mixed",
+        strategy=strategy,
+        max_steps=steps,
+        gradient_clip_val=CLIP_QUIET,
+        callbacks=[clock],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        warnings.filterwarnings("ignore", ".*LeafSpec.*")
+        trainer.fit(model, DataLoader(TensorDataset(torch.zeros(steps, 1)), batch_size=1))
+    engine = trainer.strategy.engine
+    info = {"bucket_numel": engine.options.bucket_numel(2), "share_params": engine.state.device_share_numel}
+    return {"ends": clock.ends, "backward_ends": list(_BACKWARD_ENDS), "stats": clock.stats, "info": info}
+
+
+def fit_in_a_fresh_process(n_layer: int, tied: bool, schedule: str, share: float, layer_s, steps: int, args):
+    """:func:`fit` in a fresh interpreter (``--fit``), its result through a file."""
+    job = {"n_layer": n_layer, "tied": tied, "schedule": schedule, "share": share, "layer_s": layer_s, "steps": steps}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "fit.json"
+        command = [sys.executable, __file__, *sys.argv[1:], "--fit", json.dumps(job), "--fit-out", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            output = f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+            raise RuntimeError(f"the fit {job} failed (exit status {done.returncode}):\n{output}")
+        return json.loads(out.read_text())
+
+
+def one_fit(args: argparse.Namespace) -> None:
+    """The child of :func:`fit_in_a_fresh_process`."""
+    job = json.loads(args.fit)
+    simulate_device_steps()
+    simulate_device_state_work()
+    result = fit(job["n_layer"], job["tied"], job["schedule"], job["share"], tuple(job["layer_s"]), job["steps"], args)
+    Path(args.fit_out).write_text(json.dumps(result))
+
+
+def summarize(runs: list[dict[str, Any]], warmup: int, device_ms: float, cpu_ms_per_param: float):
+    times, rows, fit_medians, tails = [], [], [], []
+    for run in runs:
+        fit_times = [b - a for a, b in zip(run["ends"][warmup:], run["ends"][warmup + 1 :])]
+        times += fit_times
+        fit_medians.append(1e3 * statistics.median(fit_times))
+        rows += run["stats"][warmup + 1 :]
+        tails += [end - backward for backward, end in zip(run["backward_ends"], run["ends"])][warmup + 1 :]
+    info = runs[0]["info"]
+    out: dict[str, Any] = {"step_ms": 1e3 * statistics.median(times), "fit_median_step_ms": fit_medians}
+    out["exposed_ms"] = out["step_ms"] - device_ms
+    # from the device's backward end to the step's end: what no backward hid (the last buckets' transfer and
+    # step, the validation, the copy-back)
+    out["after_backward_ms"] = 1e3 * statistics.median(tails)
+    out["engine_step_ms"] = 1e3 * statistics.median(r["total_s"] for r in rows)  # the engine's step() alone
+    out["cpu_step_ms"] = 1e3 * statistics.median(r["cpu_step_s"] for r in rows)
+    out["speculated_fraction"] = statistics.median(r["speculated_fraction"] for r in rows)
+    out["share_params"] = info["share_params"]
+    out["one_bucket_step_ms"] = cpu_ms_per_param * info["bucket_numel"]
+    return out
+
+
+def auto_share(model: SleepingGpt2, backward_s: float, step_s_per_element: float) -> float:
+    """The share "auto" chooses for ``model``'s layout with the speculative step (engine/step/device_share.py)."""
+    bucket_numel = ZeroOffloadStrategy().options.bucket_numel(2)  # of the bf16 device copy
+    layout = build_layout([p.shape for p in model.parameters()], bucket_numel)
+    numels = [b.numel for b in layout.buckets]
+    return choose_bucket_share(numels, numels, backward_s, step_s_per_element, 16, 2**62, speculative=True).share
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a 4-layer model, one round: the logic only")
+    parser.add_argument("--layers", type=int, default=None, help="GPT-2 layers (default 12, quick: 4)")
+    parser.add_argument("--ratio", type=float, default=1.0, help="backward time / CPU step time of the model")
+    parser.add_argument("--forward-ratio", type=float, default=0.5, help="forward time / backward time")
+    parser.add_argument("--rounds", type=int, default=None, help="fits per configuration (default 3, quick: 1)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per fit (default 8, quick: 3)")
+    parser.add_argument("--warmup", type=int, default=4, help="unmeasured steps at the start of each fit")
+    parser.add_argument("--cpu-threads", type=int, default=None, help="CPU Adam threads (default: usable cores)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sim_device_share.json"))
+    parser.add_argument("--fit", help=argparse.SUPPRESS)  # the child's job (fit_in_a_fresh_process)
+    parser.add_argument("--fit-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.cpu_threads = args.cpu_threads or len(os.sched_getaffinity(0))
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    if args.fit:
+        one_fit(args)
+        return
+    n_layer = args.layers or (4 if args.quick else 12)
+    rounds = args.rounds or (1 if args.quick else 3)
+    steps = args.warmup + 1 + (args.steps or (3 if args.quick else 8))
+
+    # The CPU step of this machine with no device time (untied: the larger model), the unit of the device time.
+    calibration = fit_in_a_fresh_process(n_layer, False, "sync", 0.0, (0.0, 0.0), steps, args)
+    cpu_ms = 1e3 * statistics.median(r["cpu_step_s"] for r in calibration["stats"][args.warmup + 1 :])
+    params = sum(p.numel() for p in SleepingGpt2(n_layer, False).parameters())
+    backend = kernels.backend()
+    print(f"GPT-2 shapes, {n_layer} layers, untied {params / 1e6:.1f}M params: CPU step {cpu_ms:.1f} ms ({backend})")
+
+    models = []
+    for tied in (True, False):
+        model = SleepingGpt2(n_layer, tied)
+        n = sum(p.numel() for p in model.parameters())
+        layer_backward_s = args.ratio * cpu_ms * (n / params) / 1e3 / model.device_time_units()
+        layer_s = (args.forward_ratio * layer_backward_s, layer_backward_s)
+        device_ms = 1e3 * sum(layer_s) * model.device_time_units()
+        share = auto_share(model, layer_backward_s * model.device_time_units(), cpu_ms / 1e3 / params)
+        configs = [(s, f) for s in ("sync", "speculative") for f in (0.0, share)]
+        runs: dict[tuple[str, float], list] = {c: [] for c in configs}
+        for _ in range(rounds):
+            for schedule, fraction in configs:
+                result = fit_in_a_fresh_process(n_layer, tied, schedule, fraction, layer_s, steps, args)
+                runs[schedule, fraction].append(result)
+        per_param = cpu_ms / params
+        results = {f"{s}, share {f:.3f}": summarize(r, args.warmup, device_ms, per_param) for (s, f), r in runs.items()}
+        base = results["sync, share 0.000"]["step_ms"]
+        for r in results.values():
+            r["speedup_vs_sync_no_share"] = base / r["step_ms"]
+        sync_share = results[f"sync, share {share:.3f}"]["step_ms"]
+        results[f"speculative, share {share:.3f}"]["speedup_vs_sync_same_share"] = (
+            sync_share / results[f"speculative, share {share:.3f}"]["step_ms"]
+        )
+        models.append({"tied": tied, "params": n, "device_ms": device_ms, "share": share, "results": results})
+        print(f"\n{'tied' if tied else 'untied'}: {n / 1e6:.1f}M params, device time {device_ms:.1f} ms a step")
+        for name, r in results.items():
+            spread = "/".join(f"{t:.0f}" for t in r["fit_median_step_ms"])
+            print(
+                f"  {name:<26} step {r['step_ms']:7.1f} ms (fits {spread})  exposed {r['exposed_ms']:6.1f} ms  "
+                f"after backward {r['after_backward_ms']:6.1f} ms (a bucket's step {r['one_bucket_step_ms']:4.1f} ms)"
+                f"  x{r['speedup_vs_sync_no_share']:.2f} vs sync"
+            )
+
+    out = {
+        "machine": {
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "load_average_1_5_15min_at_end": os.getloadavg(),
+        },
+        "command": " ".join(["python", *sys.argv]),
+        "kernel_backend": kernels.backend(),
+        "cpu_threads": args.cpu_threads,
+        "device_bandwidth": DEVICE_BANDWIDTH,
+        "calibration_cpu_step_ms": cpu_ms,
+        "backward_over_cpu_step": args.ratio,
+        "rounds": rounds,
+        "measured_steps_per_fit": steps - args.warmup - 1,
+        "models": models,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
