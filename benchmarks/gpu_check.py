@@ -513,6 +513,34 @@ def check_device_step(device: torch.device, tiny: bool, results: Path) -> dict[s
     return {"ok": out["bf16_state_bitwise"] and out["fp32_within_rounding"], **out}
 
 
+def check_zero2_share(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
+    """The ZeRO-2 mode's device share on the GPU (the last buckets' state and step there): the same training as
+    without it (bf16 state bitwise, fp32 within rounding), sync and speculative; its device bytes; and what
+    device_share="auto" chooses after the first step on this GPU, and why."""
+    out: dict[str, Any] = {}
+    ok = True
+    buckets = {"bucket_size_mb": 0.05 if tiny else 4.0}  # several buckets on each side
+    for cpu_state in ("bf16", "fp32"):
+        for schedule in ("sync", "speculative"):
+            base = train(device, tiny, cpu_state=cpu_state, cpu_step=schedule, **buckets)
+            shared = train(device, tiny, cpu_state=cpu_state, cpu_step=schedule, device_share=0.5, **buckets)
+            report = shared["engine"].memory_report()
+            if cpu_state == "bf16":
+                agree = torch.equal(base["master"], shared["master"])
+            else:
+                agree = bool(torch.allclose(shared["master"], base["master"], rtol=1e-5, atol=1e-7))
+            diff = float((shared["master"] - base["master"]).abs().max())
+            key = f"{cpu_state},{schedule}"
+            out[key] = {"agrees": agree, "max_abs_diff": diff, "device_state_bytes": report["device_state_bytes"]}
+            out[key]["device_share_params"] = report["device_share_params"]
+            ok = ok and agree and report["device_share_params"] > 0
+    auto = train(device, tiny, cpu_step="speculative", device_share="auto")
+    choice = auto["engine"].share_choice
+    out["auto"] = {"share": choice.share, "params": choice.params, "why": choice.why} if choice else None
+    save_partial(results, "zero2_share", out)
+    return {"ok": ok and choice is not None, **out}
+
+
 def check_determinism(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
     """Bitwise the same weights and forward reads across overlap on/off, pinning on/off, tiny/default buckets."""
     runs = {}
@@ -1025,6 +1053,7 @@ CHECKS: dict[str, tuple[Callable[..., dict[str, Any]], int, dict[str, str]]] = {
     "offload_params": (check_offload_params, 70, {}),
     "device_step": (check_device_step, 15, {}),
     "throughput": (check_throughput, 180, {}),
+    "zero2_share": (check_zero2_share, 25, {}),
     "sanitizer": (check_sanitizer, 40, {"TORCH_CUDA_SANITIZER": "1"}),
     "determinism": (check_determinism, 35, {}),
     "compact_state": (check_compact_state, 25, {}),

@@ -141,11 +141,12 @@ class EngineLifecycle:
         self._replan()
 
     def choose_device_share(self) -> ShareChoice | None:
-        """``device_share="auto"``: after the first step that was not skipped, choose from what it measured
-        (engine/step/device_share.py) and re-plan with the choice; the choice, once made (None before)."""
-        if self.options.device_share != "auto" or self.share_choice is not None or self.step_calls < 1:
+        """``device_share="auto"``: after this engine's first step that was not skipped (a resumed run's step count
+        says nothing of this machine's times), choose from it (engine/step/device_share.py) and re-plan with the
+        choice; the choice, once made (None before)."""
+        if self.options.device_share != "auto" or self.share_choice is not None:
             return self.share_choice
-        if self.last.skipped or self._closed or self.failed:
+        if not self.last.total_s or self.last.skipped or self._closed or self.failed:
             return None
         speculative = self.cpu_step == "speculative"
         self.share_choice = choice = auto_bucket_share(self.layout, self.state, self.last, speculative, self.device)

@@ -299,3 +299,10 @@ def test_the_offload_params_check_runs_every_variant_on_the_cpu(tmp_path):
     rows = result["rows"]
     assert rows["offload_params, bf16 state, device_share 0.5"]["device_share_params"] > 0
     assert "a CPU device is host memory" in rows["offload_params, speculative, device_share auto"]["device_share_why"]
+
+
+@pytest.mark.slow  # nine training runs
+def test_the_zero2_share_check_runs_and_passes_on_the_cpu(tmp_path):
+    result = load_benchmark("gpu_check").check_zero2_share(torch.device("cpu"), True, tmp_path)
+    assert result["ok"], result
+    assert result["auto"]["share"] == 0.0 and "a CPU device is host memory" in result["auto"]["why"]
