@@ -95,7 +95,7 @@ def serve_full_save(engine: ShardedState, broadcast: Callable[[Any], Any], what:
 
 def _nbytes(registry: Placeholders, number: int) -> int:
     shard, _, numel = registry.sources[number]
-    return numel * shard.element_size()
+    return numel * shard.dtype.itemsize
 
 
 def _check_plan(engine: ShardedState, registry: Placeholders, order: list[int]) -> None:

@@ -24,7 +24,7 @@ from lightning_zero_offload.engine.options import OffloadOptions, Resolved
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import Schedule
 from lightning_zero_offload.engine.stats import StepStats
-from lightning_zero_offload.engine.step.cpu_state import DEVICE_PART, STATE_NAMES, CpuState, ParkedState
+from lightning_zero_offload.engine.step.cpu_state import DEVICE_PART, STATE_NAMES, CpuState, ParkedState, ShardBuffer
 from lightning_zero_offload.engine.step.device_share import ShareChoice, auto_bucket_share
 from lightning_zero_offload.engine.step.gradient_source import GradientSource
 from lightning_zero_offload.engine.step.layout import Layout
@@ -79,27 +79,28 @@ class EngineLifecycle:
         """Write the master weights (rounded to the device dtype) into the device parameters."""
         self.publisher.refresh(self.state.master)
 
-    def full_tensors(self, shard: torch.Tensor) -> list[torch.Tensor]:
+    def full_tensors(self, shard: ShardBuffer | torch.Tensor) -> list[torch.Tensor]:
         """Full per-parameter tensors of a flat shard-sized buffer (a collective when sharded: state_dicts.py)."""
         return state_dicts.full_tensors(self, shard)
 
     # -- the CPU state (engine/step/cpu_state.py owns it; read-only views for readers of one rank's shard) --
 
     @property
-    def master(self) -> torch.Tensor:
-        """This rank's master weights (fp32, or bf16 with ``cpu_state="bf16"``), flat (owned by :attr:`state`)."""
+    def master(self) -> ShardBuffer:
+        """This rank's master weights (fp32, or bf16 with ``cpu_state="bf16"``), flat (owned by :attr:`state`; with a
+        device share its last buckets lie on the device)."""
         return self.state.master
 
     @property
-    def exp_avg(self) -> torch.Tensor:
+    def exp_avg(self) -> ShardBuffer:
         return self.state.exp_avg
 
     @property
-    def exp_avg_sq(self) -> torch.Tensor:
+    def exp_avg_sq(self) -> ShardBuffer:
         return self.state.exp_avg_sq
 
     @property
-    def grad(self) -> torch.Tensor | None:
+    def grad(self) -> ShardBuffer | None:
         """The buffer backward accumulates into now, in the state's dtype (None in place)."""
         return self.state.grad
 

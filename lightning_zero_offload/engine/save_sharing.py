@@ -4,8 +4,12 @@ streamed save at several ranks (engine/state_dicts.py makes them, rank 0's write
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from lightning_zero_offload.engine.step.cpu_state import ShardBuffer
 
 
 class Placeholders:
@@ -17,11 +21,12 @@ class Placeholders:
     """
 
     def __init__(self) -> None:
-        self.sources: dict[int, tuple[torch.Tensor, slice, int]] = {}  # shard, this rank's chunk, gathered numel
+        # shard (a state buffer, or a flat tensor of the shard), this rank's chunk, gathered numel
+        self.sources: dict[int, tuple[ShardBuffer | torch.Tensor, slice, int]] = {}
         self.by_storage: dict[int, int] = {}
         self.count = 0
 
-    def add(self, shard: torch.Tensor, shard_range: slice, world: int) -> torch.Tensor:
+    def add(self, shard: ShardBuffer | torch.Tensor, shard_range: slice, world: int) -> torch.Tensor:
         numel = (shard_range.stop - shard_range.start) * world
         whole = torch.empty(numel, dtype=shard.dtype, device="meta")
         number, storage = self.count, whole.untyped_storage()._cdata

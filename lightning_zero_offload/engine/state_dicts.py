@@ -18,17 +18,18 @@ from lightning_zero_offload.engine.infra.collectives import gather_host
 from lightning_zero_offload.warning import ZeroOffloadWarning
 
 if TYPE_CHECKING:
+    from lightning_zero_offload.engine.step.cpu_state import ShardBuffer
     from lightning_zero_offload.engine.step.layout import Layout
     from lightning_zero_offload.engine.step.parts import ShardedState
 
 
-def load_shard(layout: Layout, shard: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+def load_shard(layout: Layout, shard: ShardBuffer | torch.Tensor, tensors: list[torch.Tensor]) -> None:
     """Copy this rank's part of full per-parameter tensors into a flat shard buffer (converted to its dtype)."""
     for index, tensor in enumerate(tensors):
         load_param_shard(layout, shard, index, tensor)
 
 
-def load_param_shard(layout: Layout, shard: torch.Tensor, index: int, tensor: torch.Tensor) -> None:
+def load_param_shard(layout: Layout, shard: ShardBuffer | torch.Tensor, index: int, tensor: torch.Tensor) -> None:
     """Copy this rank's part of parameter ``index``'s full tensor into a flat shard buffer (converted)."""
     flat = tensor.reshape(-1)
     for seg in layout.buckets[layout.slots[index].bucket].segments:
@@ -57,7 +58,7 @@ def buffers_shared_for_save(engine: ShardedState, share: bool = True) -> Iterato
         sharing.share = previous
 
 
-def full_tensors(engine: ShardedState, shard: torch.Tensor) -> list[torch.Tensor]:
+def full_tensors(engine: ShardedState, shard: ShardBuffer | torch.Tensor) -> list[torch.Tensor]:
     """Assemble full per-parameter tensors from every rank's shard (a collective if sharded).
 
     Copies, unless inside :func:`buffers_shared_for_save` (then views that change with the next step,
