@@ -1,6 +1,7 @@
 """One rank of a full-format save at several ranks, driven through the shared core: the streamed save, its
 host memory, its file, and failed saves (top-level functions: ``run_ranks(functools.partial(fn, tmp), ...)``)."""
 
+import functools
 import gc
 import os
 from pathlib import Path
@@ -31,10 +32,10 @@ def net(seed: int) -> nn.Module:
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
 
 
-def start(seed: int, world: int) -> OffloadSession:
+def start(seed: int, world: int, device_share: float = 0.0) -> OffloadSession:
     module = net(seed)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01)
-    opts = options(bucket_size_mb=BUCKET_MB, in_place_on_cpu=False)
+    opts = options(bucket_size_mb=BUCKET_MB, in_place_on_cpu=False, device_share=device_share)
     return OffloadSession.start(module, [optimizer], CPU, "32-true", opts, world, world)
 
 
@@ -234,3 +235,20 @@ def save_weights_only_at_rank(path: str, rank: int) -> list[str]:
 
 def in_version(root, name: str) -> Path:
     return Path(checkpoint_sharded.current_version(root).path) / name
+
+
+def streamed_save_with_a_share(tmp: str, rank: int) -> None:
+    """A streamed full save at several ranks with half the state in the device share, and one without: rank 0
+    writes ``<share>.ckpt`` for each (the device buckets' chunks are sent from the device part)."""
+    world = dist.get_world_size()
+    for share in (0.0, 0.5):
+        session = start(seed=0, world=world, device_share=share)
+        assert (session.engine.state.device_share_numel > 0) == bool(share)
+        train(session, rank, range(STEPS))
+        save = functools.partial(_save_to, os.path.join(tmp, f"{share}.ckpt"))
+        session.save_full(to_save(session), rank, broadcast, save)
+        session.close()
+
+
+def _save_to(path: str, checkpoint: dict, streamed: object) -> None:
+    atomic_save(checkpoint, path, streamed)

@@ -212,3 +212,20 @@ def test_auto_re_plans_after_the_first_step_and_trains_as_none(monkeypatch):
     assert len(chosen) == 1 and got.share_choice is chosen[0]
     assert 0 < got.state.device_share_numel <= 0.5 * sum(b.numel for b in got.layout.buckets)
     assert close(got.master_params(), want.master_params(), "fp32") and close(moments(got), moments(want), "fp32")
+
+
+@pytest.mark.slow  # two processes
+def test_a_streamed_full_save_at_two_ranks_holds_what_a_run_without_a_share_saves(tmp_path):
+    from workers.checkpoints import streamed_save_with_a_share
+
+    files = tmp_path / "files"
+    files.mkdir()
+    run_ranks(partial(streamed_save_with_a_share, str(files)), 2, tmp_path)
+    want, got = (torch.load(files / f"{share}.ckpt", weights_only=True) for share in (0.0, 0.5))
+    assert want["state_dict"].keys() == got["state_dict"].keys()
+    assert close(list(got["state_dict"].values()), list(want["state_dict"].values()), "fp32")
+    want_state, got_state = (c["optimizer_states"][0]["state"] for c in (want, got))
+    assert want_state.keys() == got_state.keys()
+    for key, entry in want_state.items():
+        pairs = [(got_state[key][m], entry[m]) for m in ("exp_avg", "exp_avg_sq")]
+        assert close([g for g, _ in pairs], [w for _, w in pairs], "fp32")
