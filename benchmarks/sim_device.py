@@ -170,7 +170,7 @@ def schedule_options(schedule: str) -> dict[str, Any]:
     return {"cpu_step": schedule, "overlap": True, **delayed}
 
 
-class _StepClock(L.Callback):
+class StepClock(L.Callback):
     """Wall time at the end of every training batch and the engine's statistics of that step."""
 
     def __init__(self) -> None:
@@ -189,42 +189,57 @@ class _StepClock(L.Callback):
         self.stats.append(row)
 
 
-def run(config: Config, model_args: dict[str, Any], device_s: tuple[float, float], steps: int, args) -> _StepClock:
-    """One short fit; returns its per-step clock (the caller drops the warm-up steps)."""
-    model = SimulatedModel(**model_args)
-    model.set_device_time(*device_s)
-    clock = _StepClock()
-    options = schedule_options(config.schedule)
-    if config.schedule == "speculative":
-        options["speculation_rollback"] = config.rollback
-    strategy = ZeroOffloadStrategy(
-        bucket_size_mb=args.bucket_mb, cpu_threads=args.cpu_threads, metrics=False, **options
-    )
+def quiet_fit(
+    module: L.LightningModule,
+    data: DataLoader,
+    strategy: Any,
+    steps: int,
+    clip: float,
+    callbacks: list[L.Callback],
+    precision: str = "bf16-mixed",
+) -> L.Trainer:
+    """One short fit of ``steps`` on the CPU device (the simulated accelerator's host): no logger, checkpoint,
+    progress bar, summary or sanity check, Lightning's notes on this setting silenced; returns the trainer."""
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
-        precision="bf16-mixed",
+        precision=precision,
         strategy=strategy,
         max_steps=steps,
-        gradient_clip_val=config.clip,
-        callbacks=[clock],
+        gradient_clip_val=clip,
+        callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    data = DataLoader(TensorDataset(torch.zeros(steps, 1)), batch_size=1)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
         warnings.filterwarnings("ignore", ".*LeafSpec.*")
-        trainer.fit(model, data)
+        trainer.fit(module, data)
+    return trainer
+
+
+def run(config: Config, model_args: dict[str, Any], device_s: tuple[float, float], steps: int, args) -> StepClock:
+    """One short fit; returns its per-step clock (the caller drops the warm-up steps)."""
+    model = SimulatedModel(**model_args)
+    model.set_device_time(*device_s)
+    clock = StepClock()
+    options = schedule_options(config.schedule)
+    if config.schedule == "speculative":
+        options["speculation_rollback"] = config.rollback
+    strategy = ZeroOffloadStrategy(
+        bucket_size_mb=args.bucket_mb, cpu_threads=args.cpu_threads, metrics=False, **options
+    )
+    data = DataLoader(TensorDataset(torch.zeros(steps, 1)), batch_size=1)
+    trainer = quiet_fit(model, data, strategy, steps, config.clip, [clock])
     del trainer, model
     gc.collect()  # the next fit allocates its own optimizer state: free this one first
     return clock
 
 
-def summarize(clocks: list[_StepClock], warmup: int, device_ms: float = 0.0) -> dict[str, Any]:
+def summarize(clocks: list[StepClock], warmup: int, device_ms: float = 0.0) -> dict[str, Any]:
     """Medians over the measured steps of every fit of one configuration at one sweep point.
 
     ``device_ms``: the simulated device time of one step (forward + backward asleep); what the step
@@ -297,7 +312,7 @@ def main() -> None:
     for ratio in ratios:
         backward_s = ratio * cpu_ms / 1e3 / args.blocks
         device_s = (args.forward_ratio * backward_s, backward_s)
-        clocks: dict[str, list[_StepClock]] = {c.name: [] for c in configs}
+        clocks: dict[str, list[StepClock]] = {c.name: [] for c in configs}
         for _ in range(rounds):  # alternate the configurations, round after round
             for config in configs:
                 clocks[config.name].append(run(config, model_args, device_s, warmup + steps + 1, args))

@@ -50,7 +50,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,7 +62,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_device import CLIP_QUIET, GRAD_NORM, set_device_time, sleeping_blocks  # noqa: E402
+from sim_device import CLIP_QUIET, GRAD_NORM, quiet_fit, set_device_time, sleeping_blocks  # noqa: E402
 
 from lightning_zero_offload import ZeroOffloadStrategy, kernels  # noqa: E402
 from lightning_zero_offload.engine.offload_params.heap import limit_retained_heap  # noqa: E402
@@ -267,26 +266,9 @@ def run(config: Config, args: argparse.Namespace, device_s: tuple[float, float],
             **schedule,
         )
     clock = StepClock()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision=precision,
-        strategy=strategy,
-        max_steps=steps,
-        gradient_clip_val=CLIP_QUIET,
-        callbacks=[clock],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
     width = net.blocks[0].fc1.in_features if args.real else 1
     data = DataLoader(TensorDataset(torch.randn(steps * args.rows, width)), batch_size=args.rows)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        warnings.filterwarnings("ignore", ".*LeafSpec.*")
-        trainer.fit(module, data)
+    quiet_fit(module, data, strategy, steps, CLIP_QUIET, [clock], precision)
     out = {"times": [b - a for a, b in zip(clock.ends, clock.ends[1:])], "stats": clock.stats}
     out["faults"] = [[b - a for a, b in zip(x, y)] for x, y in zip(clock.faults, clock.faults[1:])]
     out["optimizer_s"] = getattr(module, "optimizer_s", []) if config.name == ANCHOR else []

@@ -42,8 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +51,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_device import CLIP_QUIET, GRAD_NORM  # noqa: E402
+from sim_device import CLIP_QUIET, GRAD_NORM, StepClock, quiet_fit  # noqa: E402
 from sim_device_params import DEVICE_BANDWIDTH, simulate_device_steps  # noqa: E402
 
 from lightning_zero_offload import ZeroOffloadStrategy, kernels  # noqa: E402
@@ -172,43 +170,15 @@ def simulate_device_state_work() -> None:
     memory.HostToDevice.copy = host_to_device  # type: ignore[method-assign]
 
 
-class _StepClock(L.Callback):
-    """Wall time at the end of every training batch and the engine's statistics of that step."""
-
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-        self.stats: list[dict[str, float]] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.ends.append(time.perf_counter())
-        self.stats.append({k: float(v) for k, v in asdict(trainer.strategy.engine.last).items()})
-
-
 def fit(n_layer: int, tied: bool, schedule: str, share: float, layer_s: tuple[float, float], steps: int, args):
     model = SleepingGpt2(n_layer, tied)
     model.forward_s, model.backward_s = layer_s
-    clock = _StepClock()
+    clock = StepClock()
     strategy = ZeroOffloadStrategy(
         cpu_step=schedule, overlap=True, device_share=share, cpu_threads=args.cpu_threads, metrics=False
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        precision="bf16-mixed",
-        strategy=strategy,
-        max_steps=steps,
-        gradient_clip_val=CLIP_QUIET,
-        callbacks=[clock],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", ".*does not have many workers.*")
-        warnings.filterwarnings("ignore", ".*LeafSpec.*")
-        trainer.fit(model, DataLoader(TensorDataset(torch.zeros(steps, 1)), batch_size=1))
+    data = DataLoader(TensorDataset(torch.zeros(steps, 1)), batch_size=1)
+    trainer = quiet_fit(model, data, strategy, steps, CLIP_QUIET, [clock])
     engine = trainer.strategy.engine
     info = {"bucket_numel": engine.options.bucket_numel(2), "share_params": engine.state.device_share_numel}
     return {"ends": clock.ends, "backward_ends": list(_BACKWARD_ENDS), "stats": clock.stats, "info": info}

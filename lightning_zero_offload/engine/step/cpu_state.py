@@ -101,7 +101,7 @@ class CpuState:
         self.seed = seed  # of the stochastic rounding (bf16 only), the same on every rank
         # The device share: buckets from first_device_bucket on keep their state on ``device``.
         self.device = device if device is not None else torch.device("cpu")
-        self.first_device_bucket = first_device_bucket(layout, device_share) if device_share else len(layout.buckets)
+        self.first_device_bucket = first_device_bucket(layout, device_share)
         on_device = layout.buckets[self.first_device_bucket :]
         self.split = on_device[0].shard_start if on_device else layout.shard_numel
         self.master = self.new_buffer()
@@ -130,6 +130,10 @@ class CpuState:
         host = host_zeros(self.split, self.dtype, False)
         device_numel = 0 if host_only else self.layout.shard_numel - self.split
         return ShardBuffer(host, device_zeros(device_numel, self.dtype, self.device, "state"))
+
+    def _on_device(self, window: slice) -> bool:
+        """Whether a (non-empty) shard window lies in the device share."""
+        return window.start >= self.split and window.stop > window.start
 
     def on_device(self, bucket: Bucket) -> bool:
         """Whether ``bucket``'s state is in the device share."""
@@ -175,7 +179,7 @@ class CpuState:
 
     def sum_of_squares(self, window: slice, grad: torch.Tensor, num_threads: int) -> tuple[float, bool]:
         """(sum of squares, any inf/nan) of ``grad``, this window's gradient, on the side it lies."""
-        if window.start >= self.split and window.stop > window.start:
+        if self._on_device(window):
             return device_kernels.sum_of_squares(grad)
         return kernels.sum_of_squares(grad, num_threads=num_threads)
 
@@ -197,7 +201,7 @@ class CpuState:
         bf16: the master is the copy to publish (``out`` is None, ``extrapolate`` 0). A device-share window
         steps on the device (kernels/device.py) and is published from its master (``out`` None).
         """
-        if window.start >= self.split and window.stop > window.start:
+        if self._on_device(window):
             self._update_on_device(bucket, window, hparams, step, grad_scale, grad)
             return
         if self.compact:
