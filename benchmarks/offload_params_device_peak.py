@@ -22,8 +22,9 @@ between the start of forward and the end of backward is put in the category of t
 - ``activation_grads``: autograd's other allocations in backward;
 - ``activations``: forward's allocations outside FSDP2 (the input included);
 - ``cpu_only``, not counted: what only the CPU device allocates, gloo's buffers in the collectives (NCCL
-  keeps its own outside torch's allocator) and the copies of the CPU's ``chunk_cat`` (CUDA's is one
-  kernel that allocates nothing);
+  keeps its own outside torch's allocator), the copies of the CPU's ``chunk_cat`` (CUDA's is one
+  kernel that allocates nothing) and a matrix product's scratch, freed before the product returns (oneDNN's
+  reorders and scratchpad, on CPUs with AMX or AVX-512 bf16; cuBLAS works in a workspace it keeps);
 - left out: the engine's frames (``lightning_zero_offload/engine/``: its hook, its step), other threads
   (the speculative step's worker), anything outside forward and backward.
 
@@ -53,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 RESULTS = Path(__file__).resolve().parent / "results" / "offload_params"
 MB = 2**20
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 DEVICE_KINDS = ("gathered", "param_grads", "reduce", "activation_grads", "activations")
 FSDP_KINDS = ("gathered", "param_grads", "reduce")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -113,6 +115,7 @@ class Frames:
     reduce_end: int | None = None  # the end (ns) of the foreach_reduce call it runs in
     collective: bool = False  # a c10d collective: gloo's own temporaries
     cpu_kernel: bool = False  # the CPU's chunk_cat (a GPU's fused kernel allocates nothing)
+    matmul_end: int | None = None  # the end (ns) of the matrix product it runs in
 
     def under(self, node) -> "Frames":
         name = node.name
@@ -125,6 +128,8 @@ class Frames:
             return replace(self, collective=True)
         if "chunk_cat" in name:
             return replace(self, cpu_kernel=True)
+        if name in MATMULS:
+            return replace(self, matmul_end=node.end_time_ns)
         return self
 
 
@@ -134,6 +139,7 @@ class Allocation:
     start: int
     kind: str
     reduce_end: int | None
+    matmul_end: int | None = None
     end: int | None = None
     freed_in_reduce: bool = False
 
@@ -173,9 +179,11 @@ def allocations(prof, forward: tuple[int, int], backward: tuple[int, int], main_
                 allocation.end, allocation.freed_in_reduce = time, frames.reduce_end is not None
             continue
         kind = kind_of(frames, time, forward, backward) if tid == main_tid else "host"
-        live[ptr] = Allocation(size, time, kind, frames.reduce_end)
+        live[ptr] = Allocation(size, time, kind, frames.reduce_end, frames.matmul_end)
         made.append(live[ptr])
     for a in made:
+        if a.matmul_end is not None and a.end is not None and a.end <= a.matmul_end:
+            a.kind = "cpu_only"  # the product's scratch (the module's docstring)
         if a.kind == "autograd":  # the unsharded gradients are freed by FSDP2 once copied into the reduce input
             a.kind = "param_grads" if a.freed_in_reduce else "activation_grads"
         if a.kind == "reduce" and (a.end is None or a.end > backward[1]):  # on the CPU device: the host gradient

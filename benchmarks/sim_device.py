@@ -347,7 +347,7 @@ def main() -> None:
         "params": params,
         "blocks": args.blocks,
         "bucket_size_mb": args.bucket_mb,
-        "buckets": math.ceil(params * 2 / (args.bucket_mb * 2**20)),  # about: a parameter is never split
+        "buckets": math.ceil(params * 2 / (args.bucket_mb * 2**20)),  # about: whole parameters join a bucket
         "grad_norm": GRAD_NORM,
         "clip": {"quiet": CLIP_QUIET, "every_step": CLIP_EVERY_STEP},
         "rounds": rounds,

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from lightning_zero_offload.checkpoints.assemble import assemble_params
 from lightning_zero_offload.checkpoints.files import (
     CheckpointError,
     Location,
@@ -115,7 +116,8 @@ def sharded_layout(
     layout: Layout, keys: list[list[str]], steps: Sequence[int], torch_index: Sequence[int]
 ) -> dict[str, Any]:
     """What a loader needs to reassemble full tensors from the shards, at any world size: each trainable
-    parameter's state-dict ``keys``, shape, place in its bucket, step count and optimizer-state number."""
+    parameter's state-dict ``keys``, shape, place in its first bucket (a split parameter runs on into the next
+    ones), step count and optimizer-state number."""
     return {
         "format": "sharded",
         "version": 2,
@@ -293,7 +295,7 @@ def load_sharded(path: PathLike, with_optimizer: bool = True, weights_only: bool
     with_optimizer = with_optimizer and "optimizer_states" in checkpoint
     try:
         shards = _load_shards(version, info, with_optimizer)
-        full = _assemble_all(shards, info, SHARD_KEYS if with_optimizer else SHARD_KEYS[:1])
+        full = assemble_params(shards, info, SHARD_KEYS if with_optimizer else SHARD_KEYS[:1])
     except CheckpointError:
         raise
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as error:
@@ -358,43 +360,3 @@ def _load_shards(version: Location, info: dict[str, Any], with_optimizer: bool) 
                 raise CheckpointError(f"{what} {source} has no valid {key!r} tensor")
         shards.append(shard)
     return shards
-
-
-def _assemble_all(
-    shards: list[dict[str, torch.Tensor]], info: dict[str, Any], names: tuple[str, ...]
-) -> dict[str, list[torch.Tensor]]:
-    full: dict[str, list[torch.Tensor]] = {name: [] for name in names}
-    buckets, world = info["buckets"], info["world_size"]
-    for param in info["params"]:
-        bucket = buckets[param["bucket"]]
-        shape = torch.Size(param["shape"])
-        if param["offset"] < 0 or param["offset"] + shape.numel() > bucket["shard_numel"] * world:
-            raise CheckpointError(f"parameter {param['keys']} lies outside its bucket in the metadata")
-        for name in names:
-            full[name].append(_assemble(shards, name, bucket, param["offset"], shape))
-    return full
-
-
-def _assemble(
-    shards: list[dict[str, torch.Tensor]], name: str, bucket: dict[str, int], offset: int, shape: torch.Size
-) -> torch.Tensor:
-    """Cut one parameter out of a bucket whose chunk ``r`` lives in shard ``r``."""
-    chunk, start = bucket["shard_numel"], bucket["shard_start"]
-    out = torch.empty(shape.numel(), dtype=shards[0][name].dtype)  # fp32, or bf16 from cpu_state="bf16"
-    position = 0
-    while position < shape.numel():
-        global_index = offset + position  # index inside the padded bucket
-        rank, inside = divmod(global_index, chunk)
-        take = min(chunk - inside, shape.numel() - position)
-        out[position : position + take] = _shard_part(shards[rank], name, start + inside, take)
-        position += take
-    return out.view(shape)
-
-
-def _shard_part(shard: dict[str, torch.Tensor], name: str, start: int, numel: int) -> torch.Tensor:
-    """``numel`` elements of a shard tensor from ``start``, from its host part or its device part (a bucket's
-    chunk lies in one of them)."""
-    host = shard[name]
-    if start < host.numel():
-        return host[start : start + numel]
-    return shard[name + DEVICE_PART][start - host.numel() : start - host.numel() + numel]

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_zero_offload.checkpoints.files import CheckpointError
 from lightning_zero_offload.engine.infra.collectives import all_reduce_sum, gather_host_to_first
@@ -25,8 +26,9 @@ class BucketStream:
     """Rank 0's side of a streamed full save: which storages are placeholders, and their bytes on demand.
 
     ``begin`` announces the placeholders in the order the file will hold them; each ``fetch`` is then
-    one gather of one bucket into the same reused buffer (valid until the next ``fetch``), so rank 0
-    holds at most the largest bucket beyond its own state, and the others nothing.
+    one gather of one bucket (or of the buckets a split parameter joins) into the same reused buffer (valid
+    until the next ``fetch``), so rank 0 holds at most the largest of those beyond its own state, and the
+    others nothing.
     """
 
     def __init__(self, engine: ShardedState, broadcast: Callable[[Any], Any]) -> None:
@@ -52,10 +54,15 @@ class BucketStream:
     def fetch(self, number: int) -> torch.Tensor:
         """The gathered bucket behind placeholder ``number`` (the next one announced)."""
         assert self.order is not None and self.order[self.done] == number, "fetched out of the announced order"
-        shard, shard_range, _ = self.registry.sources[number]
+        shard, shard_ranges, _ = self.registry.sources[number]
         assert self.buffer is not None
         whole = self.buffer[: _nbytes(self.registry, number)].view(shard.dtype)
-        gather_host_to_first(shard[shard_range], whole, self.engine.process_group, self.engine.device)
+        start, world = 0, dist.get_world_size(self.engine.process_group)
+        for shard_range in shard_ranges:  # bucket by bucket, each rank's chunk straight into its place
+            numel = (shard_range.stop - shard_range.start) * world
+            output = whole[start : start + numel]
+            gather_host_to_first(shard[shard_range], output, self.engine.process_group, self.engine.device)
+            start += numel
         self.done += 1
         return whole
 
@@ -86,8 +93,9 @@ def serve_full_save(engine: ShardedState, broadcast: Callable[[Any], Any], what:
         raise CheckpointError(f"saving {what} failed on rank 0: {payload}")
     _check_plan(engine, registry, payload)
     for number in payload:
-        shard, shard_range, _ = registry.sources[number]
-        gather_host_to_first(shard[shard_range], None, engine.process_group, engine.device)
+        shard, shard_ranges, _ = registry.sources[number]
+        for shard_range in shard_ranges:
+            gather_host_to_first(shard[shard_range], None, engine.process_group, engine.device)
     kind, payload = broadcast(None)
     if kind == "failed":
         raise CheckpointError(f"saving {what} failed on rank 0: {payload}")

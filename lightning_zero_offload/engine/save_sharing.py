@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 class Placeholders:
-    """The gathered buckets a full save at several ranks will stream, by number and by meta storage.
+    """The gathered bucket runs a full save at several ranks will stream, by number and by meta storage.
 
     Every rank numbers its placeholders in the order ``engine.state.full_tensors`` makes them, which is the same
     on every rank (as the order of collectives is), so rank 0 can name a bucket by its number. An
@@ -21,17 +21,18 @@ class Placeholders:
     """
 
     def __init__(self) -> None:
-        # shard (a state buffer, or a flat tensor of the shard), this rank's chunk, gathered numel
-        self.sources: dict[int, tuple[ShardBuffer | torch.Tensor, slice, int]] = {}
+        # shard (a state buffer, or a flat tensor of the shard), this rank's chunk of each bucket of the run
+        # (buckets joined by a split parameter: engine/step/layout.py), gathered numel
+        self.sources: dict[int, tuple[ShardBuffer | torch.Tensor, list[slice], int]] = {}
         self.by_storage: dict[int, int] = {}
         self.count = 0
 
-    def add(self, shard: ShardBuffer | torch.Tensor, shard_range: slice, world: int) -> torch.Tensor:
-        numel = (shard_range.stop - shard_range.start) * world
+    def add(self, shard: ShardBuffer | torch.Tensor, shard_ranges: list[slice], world: int) -> torch.Tensor:
+        numel = sum(r.stop - r.start for r in shard_ranges) * world
         whole = torch.empty(numel, dtype=shard.dtype, device="meta")
         number, storage = self.count, whole.untyped_storage()._cdata
         self.count += 1
-        self.sources[number] = (shard, shard_range, numel)
+        self.sources[number] = (shard, shard_ranges, numel)
         self.by_storage[storage] = number
         weakref.finalize(whole, self._forget, number, storage)  # views keep ``whole`` alive
         return whole

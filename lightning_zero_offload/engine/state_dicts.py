@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_zero_offload.engine.infra.collectives import gather_host
+from lightning_zero_offload.engine.step.cpu_state import ShardBuffer
 from lightning_zero_offload.warning import ZeroOffloadWarning
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.step.cpu_state import ShardBuffer
     from lightning_zero_offload.engine.step.layout import Layout
     from lightning_zero_offload.engine.step.parts import ShardedState
 
@@ -32,9 +32,8 @@ def load_shard(layout: Layout, shard: ShardBuffer | torch.Tensor, tensors: list[
 def load_param_shard(layout: Layout, shard: ShardBuffer | torch.Tensor, index: int, tensor: torch.Tensor) -> None:
     """Copy this rank's part of parameter ``index``'s full tensor into a flat shard buffer (converted)."""
     flat = tensor.reshape(-1)
-    for seg in layout.buckets[layout.slots[index].bucket].segments:
-        if seg.param_index == index:
-            shard[seg.shard_start : seg.shard_end].copy_(flat[seg.param_start : seg.param_start + seg.numel])
+    for seg in layout.segments_of(index):
+        shard[seg.shard_start : seg.shard_end].copy_(flat[seg.param_start : seg.param_start + seg.numel])
 
 
 @contextmanager
@@ -68,19 +67,31 @@ def full_tensors(engine: ShardedState, shard: ShardBuffer | torch.Tensor) -> lis
     layout = engine.layout
     share = engine.save_sharing.share
     full: list[torch.Tensor | None] = [None] * len(engine.params)
-    for bucket in layout.buckets:
-        chunk = shard[bucket.shard_range]
+    for run in layout.bucket_runs():  # buckets joined by a split parameter, gathered together
+        buckets = [layout.buckets[b] for b in run]
+        ranges = [bucket.shard_range for bucket in buckets]
         if layout.world_size == 1:
-            whole = chunk.cpu()  # a device-share bucket is copied to the host (bucket by bucket)
+            whole = _whole_run(shard, ranges)
         elif share:
-            whole = engine.save_sharing.placeholders.add(shard, bucket.shard_range, layout.world_size)
+            whole = engine.save_sharing.placeholders.add(shard, ranges, layout.world_size)
         else:
-            whole = gather_host(chunk, engine.process_group, engine.device)
-        for index in bucket.param_indices:
+            whole = torch.cat([gather_host(shard[r], engine.process_group, engine.device) for r in ranges])
+        start = buckets[0].flat_start
+        for index in dict.fromkeys(i for bucket in buckets for i in bucket.param_indices):
             slot = layout.slots[index]
-            view = whole[slot.bucket_offset : slot.bucket_offset + slot.numel].view(slot.shape)
+            view = whole[slot.flat_start - start : slot.flat_start - start + slot.numel].view(slot.shape)
             full[index] = view if share else view.clone()
     return full  # type: ignore[return-value]
+
+
+def _whole_run(shard: ShardBuffer | torch.Tensor, ranges: list[slice]) -> torch.Tensor:
+    """One rank: a run of buckets from the shard, on the host (a device-share bucket is copied there). A view
+    unless the device share starts inside the run (at one rank the run is contiguous: no padding inside it)."""
+    start, stop = ranges[0].start, ranges[-1].stop
+    split = shard.split if isinstance(shard, ShardBuffer) else stop
+    if stop <= split or start >= split:
+        return shard[start:stop].cpu()
+    return torch.cat([shard[r].cpu() for r in ranges])
 
 
 def param_groups_state(engine: ShardedState) -> list[dict[str, Any]]:

@@ -174,6 +174,39 @@ def test_sharded_shard_math_matches_full_tensors(tmp_path):
     assert float(state[0]["step"]) == 2 and state[0]["exp_avg"].shape == next(model.parameters()).shape
 
 
+def fit_with_buckets(bucket_size_mb, tmp_path, max_steps=6, ckpt_path=None, save=None):
+    """The offload data path, speculative with clipping that fires."""
+    model = Classifier(width=64)
+    strategy = ZeroOffloadStrategy(
+        checkpoint_format="sharded", bucket_size_mb=bucket_size_mb, in_place_on_cpu=False, cpu_step="speculative"
+    )
+    trainer = L.Trainer(
+        strategy=strategy, max_steps=max_steps, default_root_dir=tmp_path, gradient_clip_val=0.3, **QUIET
+    )
+    trainer.fit(model, loader(24), ckpt_path=ckpt_path)  # 3 steps an epoch: resumes at its end
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, trainer
+
+
+def test_a_split_parameter_resumes_into_buckets_that_hold_it_whole_and_back(tmp_path):
+    """Saved with buckets smaller than the 64 x 64 weight (its metadata places it from one bucket into the next
+    ones), resumed with buckets that hold it whole, and the reverse: as resumed into the layout it was saved from."""
+    split, whole = 0.004, 1.0  # 1048 fp32 elements; a megabyte
+    resumed = {}
+    for saved, loaded in ((split, split), (split, whole), (whole, split)):
+        path = tmp_path / f"{saved}-{loaded}.ckpt"
+        _, trainer = fit_with_buckets(saved, tmp_path, max_steps=3, save=path)
+        spans = any(s.last_bucket > s.bucket for s in trainer.strategy.session.engine.layout.slots)
+        info = torch.load(in_version(path, META_FILE), weights_only=True)[FORMAT_KEY]
+        chunk = info["buckets"][0]["shard_numel"]
+        assert spans == any(torch.Size(p["shape"]).numel() > chunk for p in info["params"]) == (saved == split)
+        resumed[saved, loaded], _ = fit_with_buckets(loaded, tmp_path, ckpt_path=path)
+    want = resumed[split, split]
+    for got in (resumed[split, whole], resumed[whole, split]):
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+
+
 def save_sharded_with_module_state(path) -> dict:
     """A sharded checkpoint whose meta.pt holds what the issue saw damaged: a BatchNorm buffer and a
     param group's weight_decay (numbers inside the pickle and inside a tensor record)."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import os
+import platform
 
 import pytest
 import torch
@@ -86,15 +88,22 @@ def test_bf16state_bits_do_not_depend_on_the_prefetch_distance(backend: str) -> 
         assert lib.lzo_set_bf16_prefetch(-1) == default
 
 
+def level1_data_cache_bytes() -> int:
+    """What the C library's ``sysconf(_SC_LEVEL1_DCACHE_SIZE)`` answers, as the kernel asks it (Python's
+    ``os.sysconf`` does not know the name in every build); -1 where the name does not exist."""
+    if "SC_LEVEL1_DCACHE_SIZE" in os.sysconf_names:
+        return os.sysconf("SC_LEVEL1_DCACHE_SIZE")
+    if platform.libc_ver()[0] != "glibc":
+        return -1
+    return ctypes.CDLL(None).sysconf(188)  # glibc's _SC_LEVEL1_DCACHE_SIZE
+
+
 def test_bf16state_default_prefetch_keeps_a_third_of_the_l1_in_flight() -> None:
     """8 bytes per element over the four streams within L1/3, in lines, clamped to [512, 2048] elements."""
     lib = pytest.importorskip("lightning_zero_offload.kernels._native").lib
     if lib is None:
         pytest.skip("no native extension")
-    try:
-        l1 = os.sysconf("SC_LEVEL1_DCACHE_SIZE")
-    except (ValueError, OSError):
-        l1 = -1
+    l1 = level1_data_cache_bytes()
     expected = min(max((l1 if l1 > 0 else 32768) // 3 // 8 // 32 * 32, 512), 2048)
     assert lib.lzo_bf16_prefetch() == expected
 

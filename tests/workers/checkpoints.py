@@ -32,10 +32,10 @@ def net(seed: int) -> nn.Module:
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
 
 
-def start(seed: int, world: int, device_share: float = 0.0) -> OffloadSession:
+def start(seed: int, world: int, device_share: float = 0.0, bucket_mb: float = BUCKET_MB) -> OffloadSession:
     module = net(seed)
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, weight_decay=0.01)
-    opts = options(bucket_size_mb=BUCKET_MB, in_place_on_cpu=False, device_share=device_share)
+    opts = options(bucket_size_mb=bucket_mb, in_place_on_cpu=False, device_share=device_share)
     return OffloadSession.start(module, [optimizer], CPU, "32-true", opts, world, world)
 
 
@@ -237,15 +237,16 @@ def in_version(root, name: str) -> Path:
     return Path(checkpoint_sharded.current_version(root).path) / name
 
 
-def streamed_save_with_a_share(tmp: str, rank: int) -> None:
-    """A streamed full save at several ranks with half the state in the device share, and one without: rank 0
-    writes ``<share>.ckpt`` for each (the device buckets' chunks are sent from the device part)."""
+def streamed_saves(tmp: str, settings: dict[str, tuple[float, float]], rank: int) -> None:
+    """Streamed full saves at several ranks: for each name, a run with its (device share, bucket size in MB); rank 0
+    writes ``<name>.ckpt`` (a device bucket's chunks are sent from the device part; a split parameter's buckets are
+    gathered together)."""
     world = dist.get_world_size()
-    for share in (0.0, 0.5):
-        session = start(seed=0, world=world, device_share=share)
+    for name, (share, bucket_mb) in settings.items():
+        session = start(seed=0, world=world, device_share=share, bucket_mb=bucket_mb)
         assert (session.engine.state.device_share_numel > 0) == bool(share)
         train(session, rank, range(STEPS))
-        save = functools.partial(_save_to, os.path.join(tmp, f"{share}.ckpt"))
+        save = functools.partial(_save_to, os.path.join(tmp, f"{name}.ckpt"))
         session.save_full(to_save(session), rank, broadcast, save)
         session.close()
 

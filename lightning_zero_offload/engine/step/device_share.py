@@ -5,7 +5,7 @@ step measured instead of estimating it: the device memory its peak left free, it
 time. The CPU step of a bucket can start once its gradient has landed (``cpu_step="speculative"``); the buckets
 whose gradients land last leave their step after backward, where nothing hides it. "auto" takes the fewest last
 buckets onto the device that leave at most one bucket's step after backward (a bucket of the median size: a
-parameter larger than a bucket is a bucket of its own; the speculative pipeline of :func:`exposed_after_backward`,
+parameter larger than a bucket is split across buckets; the speculative pipeline of :func:`exposed_after_backward`,
 gradients taken to land in layout order, evenly over backward), and never more
 state than :data:`AUTO_ACTIVATION_RESERVE` short of the device memory the first step's peak left free. Where
 the target is out of reach (``cpu_step="sync"`` steps everything after backward), the most buckets that fit.

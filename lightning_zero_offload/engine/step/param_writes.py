@@ -97,7 +97,7 @@ class ParamWriteWatch:
         """Buckets whose device contents differ from what the engine last wrote there."""
         moved = self.reattach()
         if not self.checksums:
-            return sorted({self.layout.slots[i].bucket for i in moved})
+            return sorted({b for i in moved for b in self.layout.slots[i].buckets})
         buckets = self.layout.buckets
         current = [kernels.fingerprint16(self._bucket_words(b)) for b in buckets]
         recorded = [p if p is not None else torch.zeros_like(c) for p, c in zip(self._prints, current)]

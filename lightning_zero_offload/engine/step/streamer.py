@@ -127,12 +127,13 @@ class GradientStreamer:
         check_gradient(grad, self._seen[index])
         self._seen[index] = True
         self._open = True
-        slot = self.layout.slots[index]
-        buffer = self._acquire_bucket_buffer(slot.bucket, make_room=True)
-        buffer[slot.bucket_offset : slot.bucket_offset + slot.numel].copy_(grad.reshape(-1))
+        flat = grad.reshape(-1)
         param.grad = None
         self.has_grad[index] = True
-        self._send(self.launch_order.arrived(index, slot.bucket))
+        for bucket, piece in self.layout.pieces_of(index):  # a split parameter's buckets leave one by one
+            buffer = self._acquire_bucket_buffer(bucket.index, make_room=True)
+            buffer[piece.bucket_range].copy_(flat[piece.param_range])
+            self._send(self.launch_order.arrived(index, bucket.index))
 
     def _acquire_bucket_buffer(self, bucket_index: int, make_room: bool = False) -> torch.Tensor:
         buffer = self._bucket_buffer[bucket_index]
@@ -157,10 +158,9 @@ class GradientStreamer:
         self.check_worker()
         bucket, filled, final = launch
         buffer = self._acquire_bucket_buffer(bucket.index)
-        for index in bucket.param_indices:
-            if index not in filled:  # no gradient (yet) in this buffer: it counts as zero
-                slot = self.layout.slots[index]
-                buffer[slot.bucket_offset : slot.bucket_offset + slot.numel].zero_()
+        for piece in bucket.pieces:
+            if piece.param_index not in filled:  # no gradient (yet) in this buffer: it counts as zero
+                buffer[piece.bucket_range].zero_()
         on_device = self.state.on_device(bucket)  # the device share: its gradient stays on the device
         staging = None if on_device else self._staging.acquire()
         if self._device_origin is None:  # on the compute stream, before anything this pass times
@@ -321,20 +321,19 @@ class GradientStreamer:
         """Write this rank's part of whole gradients (fp32, already scaled) into the buffer; None drops one."""
         touched: set[int] = set()
         for index, value in values.items():
-            bucket = self.layout.buckets[self.layout.slots[index].bucket]
-            if self._fresh[bucket.index]:  # the buffer still holds an older window there
-                self.state.grad[bucket.shard_range].zero_()  # type: ignore[index]
-                self._fresh[bucket.index] = False
             flat = None if value is None else value.reshape(-1)
-            for seg in bucket.segments:
-                if seg.param_index == index:
-                    target = self.state.grad[seg.shard_start : seg.shard_end]  # type: ignore[index]
-                    if flat is None:
-                        target.zero_()
-                    else:
-                        target.copy_(flat[seg.param_start : seg.param_start + seg.numel])
+            for bucket_index in self.layout.slots[index].buckets:
+                if self._fresh[bucket_index]:  # the buffer still holds an older window there
+                    self.state.grad[self.layout.buckets[bucket_index].shard_range].zero_()  # type: ignore[index]
+                    self._fresh[bucket_index] = False
+                touched.add(bucket_index)
+            for seg in self.layout.segments_of(index):
+                target = self.state.grad[seg.shard_start : seg.shard_end]  # type: ignore[index]
+                if flat is None:
+                    target.zero_()
+                else:
+                    target.copy_(flat[seg.param_start : seg.param_start + seg.numel])
             self.has_grad[index] = value is not None
-            touched.add(bucket.index)
         for bucket_index in touched:
             window = self.layout.buckets[bucket_index].shard_range
             grad = self.state.grad[window]  # type: ignore[index]

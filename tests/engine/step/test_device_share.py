@@ -51,9 +51,11 @@ def moments(engine: OffloadEngine) -> list[torch.Tensor]:
 
 def test_the_last_buckets_whole_and_within_the_share_are_on_the_device():
     layout = build_layout([torch.Size([300]), torch.Size([200]), torch.Size([100])], bucket_numel=250)
-    assert [b.numel for b in layout.buckets] == [100, 200, 300]  # reverse registration: the first layer last
-    assert first_device_bucket(layout, 0.0) == 3
-    assert first_device_bucket(layout, 0.49) == 3  # the last bucket alone is half: whole buckets only
+    # reverse registration: the first layer last, split into a full bucket and its remainder
+    assert [b.numel for b in layout.buckets] == [100, 200, 250, 50]
+    assert first_device_bucket(layout, 0.0) == 4
+    assert first_device_bucket(layout, 0.08) == 4  # the last bucket alone is 1/12: whole buckets only
+    assert first_device_bucket(layout, 0.09) == 3  # part of the split parameter
     assert first_device_bucket(layout, 0.5) == 2
     assert first_device_bucket(layout, 0.8) == 2
     assert first_device_bucket(layout, 0.84) == 1
@@ -216,11 +218,12 @@ def test_auto_re_plans_after_the_first_step_and_trains_as_none(monkeypatch):
 
 @pytest.mark.slow  # two processes
 def test_a_streamed_full_save_at_two_ranks_holds_what_a_run_without_a_share_saves(tmp_path):
-    from workers.checkpoints import streamed_save_with_a_share
+    from workers.checkpoints import BUCKET_MB, streamed_saves
 
     files = tmp_path / "files"
     files.mkdir()
-    run_ranks(partial(streamed_save_with_a_share, str(files)), 2, tmp_path)
+    settings = {str(share): (share, BUCKET_MB) for share in (0.0, 0.5)}
+    run_ranks(partial(streamed_saves, str(files), settings), 2, tmp_path)
     want, got = (torch.load(files / f"{share}.ckpt", weights_only=True) for share in (0.0, 0.5))
     assert want["state_dict"].keys() == got["state_dict"].keys()
     assert close(list(got["state_dict"].values()), list(want["state_dict"].values()), "fp32")
