@@ -516,7 +516,7 @@ def check_device_step(device: torch.device, tiny: bool, results: Path) -> dict[s
 def check_zero2_share(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
     """The ZeRO-2 mode's device share on the GPU (the last buckets' state and step there): the same training as
     without it (bf16 state bitwise, fp32 within rounding), sync and speculative; its device bytes; and what
-    device_share="auto" chooses after the first step on this GPU, and why."""
+    device_share="auto" chooses after the second step on this GPU, and why."""
     out: dict[str, Any] = {}
     ok = True
     buckets = {"bucket_size_mb": 0.05 if tiny else 4.0}  # several buckets on each side

@@ -6,24 +6,27 @@ transformer layer, the final norm, and the output layer, **tied** (``wte`` used 
 **untied** (an ``lm_head`` of its own, registered last). Every block sleeps for its device time in forward and
 backward and hands back gradients of real size (benchmarks/sim_device.py's simulated device): the layers and the
 output layer in proportion to their parameters (their matmuls), the embedding lookup none. With tied weights the
-embedding's gradient is added at the output (first in backward) and at the input (last), so it is complete only
-when backward ends; untied, the output layer's arrives first and the embedding's still last. Either way the
-embedding, a third of the model, is one bucket of its own (a parameter is never split across buckets) whose CPU
-step nothing can hide behind backward.
+embedding's gradient is complete only when backward ends (autograd adds the output's use to the input's, a device
+kernel here asleep for its bytes); untied, the output layer's arrives first and the embedding's still last. The
+embedding (38.6M) is larger than a bucket, so it is split across three (engine/step/layout.py).
+
+What a GPU does from its own memory is device time, asleep for the bytes it moves at an H100's bandwidth, the host
+free meanwhile: the share's step and gradient norm (sim_device_params.py's :func:`simulate_device_steps`), its
+gradient accumulation and its cast into the device parameters, the gradient hooks' copies into the bucket buffers,
+the checksums of the weights (:func:`simulate_device_state_work`); the transfer of a bucket to the host sleeps at a
+PCIe link's bandwidth. So the host does what it does on a GPU machine: the CPU step, the accumulation into the fp32
+buffer, the copy-back, and the engine's bookkeeping. Gradients are fresh zeros each pass (autograd hands them over
+instead of copying them; the host's work does not depend on the values).
 
 Configurations alternate fit by fit, round after round, each fit in a fresh interpreter (a model-sized state
 freed in a process is not all given back to the system, and the next fit's memory check then refuses it):
-``sync`` and ``speculative``, with no share and with the share ``device_share="auto"`` chooses on an accelerator
-after the first step (engine/step/device_share.py's rule, from this model's layout, its device backward time and
-the CPU step time calibrated first; the device's memory taken as ample: on the CPU device "auto" keeps nothing).
-The share's work is device time: its
-step and gradient norm (sim_device_params.py's :func:`simulate_device_steps`), its gradient accumulation and its
-cast into the device parameters asleep for the bytes they move at an H100's memory bandwidth, the host free
-meanwhile. Reported per configuration: the step time, the host time the device waited for (``exposed_ms``: the
-step time less the simulated device time), and the time from the end of the device's backward (the embedding
-block's, the last to run) to the end of the step (``after_backward_ms``: the last buckets' transfer and step,
-the validation, the copy-back), against one bucket's CPU step (``bucket_size_mb`` of the bf16 copy: the issue's
-bound on what may stay exposed).
+``speculative`` with ``device_share="auto"`` (the engine's own choice after its second step, from what that step
+measured, the device's free memory pretended ample: on a CPU device "auto" keeps nothing), then ``sync`` with no
+share and with the share auto chose, and ``speculative`` with none. Reported per configuration: the step time, the
+host time the device waited for (``exposed_ms``: the step time less the simulated device time), and the time from
+the end of the device's backward (the embedding block's, the last to run) to the end of the step
+(``after_backward_ms``: the last buckets' transfer and step, the validation, the copy-back), against one bucket's
+CPU step (``bucket_size_mb`` of the bf16 copy: the issue's bound on what may stay exposed).
 
     python benchmarks/sim_device_share.py                 # tied and untied, 3 rounds (minutes)
     python benchmarks/sim_device_share.py --quick         # a 4-layer model, one round: the logic only
@@ -34,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import platform
 import statistics
@@ -51,17 +53,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sim_device import CLIP_QUIET, GRAD_NORM, StepClock, quiet_fit  # noqa: E402
+from sim_device import CLIP_QUIET, StepClock, quiet_fit  # noqa: E402
 from sim_device_params import DEVICE_BANDWIDTH, simulate_device_steps  # noqa: E402
 
 from lightning_zero_offload import ZeroOffloadStrategy, kernels  # noqa: E402
 from lightning_zero_offload.engine.infra import memory  # noqa: E402
-from lightning_zero_offload.engine.step import cpu_state  # noqa: E402
-from lightning_zero_offload.engine.step.device_share import choose_bucket_share  # noqa: E402
-from lightning_zero_offload.engine.step.layout import build_layout  # noqa: E402
+from lightning_zero_offload.engine.step import cpu_state, device_share  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-_GRADIENTS: dict[tuple[int, int], torch.Tensor] = {}  # (block, weight) -> its fixed gradient, once per process
 _BACKWARD_ENDS: list[float] = []  # when each step's device backward ended (the first block's, the last to run)
 
 
@@ -76,16 +75,17 @@ class _SleepingBlock(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):
-        index, _, backward_s, scale = ctx.block
+        index, _, backward_s, tied_use = ctx.block
         time.sleep(backward_s)
+        # Fresh each pass, as a GPU's backward makes them: autograd then hands the tensor over instead of copying
+        # it into .grad. Zeros (pages mapped only when read): the host work does not depend on the values.
+        grads: list[torch.Tensor | None] = [torch.zeros(shape, dtype=dtype) for shape, dtype in ctx.shapes]
+        if tied_use == "output":  # autograd holds it until the input's use adds its own, on the device
+            grads[0] = None
+        elif tied_use == "input":  # the sum of the two uses' gradients: a device kernel, its bytes' time
+            time.sleep(3 * grads[0].nbytes / DEVICE_BANDWIDTH)  # type: ignore[union-attr]
         if index == 0:
             _BACKWARD_ENDS.append(time.perf_counter())
-        grads = []
-        for j, (shape, dtype) in enumerate(ctx.shapes):
-            if (index, j) not in _GRADIENTS:
-                generator = torch.Generator().manual_seed(1000 * index + j)
-                _GRADIENTS[index, j] = (torch.randn(shape, generator=generator) * scale).to(dtype)
-            grads.append(_GRADIENTS[index, j])
         return (grad_out, None, *grads)
 
 
@@ -118,14 +118,14 @@ class SleepingGpt2(L.LightningModule):
         self.blocks = [(list(self.embed), 0.0)]
         self.blocks += [(list(layer), 1.0) for layer in self.layers]
         self.blocks += [(list(self.final), 0.0), (head, head[0].numel() / sum(p.numel() for p in self.layers[0]))]
-        n = sum(p.numel() for weights, _ in self.blocks for p in weights)
-        self.scale = GRAD_NORM / math.sqrt(n)
         self.forward_s = self.backward_s = 0.0  # of one layer; the others in proportion
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x = batch[0]
+        last = len(self.blocks) - 1
         for index, (weights, share) in enumerate(self.blocks):
-            block = (index, share * self.forward_s, share * self.backward_s, self.scale)
+            tied_use = ("input" if index == 0 else "output" if index == last else None) if self.tied else None
+            block = (index, share * self.forward_s, share * self.backward_s, tied_use)
             x = _SleepingBlock.apply(x, block, *weights)
         return x.sum()
 
@@ -137,9 +137,38 @@ class SleepingGpt2(L.LightningModule):
         return sum(share for _, share in self.blocks)
 
 
+class _DeviceBuffer(torch.Tensor):
+    """A gradient bucket buffer of the simulated accelerator: what writes into it (the hooks' copies of the
+    gradients, the zeroing of padding and of parameters without a gradient) is a device kernel, asleep for the bytes
+    it moves; its transfer to the host is asleep for the bytes at :data:`LINK_BANDWIDTH` (on a GPU a copy engine
+    moves them; here a host copy would compete with the CPU step for two cores). Its contents stay the zeros it began
+    with, and a host buffer it is copied into is zeroed once."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _DEVICE_WRITES and isinstance(args[0], cls):
+            time.sleep(_DEVICE_WRITES[func] * args[0].nbytes / DEVICE_BANDWIDTH)
+            return args[0]
+        if func is torch.Tensor.copy_ and isinstance(args[1], cls):  # to the host
+            target = args[0]
+            if _ZEROED.get(target.data_ptr(), 0) < target.numel():
+                target.zero_()
+                _ZEROED[target.data_ptr()] = target.numel()
+            time.sleep(target.nbytes / LINK_BANDWIDTH)
+            return target
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+_DEVICE_WRITES = {torch.Tensor.copy_: 2, torch.Tensor.zero_: 1}  # bytes moved per byte written
+_ZEROED: dict[int, int] = {}  # host buffers a transfer wrote into: their zeroed elements from the start
+LINK_BANDWIDTH = 25e9  # bytes/s: a PCIe 4.0 x16 link's copies from the device (pinned host memory)
+
+
 def simulate_device_state_work() -> None:
-    """The device share's gradient accumulation and its cast into the device parameters as device time: asleep
-    for the bytes they move (on a CPU device both are host copies that a GPU would run from its own memory)."""
+    """What the device does besides its blocks, as device time: the device share's gradient accumulation, its cast
+    into the device parameters, the gradient buckets' fills (:class:`_DeviceBuffer`) and the checksums of the
+    weights, asleep for the bytes they move (on a CPU device they are host work that a GPU runs from its own
+    memory, and on 2 cores it would compete with the CPU step)."""
     storages: set[int] = set()
     allocate = cpu_state.device_zeros
 
@@ -165,12 +194,30 @@ def simulate_device_state_work() -> None:
             return copy(self, target, source)
         time.sleep((target.nbytes + source.nbytes) / DEVICE_BANDWIDTH)
 
+    def fingerprint16(words: torch.Tensor, *, num_threads: int | None = None) -> torch.Tensor:
+        time.sleep(words.nbytes / DEVICE_BANDWIDTH)  # nothing here writes the weights: every bucket as recorded
+        return torch.zeros((), dtype=torch.int64)
+
+    acquire = memory.DeviceBufferPool.acquire
+
+    def acquire_device_buffer(self: memory.DeviceBufferPool) -> torch.Tensor:
+        buffer = acquire(self)
+        return buffer if isinstance(buffer, _DeviceBuffer) else buffer.zero_().as_subclass(_DeviceBuffer)
+
+    memory.DeviceBufferPool.acquire = acquire_device_buffer  # type: ignore[method-assign]
+    kernels.fingerprint16 = fingerprint16  # type: ignore[assignment]
     cpu_state.device_zeros = device_zeros  # type: ignore[assignment]
     cpu_state.CpuState.accumulate_torch = staticmethod(accumulate_torch)  # type: ignore[method-assign]
     memory.HostToDevice.copy = host_to_device  # type: ignore[method-assign]
 
 
-def fit(n_layer: int, tied: bool, schedule: str, share: float, layer_s: tuple[float, float], steps: int, args):
+def pretend_device_memory() -> None:
+    """``device_share="auto"`` as on an accelerator with ample free memory (on a CPU device it keeps nothing): the
+    engine's own rule, from the first step's measured times and landings (engine/step/device_share.py)."""
+    device_share.room_after_peak = lambda device: 2**62  # type: ignore[assignment]
+
+
+def fit(n_layer: int, tied: bool, schedule: str, share: float | str, layer_s: tuple[float, float], steps: int, args):
     model = SleepingGpt2(n_layer, tied)
     model.forward_s, model.backward_s = layer_s
     clock = StepClock()
@@ -181,6 +228,8 @@ def fit(n_layer: int, tied: bool, schedule: str, share: float, layer_s: tuple[fl
     trainer = quiet_fit(model, data, strategy, steps, CLIP_QUIET, [clock])
     engine = trainer.strategy.engine
     info = {"bucket_numel": engine.options.bucket_numel(2), "share_params": engine.state.device_share_numel}
+    if engine.share_choice is not None:
+        info["auto"] = {"share": engine.share_choice.share, "why": engine.share_choice.why}
     return {"ends": clock.ends, "backward_ends": list(_BACKWARD_ENDS), "stats": clock.stats, "info": info}
 
 
@@ -202,6 +251,7 @@ def one_fit(args: argparse.Namespace) -> None:
     job = json.loads(args.fit)
     simulate_device_steps()
     simulate_device_state_work()
+    pretend_device_memory()
     result = fit(job["n_layer"], job["tied"], job["schedule"], job["share"], tuple(job["layer_s"]), job["steps"], args)
     Path(args.fit_out).write_text(json.dumps(result))
 
@@ -226,14 +276,6 @@ def summarize(runs: list[dict[str, Any]], warmup: int, device_ms: float, cpu_ms_
     out["share_params"] = info["share_params"]
     out["one_bucket_step_ms"] = cpu_ms_per_param * info["bucket_numel"]
     return out
-
-
-def auto_share(model: SleepingGpt2, backward_s: float, step_s_per_element: float) -> float:
-    """The share "auto" chooses for ``model``'s layout with the speculative step (engine/step/device_share.py)."""
-    bucket_numel = ZeroOffloadStrategy().options.bucket_numel(2)  # of the bf16 device copy
-    layout = build_layout([p.shape for p in model.parameters()], bucket_numel)
-    numels = [b.numel for b in layout.buckets]
-    return choose_bucket_share(numels, numels, backward_s, step_s_per_element, 16, 2**62, speculative=True).share
 
 
 def main() -> None:
@@ -273,24 +315,31 @@ def main() -> None:
         layer_backward_s = args.ratio * cpu_ms * (n / params) / 1e3 / model.device_time_units()
         layer_s = (args.forward_ratio * layer_backward_s, layer_backward_s)
         device_ms = 1e3 * sum(layer_s) * model.device_time_units()
-        share = auto_share(model, layer_backward_s * model.device_time_units(), cpu_ms / 1e3 / params)
-        configs = [(s, f) for s in ("sync", "speculative") for f in (0.0, share)]
-        runs: dict[tuple[str, float], list] = {c: [] for c in configs}
+        # "auto" first: the sync rows take the share it chose (each round's first fit; the same every round here)
+        runs: dict[tuple[str, float | str], list] = {("speculative", "auto"): []}
         for _ in range(rounds):
-            for schedule, fraction in configs:
+            auto = fit_in_a_fresh_process(n_layer, tied, "speculative", "auto", layer_s, steps, args)
+            runs["speculative", "auto"].append(auto)
+            share = auto["info"]["auto"]["share"]
+            for schedule, fraction in (("sync", 0.0), ("sync", share), ("speculative", 0.0)):
                 result = fit_in_a_fresh_process(n_layer, tied, schedule, fraction, layer_s, steps, args)
-                runs[schedule, fraction].append(result)
+                runs.setdefault((schedule, fraction), []).append(result)
         per_param = cpu_ms / params
-        results = {f"{s}, share {f:.3f}": summarize(r, args.warmup, device_ms, per_param) for (s, f), r in runs.items()}
+        results = {
+            f"{s}, share {f if f == 'auto' else f'{f:.3f}'}": summarize(r, args.warmup, device_ms, per_param)
+            for (s, f), r in runs.items()
+        }
         base = results["sync, share 0.000"]["step_ms"]
         for r in results.values():
             r["speedup_vs_sync_no_share"] = base / r["step_ms"]
-        sync_share = results[f"sync, share {share:.3f}"]["step_ms"]
-        results[f"speculative, share {share:.3f}"]["speedup_vs_sync_same_share"] = (
-            sync_share / results[f"speculative, share {share:.3f}"]["step_ms"]
+        chosen = [run["info"]["auto"] for run in runs["speculative", "auto"]]
+        results["speculative, share auto"]["speedup_vs_sync_same_share"] = (
+            results[f"sync, share {share:.3f}"]["step_ms"] / results["speculative, share auto"]["step_ms"]
         )
-        models.append({"tied": tied, "params": n, "device_ms": device_ms, "share": share, "results": results})
+        models.append({"tied": tied, "params": n, "device_ms": device_ms, "auto": chosen, "results": results})
         print(f"\n{'tied' if tied else 'untied'}: {n / 1e6:.1f}M params, device time {device_ms:.1f} ms a step")
+        shares = ", ".join(f"{c['share']:.3f}" for c in chosen)
+        print(f"  {chosen[-1]['why']} (share {shares}, a round each)")
         for name, r in results.items():
             spread = "/".join(f"{t:.0f}" for t in r["fit_median_step_ms"])
             print(

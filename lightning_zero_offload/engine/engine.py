@@ -107,11 +107,12 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self._step_expected = self._publish_early = False
         self.step_calls = 0
         self.skipped_steps = 0
+        self.steps_taken = 0  # by this engine, not skipped (step_calls comes back from a checkpoint)
         self.nonfinite = NonFinitePolicy(options.max_consecutive_skipped_steps, self.scaler)
         self.failed = False  # closed after an exception, without gathering (see _close_after_failure)
         self._closed = False
         self._parked = ParkedState()  # moments and step counts of parameters that left the trainable set
-        self.share_choice = None  # device_share="auto" (ZeRO-2): chosen after the first step
+        self.share_choice = None  # device_share="auto" (ZeRO-2): chosen after a warm step
         self.save_sharing = SaveSharing()  # how a full save takes the state (engine/state_dicts.py)
         # bf16 state: the seed of its stochastic rounding, rank 0's on every rank (checkpoints keep it).
         compact = resolved.state_dtype != torch.float32
@@ -343,6 +344,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self._end_window(keep_grads, CarriedGradients(clip_coef, clamped))
         stats.total_s = time.perf_counter() - start
         self.last = stats
+        self.steps_taken += not stats.skipped
         self.nonfinite.after_step(stats.skipped, scale)
         return stats
 

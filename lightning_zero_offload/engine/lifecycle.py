@@ -25,7 +25,7 @@ from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import Schedule
 from lightning_zero_offload.engine.stats import StepStats
 from lightning_zero_offload.engine.step.cpu_state import DEVICE_PART, STATE_NAMES, CpuState, ParkedState, ShardBuffer
-from lightning_zero_offload.engine.step.device_share import ShareChoice, auto_bucket_share
+from lightning_zero_offload.engine.step.device_share import AUTO_MEASURED_STEP, ShareChoice, auto_bucket_share
 from lightning_zero_offload.engine.step.gradient_source import GradientSource
 from lightning_zero_offload.engine.step.layout import Layout
 from lightning_zero_offload.engine.step.publisher import NullPublisher, Publisher
@@ -56,6 +56,7 @@ class EngineLifecycle:
     ledger: MemoryLedger
     step_calls: int
     skipped_steps: int
+    steps_taken: int
     failed: bool
     _closed: bool
     _signature: tuple[tuple[int, bool], ...]
@@ -67,7 +68,7 @@ class EngineLifecycle:
     in_place: bool
     cpu_step: str
     last: StepStats
-    share_choice: ShareChoice | None  # device_share="auto": what it chose after the first step, and why
+    share_choice: ShareChoice | None  # device_share="auto": what it chose after a measured step, and why
 
     # OffloadEngine's, used here: _build (lay out and build the parts), sync, absorb_param_writes.
 
@@ -142,15 +143,18 @@ class EngineLifecycle:
         self._replan()
 
     def choose_device_share(self) -> ShareChoice | None:
-        """``device_share="auto"``: after this engine's first step that was not skipped (a resumed run's step count
-        says nothing of this machine's times), choose from it (engine/step/device_share.py) and re-plan with the
-        choice; the choice, once made (None before)."""
+        """``device_share="auto"``: after this engine's :data:`AUTO_MEASURED_STEP`-th step that was not skipped (a
+        resumed run's step count says nothing of this machine's times), choose from it (engine/step/device_share.py)
+        and re-plan with the choice; the choice, once made (None before)."""
         if self.options.device_share != "auto" or self.share_choice is not None:
             return self.share_choice
-        if not self.last.total_s or self.last.skipped or self._closed or self.failed:
+        if self.steps_taken < AUTO_MEASURED_STEP or self.last.skipped or self._closed or self.failed:
             return None
         speculative = self.cpu_step == "speculative"
-        self.share_choice = choice = auto_bucket_share(self.layout, self.state, self.last, speculative, self.device)
+        leads = [] if self.in_place else self.grads.landing_leads  # in place: no bucket lands (and a CPU device)
+        self.share_choice = choice = auto_bucket_share(
+            self.layout, self.state, self.last, speculative, self.device, leads
+        )
         if choice.share:
             self.take_device_share(choice.share)
         return choice

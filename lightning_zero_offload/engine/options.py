@@ -110,7 +110,7 @@ class OffloadOptions:
     @property
     def fixed_device_share(self) -> float:
         """The device share as a number to start with: ``"auto"`` is chosen at setup with ``offload_params``
-        (planner/device_share.py, which replaces it) and after the first step without (none until then)."""
+        (planner/device_share.py, which replaces it) and after a measured step without (none until then)."""
         if self.device_share != "auto":
             return self.device_share
         if self.offload_params:

@@ -147,10 +147,10 @@ def planned_share(
     empty but for the runtime, its host memory all available); other options as they are, and no choice."""
     if options.device_share != "auto":
         return options, None
-    if not options.offload_params:  # the ZeRO-2 mode chooses from the first step's measurements
+    if not options.offload_params:  # the ZeRO-2 mode chooses from a measured step
         why = (
-            "auto: chosen after the first step, from its backward and CPU step times and the device memory its peak "
-            "left (planned here as none; --device-share F plans a fraction)"
+            "auto: chosen after the second step, from its backward and CPU step times, when each bucket's gradient "
+            "landed and the device memory the peak left (planned here as none; --device-share F plans a fraction)"
         )
         return replace(options, device_share=0.0), ShareChoice(0.0, 0, why)
     device_free = None

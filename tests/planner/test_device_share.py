@@ -115,7 +115,7 @@ def test_auto_is_a_number_only_once_chosen():
     zero2 = OffloadOptions(device_share="auto")
     assert resolve(zero2, GPU, torch.bfloat16).device_share == 0.0
     planned = plan(10**6, batch_size=1, seq_len=8, device_share="auto", machine=H200_BOX)
-    assert any("chosen after the first step" in note for note in planned.notes)
+    assert any("chosen after the second step" in note for note in planned.notes)
 
 
 def test_every_unit_on_the_device_is_a_share_of_at_most_one():
@@ -128,9 +128,11 @@ def test_every_unit_on_the_device_is_a_share_of_at_most_one():
 
 @pytest.mark.slow  # two processes
 def test_every_rank_chooses_from_the_least_memory_any_rank_has(tmp_path):
-    """So every rank keeps the same units on the device (each rank's free memory differs a little)."""
+    """So every rank keeps the same units or buckets on the device (each rank's free memory, and in the ZeRO-2 mode
+    its times, differ a little): ints stay ints, times stay floats."""
     from workers.planner import least_memory_over_ranks
 
     from lightning_zero_offload.testing.ranks import run_ranks
 
-    assert run_ranks(least_memory_over_ranks, 2, tmp_path) == [[2**40, 7 * 2**30 - 1]] * 2
+    least = run_ranks(least_memory_over_ranks, 2, tmp_path)
+    assert least == [[2**40, 7 * 2**30 - 1, 0.25, -0.5]] * 2 and isinstance(least[0][0], int)

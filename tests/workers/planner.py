@@ -63,4 +63,4 @@ def least_memory_over_ranks(rank: int) -> list[int]:
     """``device_share="auto"``'s agreement: each rank's own numbers in, the least of each out, on every rank."""
     from lightning_zero_offload.engine.infra.collectives import least_over_ranks
 
-    return least_over_ranks([2**40 + rank, 7 * 2**30 - rank], 2, torch.device("cpu"))
+    return least_over_ranks([2**40 + rank, 7 * 2**30 - rank, 0.25 + rank, -0.5 * rank], 2, torch.device("cpu"))

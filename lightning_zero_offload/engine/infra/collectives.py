@@ -6,8 +6,12 @@ backend's device and back here, not at every call site.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
+
+Number = TypeVar("Number", int, float)
 
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -104,10 +108,12 @@ def abandon_process_group() -> None:
     dist.destroy_process_group()
 
 
-def least_over_ranks(values: list[int], world_size: int, device: torch.device) -> list[int]:
-    """Each of ``values``, the least any rank has (one all-reduce of a rank-by-value table; none at one rank)."""
+def least_over_ranks(values: list[Number], world_size: int, device: torch.device) -> list[Number]:
+    """Each of ``values`` (ints or floats, each keeps its type), the least any rank has (one all-reduce of a
+    rank-by-value table; none at one rank)."""
     if world_size == 1:
         return values
     table = torch.zeros(world_size, len(values), dtype=torch.float64)
     table[dist.get_rank()] = torch.tensor(values, dtype=torch.float64)
-    return [int(v) for v in all_reduce_sum(table, None, device).min(dim=0).values]
+    least = all_reduce_sum(table, None, device).min(dim=0).values.tolist()
+    return [type(mine)(v) for mine, v in zip(values, least)]

@@ -87,3 +87,17 @@ def worker_pool(name: str, device: torch.device) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(
         max_workers=1, thread_name_prefix=name, initializer=set_thread_device, initargs=(resolve_device(device),)
     )
+
+
+def device_transfer_times(
+    origin: torch.Event, spans: list[tuple[torch.Event, torch.Event]], backward_end: torch.Event
+) -> tuple[float, float]:
+    """(seconds of transfer, seconds of it before ``backward_end``) of device ``spans`` (start and end
+    events of each transfer), all timed on one device clock from ``origin``."""
+    end_ms = origin.elapsed_time(backward_end)
+    transfer_s = hidden_s = 0.0
+    for started, copied in spans:  # milliseconds after the origin
+        a, b = origin.elapsed_time(started), origin.elapsed_time(copied)
+        transfer_s += (b - a) / 1e3
+        hidden_s += max(0.0, min(b, end_ms) - a) / 1e3
+    return transfer_s, hidden_s

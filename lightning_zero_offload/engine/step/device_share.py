@@ -1,18 +1,20 @@
-"""``device_share="auto"`` in the ZeRO-2 mode: the last buckets to keep on the device, chosen after the first step.
+"""``device_share="auto"`` in the ZeRO-2 mode: the last buckets to keep on the device, chosen after a measured step.
 
-The ZeRO-2 mode can re-plan its layout at any step (engine/lifecycle.py), so "auto" waits for what the first
-step measured instead of estimating it: the device memory its peak left free, its backward time and its CPU step
-time. The CPU step of a bucket can start once its gradient has landed (``cpu_step="speculative"``); the buckets
-whose gradients land last leave their step after backward, where nothing hides it. "auto" takes the fewest last
-buckets onto the device that leave at most one bucket's step after backward (a bucket of the median size: a
-parameter larger than a bucket is split across buckets; the speculative pipeline of :func:`exposed_after_backward`,
-gradients taken to land in layout order, evenly over backward), and never more
-state than :data:`AUTO_ACTIVATION_RESERVE` short of the device memory the first step's peak left free. Where
-the target is out of reach (``cpu_step="sync"`` steps everything after backward), the most buckets that fit.
+The ZeRO-2 mode can re-plan its layout at any step (engine/lifecycle.py), so "auto" waits for what a step measured
+(the second: :data:`AUTO_MEASURED_STEP`) instead of estimating it: the device memory the peak so far left free,
+its backward time, its CPU step time and when each bucket's gradient landed. The CPU step of a bucket can start
+once its gradient has landed (``cpu_step="speculative"``); the buckets whose gradients land last leave their step
+after backward, where nothing hides it. "auto" takes the fewest last buckets onto the device that leave at most one
+bucket's step after backward (a bucket of the median size: a parameter larger than a bucket is split across
+buckets; the speculative pipeline of :func:`exposed_after_backward`, each bucket stepped from when it landed: a
+tied embedding's gradient, complete only when backward ends, lands last whatever its place), and never more state
+than :data:`AUTO_ACTIVATION_RESERVE` short of the device memory the peak so far left free. Where the target is out
+of reach (``cpu_step="sync"`` steps everything after backward), the most buckets that fit.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +31,9 @@ if TYPE_CHECKING:
     from lightning_zero_offload.engine.step.layout import Layout
 
 AUTO_ACTIVATION_RESERVE = 0.2  # of the device memory left free: never the share's (activations vary by batch)
+# The step "auto" measures: the first is cold (buffers allocated, pages touched for the first time), and a gradient
+# hook that allocates lands its bucket late by that.
+AUTO_MEASURED_STEP = 2
 
 
 @dataclass(frozen=True)
@@ -41,15 +46,25 @@ class ShareChoice:
     why: str
 
 
-def exposed_after_backward(shards: Sequence[int], on_host: int, backward_s: float, step_s_per_element: float) -> float:
-    """Seconds of host step left after backward when the first ``on_host`` buckets of ``shards`` (this rank's
-    elements of each, in layout order: the order their gradients land, evenly over ``backward_s``) are stepped
-    one after the other as they land."""
-    total = sum(shards)
-    finish = landed = 0.0
-    for numel in shards[:on_host]:
-        landed += numel
-        finish = max(finish, backward_s * landed / max(1, total)) + step_s_per_element * numel
+def exposed_after_backward(
+    shards: Sequence[int],
+    on_host: int,
+    backward_s: float,
+    step_s_per_element: float,
+    leads: Sequence[float] | None = None,
+) -> float:
+    """Seconds of host work left after backward when the first ``on_host`` buckets of ``shards`` (this rank's
+    elements of each, in layout order) are taken one after the other as they land, ``step_s_per_element`` each
+    (the CPU step, and where known the gradient's transfer and accumulation before it): ``leads`` seconds
+    before the end of backward (as timed), or without them evenly over ``backward_s`` in layout order."""
+    if leads is None:
+        total, landed = max(1, sum(shards)), itertools.accumulate(shards)
+        lands = [backward_s * numel / total for numel in landed]
+    else:
+        lands = [max(0.0, backward_s - lead) for lead in leads]
+    finish = 0.0
+    for land, numel in sorted(zip(lands[:on_host], shards[:on_host])):
+        finish = max(finish, land) + step_s_per_element * numel
     return max(0.0, finish - backward_s)
 
 
@@ -61,12 +76,16 @@ def choose_bucket_share(
     state_bytes_per_element: int,
     device_room: int,
     speculative: bool,
+    leads: Sequence[float] | None = None,
+    transfer_s_per_element: float = 0.0,
 ) -> ShareChoice:
     """The device share of the last buckets (``shards``: this rank's elements of each bucket, ``numels``: all
-    ranks', in layout order), from the first step's ``backward_s`` and CPU step time per element, within
-    ``device_room`` bytes (the reserve taken off already)."""
+    ranks', in layout order), from the measured step's ``backward_s``, CPU step and gradient transfer time per
+    element and each bucket's landing ``leads`` before backward's end (:func:`exposed_after_backward`), within
+    ``device_room`` bytes (the reserve taken off already). The bound is one (median) bucket's CPU step."""
     total = sum(numels)
     one_bucket = step_s_per_element * statistics.median(shards)
+    per_element = step_s_per_element + transfer_s_per_element  # what the gradient worker does with a bucket
     fitting = 0  # the most last buckets whose state the room holds
     while fitting < len(shards) and state_bytes_per_element * sum(shards[len(shards) - fitting - 1 :]) <= device_room:
         fitting += 1
@@ -74,7 +93,8 @@ def choose_bucket_share(
         on_host = len(shards) - kept
         if not on_host:
             return _choice(kept, numels, total, "every bucket")
-        if speculative and exposed_after_backward(shards, on_host, backward_s, step_s_per_element) <= one_bucket:
+        exposed = exposed_after_backward(shards, on_host, backward_s, per_element, leads)
+        if speculative and exposed <= one_bucket:
             what = f"the fewest last buckets ({kept}) that leave at most one bucket's step after backward"
             return _choice(kept, numels, total, what)
     if speculative:
@@ -91,23 +111,44 @@ def _choice(kept: int, numels: Sequence[int], total: int, why: str) -> ShareChoi
     return ShareChoice(share, params, f"auto: {params / 1e6:.1f}M parameters, {why}")
 
 
-def auto_bucket_share(
-    layout: Layout, state: CpuState, first_step: StepStats, speculative: bool, device: torch.device
-) -> ShareChoice:
-    """:func:`choose_bucket_share` from the first step's own backward and CPU step times and the device memory
-    its peak left (free, or cached by this process, beyond the peak), the least any rank has."""
+def room_after_peak(device: torch.device) -> int | None:
+    """The device memory the peak so far left (free, or cached by this process, beyond the peak); None on a
+    CPU device, whose memory is the host's."""
     if device.type == "cpu":
-        return ShareChoice(0.0, 0, "auto: none, a CPU device is host memory")
+        return None
     free, _ = torch.accelerator.get_memory_info(device)
-    left = free + torch.accelerator.memory_reserved(device) - torch.accelerator.max_memory_allocated(device)
-    (left,) = least_over_ranks([left], layout.world_size, device)  # every rank chooses alike
+    return free + torch.accelerator.memory_reserved(device) - torch.accelerator.max_memory_allocated(device)
+
+
+def auto_bucket_share(
+    layout: Layout,
+    state: CpuState,
+    measured: StepStats,
+    speculative: bool,
+    device: torch.device,
+    leads: Sequence[float],
+) -> ShareChoice:
+    """:func:`choose_bucket_share` from the ``measured`` step's own backward, CPU step and transfer times (the
+    transfer: the gradients' copy to the host and accumulation there, which the gradient worker does before a
+    bucket's step), each bucket's measured landing ``leads`` and the device memory the peak left; every rank from
+    the same figures (the least room and backward time, the latest landings, the slowest step and transfer), so
+    all choose alike."""
+    left = room_after_peak(device)
+    if left is None:
+        return ShareChoice(0.0, 0, "auto: none, a CPU device is host memory")
+    rate, transfer_rate = (seconds / max(1, state.split) for seconds in (measured.cpu_step_s, measured.transfer_s))
+    left, backward_s, minus_rate, minus_transfer_rate, *leads = least_over_ranks(
+        [left, measured.backward_s, -rate, -transfer_rate, *leads], layout.world_size, device
+    )
     scratch = BF16_STATE_SCRATCH_BYTES * min(BF16_STATE_CHUNK, max(b.shard_numel for b in layout.buckets))
     return choose_bucket_share(
         [b.shard_numel for b in layout.buckets],
         [b.numel for b in layout.buckets],
-        first_step.backward_s,
-        first_step.cpu_step_s / max(1, state.split),
+        backward_s,
+        -minus_rate,
         4 * state.dtype.itemsize,  # master, moments, gradient
         int((1 - AUTO_ACTIVATION_RESERVE) * left) - scratch,
         speculative,
+        leads,
+        -minus_transfer_rate,
     )

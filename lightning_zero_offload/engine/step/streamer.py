@@ -27,7 +27,14 @@ import torch.distributed as dist
 from lightning_zero_offload.engine.infra.collectives import reduce_scatter
 from lightning_zero_offload.engine.infra.ledger import COLLECTIVE, MemoryLedger, current_ledger
 from lightning_zero_offload.engine.infra.memory import BufferPool, DeviceBufferPool, device_empty
-from lightning_zero_offload.engine.infra.streams import on_stream, record_event, side_stream, wait_event, worker_pool
+from lightning_zero_offload.engine.infra.streams import (
+    device_transfer_times,
+    on_stream,
+    record_event,
+    side_stream,
+    wait_event,
+    worker_pool,
+)
 from lightning_zero_offload.engine.step.cpu_state import CpuState
 from lightning_zero_offload.engine.step.gradient_source import BucketArrivals, check_gradient, register_grad_hooks
 from lightning_zero_offload.engine.step.launch_order import Launch, LaunchOrder
@@ -35,20 +42,6 @@ from lightning_zero_offload.engine.step.layout import Bucket, Layout
 
 # Device gradient buffers: one filling while up to two transfers are in flight.
 DEVICE_BUFFER_CAP = 3
-
-
-def device_transfer_times(
-    origin: torch.Event, spans: list[tuple[torch.Event, torch.Event]], backward_end: torch.Event
-) -> tuple[float, float]:
-    """(seconds of transfer, seconds of it before ``backward_end``) of device ``spans`` (start and end
-    events of each transfer), all timed on one device clock from ``origin``."""
-    end_ms = origin.elapsed_time(backward_end)
-    transfer_s = hidden_s = 0.0
-    for started, copied in spans:  # milliseconds after the origin
-        a, b = origin.elapsed_time(started), origin.elapsed_time(copied)
-        transfer_s += (b - a) / 1e3
-        hidden_s += max(0.0, min(b, end_ms) - a) / 1e3
-    return transfer_s, hidden_s
 
 
 class GradientStreamer:
@@ -113,6 +106,11 @@ class GradientStreamer:
         self._device_origin: torch.Event | None = None
         self._transfer_s = 0.0
         self._hidden_s = 0.0
+        # This pass's launches (host clock, and device event where timed) and last gradient (on the host clock the
+        # end of backward); the last pass's seconds from each bucket's landing to that end ("auto"'s device share).
+        self._launched_at: dict[int, tuple[float, torch.Event | None]] = {}
+        self._last_gradient_at: float | None = None
+        self.landing_leads: list[float] = [0.0] * len(layout.buckets)
         # Told on the worker once a bucket's gradient is in the CPU buffer (the speculative step's cue).
         self.arrivals = arrivals if arrivals is not None else BucketArrivals()
         self._hooks = register_grad_hooks(params, self._on_grad)
@@ -123,6 +121,7 @@ class GradientStreamer:
         grad = param.grad
         if grad is None:
             return
+        self._last_gradient_at = time.perf_counter()
         self.check_worker()
         check_gradient(grad, self._seen[index])
         self._seen[index] = True
@@ -156,6 +155,7 @@ class GradientStreamer:
     def _launch(self, launch: Launch) -> None:
         """Send one bucket's buffer (what it holds and whether it is final: engine/step/launch_order.py)."""
         self.check_worker()
+        launched = time.perf_counter()
         bucket, filled, final = launch
         buffer = self._acquire_bucket_buffer(bucket.index)
         for piece in bucket.pieces:
@@ -183,6 +183,7 @@ class GradientStreamer:
             copied = record_event(self.device, timing=True)
         if started is not None:
             self._device_spans.append((started, copied))
+        self._launched_at[bucket.index] = (launched, started)
         self._bucket_buffer[bucket.index] = None
         self.device_buffers.release(buffer, copied, bucket.index)
         self._buffers_held -= 1
@@ -275,12 +276,19 @@ class GradientStreamer:
                 self._hidden_s += max(0.0, min(end, backward_end) - start)
         device_spans, self._device_spans = self._device_spans, []
         origin, self._device_origin = self._device_origin, None
-        if origin is None or backward_end_event is None:
-            return
-        wait_event(backward_end_event)
-        transfer_s, hidden_s = device_transfer_times(origin, device_spans, backward_end_event)
-        self._transfer_s += transfer_s
-        self._hidden_s += hidden_s
+        launched_at, self._launched_at = self._launched_at, {}
+        last_gradient_at, self._last_gradient_at = self._last_gradient_at, None
+        host_end = backward_end if last_gradient_at is None else last_gradient_at
+        timed = origin is not None and backward_end_event is not None
+        if timed:
+            wait_event(backward_end_event)
+            transfer_s, hidden_s = device_transfer_times(origin, device_spans, backward_end_event)
+            self._transfer_s += transfer_s
+            self._hidden_s += hidden_s
+        for index, (host, started) in launched_at.items():  # on the device's clock where it has one
+            on_device_clock = timed and started is not None
+            lead = started.elapsed_time(backward_end_event) / 1e3 if on_device_clock else host_end - host
+            self.landing_leads[index] = max(0.0, lead)
 
     def wait(self) -> None:
         """Wait for every accumulate in flight; raises the worker's error if it had one."""

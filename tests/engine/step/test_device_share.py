@@ -162,6 +162,34 @@ def test_a_share_trains_as_none_at_two_ranks(cpu_state, tmp_path):
         assert close(weights, want_weights, cpu_state) and close(state, want_state, cpu_state)
 
 
+def test_measured_landings_replace_the_even_model():
+    """The largest bucket last in the layout but landing halfway through backward (say the layers registered in
+    reverse): with the measured landings its step starts then, and most of it is hidden."""
+    shards, rate = [10, 10, 10, 10, 40], 1 / 80
+    assert exposed_after_backward(shards, 5, 1.0, rate) == pytest.approx(0.5)  # lands at the end
+    leads = [0.875, 0.75, 0.625, 0.5, 0.5]
+    assert exposed_after_backward(shards, 5, 1.0, rate, leads) == pytest.approx(0.125)
+    late = [0.875, 0.75, 0.625, 0.5, 0.0]  # the measured lead of a tied embedding's bucket: none
+    assert exposed_after_backward(shards, 5, 1.0, rate, late) == pytest.approx(0.5)
+
+
+def test_the_transfer_before_each_step_counts_in_the_pipeline_not_in_the_bound():
+    """The gradient worker copies and adds a bucket's gradient before its step: with that three times the step, the
+    four small buckets no longer keep up with backward, and more of them go to the device."""
+    shards, rate = [10, 10, 10, 10, 40], 1 / 80
+    alone = choose_bucket_share(shards, shards, 1.0, rate, 16, device_room=10**6, speculative=True)
+    slow = choose_bucket_share(shards, shards, 1.0, rate, 16, 10**6, True, None, transfer_s_per_element=3 * rate)
+    assert alone.params == 40 and slow.params == 60
+
+
+def test_the_streamer_measures_when_each_bucket_landed():
+    """Backward of the MLP reaches its layers in the layout's order: each later bucket lands closer to its end."""
+    _, engine = train(0.0, cpu_step="speculative", steps=1, accumulate=1)
+    leads = engine.grads.landing_leads
+    assert len(leads) == len(engine.layout.buckets) >= 4
+    assert leads == sorted(leads, reverse=True) and leads[0] > leads[-1] >= 0
+
+
 def test_auto_keeps_the_bucket_whose_step_no_backward_is_left_to_hide():
     """A tied embedding's bucket (the largest, its gradient last): with it on the host the step ends half a step
     after backward; with it on the device the rest ends within backward."""
@@ -186,29 +214,32 @@ def test_auto_stays_within_the_room_and_takes_the_most_it_can_where_the_target_i
 
 def test_auto_on_a_cpu_device_keeps_nothing_and_says_why():
     _, engine = train("auto", steps=2)
+    assert engine.share_choice is None  # the second step is the one measured: chosen before the third
+    _, engine = train("auto", steps=3)
     assert engine.share_choice is not None and engine.share_choice.share == 0.0
     assert "a CPU device is host memory" in engine.share_choice.why
     assert engine.state.device_share_numel == 0
 
 
-def test_auto_re_plans_after_the_first_step_and_trains_as_none(monkeypatch):
-    """What an accelerator's "auto" does, with the choice given: after the first step the engine re-plans with the
-    share, and the run goes on as without one."""
-    from lightning_zero_offload.engine import lifecycle
+def test_auto_re_plans_after_the_second_step_and_trains_as_none(monkeypatch):
+    """What an accelerator's "auto" does, its device memory pretended: after the second step the engine chooses from
+    what that step measured (each bucket's landing too), re-plans with the share, and the run goes on as without
+    one."""
+    from lightning_zero_offload.engine.step import device_share
 
     chosen = []
+    choose = device_share.choose_bucket_share
 
-    def pretend(layout, state, first_step, speculative, device):
-        assert (
-            first_step.backward_s > 0
-            and first_step.cpu_step_s > 0
-            and speculative
-            and state.split == state.layout.shard_numel
-        )
+    def watched(shards, numels, backward_s, rate, state_bytes, room, speculative, leads, transfer_rate):
+        assert backward_s > 0 and rate > 0 and transfer_rate > 0 and speculative and 0 < room < 0.8 * 10**9
+        assert len(leads) == len(shards) and all(0 <= lead <= backward_s for lead in leads)
+        measured = choose(shards, numels, backward_s, rate, state_bytes, room, speculative, leads, transfer_rate)
+        assert 0 <= measured.share <= 1  # on these CPUs it may be none: the re-plan is tested with half
         chosen.append(ShareChoice(0.5, 0, "auto: as an accelerator might"))
         return chosen[-1]
 
-    monkeypatch.setattr(lifecycle, "auto_bucket_share", pretend)
+    monkeypatch.setattr(device_share, "room_after_peak", lambda device: 10**9)
+    monkeypatch.setattr(device_share, "choose_bucket_share", watched)
     _, want = train(0.0, cpu_step="speculative")
     _, got = train("auto", cpu_step="speculative")
     assert len(chosen) == 1 and got.share_choice is chosen[0]

@@ -252,7 +252,7 @@ def test_device_timing_counts_only_the_part_after_backward_as_exposed():
     spans = [(Timed(), Timed()), (Timed(), Timed())]  # [1, 2] and [3, 4] ms
     end = Timed()  # backward ends at 5 ms: both spans hidden
     spans.append((Timed(), Timed()))  # [6, 7] ms: after the end, exposed
-    total, hidden = grads.device_transfer_times(origin, spans, end)
+    total, hidden = streams.device_transfer_times(origin, spans, end)
     assert total == pytest.approx(3e-3) and total - hidden == pytest.approx(1e-3)
 
 
