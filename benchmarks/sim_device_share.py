@@ -112,9 +112,10 @@ class SleepingGpt2(L.LightningModule):
         self.embed = params(("wte.", "wpe."))
         self.layers = nn.ModuleList(params(f"h.{i}.") for i in range(n_layer))
         self.final = params("ln_f.")
-        self.head = None if tied else nn.Parameter(torch.full(shapes["wte.weight"], 0.01))
+        # a submodule, as GPT2LMHeadModel's lm_head: its parameter is listed last (a root's own would come first)
+        self.head = None if tied else nn.ParameterList([nn.Parameter(torch.full(shapes["wte.weight"], 0.01))])
         # (weights, share of the backward time) per block in forward order
-        head = [self.embed[0]] if tied else [self.head]
+        head = [self.embed[0]] if tied else list(self.head)
         self.blocks = [(list(self.embed), 0.0)]
         self.blocks += [(list(layer), 1.0) for layer in self.layers]
         self.blocks += [(list(self.final), 0.0), (head, head[0].numel() / sum(p.numel() for p in self.layers[0]))]

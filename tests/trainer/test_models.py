@@ -93,8 +93,13 @@ def fit_wrapped(model: Wrapped, strategy, data=tokens, clip: float | None = 0.5,
 @pytest.mark.slow  # Trainer runs of a model nobody here wrote
 @pytest.mark.parametrize(
     "options",
-    [{"in_place_on_cpu": False}, {"in_place_on_cpu": False, "cpu_step": "speculative", "bucket_size_mb": 0.01}],
-    ids=["offload-sync", "offload-speculative"],
+    [
+        {"in_place_on_cpu": False},
+        {"in_place_on_cpu": False, "cpu_step": "speculative", "bucket_size_mb": 0.01},
+        # 524 elements: the 64 x 32 embedding and head and the 32 x 64 MLP weights are split across buckets
+        {"in_place_on_cpu": False, "cpu_step": "speculative", "bucket_size_mb": 0.002},
+    ],
+    ids=["offload-sync", "offload-speculative", "offload-split"],
 )
 def test_hugging_face_gradient_checkpointing_trains_as_without_it(options):
     # Recomputation in backward runs the forward again while gradients stream out: the same gradients,
