@@ -75,7 +75,8 @@ def full_tensors(engine: ShardedState, shard: ShardBuffer | torch.Tensor) -> lis
         elif share:
             whole = engine.save_sharing.placeholders.add(shard, ranges, layout.world_size)
         else:
-            whole = torch.cat([gather_host(shard[r], engine.process_group, engine.device) for r in ranges])
+            gathered = [gather_host(shard[r], engine.process_group, engine.device) for r in ranges]
+            whole = gathered[0] if len(gathered) == 1 else torch.cat(gathered)
         start = buckets[0].flat_start
         for index in dict.fromkeys(i for bucket in buckets for i in bucket.param_indices):
             slot = layout.slots[index]
