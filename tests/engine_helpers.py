@@ -203,3 +203,35 @@ class DelayedReference:
             for d, v in zip(self.device, values):
                 d.copy_(v)
         self.published = [d.detach().clone() for d in self.device]
+
+
+CLIP = 0.05  # below the gradients' norm of make_net on batches(): clipping fires at every step
+
+
+def train_clipped(
+    cpu_state="fp32", dtype=torch.float32, steps=4, accumulate=2, clip=CLIP, rank=0, world=1, **kw
+) -> tuple[nn.Module, OffloadEngine]:
+    """The MLP with two param groups, ``steps`` clipped steps of ``accumulate`` micro-batches, this rank's part of
+    each batch (``world`` ranks), engine ``options(**kw)``; seeded so the bf16 state's rounding is the same."""
+    torch.manual_seed(7)  # the bf16 state's rounding seed
+    net = make_net().to(dtype)
+    engine = OffloadEngine(two_groups(net), CPU, dtype, options(cpu_state=cpu_state, **kw))
+    data = batches(steps * accumulate)
+    for step in range(steps):
+        for micro in range(accumulate):
+            x, y = data[step * accumulate + micro]
+            mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+            engine.expect_step(micro == accumulate - 1, publish_early=True)
+            engine.begin_backward()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
+                loss_fn(net, (x[mine].to(dtype), y[mine])).backward()
+            engine.finish_backward()
+        engine.step(clip_norm=clip)
+    engine.sync()
+    return net, engine
+
+
+def moments(engine: OffloadEngine) -> list[torch.Tensor]:
+    """Every parameter's exp_avg and exp_avg_sq, in the optimizer's order."""
+    state = engine.optimizer_state_dict()["state"]
+    return [t for entry in state.values() for t in (entry["exp_avg"], entry["exp_avg_sq"])]

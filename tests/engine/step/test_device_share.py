@@ -5,9 +5,8 @@ from functools import partial
 
 import pytest
 import torch
-from engine_helpers import CPU, batches, loss_fn, make_net, options, two_groups
+from engine_helpers import CLIP, batches, loss_fn, moments, train_clipped
 
-from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.engine.step.cpu_state import ShardBuffer, first_device_bucket
 from lightning_zero_offload.engine.step.device_share import ShareChoice, choose_bucket_share, exposed_after_backward
 from lightning_zero_offload.engine.step.layout import build_layout
@@ -16,37 +15,16 @@ from lightning_zero_offload.testing.ranks import run_ranks
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FP32_ROUNDING = 1e-6  # relative, per tensor; observed 0 at one rank (the device step is torch's fused Adam)
-CLIP = 0.05  # below the gradients' norm here: clipping fires at every step
 
 
-def train(share, cpu_state="fp32", dtype=torch.float32, steps=4, accumulate=2, clip=CLIP, rank=0, world=1, **kw):
-    torch.manual_seed(7)  # the bf16 state's rounding seed
-    net = make_net().to(dtype)
-    engine = OffloadEngine(two_groups(net), CPU, dtype, options(cpu_state=cpu_state, device_share=share, **kw))
-    data = batches(steps * accumulate)
-    for step in range(steps):
-        for micro in range(accumulate):
-            x, y = data[step * accumulate + micro]
-            mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
-            engine.expect_step(micro == accumulate - 1, publish_early=True)
-            engine.begin_backward()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
-                loss_fn(net, (x[mine].to(dtype), y[mine])).backward()
-            engine.finish_backward()
-        engine.step(clip_norm=clip)
-    engine.sync()
-    return net, engine
+def train(share, cpu_state="fp32", dtype=torch.float32, **kw):
+    return train_clipped(cpu_state, dtype, device_share=share, **kw)
 
 
 def close(got: list[torch.Tensor], want: list[torch.Tensor], cpu_state: str) -> bool:
     if cpu_state == "bf16":
         return all(torch.equal(a, b) for a, b in zip(got, want))
     return all(float((a - b).norm() / b.norm().clamp_min(1e-30)) <= FP32_ROUNDING for a, b in zip(got, want))
-
-
-def moments(engine: OffloadEngine) -> list[torch.Tensor]:
-    state = engine.optimizer_state_dict()["state"]
-    return [t for entry in state.values() for t in (entry["exp_avg"], entry["exp_avg_sq"])]
 
 
 def test_the_last_buckets_whole_and_within_the_share_are_on_the_device():

@@ -5,7 +5,7 @@ from functools import partial
 
 import pytest
 import torch
-from engine_helpers import CPU, batches, loss_fn, make_net, options, two_groups
+from engine_helpers import batches, loss_fn, moments, train_clipped
 
 from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.testing.ranks import run_ranks
@@ -17,35 +17,14 @@ WHOLE_MB = 1.0  # every parameter whole in one bucket
 # Relative, per tensor. With clipping the split changes how the gradient norm is summed (per bucket in double,
 # then over buckets), so the coefficient may move in its last bit; observed: 0 in every case here.
 FP32_ROUNDING = 1e-6
-CLIP = 0.05  # below the gradients' norm here: clipping fires at every step
 
 
-def train(bucket_mb, cpu_state="fp32", dtype=torch.float32, steps=4, accumulate=2, clip=CLIP, rank=0, world=1, **kw):
-    torch.manual_seed(7)  # the bf16 state's rounding seed
-    net = make_net().to(dtype)
-    engine = OffloadEngine(two_groups(net), CPU, dtype, options(cpu_state=cpu_state, bucket_size_mb=bucket_mb, **kw))
-    data = batches(steps * accumulate)
-    for step in range(steps):
-        for micro in range(accumulate):
-            x, y = data[step * accumulate + micro]
-            mine = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
-            engine.expect_step(micro == accumulate - 1, publish_early=True)
-            engine.begin_backward()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype != torch.float32):
-                loss_fn(net, (x[mine].to(dtype), y[mine])).backward()
-            engine.finish_backward()
-        engine.step(clip_norm=clip)
-    engine.sync()
-    return net, engine
+def train(bucket_mb, cpu_state="fp32", dtype=torch.float32, **kw):
+    return train_clipped(cpu_state, dtype, bucket_size_mb=bucket_mb, **kw)
 
 
 def split_params(engine: OffloadEngine) -> int:
     return sum(slot.last_bucket > slot.bucket for slot in engine.layout.slots)
-
-
-def moments(engine: OffloadEngine) -> list[torch.Tensor]:
-    state = engine.optimizer_state_dict()["state"]
-    return [t for entry in state.values() for t in (entry["exp_avg"], entry["exp_avg_sq"])]
 
 
 def worst(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
