@@ -13,10 +13,11 @@ embedding (38.6M) is larger than a bucket, so it is split across three (engine/s
 What a GPU does from its own memory is device time, asleep for the bytes it moves at an H100's bandwidth, the host
 free meanwhile: the share's step and gradient norm (sim_device_params.py's :func:`simulate_device_steps`), its
 gradient accumulation and its cast into the device parameters, the gradient hooks' copies into the bucket buffers,
-the checksums of the weights (:func:`simulate_device_state_work`); the transfer of a bucket to the host sleeps at a
-PCIe link's bandwidth. So the host does what it does on a GPU machine: the CPU step, the accumulation into the fp32
-buffer, the copy-back, and the engine's bookkeeping. Gradients are fresh zeros each pass (autograd hands them over
-instead of copying them; the host's work does not depend on the values).
+the checksums of the weights (:func:`simulate_device_state_work`); the transfer of a bucket to the host is queued on
+a copy engine at a PCIe link's bandwidth, the gradient worker waiting for it (:func:`wait_for_transfers`). So the
+host does what it does on a GPU machine: the CPU step, the accumulation into the fp32 buffer, the copy-back, and the
+engine's bookkeeping. Gradients are fresh zeros each pass (autograd hands them over instead of copying them; the
+host's work does not depend on the values).
 
 Configurations alternate fit by fit, round after round, each fit in a fresh interpreter (a model-sized state
 freed in a process is not all given back to the system, and the next fit's memory check then refuses it):
@@ -25,8 +26,9 @@ measured, the device's free memory pretended ample: on a CPU device "auto" keeps
 share and with the share auto chose, and ``speculative`` with none. Reported per configuration: the step time, the
 host time the device waited for (``exposed_ms``: the step time less the simulated device time), and the time from
 the end of the device's backward (the embedding block's, the last to run) to the end of the step
-(``after_backward_ms``: the last buckets' transfer and step, the validation, the copy-back), against one bucket's
-CPU step (``bucket_size_mb`` of the bf16 copy: the issue's bound on what may stay exposed).
+(``after_backward_ms``: the last buckets' transfer and step, the validation, the copy-back; of it, the host's CPU
+Adam and gradient accumulation apart, timed around their kernels), against one bucket's CPU step
+(``bucket_size_mb`` of the bf16 copy: the issue's bound on what may stay exposed).
 
     python benchmarks/sim_device_share.py                 # tied and untied, 3 rounds (minutes)
     python benchmarks/sim_device_share.py --quick         # a 4-layer model, one round: the logic only
@@ -58,7 +60,7 @@ from sim_device_params import DEVICE_BANDWIDTH, simulate_device_steps  # noqa: E
 
 from lightning_zero_offload import ZeroOffloadStrategy, kernels  # noqa: E402
 from lightning_zero_offload.engine.infra import memory  # noqa: E402
-from lightning_zero_offload.engine.step import cpu_state, device_share  # noqa: E402
+from lightning_zero_offload.engine.step import cpu_state, device_share, streamer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 _BACKWARD_ENDS: list[float] = []  # when each step's device backward ended (the first block's, the last to run)
@@ -141,21 +143,23 @@ class SleepingGpt2(L.LightningModule):
 class _DeviceBuffer(torch.Tensor):
     """A gradient bucket buffer of the simulated accelerator: what writes into it (the hooks' copies of the
     gradients, the zeroing of padding and of parameters without a gradient) is a device kernel, asleep for the bytes
-    it moves; its transfer to the host is asleep for the bytes at :data:`LINK_BANDWIDTH` (on a GPU a copy engine
-    moves them; here a host copy would compete with the CPU step for two cores). Its contents stay the zeros it began
-    with, and a host buffer it is copied into is zeroed once."""
+    it moves; its transfer to the host takes the bytes' time at :data:`LINK_BANDWIDTH` on a copy engine, after the
+    transfers queued before it, and whoever reads the host buffer waits for it (on a GPU a copy engine moves them;
+    here a host copy would compete with the CPU step for two cores). Its contents stay the zeros it began with, and
+    a host buffer it is copied into is zeroed once."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in _DEVICE_WRITES and isinstance(args[0], cls):
             time.sleep(_DEVICE_WRITES[func] * args[0].nbytes / DEVICE_BANDWIDTH)
             return args[0]
-        if func is torch.Tensor.copy_ and isinstance(args[1], cls):  # to the host
+        if func is torch.Tensor.copy_ and isinstance(args[1], cls):  # to the host, queued on the copy engine
             target = args[0]
             if _ZEROED.get(target.data_ptr(), 0) < target.numel():
                 target.zero_()
                 _ZEROED[target.data_ptr()] = target.numel()
-            time.sleep(target.nbytes / LINK_BANDWIDTH)
+            start = max(time.perf_counter(), _LINK_FREE_AT[0])
+            _LINK_FREE_AT[0] = _COPIED_AT[target.data_ptr()] = start + target.nbytes / LINK_BANDWIDTH
             return target
         return super().__torch_function__(func, types, args, kwargs or {})
 
@@ -163,6 +167,51 @@ class _DeviceBuffer(torch.Tensor):
 _DEVICE_WRITES = {torch.Tensor.copy_: 2, torch.Tensor.zero_: 1}  # bytes moved per byte written
 _ZEROED: dict[int, int] = {}  # host buffers a transfer wrote into: their zeroed elements from the start
 LINK_BANDWIDTH = 25e9  # bytes/s: a PCIe 4.0 x16 link's copies from the device (pinned host memory)
+_LINK_FREE_AT = [0.0]  # when the copy engine has done the transfers queued so far
+_COPIED_AT: dict[int, float] = {}  # a host buffer's pending transfer: when it completes
+
+
+def wait_for_transfers() -> None:
+    """The gradient worker waits for a bucket's transfer where a GPU's waits for its event (the hook only queued
+    it, as ``non_blocking=True`` does)."""
+    accumulate = streamer.GradientStreamer._accumulate
+
+    def accumulate_once_copied(self: Any, bucket: Any, staging: torch.Tensor, *args: Any) -> None:
+        copied_in = _COPIED_AT.pop(staging.data_ptr(), 0.0) - time.perf_counter()
+        if copied_in > 0:
+            time.sleep(copied_in)
+        accumulate(self, bucket, staging, *args)
+
+    streamer.GradientStreamer._accumulate = accumulate_once_copied  # type: ignore[method-assign]
+
+
+_HOST_WORK: list[tuple[str, float, float]] = []  # (kind, start, end) of each CPU Adam and accumulate kernel
+
+
+def time_host_work() -> None:
+    """Record when each CPU Adam step and gradient accumulation ran (the host work after backward, apart)."""
+
+    def timed(kind: str, kernel: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return kernel(*args, **kwargs)
+            finally:
+                _HOST_WORK.append((kind, start, time.perf_counter()))
+
+        return run
+
+    for name in ("adam_step", "adam_step_bf16_state"):
+        setattr(kernels, name, timed("adam", getattr(kernels, name)))
+    kernels.grad_accumulate = timed("accumulate", kernels.grad_accumulate)  # type: ignore[assignment]
+
+
+def host_work_after(start: float, end: float) -> dict[str, float]:
+    """Seconds of each kind of host work between ``start`` and ``end``."""
+    spent = {"adam": 0.0, "accumulate": 0.0}
+    for kind, a, b in _HOST_WORK:
+        spent[kind] += max(0.0, min(b, end) - max(a, start))
+    return spent
 
 
 def simulate_device_state_work() -> None:
@@ -231,7 +280,14 @@ def fit(n_layer: int, tied: bool, schedule: str, share: float | str, layer_s: tu
     info = {"bucket_numel": engine.options.bucket_numel(2), "share_params": engine.state.device_share_numel}
     if engine.share_choice is not None:
         info["auto"] = {"share": engine.share_choice.share, "why": engine.share_choice.why}
-    return {"ends": clock.ends, "backward_ends": list(_BACKWARD_ENDS), "stats": clock.stats, "info": info}
+    after = [host_work_after(backward, end) for backward, end in zip(_BACKWARD_ENDS, clock.ends)]
+    return {
+        "ends": clock.ends,
+        "backward_ends": list(_BACKWARD_ENDS),
+        "host_work_after_backward": after,
+        "stats": clock.stats,
+        "info": info,
+    }
 
 
 def fit_in_a_fresh_process(n_layer: int, tied: bool, schedule: str, share: float, layer_s, steps: int, args):
@@ -252,25 +308,31 @@ def one_fit(args: argparse.Namespace) -> None:
     job = json.loads(args.fit)
     simulate_device_steps()
     simulate_device_state_work()
+    wait_for_transfers()
+    time_host_work()
     pretend_device_memory()
     result = fit(job["n_layer"], job["tied"], job["schedule"], job["share"], tuple(job["layer_s"]), job["steps"], args)
     Path(args.fit_out).write_text(json.dumps(result))
 
 
 def summarize(runs: list[dict[str, Any]], warmup: int, device_ms: float, cpu_ms_per_param: float):
-    times, rows, fit_medians, tails = [], [], [], []
+    times, rows, fit_medians, tails, work = [], [], [], [], []
     for run in runs:
         fit_times = [b - a for a, b in zip(run["ends"][warmup:], run["ends"][warmup + 1 :])]
         times += fit_times
         fit_medians.append(1e3 * statistics.median(fit_times))
         rows += run["stats"][warmup + 1 :]
         tails += [end - backward for backward, end in zip(run["backward_ends"], run["ends"])][warmup + 1 :]
+        work += run["host_work_after_backward"][warmup + 1 :]
     info = runs[0]["info"]
     out: dict[str, Any] = {"step_ms": 1e3 * statistics.median(times), "fit_median_step_ms": fit_medians}
     out["exposed_ms"] = out["step_ms"] - device_ms
     # from the device's backward end to the step's end: what no backward hid (the last buckets' transfer and
     # step, the validation, the copy-back)
     out["after_backward_ms"] = 1e3 * statistics.median(tails)
+    # of which the host's CPU Adam and gradient accumulation (the rest: hooks, the transfers' wait, the step's tail)
+    out["adam_after_backward_ms"] = 1e3 * statistics.median(w["adam"] for w in work)
+    out["accumulate_after_backward_ms"] = 1e3 * statistics.median(w["accumulate"] for w in work)
     out["engine_step_ms"] = 1e3 * statistics.median(r["total_s"] for r in rows)  # the engine's step() alone
     out["cpu_step_ms"] = 1e3 * statistics.median(r["cpu_step_s"] for r in rows)
     out["speculated_fraction"] = statistics.median(r["speculated_fraction"] for r in rows)
@@ -345,7 +407,8 @@ def main() -> None:
             spread = "/".join(f"{t:.0f}" for t in r["fit_median_step_ms"])
             print(
                 f"  {name:<26} step {r['step_ms']:7.1f} ms (fits {spread})  exposed {r['exposed_ms']:6.1f} ms  "
-                f"after backward {r['after_backward_ms']:6.1f} ms (a bucket's step {r['one_bucket_step_ms']:4.1f} ms)"
+                f"after backward {r['after_backward_ms']:6.1f} ms (Adam {r['adam_after_backward_ms']:5.1f}, accumulate "
+                f"{r['accumulate_after_backward_ms']:4.1f}; a bucket's step {r['one_bucket_step_ms']:4.1f} ms)"
                 f"  x{r['speedup_vs_sync_no_share']:.2f} vs sync"
             )
 

@@ -166,17 +166,13 @@ class ParamState(MutableMapping):
             raise KeyError(key)
         if key == "step":
             return torch.tensor(float(self._engine.steps[self._index]))
-        exp_avgs, exp_avg_sqs = self._engine.moment_views()
-        return (exp_avgs if key == "exp_avg" else exp_avg_sqs)[self._index]
+        return self._engine.moment_view(self._index, key)
 
     def __setitem__(self, key: str, value: Any) -> None:
         if key == "step":
             self._engine.set_param_step(self._index, int(value))
         elif key in _MOMENTS:
-            exp_avgs, exp_avg_sqs = self._engine.moment_views()
-            target = (exp_avgs if key == "exp_avg" else exp_avg_sqs)[self._index]
-            if value is not target:
-                target.copy_(value)
+            self._engine.set_moment(self._index, key, value)
         else:
             raise KeyError(f"zero_offload's Adam state holds step, exp_avg and exp_avg_sq, not {key!r}")
 

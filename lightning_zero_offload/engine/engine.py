@@ -48,7 +48,7 @@ from lightning_zero_offload.engine.options import OffloadOptions, resolve
 from lightning_zero_offload.engine.save_sharing import SaveSharing
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, SyncSchedule, make_schedule
-from lightning_zero_offload.engine.stats import StepStats
+from lightning_zero_offload.engine.stats import StepStats, StepTimer
 from lightning_zero_offload.engine.step.cpu_state import CpuState, ParkedState, rounding_seed
 from lightning_zero_offload.engine.step.gradient_source import BucketArrivals
 from lightning_zero_offload.engine.step.in_place import InPlaceGradients, InPlaceUpdate
@@ -102,8 +102,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.scaler = DynamicLossScaler(options.loss_scaler) if param_dtype == torch.float16 else None
         self.update_worker = worker_pool("zero-offload-step", device)  # the thread CPU updates run on
         self._world, self._rank = world, rank
-        self._backward_start: float | None = None
-        self._backward_s = 0.0
+        self.timer = StepTimer()
         self._step_expected = self._publish_early = False
         self.step_calls = 0
         self.skipped_steps = 0
@@ -256,7 +255,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         """Call before every backward pass."""
         self.before_training_forward()
         self._take_up_carried("a backward after optimizer.step() without optimizer.zero_grad() in between")
-        self._backward_start = time.perf_counter()
+        self.timer.backward_started()
         self._grad_summary = None  # more gradient is coming
         if self._step_expected and self.schedule.updates_during_backward:  # else step() first uses the master
             self.absorb_param_writes()
@@ -272,10 +271,9 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         Once per pass: where none is open (a front end ended it before ``step()``, or no backward ran) this
         only raises a failure of the gradient worker, so nothing trains on incomplete gradients.
         """
-        if self._backward_start is not None:
-            self._backward_s += time.perf_counter() - self._backward_start
-            self._backward_start = None
+        self.timer.backward_ended()
         if self.grads.finish_backward():
+            self.timer.gradients_landed()
             self.schedule.on_backward_end()
 
     def step(
@@ -298,9 +296,8 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         start = time.perf_counter()
         self.finish_backward()
         self._step_expected = self._publish_early = False
-        stats = StepStats(loss_scale=self.loss_scale, backward_s=self._backward_s)
+        stats = self.timer.step_stats(self.loss_scale)
         stats.transfer_wait_s, stats.transfer_s = self.grads.take_timings()
-        self._backward_s = 0.0
         if not self.schedule.update_in_flight:
             self.absorb_param_writes()  # written after backward (on_before_optimizer_step, ...)
         self.schedule.before_step(stats)
@@ -314,7 +311,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.grads.expect_clipping(clips)  # the next window's step likely does as this one
         if checking is not None and not has_step_hooks(self.optimizer):
             self._step_checked(checking, stats, keep_grads)
-            stats.total_s = time.perf_counter() - start
+            self.timer.step_ended(stats, start)
             return stats
         sumsq, overflow, has_grad = self._global_grad_summary()
         scale = self.loss_scale
@@ -342,7 +339,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
             with step_hooks(self.optimizer):  # torch's step hooks, as optimizer.step() fires them
                 self.schedule.apply(inputs, stats)
         self._end_window(keep_grads, CarriedGradients(clip_coef, clamped))
-        stats.total_s = time.perf_counter() - start
+        self.timer.step_ended(stats, start)
         self.last = stats
         self.steps_taken += not stats.skipped
         self.nonfinite.after_step(stats.skipped, scale)
@@ -351,6 +348,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
     def _step_checked(self, update: InPlaceUpdate, stats: StepStats, keep_grads: bool) -> None:
         """The in-place step without clipping: applied only if the gradients are finite, as the others."""
         applied, sumsq, stats.cpu_step_s = update.update_checked()
+        stats.cpu_step_after_backward_s = stats.cpu_step_s
         stats.grad_norm = math.sqrt(sumsq) if applied else math.inf
         if applied:
             self.optimizer._opt_called = True  # type: ignore[attr-defined]

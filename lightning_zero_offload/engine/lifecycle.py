@@ -151,7 +151,7 @@ class EngineLifecycle:
         if self.steps_taken < AUTO_MEASURED_STEP or self.last.skipped or self._closed or self.failed:
             return None
         speculative = self.cpu_step == "speculative"
-        leads = [] if self.in_place else self.grads.landing_leads  # in place: no bucket lands (and a CPU device)
+        leads = [] if self.in_place else self.grads.landings.leads  # in place: no bucket lands (and a CPU device)
         self.share_choice = choice = auto_bucket_share(
             self.layout, self.state, self.last, speculative, self.device, leads
         )
@@ -294,27 +294,26 @@ class EngineLifecycle:
         self._settle()
         state_dicts.load_optimizer_state_dict(self, state_dict)
 
-    def moment_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Each trainable parameter's (exp_avg, exp_avg_sq), as live views of the CPU state in the
-        parameter's shape (what ``optimizer.state`` shows): one rank only, where every parameter is whole.
-        Settles first, so nothing in flight changes them after they are read."""
-        if self.layout.world_size != 1:
-            raise RuntimeError("the moments are sharded across ranks: no rank holds a parameter's moments whole")
-        self._settle()
-        shapes = [slot.shape for slot in self.layout.slots]
-        exp_avgs, exp_avg_sqs = self.state.param_views()[1:]
-        return [m.view(s) for m, s in zip(exp_avgs, shapes)], [v.view(s) for v, s in zip(exp_avg_sqs, shapes)]
+    def moment_view(self, index: int, name: str) -> torch.Tensor:
+        """A trainable parameter's ``exp_avg`` or ``exp_avg_sq``, a live view in its shape (``optimizer.state``)."""
+        self._settle_one_rank("no rank holds a parameter's moments whole")
+        return self.state.moment_view(index, name)
+
+    def set_moment(self, index: int, name: str, value: torch.Tensor) -> None:
+        self._settle_one_rank("set moments through load_state_dict")
+        self.state.set_moment(index, name, value)
 
     def set_param_step(self, index: int, step: int) -> None:
         """Set a parameter's step count; 0 also zeroes its moments (torch's fresh state for that parameter)."""
-        if self.layout.world_size != 1:
-            raise RuntimeError("the moments are sharded across ranks: set step counts through load_state_dict")
-        self._settle()
-        if step == 0:
-            window = self.layout.slot_range(index)
-            self.state.exp_avg[window].zero_()
-            self.state.exp_avg_sq[window].zero_()
+        self._settle_one_rank("set step counts through load_state_dict")
         self.state.set_step(index, step)
+
+    def _settle_one_rank(self, fix: str) -> None:
+        """Before ``optimizer.state`` reads or changes a parameter's state: one rank, where every parameter is
+        whole, and nothing in flight changes it after."""
+        if self.layout.world_size != 1:
+            raise RuntimeError(f"the moments are sharded across ranks: {fix}")
+        self._settle()
 
     # -- accounting and teardown ---------------------------------------------------------------
 

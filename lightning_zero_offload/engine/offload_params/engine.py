@@ -45,7 +45,7 @@ from lightning_zero_offload.engine.optimizer_hooks import step_hooks
 from lightning_zero_offload.engine.optimizer_support import check_optimizer, read_hyperparams
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
-from lightning_zero_offload.engine.stats import StepStats
+from lightning_zero_offload.engine.stats import StepStats, StepTimer
 from lightning_zero_offload.engine.step.cpu_state import rounding_seed
 from lightning_zero_offload.warning import ZeroOffloadRuntimeWarning
 
@@ -106,8 +106,7 @@ class ParamOffloadEngine:
         self._carried = 1.0  # what the last step did to p.grad (clip x unscale), applied when it is next read
         self._summary: tuple[float, bool] | None = None
         self._user_code = False  # between before_user_code and after_user_code
-        self._backward_start: float | None = None
-        self._backward_s = 0.0
+        self.timer = StepTimer()
         self._closed = False
 
     # -- the parameters ----------------------------------------------------------------------------
@@ -170,14 +169,14 @@ class ParamOffloadEngine:
         if self.speculation is not None:
             self.speculation.take_back()  # an earlier backward's speculated steps: more gradient is coming
         self._summary = None
-        self._backward_start = time.perf_counter()
+        self.timer.backward_started()
 
     def finish_backward(self) -> None:
-        if self._backward_start is not None:
-            self._backward_s += time.perf_counter() - self._backward_start
-            self._backward_start = None
+        ended = self.timer.backward_ended()
         if self.speculation is not None:
             self.speculation.finish_backward()
+        if ended:
+            self.timer.gradients_landed()
 
     def before_user_code(self) -> None:
         """User code may read or change ``p.grad`` now (the front end's gradient hooks)."""
@@ -230,8 +229,7 @@ class ParamOffloadEngine:
         self.finish_backward()
         self._settle_carried()
         speculated, speculated_with = self.speculation.take() if self.speculation is not None else ({}, {})
-        stats = StepStats(loss_scale=self.loss_scale, backward_s=self._backward_s)
-        self._backward_s = 0.0
+        stats = self.timer.step_stats(self.loss_scale)
         self.step_calls += 1
         scale = self.loss_scale
         sumsq, overflow = self._global_summary(speculated)
@@ -246,13 +244,14 @@ class ParamOffloadEngine:
             with step_hooks(self.optimizer):  # pre-hooks may change the hyperparameters of this step
                 groups = self._groups()
                 stats.cpu_step_s = self._apply(groups, speculated, speculated_with, clip_coef, clip_value, stats)
+                stats.cpu_step_after_backward_s = stats.cpu_step_s
             if self.scaler is not None:
                 self.scaler.update(overflow=False)
             self._carried = multiplier
         if self.speculation is not None:
             stats.cpu_step_s += self.speculation.take_seconds()
         self._summary = None
-        stats.total_s = time.perf_counter() - start
+        self.timer.step_ended(stats, start)
         self.last = stats
         self.nonfinite.after_step(stats.skipped, scale)
         return stats

@@ -115,6 +115,7 @@ def apply_now(parts: ScheduleParts[Update], inputs: StepInputs, stats: StepStats
     clamp_if_asked(parts.grads, inputs)
     update_s, stats.copy_back_s = parts.update.update_now(inputs.has_grad, inputs.multiplier)
     stats.cpu_step_s += update_s
+    stats.cpu_step_after_backward_s += update_s
 
 
 def clamp_if_asked(grads: GradientSource, inputs: StepInputs) -> None:

@@ -258,6 +258,7 @@ class SpeculativeSchedule(Schedule):
         plan = self.pipeline.plan(inputs.has_grad, inputs.multiplier)
         update_s, stats.copy_back_s = self.pipeline.run(plan, done, self.out, published)
         stats.cpu_step_s += update_s
+        stats.cpu_step_after_backward_s = update_s
         self.stale = {}
         self.chooser.step_done(self.armed_this_step)
         self.armed_this_step = False

@@ -16,8 +16,9 @@ all trainable elements (padding left out), so the bits do not depend on the worl
 
 With a device share (``device_share``), the buckets whose gradients arrive last keep their state on the device:
 each buffer is a :class:`ShardBuffer`, the shard's first elements on the host and its last ones (whole buckets) on
-the device, indexed by the same shard windows. A window lies on one side (buckets never straddle the split), and
-the update, accumulate and sums of a device window run there (kernels/device.py: the same arithmetic).
+the device, indexed by the same shard windows. A bucket's window lies on one side (buckets never straddle the
+split; a parameter split across buckets may, :meth:`ShardBuffer.pieces`), and the update, accumulate and sums of a
+device window run there (kernels/device.py: the same arithmetic).
 
 The delayed schedule keeps a second gradient buffer so that backward t+1 can fill one while the
 update of step t reads the other; :meth:`CpuState.swap_grad` is the one place the buffers trade
@@ -41,6 +42,7 @@ from lightning_zero_offload.kernels import device as device_kernels
 STATE_NAMES = {dtype: name for name, dtype in STATE_DTYPES.items()}  # the cpu_state option's name of each dtype
 # A sharded checkpoint's key suffix for a state buffer's device part (saved apart: no copy of the host's part).
 DEVICE_PART = "@device"
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def first_device_bucket(layout: Layout, share: float) -> int:
@@ -71,6 +73,16 @@ class ShardBuffer:
         if start >= self.split:
             return self.device_part[start - self.split : stop - self.split]
         raise IndexError(f"shard window [{start}, {stop}) straddles the device share, which starts at {self.split}")
+
+    def pieces(self, window: slice) -> list[tuple[slice, torch.Tensor]]:
+        """The window's part on each side it lies on: (that part's place within the window, its view there). Only
+        a split parameter's window (a slot's, not a bucket's) can lie on both."""
+        start, stop, _ = window.indices(self.numel())
+        at = min(max(self.split, start), stop)
+        pieces = [(slice(0, at - start), self.host[start:at])] if at > start else []
+        if stop > at:
+            pieces.append((slice(at - start, stop - start), self.device_part[at - self.split : stop - self.split]))
+        return pieces
 
     @property
     def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -263,8 +275,33 @@ class CpuState:
             self._steps[index] += 1
 
     def set_step(self, index: int, step: int) -> None:
-        """A parameter's step count as a user set it (``optimizer.state[p]["step"]``; 0: fresh moments follow)."""
+        """A parameter's step count as a user set it (``optimizer.state[p]["step"]``); 0 zeroes its moments too."""
+        if step == 0:
+            for name in MOMENTS:
+                self.set_moment(index, name, torch.zeros(()))
         self._steps[index] = _checked_step(step)
+
+    def moment_view(self, index: int, name: str) -> torch.Tensor:
+        """A parameter's ``exp_avg`` or ``exp_avg_sq`` (one rank: whole) as a live view in its shape."""
+        pieces = self._moment_pieces(index, name)
+        if len(pieces) > 1:
+            raise RuntimeError(
+                f"optimizer.state[p][{name!r}]: the device share starts inside this parameter (split across "
+                "buckets), so its moments lie partly on the device and partly on the host, and no tensor shows them "
+                f"live. Assign them (optimizer.state[p][{name!r}] = tensor), reset them (del optimizer.state[p]), "
+                "use optimizer.state_dict()/load_state_dict(), or give a device_share that starts at its edge."
+            )
+        return pieces[0][1].view(self.layout.slots[index].shape)
+
+    def set_moment(self, index: int, name: str, value: torch.Tensor) -> None:
+        """Copy ``value`` (broadcast to the parameter's shape) into its moment, on each side of the share."""
+        flat = torch.as_tensor(value).expand(self.layout.slots[index].shape).reshape(-1)
+        for place, view in self._moment_pieces(index, name):
+            view.copy_(flat[place])
+
+    def _moment_pieces(self, index: int, name: str) -> list[tuple[slice, torch.Tensor]]:
+        buffer = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}[name]
+        return buffer.pieces(self.layout.slot_range(index))
 
     def load_steps(self, steps: Sequence[int]) -> None:
         """Every parameter's step count, as a checkpoint or the state before a re-plan has it."""
@@ -289,7 +326,8 @@ class CpuState:
             buffer[window].copy_(kept[window])
 
     def param_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Per-parameter views of (master, exp_avg, exp_avg_sq): one rank holds every parameter whole."""
+        """Per-parameter views of (master, exp_avg, exp_avg_sq): one rank holds every parameter whole (in place:
+        no device share)."""
         ranges = [self.layout.slot_range(index) for index in range(len(self.layout.slots))]
         master, exp_avg, exp_avg_sq = (
             [buffer[r] for r in ranges] for buffer in (self.master, self.exp_avg, self.exp_avg_sq)

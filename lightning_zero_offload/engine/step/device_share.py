@@ -7,9 +7,10 @@ once its gradient has landed (``cpu_step="speculative"``); the buckets whose gra
 after backward, where nothing hides it. "auto" takes the fewest last buckets onto the device that leave at most one
 bucket's step after backward (a bucket of the median size: a parameter larger than a bucket is split across
 buckets; the speculative pipeline of :func:`exposed_after_backward`, each bucket stepped from when it landed: a
-tied embedding's gradient, complete only when backward ends, lands last whatever its place), and never more state
-than :data:`AUTO_ACTIVATION_RESERVE` short of the device memory the peak so far left free. Where the target is out
-of reach (``cpu_step="sync"`` steps everything after backward), the most buckets that fit.
+tied embedding's gradient, complete only when backward ends, lands last whatever its place), counting the step's
+measured tail (validation, copy-back: no share removes it), and never more state than
+:data:`AUTO_ACTIVATION_RESERVE` short of the device memory the peak so far left free. Where the target is out of
+reach (``cpu_step="sync"`` steps everything after backward), the most buckets that fit.
 """
 
 from __future__ import annotations
@@ -78,13 +79,17 @@ def choose_bucket_share(
     speculative: bool,
     leads: Sequence[float] | None = None,
     transfer_s_per_element: float = 0.0,
+    tail_s: float = 0.0,
 ) -> ShareChoice:
     """The device share of the last buckets (``shards``: this rank's elements of each bucket, ``numels``: all
     ranks', in layout order), from the measured step's ``backward_s``, CPU step and gradient transfer time per
     element and each bucket's landing ``leads`` before backward's end (:func:`exposed_after_backward`), within
-    ``device_room`` bytes (the reserve taken off already). The bound is one (median) bucket's CPU step."""
+    ``device_room`` bytes (the reserve taken off already). The bound is one (median) bucket's CPU step after
+    backward, the step's own ``tail_s`` included; where that tail alone exceeds it, no CPU step left after
+    backward."""
     total = sum(numels)
     one_bucket = step_s_per_element * statistics.median(shards)
+    allowed = max(0.0, one_bucket - tail_s)  # of the host buckets' work after backward
     per_element = step_s_per_element + transfer_s_per_element  # what the gradient worker does with a bucket
     fitting = 0  # the most last buckets whose state the room holds
     while fitting < len(shards) and state_bytes_per_element * sum(shards[len(shards) - fitting - 1 :]) <= device_room:
@@ -94,9 +99,13 @@ def choose_bucket_share(
         if not on_host:
             return _choice(kept, numels, total, "every bucket")
         exposed = exposed_after_backward(shards, on_host, backward_s, per_element, leads)
-        if speculative and exposed <= one_bucket:
-            what = f"the fewest last buckets ({kept}) that leave at most one bucket's step after backward"
-            return _choice(kept, numels, total, what)
+        if speculative and exposed <= allowed:
+            tail = f"the step's own {1e3 * tail_s:.1f} ms"
+            if not allowed:
+                left = f"no CPU step after backward ({tail} exceed one bucket's step)"
+            else:
+                left = "at most one bucket's step after backward" + (f" ({tail} included)" if tail_s else "")
+            return _choice(kept, numels, total, f"the fewest last buckets ({kept}) that leave {left}")
     if speculative:
         why = "no share it takes leaves as little as one bucket's step after backward"
     else:
@@ -130,15 +139,15 @@ def auto_bucket_share(
 ) -> ShareChoice:
     """:func:`choose_bucket_share` from the ``measured`` step's own backward, CPU step and transfer times (the
     transfer: the gradients' copy to the host and accumulation there, which the gradient worker does before a
-    bucket's step), each bucket's measured landing ``leads`` and the device memory the peak left; every rank from
-    the same figures (the least room and backward time, the latest landings, the slowest step and transfer), so
-    all choose alike."""
+    bucket's step) and tail, each bucket's measured landing ``leads`` and the device memory the peak left; every
+    rank from the same figures (the least room and backward time, the latest landings, the slowest step, transfer
+    and tail), so all choose alike."""
     left = room_after_peak(device)
     if left is None:
         return ShareChoice(0.0, 0, "auto: none, a CPU device is host memory")
     rate, transfer_rate = (seconds / max(1, state.split) for seconds in (measured.cpu_step_s, measured.transfer_s))
-    left, backward_s, minus_rate, minus_transfer_rate, *leads = least_over_ranks(
-        [left, measured.backward_s, -rate, -transfer_rate, *leads], layout.world_size, device
+    left, backward_s, minus_rate, minus_transfer_rate, minus_tail, *leads = least_over_ranks(
+        [left, measured.backward_s, -rate, -transfer_rate, -measured.tail_s, *leads], layout.world_size, device
     )
     scratch = BF16_STATE_SCRATCH_BYTES * min(BF16_STATE_CHUNK, max(b.shard_numel for b in layout.buckets))
     return choose_bucket_share(
@@ -151,4 +160,5 @@ def auto_bucket_share(
         speculative,
         leads,
         -minus_transfer_rate,
+        -minus_tail,
     )

@@ -37,6 +37,7 @@ from lightning_zero_offload.engine.infra.streams import (
 )
 from lightning_zero_offload.engine.step.cpu_state import CpuState
 from lightning_zero_offload.engine.step.gradient_source import BucketArrivals, check_gradient, register_grad_hooks
+from lightning_zero_offload.engine.step.landings import LandingClock
 from lightning_zero_offload.engine.step.launch_order import Launch, LaunchOrder
 from lightning_zero_offload.engine.step.layout import Bucket, Layout
 
@@ -106,11 +107,7 @@ class GradientStreamer:
         self._device_origin: torch.Event | None = None
         self._transfer_s = 0.0
         self._hidden_s = 0.0
-        # This pass's launches (host clock, and device event where timed) and last gradient (on the host clock the
-        # end of backward); the last pass's seconds from each bucket's landing to that end ("auto"'s device share).
-        self._launched_at: dict[int, tuple[float, torch.Event | None]] = {}
-        self._last_gradient_at: float | None = None
-        self.landing_leads: list[float] = [0.0] * len(layout.buckets)
+        self.landings = LandingClock(n_buckets)  # when each bucket landed before backward's end ("auto"'s share)
         # Told on the worker once a bucket's gradient is in the CPU buffer (the speculative step's cue).
         self.arrivals = arrivals if arrivals is not None else BucketArrivals()
         self._hooks = register_grad_hooks(params, self._on_grad)
@@ -121,7 +118,7 @@ class GradientStreamer:
         grad = param.grad
         if grad is None:
             return
-        self._last_gradient_at = time.perf_counter()
+        self.landings.hook_started()
         self.check_worker()
         check_gradient(grad, self._seen[index])
         self._seen[index] = True
@@ -133,6 +130,7 @@ class GradientStreamer:
             buffer = self._acquire_bucket_buffer(bucket.index, make_room=True)
             buffer[piece.bucket_range].copy_(flat[piece.param_range])
             self._send(self.launch_order.arrived(index, bucket.index))
+        self.landings.hook_ended()
 
     def _acquire_bucket_buffer(self, bucket_index: int, make_room: bool = False) -> torch.Tensor:
         buffer = self._bucket_buffer[bucket_index]
@@ -183,7 +181,7 @@ class GradientStreamer:
             copied = record_event(self.device, timing=True)
         if started is not None:
             self._device_spans.append((started, copied))
-        self._launched_at[bucket.index] = (launched, started)
+        self.landings.launched(bucket.index, launched, started)
         self._bucket_buffer[bucket.index] = None
         self.device_buffers.release(buffer, copied, bucket.index)
         self._buffers_held -= 1
@@ -276,19 +274,13 @@ class GradientStreamer:
                 self._hidden_s += max(0.0, min(end, backward_end) - start)
         device_spans, self._device_spans = self._device_spans, []
         origin, self._device_origin = self._device_origin, None
-        launched_at, self._launched_at = self._launched_at, {}
-        last_gradient_at, self._last_gradient_at = self._last_gradient_at, None
-        host_end = backward_end if last_gradient_at is None else last_gradient_at
         timed = origin is not None and backward_end_event is not None
         if timed:
             wait_event(backward_end_event)
             transfer_s, hidden_s = device_transfer_times(origin, device_spans, backward_end_event)
             self._transfer_s += transfer_s
             self._hidden_s += hidden_s
-        for index, (host, started) in launched_at.items():  # on the device's clock where it has one
-            on_device_clock = timed and started is not None
-            lead = started.elapsed_time(backward_end_event) / 1e3 if on_device_clock else host_end - host
-            self.landing_leads[index] = max(0.0, lead)
+        self.landings.end_pass(backward_end, backward_end_event, timed)
 
     def wait(self) -> None:
         """Wait for every accumulate in flight; raises the worker's error if it had one."""

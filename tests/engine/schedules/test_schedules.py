@@ -60,6 +60,23 @@ def test_a_clipped_spike_is_rolled_back_to_sync_bitwise_by_default(dtype, factor
     assert_bitwise(snapshot(spec, spec_net), snapshot(sync, sync_net))
 
 
+@pytest.mark.parametrize("cpu_state", ["fp32", "bf16"])
+def test_a_clipped_spike_with_a_device_share_is_rolled_back_as_without_one(cpu_state):
+    """The last buckets' state on the device (never speculated) and the spike's speculated host buckets rolled back:
+    the same as sync with the share, and as sync without one (bf16 state bitwise; fp32 to rounding, observed 0)."""
+    spike = dict(spike=(6, 1e4), clip_norm=1.0, cpu_state=cpu_state)
+    sync, sync_net, _ = train("sync", **spike)
+    shared, shared_net, _ = train("sync", device_share=0.5, **spike)
+    spec, spec_net, history = train("speculative", device_share=0.5, **spike)
+    assert spec.state.device_share_numel > 0 and spec.state.split > 0 and history[6].rolled_back
+    assert_bitwise(snapshot(spec, spec_net), snapshot(shared, shared_net))
+    for ours, ref in zip(snapshot(spec, spec_net), snapshot(sync, sync_net)):
+        if cpu_state == "bf16":
+            assert torch.equal(ours, ref)
+        else:
+            torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("rollback", ["snapshot", "undo"])
 def test_clipping_that_triggers_on_some_steps_is_corrected(rollback):
     clip = median_norm()  # triggers on about half of the steps

@@ -66,6 +66,15 @@ def test_a_share_trains_as_none_with_clipping_and_accumulation(cpu_state, dtype,
     assert got.state.steps == want.state.steps
 
 
+def test_a_split_parameters_window_has_a_piece_on_each_side():
+    buffer = ShardBuffer(torch.zeros(4), torch.ones(3))
+    (place, host), (device_place, device) = buffer.pieces(slice(2, 6))
+    assert (place, device_place) == (slice(0, 2), slice(2, 4))
+    assert torch.equal(host, torch.zeros(2)) and torch.equal(device, torch.ones(2))
+    assert [p for p, _ in buffer.pieces(slice(0, 4))] == [slice(0, 4)]
+    assert [p for p, _ in buffer.pieces(slice(4, 7))] == [slice(0, 3)] and buffer.pieces(slice(4, 7))[0][1].sum() == 3
+
+
 def test_the_whole_state_on_the_device_trains_as_none():
     _, want = train(0.0, cpu_step="speculative")
     _, got = train(1.0, cpu_step="speculative")
@@ -160,10 +169,37 @@ def test_the_transfer_before_each_step_counts_in_the_pipeline_not_in_the_bound()
     assert alone.params == 40 and slow.params == 60
 
 
+def test_the_steps_own_tail_counts_against_the_bound():
+    """Eight buckets landing evenly, each stepped in the time to the next landing: the last one's step is all that is
+    left after backward, exactly one bucket's. The step's own tail after it (validation, copy-back) then exceeds the
+    bound unless that bucket goes to the device; a tail longer than a bucket's step asks for no CPU step after
+    backward at all."""
+    shards, rate = [10] * 8, 1 / 80
+    assert exposed_after_backward(shards, 8, 1.0, rate) == pytest.approx(0.125)
+    untimed = choose_bucket_share(shards, shards, 1.0, rate, 16, device_room=10**6, speculative=True)
+    assert untimed.params == 0 and "(0)" in untimed.why and "included" not in untimed.why
+    tailed = choose_bucket_share(shards, shards, 1.0, rate, 16, 10**6, True, tail_s=0.05)
+    assert tailed.params == 10 and "(1)" in tailed.why and "the step's own 50.0 ms included" in tailed.why
+    long = choose_bucket_share(shards, shards, 1.0, rate, 16, 10**6, True, tail_s=0.2)
+    assert long.params == 10 and "no CPU step after backward (the step's own 200.0 ms exceed" in long.why
+
+
+def test_a_step_reports_its_tail_apart_from_the_cpu_step_it_ran():
+    """sync runs its whole CPU step in step(), after backward; the tail is the rest of the time from the last landing
+    (before step() began) to step()'s end."""
+    for schedule in ("sync", "speculative"):
+        _, engine = train(0.0, cpu_step=schedule, steps=3)
+        stats = engine.last
+        assert 0 <= stats.cpu_step_after_backward_s <= stats.cpu_step_s
+        assert stats.tail_s >= stats.total_s - stats.cpu_step_after_backward_s > 0
+        if schedule == "sync":
+            assert stats.cpu_step_after_backward_s == stats.cpu_step_s > 0 and stats.tail_s < stats.total_s
+
+
 def test_the_streamer_measures_when_each_bucket_landed():
     """Backward of the MLP reaches its layers in the layout's order: each later bucket lands closer to its end."""
     _, engine = train(0.0, cpu_step="speculative", steps=1, accumulate=1)
-    leads = engine.grads.landing_leads
+    leads = engine.grads.landings.leads
     assert len(leads) == len(engine.layout.buckets) >= 4
     assert leads == sorted(leads, reverse=True) and leads[0] > leads[-1] >= 0
 
@@ -208,10 +244,12 @@ def test_auto_re_plans_after_the_second_step_and_trains_as_none(monkeypatch):
     chosen = []
     choose = device_share.choose_bucket_share
 
-    def watched(shards, numels, backward_s, rate, state_bytes, room, speculative, leads, transfer_rate):
-        assert backward_s > 0 and rate > 0 and transfer_rate > 0 and speculative and 0 < room < 0.8 * 10**9
+    def watched(shards, numels, backward_s, rate, state_bytes, room, speculative, leads, transfer_rate, tail_s):
+        assert backward_s > 0 and rate > 0 and transfer_rate > 0 and tail_s > 0 and speculative
+        assert 0 < room < 0.8 * 10**9
         assert len(leads) == len(shards) and all(0 <= lead <= backward_s for lead in leads)
-        measured = choose(shards, numels, backward_s, rate, state_bytes, room, speculative, leads, transfer_rate)
+        args = (shards, numels, backward_s, rate, state_bytes, room, speculative, leads, transfer_rate, tail_s)
+        measured = choose(*args)
         assert 0 <= measured.share <= 1  # on these CPUs it may be none: the re-plan is tested with half
         chosen.append(ShareChoice(0.5, 0, "auto: as an accelerator might"))
         return chosen[-1]

@@ -1,0 +1,52 @@
+"""When each bucket's gradient landed in the last backward pass: seconds before backward's end ("auto"'s device share,
+engine/step/device_share.py).
+
+Where the device has timing events a bucket lands when its transfer starts on the device, and backward ends with the
+event ``finish_backward`` records: both on the device's clock, which the host's hooks do not move. On a CPU device
+the host clock stands in, and backward's end is the last gradient's hook; the hooks run on the thread that computes
+backward, so the time spent in them after a bucket left is not backward's and does not count in its lead (a split
+embedding's hook sends its buckets one after the other while backward has nothing left to compute).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class LandingClock:
+    """A backward pass's launches and gradient hooks on the host clock (and the device's, where it has events)."""
+
+    def __init__(self, n_buckets: int) -> None:
+        self.leads = [0.0] * n_buckets  # the last pass's, per bucket
+        self._launched: dict[int, tuple[float, torch.Event | None, float]] = {}  # at, started, hook seconds by then
+        self._hook_started: float | None = None
+        self._hook_s = 0.0  # in this pass's hooks so far (the one running excluded)
+        self._last_gradient: tuple[float, float] | None = None  # its hook's start, the hook seconds before it
+
+    def hook_started(self) -> None:
+        self._hook_started = time.perf_counter()
+        self._last_gradient = (self._hook_started, self._hook_s)
+
+    def hook_ended(self) -> None:
+        if self._hook_started is not None:
+            self._hook_s += time.perf_counter() - self._hook_started
+            self._hook_started = None
+
+    def launched(self, bucket_index: int, at: float, started: torch.Event | None) -> None:
+        in_hook = 0.0 if self._hook_started is None else at - self._hook_started
+        self._launched[bucket_index] = (at, started, self._hook_s + in_hook)
+
+    def end_pass(self, backward_end: float, backward_end_event: torch.Event | None, timed: bool) -> None:
+        """Set :attr:`leads` from this pass (``timed``: its events are on the device's clock, the end's completed)."""
+        launched, self._launched = self._launched, {}
+        last, self._last_gradient = self._last_gradient, None
+        host_end, hooks_by_end = (backward_end, self._hook_s) if last is None else last
+        self._hook_s, self._hook_started = 0.0, None
+        for index, (at, started, hooks_by_launch) in launched.items():
+            if timed and started is not None and backward_end_event is not None:
+                lead = started.elapsed_time(backward_end_event) / 1e3
+            else:
+                lead = host_end - at - max(0.0, hooks_by_end - hooks_by_launch)
+            self.leads[index] = max(0.0, lead)
