@@ -52,6 +52,9 @@ OFFLOAD_32 = [
     pytest.param(dict(in_place_on_cpu=False), id="offload-sync"),
     pytest.param(dict(in_place_on_cpu=False, cpu_step="speculative"), id="offload-speculative"),
     pytest.param(dict(), id="in-place"),
+    pytest.param(
+        dict(in_place_on_cpu=False, cpu_step="speculative", device_share=0.5, bucket_size_mb=0.001), id="offload-share"
+    ),
 ]
 
 
