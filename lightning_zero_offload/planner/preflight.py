@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_zero_offload.engine.options import OffloadOptions, Resolved, resolve, with_compact_state
 from lightning_zero_offload.planner.machine import format_gb, probes
-from lightning_zero_offload.planner.memory import HostMemory, host_memory, state_bytes_per_param
+from lightning_zero_offload.planner.memory import HostMemory, device_memory, host_memory, state_bytes_per_param
 from lightning_zero_offload.planner.offload_params import fsdp_units, host_memory_params, initialized_unit_bytes
 from lightning_zero_offload.planner.shape import LayoutSummary, ModelShape, layout_summary
 from lightning_zero_offload.planner.verdicts import SETUP, SETUP_BY_BLOCKS, SETUP_WHOLE, host_checks
@@ -102,6 +102,17 @@ def check_host_memory(
             'device_share="auto": whole units keep their shards and state on the device, as many as the host '
             'needs and the device has room for (docs/offload-params.md, "A device share")'
         )
+    if not options.offload_params and device.type != "cpu" and options.device_share in (0, "auto"):
+        share = _zero2_share_that_fits(
+            config, options, shape, param_dtype, (world_size, local_world_size), device, resident, blockwise, budget
+        )
+        if share is not None:
+            fraction, peak, device_bytes = share
+            fixes.append(
+                f"device_share={fraction:g}: the last buckets keep master weights, moments and gradients on the device "
+                f"({format_gb(device_bytes)} of device memory per rank), so this node needs about {format_gb(peak)} "
+                f"(zero-offload-plan --device-share {fraction:g} checks the device too)"
+            )
     fixes.append("fewer trainable parameters (freeze some: frozen parameters get no CPU state) or a smaller model")
     if schedule == "delayed":
         fixes.append(
@@ -152,6 +163,33 @@ def _compact_state(
     except ValueError:
         return None
     return _host_need(config, shape, layout, param_dtype, local_world_size, device, resident, blockwise)[0]
+
+
+def _zero2_share_that_fits(
+    config: Resolved,
+    options: OffloadOptions,
+    shape: ModelShape,
+    param_dtype: torch.dtype,
+    world_sizes: tuple[int, int],
+    device: torch.device,
+    resident: int,
+    blockwise: bool,
+    budget: int,
+) -> tuple[float, int, int] | None:
+    """The smallest ZeRO-2 device share, in twentieths, with which this node's host holds the rest: (the share, the
+    host's peak, the share's device bytes per rank); None where none does or the schedule takes no share."""
+    if config.cpu_step == "delayed" or config.in_place:
+        return None
+    world_size, local_world_size = world_sizes
+    for twentieths in range(1, 21):
+        layout = layout_summary(shape, options.bucket_size_mb, param_dtype, world_size, twentieths / 20)
+        need, setup, _ = _host_need(config, shape, layout, param_dtype, local_world_size, device, resident, blockwise)
+        checks = host_checks(need, options.checkpoint_format, budget, config.cpu_step, setup)
+        if all(c.fits for c in checks):
+            on_device = device_memory(layout, param_dtype, config.state_dtype)
+            device_bytes = on_device["device_share"] + on_device["device_share_step"]
+            return twentieths / 20, max(c.need for c in checks), device_bytes
+    return None
 
 
 def _host_need(
