@@ -48,7 +48,7 @@ from lightning_zero_offload.checkpoints.files import (
     save_file,
 )
 from lightning_zero_offload.checkpoints.keys import FORMAT_KEY
-from lightning_zero_offload.checkpoints.writer import FileRecord
+from lightning_zero_offload.checkpoints.writer import DeviceTensors, FileRecord
 from lightning_zero_offload.engine.step.cpu_state import DEVICE_PART
 
 if TYPE_CHECKING:
@@ -156,10 +156,10 @@ def save_sharded(
     version_name, save_id, names = raise_any([broadcast(started)])[0]
     version = root / version_name
     shard = {name: shard[name] for key in names for name in (key, key + DEVICE_PART) if name in shard}
+    on_device = DeviceTensors(shard)  # the device share's parts reach the host one at a time, as they are written
+    contents = on_device.placed({**shard, "save_id": save_id, "rank": rank})
     with removed_unless_published(version, rank):
-        records = raise_any(
-            gather(attempt(save_file, {**shard, "save_id": save_id, "rank": rank}, version / shard_file(rank), True))
-        )
+        records = raise_any(gather(attempt(save_file, contents, version / shard_file(rank), True, on_device)))
         if rank == 0:
             assert meta is not None
             info = meta[FORMAT_KEY]

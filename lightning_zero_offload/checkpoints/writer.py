@@ -13,6 +13,7 @@ import pickle
 import sys
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Protocol
 
@@ -54,6 +55,46 @@ class StreamedStorages(Protocol):
 
     def fetch(self, number: int) -> torch.Tensor:
         """The bytes of placeholder ``number`` (a CPU tensor, valid until the next call)."""
+
+
+def _on_an_accelerator(tensor: torch.Tensor) -> bool:
+    return tensor.device.type not in ("cpu", "meta")
+
+
+class DeviceTensors:
+    """Accelerator tensors of a dict to be saved, each copied to the host only when the writer reaches it, into one
+    reused buffer: the host holds the largest of them at a time, not all (a sharded save's device share).
+
+    :meth:`placed` gives the dict to save, each such tensor replaced by a placeholder on the meta device."""
+
+    def __init__(self, tensors: dict[str, Any], streams: Callable[[torch.Tensor], bool] = _on_an_accelerator) -> None:
+        self.sources: dict[int, torch.Tensor] = {}  # by the placeholder's storage
+        self.placeholders: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            if isinstance(tensor, torch.Tensor) and streams(tensor):
+                placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+                self.sources[placeholder.untyped_storage()._cdata] = tensor.contiguous()
+                self.placeholders[name] = placeholder
+        self._numbers = {key: number for number, key in enumerate(self.sources)}
+        self._tensors = list(self.sources.values())
+        self._buffer: torch.Tensor | None = None
+
+    def placed(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        return {**tensors, **self.placeholders}
+
+    def number(self, storage: torch.UntypedStorage) -> int | None:
+        return self._numbers.get(storage._cdata) if storage.device.type == "meta" else None
+
+    def begin(self, order: list[int]) -> None:
+        largest = max((self._tensors[number].nbytes for number in order), default=0)
+        self._buffer = torch.empty(largest, dtype=torch.uint8)
+
+    def fetch(self, number: int) -> torch.Tensor:
+        tensor = self._tensors[number]
+        assert self._buffer is not None
+        host = self._buffer[: tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        host.copy_(tensor)  # synchronous: the writer reads it next
+        return host
 
 
 def write_torch_file(obj: Any, f: BinaryIO, streamed: StreamedStorages | None = None) -> FileRecord:

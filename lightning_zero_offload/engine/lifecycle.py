@@ -277,16 +277,18 @@ class EngineLifecycle:
         return state_dicts.param_groups_state(self)
 
     def shard_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's flat master and moments (in the state's dtype), as stored in a sharded checkpoint."""
+        """This rank's flat master and moments (in the state's dtype), as stored in a sharded checkpoint: views,
+        not copies (a caller that keeps them past the next step clones them)."""
         self.refuse_after_failure("sharded checkpoint")
         self._settle()
-        # The host's part as it is; the device share's apart, copied to the host (no copy of the host's part).
+        # Each part as it is: the device share's on the device (the sharded writer copies it to the host when it
+        # reaches it, one buffer's part at a time: checkpoints/writer.py's DeviceTensors).
         tensors = {}
         for name in ("master", "exp_avg", "exp_avg_sq"):
             buffer = getattr(self.state, name)
             tensors[name] = buffer.host
             if buffer.device_part.numel():
-                tensors[name + DEVICE_PART] = buffer.device_part.cpu()
+                tensors[name + DEVICE_PART] = buffer.device_part
         return tensors
 
     def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:

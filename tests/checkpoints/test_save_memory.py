@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_zero_offload import ZeroOffloadFabricStrategy, ZeroOffloadStrategy
 from lightning_zero_offload.checkpoints import atomic_save
+from lightning_zero_offload.checkpoints.writer import DeviceTensors
 
 
 def storage_of(tensor: torch.Tensor) -> int:
@@ -240,6 +241,29 @@ def test_a_streamed_write_is_the_file_torch_save_writes_for_the_gathered_buckets
     atomic_save(checkpoint(metas), tmp_path / "streamed.pt", streamed)
     assert (tmp_path / "streamed.pt").read_bytes() == (tmp_path / "reference.pt").read_bytes()
     assert streamed.order == streamed.fetched == [0, 1, 2]  # announced, then fetched once each, in file order
+
+
+def test_device_tensors_reach_the_host_one_at_a_time_and_the_file_is_torch_saves(tmp_path):
+    """A sharded save's device share: each part copied to the host when the writer reaches it, into one buffer of
+    the largest part's size (here CPU tensors stand in, chosen by the predicate an accelerator's device type is)."""
+    parts = {"master@device": torch.randn(300), "exp_avg@device": torch.randn(200).to(torch.bfloat16)}
+    shard = {"master": torch.randn(50), **parts, "save_id": "x", "rank": 0}
+    on_device = DeviceTensors(shard, streams=lambda tensor: tensor.numel() >= 200)
+    assert set(on_device.placeholders) == set(parts)
+    fetched = []
+
+    def fetch(number, fetch=on_device.fetch):
+        host = fetch(number)
+        fetched.append((host.data_ptr(), host.nbytes))
+        return host
+
+    on_device.fetch = fetch
+    atomic_save(on_device.placed(shard), tmp_path / "streamed.pt", on_device)
+    with open(tmp_path / "reference.pt", "wb") as f:
+        torch.save(shard, f)
+    assert (tmp_path / "streamed.pt").read_bytes() == (tmp_path / "reference.pt").read_bytes()
+    assert len({address for address, _ in fetched}) == 1 and sorted(n for _, n in fetched) == [400, 1200]  # reused
+    assert DeviceTensors(shard).placeholders == {}  # on the CPU device nothing is streamed: written as it is
 
 
 @pytest.mark.slow  # two ranks

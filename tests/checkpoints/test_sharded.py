@@ -266,13 +266,13 @@ def test_a_failed_sharded_save_removes_its_partial_version_and_the_previous_chec
     previous = sorted(p.name for p in root.iterdir())
     real_save_file = checkpoint_sharded.save_file
 
-    def fail_midway(obj, target, exclusive=False):
+    def fail_midway(obj, target, exclusive=False, streamed=None):
         if target.name == failing[0]:
             if exclusive:  # a shard is written in place: half of it is there (meta.pt goes through a temporary)
                 with open(target.path, "wb") as f:
                     f.write(b"PK half a file")
             raise OSError(28, "No space left on device")
-        return real_save_file(obj, target, exclusive)
+        return real_save_file(obj, target, exclusive, streamed)
 
     monkeypatch.setattr(checkpoint_sharded, "save_file", fail_midway)
     for failing in ([ckpt.shard_file(0)], [META_FILE]):

@@ -217,7 +217,8 @@ def test_the_save_peak_is_one_constant(monkeypatch):
 @pytest.mark.parametrize("schedule", ["sync", "speculative"])
 def test_a_device_share_of_the_buckets_is_planned_as_the_engine_allocates_it(schedule, cpu_state):
     """The ZeRO-2 share: the host's state shrinks by the last buckets', the device holds it (the CPU device's
-    ledger tells the two apart), and a save copies its master and moments to the host."""
+    ledger tells the two apart), and a save copies its master and moments to the host (all at once, or a part at a
+    time)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(6)))  # a bucket each
     share = {"device_share": 0.5, "in_place_on_cpu": False}  # the offload data path on the CPU device
@@ -232,8 +233,12 @@ def test_a_device_share_of_the_buckets_is_planned_as_the_engine_allocates_it(sch
         assert predicted.state_per_rank == report["host_state_bytes"]
         states = device_memory(layout, torch.bfloat16, engine.state.dtype)
         assert states["device_share"] == report["device_state_bytes"] == predicted.per_rank["device_share"]
-        share_copy = 3 * engine.state.dtype.itemsize * layout.device_shard_numel
-        assert predicted.checkpoint_save_per_rank == {"full": share_copy, "sharded": share_copy}
+        # a full save copies master and moments at once; a sharded one writes the CPU device's share as it is, and
+        # on an accelerator copies one buffer's part at a time
+        share_part = engine.state.dtype.itemsize * layout.device_shard_numel
+        assert predicted.checkpoint_save_per_rank == {"full": 3 * share_part, "sharded": 0}
+        on_a_gpu = host_memory(layout, torch.bfloat16, engine.resolved, 1, "cuda", params).checkpoint_save_per_rank
+        assert on_a_gpu == {"full": 3 * share_part, "sharded": share_part}
         # a bare parameter count: the same rule, whole buckets from the last
         bare = layout_summary(ModelShape(None, params, (), 8, params), 0.01, torch.bfloat16, 1, 0.5)
         assert 0 < bare.device_shard_numel <= params / 2 and bare.host_shard_numel + bare.device_shard_numel == params
