@@ -158,8 +158,9 @@ def save_sharded(
     shard = {name: shard[name] for key in names for name in (key, key + DEVICE_PART) if name in shard}
     on_device = DeviceTensors(shard)  # the device share's parts reach the host one at a time, as they are written
     contents = on_device.placed({**shard, "save_id": save_id, "rank": rank})
+    streamed = on_device if on_device.placeholders else None
     with removed_unless_published(version, rank):
-        records = raise_any(gather(attempt(save_file, contents, version / shard_file(rank), True, on_device)))
+        records = raise_any(gather(attempt(save_file, contents, version / shard_file(rank), True, streamed)))
         if rank == 0:
             assert meta is not None
             info = meta[FORMAT_KEY]
