@@ -276,6 +276,21 @@ def run(config: Config, args: argparse.Namespace, device_s: tuple[float, float],
     return out
 
 
+def run_child(script: str, job: dict[str, Any], what: str, echo: bool = False) -> dict[str, Any]:
+    """``script`` run again with this command line plus ``--fit job --fit-out FILE`` in a fresh interpreter, its
+    result read from that file; a failure raised with the child's output (``what``: the fit, for the message)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "fit.json"
+        command = [sys.executable, script, *sys.argv[1:], "--fit", json.dumps(job), "--fit-out", str(out)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            output = f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+            raise RuntimeError(f"the fit {what} failed (exit status {done.returncode}):\n{output}")
+        if echo:
+            print(done.stdout, end="", flush=True)
+        return json.loads(out.read_text())
+
+
 def fit_in_a_fresh_process(
     config: Config, args: argparse.Namespace, device_s: tuple[float, float], steps: int
 ) -> dict[str, Any]:
@@ -283,16 +298,7 @@ def fit_in_a_fresh_process(
     per-unit buffers from a heap that every earlier fit in a process shapes, and the step time of FSDP2's
     copies on a CPU device varied 2-3x with that history)."""
     job = {"config": config.name, "device_s": list(device_s), "steps": steps}
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "fit.json"
-        command = [sys.executable, __file__, *sys.argv[1:], "--fit", json.dumps(job), "--fit-out", str(out)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0 or not out.exists():
-            output = f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-            raise RuntimeError(f"the fit of {config.name!r} failed (exit status {done.returncode}):\n{output}")
-        if args.profile:
-            print(done.stdout, end="", flush=True)
-        return json.loads(out.read_text())
+    return run_child(__file__, job, f"of {config.name!r}", echo=args.profile)
 
 
 def one_fit(args: argparse.Namespace) -> None:

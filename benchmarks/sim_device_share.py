@@ -42,9 +42,7 @@ import logging
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -56,7 +54,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sim_device import CLIP_QUIET, StepClock, quiet_fit  # noqa: E402
-from sim_device_params import DEVICE_BANDWIDTH, simulate_device_steps  # noqa: E402
+from sim_device_params import DEVICE_BANDWIDTH, run_child, simulate_device_steps  # noqa: E402
 
 from lightning_zero_offload import ZeroOffloadStrategy, kernels  # noqa: E402
 from lightning_zero_offload.engine.infra import memory  # noqa: E402
@@ -293,14 +291,7 @@ def fit(n_layer: int, tied: bool, schedule: str, share: float | str, layer_s: tu
 def fit_in_a_fresh_process(n_layer: int, tied: bool, schedule: str, share: float, layer_s, steps: int, args):
     """:func:`fit` in a fresh interpreter (``--fit``), its result through a file."""
     job = {"n_layer": n_layer, "tied": tied, "schedule": schedule, "share": share, "layer_s": layer_s, "steps": steps}
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "fit.json"
-        command = [sys.executable, __file__, *sys.argv[1:], "--fit", json.dumps(job), "--fit-out", str(out)]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0 or not out.exists():
-            output = f"{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-            raise RuntimeError(f"the fit {job} failed (exit status {done.returncode}):\n{output}")
-        return json.loads(out.read_text())
+    return run_child(__file__, job, str(job))
 
 
 def one_fit(args: argparse.Namespace) -> None:

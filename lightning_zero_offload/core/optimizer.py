@@ -24,8 +24,7 @@ import torch
 from lightning_zero_offload.checkpoints import ENGINE_STATE_KEY
 from lightning_zero_offload.core.session import OffloadSession, training_session
 from lightning_zero_offload.engine import OffloadEngine
-
-_MOMENTS = ("exp_avg", "exp_avg_sq")
+from lightning_zero_offload.engine.step.cpu_state import MOMENTS
 
 
 class OffloadedOptimizer:
@@ -159,7 +158,7 @@ class ParamState(MutableMapping):
         self._engine, self._index = engine, index
 
     def _keys(self) -> tuple[str, ...]:
-        return ("step", *_MOMENTS) if self._engine.steps[self._index] > 0 else ()
+        return ("step", *MOMENTS) if self._engine.steps[self._index] > 0 else ()
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._keys():
@@ -171,7 +170,7 @@ class ParamState(MutableMapping):
     def __setitem__(self, key: str, value: Any) -> None:
         if key == "step":
             self._engine.set_param_step(self._index, int(value))
-        elif key in _MOMENTS:
+        elif key in MOMENTS:
             self._engine.set_moment(self._index, key, value)
         else:
             raise KeyError(f"zero_offload's Adam state holds step, exp_avg and exp_avg_sq, not {key!r}")

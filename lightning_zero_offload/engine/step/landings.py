@@ -38,15 +38,16 @@ class LandingClock:
         in_hook = 0.0 if self._hook_started is None else at - self._hook_started
         self._launched[bucket_index] = (at, started, self._hook_s + in_hook)
 
-    def end_pass(self, backward_end: float, backward_end_event: torch.Event | None, timed: bool) -> None:
-        """Set :attr:`leads` from this pass (``timed``: its events are on the device's clock, the end's completed)."""
+    def end_pass(self, backward_end: float, device_end: torch.Event | None) -> None:
+        """Set :attr:`leads` from this pass (``device_end``: backward's end on the device's clock, completed, where
+        the launches were timed with events too)."""
         launched, self._launched = self._launched, {}
         last, self._last_gradient = self._last_gradient, None
         host_end, hooks_by_end = (backward_end, self._hook_s) if last is None else last
         self._hook_s, self._hook_started = 0.0, None
         for index, (at, started, hooks_by_launch) in launched.items():
-            if timed and started is not None and backward_end_event is not None:
-                lead = started.elapsed_time(backward_end_event) / 1e3
+            if device_end is not None and started is not None:
+                lead = started.elapsed_time(device_end) / 1e3
             else:
                 lead = host_end - at - max(0.0, hooks_by_end - hooks_by_launch)
             self.leads[index] = max(0.0, lead)

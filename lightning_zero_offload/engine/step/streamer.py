@@ -280,7 +280,7 @@ class GradientStreamer:
             transfer_s, hidden_s = device_transfer_times(origin, device_spans, backward_end_event)
             self._transfer_s += transfer_s
             self._hidden_s += hidden_s
-        self.landings.end_pass(backward_end, backward_end_event, timed)
+        self.landings.end_pass(backward_end, backward_end_event if timed else None)
 
     def wait(self) -> None:
         """Wait for every accumulate in flight; raises the worker's error if it had one."""

@@ -22,9 +22,9 @@ def test_a_lead_counts_backwards_time_not_the_hooks_after_the_launch(monkeypatch
     hook(0.0, 1.0, {0: 0.5})  # backward computes from 1 to 3
     hook(3.0, 5.0, {1: 3.2})  # a split parameter's hook: its buckets leave while backward has nothing left
     hook(5.0, 5.5, {})  # the last gradient: backward's end
-    clock.end_pass(backward_end=6.0, backward_end_event=None, timed=False)
+    clock.end_pass(backward_end=6.0, device_end=None)
     assert clock.leads == [2.0, 0.0, 0.0]  # bucket 2 never launched: as before
 
     hook(10.0, 10.2, {2: 10.1})
-    clock.end_pass(backward_end=11.0, backward_end_event=None, timed=False)  # one hook: the next pass starts afresh
+    clock.end_pass(backward_end=11.0, device_end=None)  # one hook: the next pass starts afresh
     assert clock.leads == [2.0, 0.0, 0.0]
