@@ -342,6 +342,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per fit (default 8, quick: 3)")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured steps at the start of each fit")
     parser.add_argument("--cpu-threads", type=int, default=None, help="CPU Adam threads (default: usable cores)")
+    parser.add_argument("--models", choices=("both", "tied", "untied"), default="both", help="which GPT-2 embeddings")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sim_device_share.json"))
     parser.add_argument("--fit", help=argparse.SUPPRESS)  # the child's job (fit_in_a_fresh_process)
     parser.add_argument("--fit-out", help=argparse.SUPPRESS)
@@ -363,7 +364,7 @@ def main() -> None:
     print(f"GPT-2 shapes, {n_layer} layers, untied {params / 1e6:.1f}M params: CPU step {cpu_ms:.1f} ms ({backend})")
 
     models = []
-    for tied in (True, False):
+    for tied in {"both": (True, False), "tied": (True,), "untied": (False,)}[args.models]:
         model = SleepingGpt2(n_layer, tied)
         n = sum(p.numel() for p in model.parameters())
         layer_backward_s = args.ratio * cpu_ms * (n / params) / 1e3 / model.device_time_units()

@@ -209,13 +209,13 @@ CLIP = 0.05  # below the gradients' norm of make_net on batches(): clipping fire
 
 
 def train_clipped(
-    cpu_state="fp32", dtype=torch.float32, steps=4, accumulate=2, clip=CLIP, rank=0, world=1, **kw
+    cpu_state="fp32", dtype=torch.float32, steps=4, accumulate=2, clip=CLIP, rank=0, world=1, share_floor=None, **kw
 ) -> tuple[nn.Module, OffloadEngine]:
     """The MLP with two param groups, ``steps`` clipped steps of ``accumulate`` micro-batches, this rank's part of
     each batch (``world`` ranks), engine ``options(**kw)``; seeded so the bf16 state's rounding is the same."""
     torch.manual_seed(7)  # the bf16 state's rounding seed
     net = make_net().to(dtype)
-    engine = OffloadEngine(two_groups(net), CPU, dtype, options(cpu_state=cpu_state, **kw))
+    engine = OffloadEngine(two_groups(net), CPU, dtype, options(cpu_state=cpu_state, **kw), share_floor=share_floor)
     data = batches(steps * accumulate)
     for step in range(steps):
         for micro in range(accumulate):

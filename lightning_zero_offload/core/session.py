@@ -93,18 +93,16 @@ class OffloadSession(SessionCheckpoints):
         precision, param_dtype = resolve_precision(precision)
         placeholders = blockwise.placeholder_ids if blockwise is not None else ()
         check_model(module, optimizer, param_dtype, precision, options, device, world_size > 1, placeholders)
-        check_host_memory(
+        share_floor = check_host_memory(
             module, options, param_dtype, world_size, local_world_size, device, blockwise=blockwise is not None
         )
         if world_size > 1:  # rank 0's weights (a model built on the meta device: those built outside it)
             broadcast_tensors_(
                 list(module.state_dict().values()) if blockwise is None else blockwise.real_tensors(), None, device
             )
-        # process_group=None means the default group to torch.distributed; holding the group object itself
-        # would keep it alive past destroy_process_group (see release_process_group).
-        engine = OffloadEngine(
-            optimizer, device, param_dtype, options, process_group=None, local_world_size=local_world_size
-        )
+        # process_group None: the default group to torch.distributed; holding the group object itself would keep
+        # it alive past destroy_process_group (see release_process_group).
+        engine = OffloadEngine(optimizer, device, param_dtype, options, None, local_world_size, share_floor)
         if blockwise is not None:
             try:
                 blockwise.fill(engine.load_master_param, _from_rank0(world_size, device))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,7 @@ from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, SyncSchedule, make_schedule
 from lightning_zero_offload.engine.stats import StepStats, StepTimer
 from lightning_zero_offload.engine.step.cpu_state import CpuState, ParkedState, rounding_seed
+from lightning_zero_offload.engine.step.device_share import ShareChoice
 from lightning_zero_offload.engine.step.gradient_source import BucketArrivals
 from lightning_zero_offload.engine.step.in_place import InPlaceGradients, InPlaceUpdate
 from lightning_zero_offload.engine.step.layout import Layout, build_layout
@@ -73,6 +75,8 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         options: engine settings ("auto" ones are resolved here for ``device``: ``resolved``).
         process_group: ranks sharing the optimizer state (ZeRO-2); None for a single process.
         local_world_size: ranks on this node, for the default CPU thread count.
+        share_floor: with ``device_share="auto"``, the share to start with and keep at least (the pre-flight's:
+            the host holds the rest only without it; planner/preflight.py); None: none.
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         options: OffloadOptions,
         process_group: dist.ProcessGroup | None = None,
         local_world_size: int = 1,
+        share_floor: ShareChoice | None = None,
     ) -> None:
         check_optimizer(optimizer)
         if param_dtype not in (*LOW_PRECISION, torch.float32):
@@ -94,6 +99,10 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         rank = dist.get_rank(process_group) if distributed else 0
         # Every "auto" decided once, by the rule the pre-flight check and the planner use too.
         self.resolved = resolve(options, device, param_dtype, world, local_world_size)
+        if share_floor is not None and (options.device_share != "auto" or options.offload_params):
+            raise ValueError('share_floor: where device_share="auto" starts, in the ZeRO-2 mode only')
+        if share_floor is not None:
+            self.resolved = replace(self.resolved, device_share=share_floor.share)
         self.resolved.warn()
         resolved = self.resolved
         self.cpu_step = resolved.cpu_step
@@ -112,6 +121,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self._closed = False
         self._parked = ParkedState()  # moments and step counts of parameters that left the trainable set
         self.share_choice = None  # device_share="auto" (ZeRO-2): chosen after a warm step
+        self.share_floor = share_floor
         self.save_sharing = SaveSharing()  # how a full save takes the state (engine/state_dicts.py)
         # bf16 state: the seed of its stochastic rounding, rank 0's on every rank (checkpoints keep it).
         compact = resolved.state_dtype != torch.float32
@@ -152,9 +162,19 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.state = CpuState(self.layout, self.group_of, not self.in_place, *state_args)
         self._original_dtypes = [p.dtype for p in self.params]
         state_dicts.load_shard(self.layout, self.master, [p.detach() for p in self.params])
+        self._build_parts()
 
-        # The device copy of the parameters, the gradients' way to the CPU and the update: in place, neither
-        # moves and the update is one native call per param group (only the sync schedule runs there).
+    @records_allocations  # a fresh ledger: the state's buffers as moved, and the parts built again
+    def _grow_share(self, share: float) -> None:
+        """Move the buckets ``share`` adds to the device share there (the state in place) and build the parts
+        again over it (the old ones closed first)."""
+        self.state.grow_share(share)
+        self._build_parts()
+
+    def _build_parts(self) -> None:
+        """The device copy of the parameters, the gradients' way to the CPU and the update: in place, neither
+        moves and the update is one native call per param group (only the sync schedule runs there)."""
+        optimizer, param_dtype, device = self.optimizer, self.param_dtype, self.device
         arrivals = BucketArrivals()  # the gradient source reports each landed bucket there, a schedule listens
         # In place the update can take the norm and the inf/nan check itself (engine.step).
         self._in_place_update: InPlaceUpdate | None = None
@@ -168,28 +188,10 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         group, ledger = self.process_group, self.ledger
         publisher = Publisher(self.layout, self.params, device, param_dtype, self.pin, group, ledger, self.state.dtype)
         self.publisher = publisher
-        self.grads = GradientStreamer(
-            self.layout,
-            self.params,
-            self.state,
-            device,
-            param_dtype,
-            self.pin,
-            self.num_threads,
-            self.process_group,
-            self.overlap,
-            arrivals,
-        )
-        pipeline = UpdatePipeline(
-            optimizer,
-            self.group_of,
-            self.layout,
-            self.state,
-            publisher,
-            self.update_worker,
-            self.overlap,
-            self.num_threads,
-        )
+        on_device = (self.layout, self.params, self.state, device, param_dtype, self.pin, self.num_threads)
+        self.grads = GradientStreamer(*on_device, self.process_group, self.overlap, arrivals)
+        workers = (self.update_worker, self.overlap, self.num_threads)
+        pipeline = UpdatePipeline(optimizer, self.group_of, self.layout, self.state, publisher, *workers)
         if self.state.dtype != param_dtype and param_dtype == torch.float32:
             # bf16 state under fp32 parameters: the device computes with the master's (bf16) values from the start.
             publisher.refresh(self.state.master)

@@ -24,11 +24,12 @@ from lightning_zero_offload.engine.options import OffloadOptions, Resolved
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import Schedule
 from lightning_zero_offload.engine.stats import StepStats
-from lightning_zero_offload.engine.step.cpu_state import DEVICE_PART, STATE_NAMES, CpuState, ParkedState, ShardBuffer
+from lightning_zero_offload.engine.step.cpu_state import DEVICE_PART, STATE_NAMES, CpuState, ParkedState
 from lightning_zero_offload.engine.step.device_share import AUTO_MEASURED_STEP, ShareChoice, auto_bucket_share
 from lightning_zero_offload.engine.step.gradient_source import GradientSource
 from lightning_zero_offload.engine.step.layout import Layout
 from lightning_zero_offload.engine.step.publisher import NullPublisher, Publisher
+from lightning_zero_offload.engine.step.shard_buffer import ShardBuffer
 
 LIVE_ENGINES: weakref.WeakSet[EngineLifecycle] = weakref.WeakSet()  # every engine built, for engine_training
 
@@ -69,8 +70,9 @@ class EngineLifecycle:
     cpu_step: str
     last: StepStats
     share_choice: ShareChoice | None  # device_share="auto": what it chose after a measured step, and why
+    share_floor: ShareChoice | None  # device_share="auto": the share the host needs, taken at construction
 
-    # OffloadEngine's, used here: _build (lay out and build the parts), sync, absorb_param_writes.
+    # OffloadEngine's, used here: _build (lay out and build the parts), _grow_share, sync, absorb_param_writes.
 
     def wait_publish(self) -> None:
         """Wait for the copies to the device that read host memory about to change."""
@@ -139,8 +141,8 @@ class EngineLifecycle:
         state on the device); every parameter keeps its master weights, moments and step count bitwise."""
         if self.resolved.offload_params or self.in_place:
             raise ValueError("take_device_share re-plans the ZeRO-2 mode's offload data path only")
-        self.resolved = replace(self.resolved, device_share=share)
-        self._replan()
+        grows, self.resolved = self.state.takes_more(share), replace(self.resolved, device_share=share)
+        self._replan(in_place=grows)
 
     def choose_device_share(self) -> ShareChoice | None:
         """``device_share="auto"``: after this engine's :data:`AUTO_MEASURED_STEP`-th step that was not skipped (a
@@ -152,25 +154,30 @@ class EngineLifecycle:
             return None
         speculative = self.cpu_step == "speculative"
         leads = [] if self.in_place else self.grads.landings.leads  # in place: no bucket lands (and a CPU device)
+        floor = len(self.layout.buckets) - self.state.first_device_bucket if self.share_floor else 0
         self.share_choice = choice = auto_bucket_share(
-            self.layout, self.state, self.last, speculative, self.device, leads
+            self.layout, self.state, self.last, speculative, self.device, leads, floor
         )
-        if choice.share:
+        if self.state.takes_more(choice.share):  # never fewer: it starts from none, or from a short host's floor
             self.take_device_share(choice.share)
         return choice
 
-    def _replan(self) -> None:
-        """Lay the state out again (``_build``), carrying every parameter's master, moments and step count."""
+    def _replan(self, in_place: bool = False) -> None:
+        """Lay the state out again (``_build``), carrying every parameter's master, moments and step count
+        (``in_place``: more buckets on the device, moved by ``_grow_share`` with no gathered copy of the state)."""
         self.sync()  # an update in flight lands and is published
-        # The device holds the master now, and the re-planned schedule starts from it: nothing stays pending
-        # (a delayed update's stale weights are of the old trainable set).
+        # Nothing stays pending: the device holds the master (a delayed update's weights are of the old layout).
         self.schedule.on_weights_loaded()
-        masters = self.master_params()  # settled, writes to the parameters absorbed
-        exp_avgs = state_dicts.full_tensors(self, self.exp_avg)
-        exp_avg_sqs = state_dicts.full_tensors(self, self.exp_avg_sq)
+        self._settle()  # writes to the parameters absorbed
+        if not in_place:  # every parameter's state whole, for the new layout
+            masters, exp_avgs, exp_avg_sqs = map(self.full_tensors, (self.master, self.exp_avg, self.exp_avg_sq))
         schedule_state = self.schedule.state_dict()
         self.schedule.close()
         self.grads.close()
+        if in_place:
+            self._grow_share(self.resolved.device_share)
+            self.schedule.load_state_dict({"name": self.schedule.name, **schedule_state})
+            return
         for p, weight, dtype in zip(self.params, masters, self._original_dtypes):
             p.data = weight.to(device=self.device, dtype=dtype, copy=True)  # a device tensor of its own again
         self._parked.park(self.params, exp_avgs, exp_avg_sqs, self.steps)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.step.cpu_state import ShardBuffer
+    from lightning_zero_offload.engine.step.shard_buffer import ShardBuffer
 
 
 class Placeholders:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_zero_offload.engine.infra.collectives import gather_host
-from lightning_zero_offload.engine.step.cpu_state import ShardBuffer
+from lightning_zero_offload.engine.step.shard_buffer import ShardBuffer
 from lightning_zero_offload.warning import ZeroOffloadWarning
 
 if TYPE_CHECKING:

@@ -36,8 +36,8 @@ from lightning_zero_offload.planner.offload_params import (
     fsdp_units,
     host_memory_params,
 )
-from lightning_zero_offload.planner.preflight import resident_bytes
-from lightning_zero_offload.planner.shape import ModelShape
+from lightning_zero_offload.planner.preflight import resident_bytes, zero2_share_that_fits
+from lightning_zero_offload.planner.shape import ModelShape, layout_summary
 from lightning_zero_offload.planner.verdicts import SETUP_BY_BLOCKS, SETUP_WHOLE, host_checks
 
 
@@ -147,12 +147,16 @@ def planned_share(
     empty but for the runtime, its host memory all available); other options as they are, and no choice."""
     if options.device_share != "auto":
         return options, None
-    if not options.offload_params:  # the ZeRO-2 mode chooses from a measured step
+    if not options.offload_params:  # the ZeRO-2 mode: the host's start at setup; the rest from a measured step
+        start = _zero2_start(shape, options, dtype, machine, devices, world_size)
+        share, params = start or (0.0, 0)
         why = (
             "auto: chosen after the second step, from its backward and CPU step times, when each bucket's gradient "
-            "landed and the device memory the peak left (planned here as none; --device-share F plans a fraction)"
+            "landed and the device memory the peak left (planned here as "
+            + (f"the {share:g} a run starts with: the smallest with which the host holds the rest" if share else "none")
+            + "; --device-share F plans a fraction)"
         )
-        return replace(options, device_share=0.0), ShareChoice(0.0, 0, why)
+        return replace(options, device_share=share), ShareChoice(share, params, why)
     device_free = None
     if machine.device_type != "cpu" and machine.device_memory_gb is not None:
         device_free = int(machine.device_memory_gb * GB) - DEVICE_CONTEXT_BYTES
@@ -168,3 +172,30 @@ def planned_share(
         resident=0 if shape.configure_model else shape.built_bytes,
     )
     return replace(options, device_share=choice.share), choice
+
+
+def _zero2_start(
+    shape: ModelShape, options: OffloadOptions, dtype: torch.dtype, machine: Machine, devices: int, world_size: int
+) -> tuple[float, int] | None:
+    """The ZeRO-2 share a run's pre-flight starts ``device_share="auto"`` with on ``machine`` (planner/preflight.py):
+    the smallest with which the host holds the rest, where the GPU has room for its state and the weights within
+    80% of its free memory; the share and its parameters, None where the run starts with none."""
+    if machine.device_type == "cpu" or machine.device_memory_gb is None:
+        return None
+    device = torch.device(machine.device_type)
+    try:
+        config = resolve(replace(options, device_share=0.0), device, dtype, world_size, devices)
+    except ValueError:  # a combination the engine refuses: the plan says so
+        return None
+    resident = 0 if shape.configure_model else shape.built_bytes
+    budget = int(machine.host_memory_gb * GB)  # the module as built not yet in use, as the planner's verdicts take it
+    found = zero2_share_that_fits(
+        config, options, shape, dtype, (world_size, devices), device, resident, shape.configure_model, budget, first=0
+    )
+    if not found or not found[0]:
+        return None
+    share, _, device_bytes = found
+    free = int(machine.device_memory_gb * GB) - DEVICE_CONTEXT_BYTES
+    if device_bytes + dtype.itemsize * shape.params > (1 - AUTO_ACTIVATION_RESERVE) * free:
+        return None  # the run's pre-flight refuses instead
+    return share, layout_summary(shape, options.bucket_size_mb, dtype, 1, share).device_shard_numel

@@ -52,7 +52,7 @@ class Largest:
     built: str = "fp32"  # the module's dtype as built, on the host until setup, or IN_CONFIGURE_MODEL
     refused: str = ""  # why this setup cannot run with these options at all
     offload_params: bool = False  # the parameters offloaded too, the model built in configure_model
-    device_share: float = 0.0  # offload_params: the fraction of the parameters whose units stay on the GPU
+    device_share: float = 0.0  # the fraction of the parameters whose units (offload_params) or buckets stay on the GPU
     auto_share: bool = False  # that fraction is device_share="auto"'s choice at this size
     step_s: float | None = None  # the predicted step time at that size, with that schedule (plain: not predicted)
 
@@ -60,11 +60,11 @@ class Largest:
     def name(self) -> str:
         if self.setup == PLAIN:
             return "plain training (AdamW on the GPU)"
+        share = f', device_share="auto" -> {self.device_share:.3f}' if self.auto_share else ""
         if self.offload_params:
-            share = f', device_share="auto" -> {self.device_share:.3f}' if self.auto_share else ""
             return f'zero_offload_params, cpu_state="{self.setup}"{share}'
         built = {"fp32": "", IN_CONFIGURE_MODEL: f", {IN_CONFIGURE_MODEL}"}.get(self.built, f", built in {self.built}")
-        return f'zero_offload, cpu_state="{self.setup}"{built}'
+        return f'zero_offload, cpu_state="{self.setup}"{built}{share}'
 
 
 @dataclass
@@ -77,20 +77,21 @@ class LargestModels:
 
     def __str__(self) -> str:
         m = self.machine
+        width = max(68, *(len(row.name) for row in self.rows))
         lines = [
             f"largest model that trains on {m.name}: host RAM {m.host_memory_gb:.0f} GB per node, "
             f"{m.device_memory_gb:.0f} GB per GPU",
             *textwrap.wrap(f"assuming {self.assumptions}", 118),
             "",
-            f"  {'how':<68} {'params':>8}  {'cpu_step':<12} {'host GB':>8} {'GPU GB':>7} {'s/step':>7}  "
+            f"  {'how':<{width}} {'params':>8}  {'cpu_step':<12} {'host GB':>8} {'GPU GB':>7} {'s/step':>7}  "
             "a larger model runs out of",
         ]
         for row in self.rows:
             if row.refused:
-                lines.append(f"  {row.name:<68} {'-':>8}  refused: {row.refused}")
+                lines.append(f"  {row.name:<{width}} {'-':>8}  refused: {row.refused}")
                 continue
             lines.append(
-                f"  {row.name:<68} {row.params / 1e9:>7.2f}B  {row.cpu_step or '-':<12} {row.host_need / GB:>8.1f}"
+                f"  {row.name:<{width}} {row.params / 1e9:>7.2f}B  {row.cpu_step or '-':<12} {row.host_need / GB:>8.1f}"
                 f" {row.device_need / GB:>7.1f} {_seconds(row.step_s):>7}  {'; '.join(row.binds)}"
             )
         return "\n".join(lines)
@@ -150,7 +151,8 @@ def largest_models(
             )
             context = (dtype, machine, devices, num_nodes, batch_size, seq_len, n_layer, activation_checkpointing)
             rows.append(_row(options, built, context))
-            if offload_params:  # and with the share a run's device_share="auto" chooses at each size
+            # and with the share a run's device_share="auto" chooses at each size (the ZeRO-2 mode's: its start)
+            if offload_params or built == IN_CONFIGURE_MODEL:
                 rows.append(_row(replace(options, device_share="auto"), built, context))
 
     assumptions = (
@@ -193,7 +195,7 @@ def _row(options: OffloadOptions, built: str, context: tuple) -> Largest:
     if params:
         shape = shape_of(params)
         evaluation, options = _evaluated(shape, args)
-        row.device_share = options.device_share if row.offload_params else 0.0  # type: ignore[assignment]
+        row.device_share = options.device_share  # type: ignore[assignment]
         verdicts = evaluation.verdicts
         fitting = [s for s in evaluation.schedules if verdicts[f"{s}/{checkpoint_format}"].fits]
         flops = step_flops(shape, batch_size * seq_len, seq_len, n_layer)

@@ -5,7 +5,10 @@ the same numbers from the same node, so they fail together). The checks are the 
 (:func:`~lightning_zero_offload.planner.verdicts.host_checks`): training's steady state, the setup peak and
 the configured checkpoint format's save, against the memory this process can still get (MemAvailable or
 a cgroup limit, whichever is less: :func:`~lightning_zero_offload.planner.machine.probes.host_memory_limit`).
-``LZO_SKIP_MEMORY_CHECK=1`` skips it.
+``LZO_SKIP_MEMORY_CHECK=1`` skips it. In the ZeRO-2 mode with ``device_share="auto"`` on an accelerator, a host
+that holds the rest only with the last buckets' state on the device gets the smallest such share instead of the
+error, where the device has room for it: the engine starts with it, and its own "auto" adds to it after a
+measured step (engine/step/device_share.py).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import os
 import torch
 from torch import nn
 
+from lightning_zero_offload.engine.infra.collectives import least_over_ranks
 from lightning_zero_offload.engine.options import OffloadOptions, Resolved, resolve, with_compact_state
+from lightning_zero_offload.engine.step.device_share import AUTO_ACTIVATION_RESERVE, ShareChoice
 from lightning_zero_offload.planner.machine import format_gb, probes
 from lightning_zero_offload.planner.memory import HostMemory, device_memory, host_memory, state_bytes_per_param
 from lightning_zero_offload.planner.offload_params import fsdp_units, host_memory_params, initialized_unit_bytes
@@ -48,7 +53,7 @@ def check_host_memory(
     device: torch.device,
     *,
     blockwise: bool = False,
-) -> None:
+) -> ShareChoice | None:
     """Pre-flight: fail before the engine allocates if this node's ranks would not fit in host RAM.
 
     Raises :class:`MemoryError` with the numbers, what sets the limit and what to change. Set
@@ -57,9 +62,12 @@ def check_host_memory(
     ``init_module(empty_init=True)``) is planned as materialized block by block; so is, without it, a module
     whose parameters are placeholders (``blockwise``: built on the meta device, filled by the engine block by
     block).
+
+    Returns the ZeRO-2 ``device_share="auto"`` start on an accelerator where the host needs one (the module's
+    docstring; a collective where there are several ranks, so that all take the same), else None.
     """
     if os.environ.get(SKIP_CHECK_ENV, "") not in ("", "0"):
-        return
+        return None
     shape = ModelShape.of(model)
     config = resolve(options, device, param_dtype, world_size, local_world_size)  # what the engine will run
     zero2_share = 0.0 if options.offload_params else config.device_share  # the last buckets' state on the device
@@ -68,11 +76,33 @@ def check_host_memory(
     resident = resident_bytes(model)
     need, setup, shard = _host_need(config, shape, layout, param_dtype, local_world_size, device, resident, blockwise)
     available, source = probes.host_memory_limit()
+    auto_start = not options.offload_params and options.device_share == "auto" and device.type != "cpu"
+    device_free = probes.device_memory_free(device) if auto_start else 0
+    if auto_start:  # every rank from the same figures, so that all start with the same share
+        available, device_free = least_over_ranks([available, device_free], world_size, device)
     # The module is already built (its bytes are in use, not available) and is released at setup.
     budget = available + resident * local_world_size
     failed = [c for c in host_checks(need, options.checkpoint_format, budget, schedule, setup) if not c.fits]
     if not failed:
-        return
+        return None
+    share = None
+    if not options.offload_params and device.type != "cpu" and options.device_share in (0, "auto"):
+        share = zero2_share_that_fits(
+            config, options, shape, param_dtype, (world_size, local_world_size), device, resident, blockwise, budget
+        )
+    if auto_start and share is not None:
+        fraction, peak, device_bytes = share
+        on_device = device_bytes + _bytes_still_to_move(model, device, param_dtype)
+        if on_device <= (1 - AUTO_ACTIVATION_RESERVE) * device_free:
+            params = layout_summary(shape, options.bucket_size_mb, param_dtype, 1, fraction).device_shard_numel
+            return ShareChoice(
+                fraction,
+                params,
+                f"auto: {params / 1e6:.1f}M parameters from setup on: the host holds the rest only with their state "
+                f"on the device (this node then needs {format_gb(peak)} of its {format_gb(budget)}), which has room "
+                f"for it ({format_gb(device_bytes)} of {format_gb(device_free)} free); re-chosen after the second "
+                "step, never less",
+            )
     worst = max(failed, key=lambda c: c.need)
     nodes = world_size // local_world_size
     per_param = state_bytes_per_param(config.state_dtype)
@@ -102,17 +132,20 @@ def check_host_memory(
             'device_share="auto": whole units keep their shards and state on the device, as many as the host '
             'needs and the device has room for (docs/offload-params.md, "A device share")'
         )
-    if not options.offload_params and device.type != "cpu" and options.device_share in (0, "auto"):
-        share = _zero2_share_that_fits(
-            config, options, shape, param_dtype, (world_size, local_world_size), device, resident, blockwise, budget
+    if share is not None:
+        fraction, peak, device_bytes = share
+        fix = (
+            f"device_share={fraction:g}: the last buckets keep master weights, moments and gradients on the device "
+            f"({format_gb(device_bytes)} of device memory per rank), so this node needs about {format_gb(peak)} "
+            f"(zero-offload-plan --device-share {fraction:g} checks the device too)"
         )
-        if share is not None:
-            fraction, peak, device_bytes = share
-            fixes.append(
-                f"device_share={fraction:g}: the last buckets keep master weights, moments and gradients on the device "
-                f"({format_gb(device_bytes)} of device memory per rank), so this node needs about {format_gb(peak)} "
-                f"(zero-offload-plan --device-share {fraction:g} checks the device too)"
+        if auto_start:  # taken by itself where the device had room
+            fix += (
+                f'; device_share="auto" takes it by itself where the device has room, here only '
+                f"{format_gb(device_free)} free with {1 - AUTO_ACTIVATION_RESERVE:.0%} of it for the state and the "
+                "weights still to move there"
             )
+        fixes.append(fix)
     fixes.append("fewer trainable parameters (freeze some: frozen parameters get no CPU state) or a smaller model")
     if schedule == "delayed":
         fixes.append(
@@ -143,6 +176,17 @@ def check_host_memory(
     )
 
 
+def _bytes_still_to_move(model: nn.Module, device: torch.device, param_dtype: torch.dtype) -> int:
+    """Device bytes of ``model``'s parameters that are not on ``device`` yet (trainable ones in ``param_dtype``)."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen and p.device.type != device.type:
+            seen.add(id(p))
+            total += p.numel() * (param_dtype.itemsize if p.requires_grad else p.element_size())
+    return total
+
+
 def _compact_state(
     options: OffloadOptions,
     device: torch.device,
@@ -165,7 +209,7 @@ def _compact_state(
     return _host_need(config, shape, layout, param_dtype, local_world_size, device, resident, blockwise)[0]
 
 
-def _zero2_share_that_fits(
+def zero2_share_that_fits(
     config: Resolved,
     options: OffloadOptions,
     shape: ModelShape,
@@ -175,19 +219,21 @@ def _zero2_share_that_fits(
     resident: int,
     blockwise: bool,
     budget: int,
+    first: int = 1,
 ) -> tuple[float, int, int] | None:
-    """The smallest ZeRO-2 device share, in twentieths, with which this node's host holds the rest: (the share, the
-    host's peak, the share's device bytes per rank); None where none does or the schedule takes no share."""
+    """The smallest ZeRO-2 device share, in twentieths from ``first``, with which this node's host holds the rest
+    within ``budget`` bytes (``resident``, ``blockwise``: see check_host_memory): (the share, the host's peak, the
+    share's device bytes per rank); None where none does or the schedule takes no share."""
     if config.cpu_step == "delayed" or config.in_place:
         return None
     world_size, local_world_size = world_sizes
-    for twentieths in range(1, 21):
+    for twentieths in range(first, 21):
         layout = layout_summary(shape, options.bucket_size_mb, param_dtype, world_size, twentieths / 20)
         need, setup, _ = _host_need(config, shape, layout, param_dtype, local_world_size, device, resident, blockwise)
         checks = host_checks(need, options.checkpoint_format, budget, config.cpu_step, setup)
         if all(c.fits for c in checks):
             on_device = device_memory(layout, param_dtype, config.state_dtype)
-            device_bytes = on_device["device_share"] + on_device["device_share_step"]
+            device_bytes = on_device.get("device_share", 0) + on_device.get("device_share_step", 0)
             return twentieths / 20, max(c.need for c in checks), device_bytes
     return None
 

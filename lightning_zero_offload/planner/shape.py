@@ -10,8 +10,8 @@ from torch import nn
 
 from lightning_zero_offload.engine.offload_params.placement import find_units
 from lightning_zero_offload.engine.options import OffloadOptions
-from lightning_zero_offload.engine.step.cpu_state import first_device_bucket
 from lightning_zero_offload.engine.step.layout import Layout, build_layout, count_within_share
+from lightning_zero_offload.engine.step.shard_buffer import first_device_bucket
 
 
 @dataclass

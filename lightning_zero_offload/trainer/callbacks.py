@@ -170,8 +170,11 @@ def format_summary(session: OffloadSession | ParamOffloadSession, totals: dict[s
                 f"moments and gradients on the device and step there "
                 f"({report['device_state_bytes'] / 2**20:.1f} MiB on this rank)"
             )
-    # device_share="auto": the parameter-offload session's choice at setup, the ZeRO-2 engine's after a step
-    choice = getattr(session, "share_choice", None) or getattr(session.engine, "share_choice", None)
+    # device_share="auto": the parameter-offload session's choice at setup, the ZeRO-2 engine's after a step (before
+    # it, the share a short host made it start with)
+    engine = session.engine
+    choice = getattr(session, "share_choice", None) or getattr(engine, "share_choice", None)
+    choice = choice or getattr(engine, "share_floor", None)
     if choice is not None and choice.why:
         lines.append(f"  device_share={choice.why}")
     if steps:

@@ -308,20 +308,20 @@ def test_the_zero2_share_check_runs_and_passes_on_the_cpu(tmp_path):
     assert result["auto"]["share"] == 0.0 and "a CPU device is host memory" in result["auto"]["why"]
 
 
-@pytest.mark.slow  # nine fits, each in a fresh interpreter
+@pytest.mark.slow  # five fits, each in a fresh interpreter
 def test_the_zero2_share_simulation_lets_auto_choose_and_compares_it_with_sync(tmp_path):
-    """One layer, one round: "auto" chooses in the fit itself (its device memory pretended), the sync rows take its
-    share, every row has its times."""
+    """One layer, one round, the tied model (its embedding lands last): "auto" chooses in the fit itself (its device
+    memory pretended), the sync rows take its share, every row has its times."""
     out = tmp_path / "share.json"
     command = [sys.executable, str(ROOT / "benchmarks" / "sim_device_share.py"), "--layers", "1", "--rounds", "1"]
-    command += ["--steps", "1", "--warmup", "3", "--out", str(out)]
+    command += ["--models", "tied", "--steps", "1", "--warmup", "3", "--out", str(out)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    for model in json.loads(out.read_text())["models"]:
-        (auto,) = model["auto"]
-        assert 0.0 <= auto["share"] <= 1.0 and auto["why"].startswith("auto: ")
-        rows = model["results"]
-        assert {"speculative, share auto", "sync, share 0.000", "speculative, share 0.000"} <= rows.keys()
-        assert f"sync, share {auto['share']:.3f}" in rows
-        assert rows["speculative, share auto"]["share_params"] > 0 or auto["share"] == 0.0
-        assert all(r["step_ms"] > 0 and r["after_backward_ms"] >= 0 for r in rows.values())
+    (model,) = json.loads(out.read_text())["models"]
+    (auto,) = model["auto"]
+    assert model["tied"] and 0.0 <= auto["share"] <= 1.0 and auto["why"].startswith("auto: ")
+    rows = model["results"]
+    assert {"speculative, share auto", "sync, share 0.000", "speculative, share 0.000"} <= rows.keys()
+    assert f"sync, share {auto['share']:.3f}" in rows
+    assert rows["speculative, share auto"]["share_params"] > 0 or auto["share"] == 0.0
+    assert all(r["step_ms"] > 0 and r["after_backward_ms"] >= 0 for r in rows.values())

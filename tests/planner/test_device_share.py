@@ -3,6 +3,7 @@ and what a run on the CPU device makes of it."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import lightning as L
@@ -109,13 +110,28 @@ def test_a_run_with_auto_on_the_cpu_device_says_what_it_chose():
 
 def test_auto_is_a_number_only_once_chosen():
     """The parameter-offload mode chooses at setup (resolving "auto" before is refused); the ZeRO-2 mode starts with
-    none and chooses after the first step (engine/step/device_share.py), which the planner says."""
+    none and chooses after the second step (engine/step/device_share.py), which the planner says."""
     with pytest.raises(ValueError, match="chosen when the model is sharded"):
         resolve(SYNC, GPU, torch.bfloat16)
     zero2 = OffloadOptions(device_share="auto")
     assert resolve(zero2, GPU, torch.bfloat16).device_share == 0.0
     planned = plan(10**6, batch_size=1, seq_len=8, device_share="auto", machine=H200_BOX)
-    assert any("chosen after the second step" in note for note in planned.notes)
+    assert any("chosen after the second step" in note and "planned here as none" in note for note in planned.notes)
+
+
+def test_the_zero2_auto_plan_starts_with_the_share_the_host_needs():
+    """Where the host holds the rest only with a share, a run's pre-flight starts "auto" with the smallest (in
+    twentieths) whose state the GPU has room for: the planner plans that share, and its host need then fits."""
+    args = dict(batch_size=1, seq_len=2048, n_layer=32, machine=H200_BOX, configure_model=True, cpu_state="bf16")
+    assert not plan(18e9, **args).verdict("sync", "full").fits  # 8 B/param of state: 144 GB
+    planned = plan(18e9, **args, device_share="auto")
+    assert planned.verdict("sync", "full").fits
+    (note,) = [n for n in planned.notes if "device_share=auto" in n]
+    share = float(re.search(r"planned here as the ([0-9.]+) a run starts with", note).group(1))
+    assert 0.1 < share < 1 and share == round(20 * share) / 20
+    assert not plan(18e9, **args, device_share=share - 0.05).verdict("sync", "full").fits  # the smallest
+    assert plan(18e9, **args, device_share=share).verdict("sync", "full").fits
+    assert plan(40e9, **args, device_share="auto").recommended == {}  # the GPU has no room for the share needed
 
 
 def test_every_unit_on_the_device_is_a_share_of_at_most_one():

@@ -121,25 +121,58 @@ def test_strategy_refuses_before_the_engine_allocates(monkeypatch, tmp_path):
         trainer.fit(BoringModel())
 
 
-@pytest.mark.parametrize("given", [0.0, "auto"])
-def test_preflight_names_the_zero2_device_share_with_which_the_host_holds_the_rest(monkeypatch, given):
+def test_preflight_names_the_zero2_device_share_with_which_the_host_holds_the_rest(monkeypatch):
     """On an accelerator the last buckets' state can stay on the device: the error names the smallest share (in
-    twentieths) with which the host fits, and its device bytes; "auto" chooses after a step, so it is named too.
-    A sharded save copies one of the share's master and moments at a time to the host (4 of its 16 B/param), so
-    the save's peak falls by 12 B/param of share: it sets the share here."""
-    with torch.device("meta"):
-        model = layers()
-    params = 100 * (100 * 100 + 100)
-    options = {"checkpoint_format": "sharded", "bucket_size_mb": 0.1, "cpu_step": "sync"}
-    cuda = torch.device("cuda")
-    fake_limit(monkeypatch, int(13 * params))  # the save needs about 16.4 - 12 x share B/param
-    with pytest.raises(MemoryError) as info:
-        check_host_memory(model, OffloadOptions(**options, device_share=given), torch.bfloat16, 1, 1, cuda)
-    found = re.search(r"device_share=([0-9.]+): the last buckets .* GB of device memory per rank", str(info.value))
-    assert found is not None, str(info.value)
-    share = float(found.group(1))
+    twentieths) with which the host fits, and its device bytes. A sharded save copies one of the share's master and
+    moments at a time to the host (4 of its 16 B/param), so the save's peak falls by 12 B/param of share: it sets
+    the share here."""
+    model, options, cuda = _host_short_of_a_share(monkeypatch)
+    share = _named_share(model, OffloadOptions(**options), cuda)
     assert 0.3 <= share <= 0.5
     check_host_memory(model, OffloadOptions(**options, device_share=share), torch.bfloat16, 1, 1, cuda)
     with pytest.raises(MemoryError) as info:  # delayed takes no share: not named
         check_host_memory(model, OffloadOptions(**{**options, "cpu_step": "delayed"}), torch.bfloat16, 1, 1, cuda)
     assert "the last buckets keep" not in str(info.value)
+
+
+def test_auto_starts_with_the_share_the_host_needs_where_the_device_has_room(monkeypatch):
+    """device_share="auto" takes that share by itself (the engine starts with it) where the device holds its state
+    and the weights still to move there within 80% of its free memory; where it does not, the error names it."""
+    model, options, cuda = _host_short_of_a_share(monkeypatch)
+    share = _named_share(model, OffloadOptions(**options), cuda)
+    auto = OffloadOptions(**options, device_share="auto")
+    monkeypatch.setattr(probes, "device_memory_free", lambda device: 10**9)
+    start = check_host_memory(model, auto, torch.bfloat16, 1, 1, cuda)
+    assert start is not None and start.share == share and start.params > 0.2 * PARAMS
+    assert start.why.startswith("auto: ") and "the host holds the rest only with their state on" in start.why
+    state = 4 * 4 * start.params  # fp32 master, moments, gradient: what the share keeps on the device
+    weights = 2 * PARAMS  # bf16, to move there (built on the meta device)
+    monkeypatch.setattr(probes, "device_memory_free", lambda device: int((state + weights) / 0.8))
+    with pytest.raises(MemoryError) as info:
+        check_host_memory(model, auto, torch.bfloat16, 1, 1, cuda)
+    assert f"device_share={share:g}: the last buckets" in str(info.value)
+    assert 'device_share="auto" takes it by itself where the device has room, here only' in str(info.value)
+    step_scratch = state // 4  # the device step's scratch (a few % here)
+    monkeypatch.setattr(probes, "device_memory_free", lambda device: int((state + step_scratch + weights) / 0.8))
+    assert check_host_memory(model, auto, torch.bfloat16, 1, 1, cuda).share == share
+    with pytest.raises(MemoryError) as info:  # a CPU device's memory is the host's: no share helps
+        check_host_memory(model, auto, torch.bfloat16, 1, 1, torch.device("cpu"))
+    assert "the last buckets keep" not in str(info.value)
+
+
+PARAMS = 100 * (100 * 100 + 100)  # planner_helpers.layers()
+
+
+def _host_short_of_a_share(monkeypatch) -> tuple[torch.nn.Module, dict, torch.device]:
+    with torch.device("meta"):
+        model = layers()
+    fake_limit(monkeypatch, int(13 * PARAMS))  # the sharded save needs about 16.4 - 12 x share B/param
+    return model, {"checkpoint_format": "sharded", "bucket_size_mb": 0.1, "cpu_step": "sync"}, torch.device("cuda")
+
+
+def _named_share(model: torch.nn.Module, options: OffloadOptions, device: torch.device) -> float:
+    with pytest.raises(MemoryError) as info:
+        check_host_memory(model, options, torch.bfloat16, 1, 1, device)
+    found = re.search(r"device_share=([0-9.]+): the last buckets .* GB of device memory per rank", str(info.value))
+    assert found is not None, str(info.value)
+    return float(found.group(1))

@@ -153,6 +153,12 @@ def test_the_largest_model_per_way_of_training_on_the_h200_box():
     args = dict(batch_size=1, seq_len=2048, n_layer=32, machine=H200_BOX, cpu_state="bf16", configure_model=True)
     assert plan(blockwise.params, **args).recommended["cpu_step"] == "sync"
     assert plan(int(blockwise.params * 1.003), **args).recommended == {}
+    # With device_share="auto" the ZeRO-2 mode starts with the share the host needs, where the GPU has room for it
+    shared = rows['zero_offload, cpu_state="bf16", in configure_model, device_share="auto" -> 0.500']
+    assert shared.params > 1.15 * blockwise.params and shared.device_need > 2 * blockwise.device_need
+    args = dict(args, device_share="auto")
+    assert plan(shared.params, **args).recommended["cpu_step"] == "sync"
+    assert plan(int(shared.params * 1.003), **args).recommended == {}
     text = " ".join(str(answer).split())  # the assumptions are wrapped
     assert "micro-batch 1 x 2048 tokens" in text and "activation checkpointing off" in text
     assert 'cpu_state="bf16" 10.66B sync 128.0 34.7 1.70 host RAM, setup' in text  # GB, GB, seconds per step
@@ -163,8 +169,8 @@ def test_the_largest_model_per_way_of_training_on_the_h200_box():
     )
     refused = largest_models(H200_BOX, precision="16-mixed").rows
     # bf16 state with fp16 params, parameters on the GPU (built in fp32, in fp16, in configure_model) or offloaded
-    # (each with a row for device_share="auto")
-    expected = [False, False, True, False, True, False, True, False, False, True, True]
+    # (the last two with a row for device_share="auto")
+    expected = [False, False, True, False, True, False, False, True, True, False, False, True, True]
     assert [r.refused != "" for r in refused] == expected
     with pytest.raises(ValueError, match="device_memory_gb"):
         largest_models(CPU_BOX)

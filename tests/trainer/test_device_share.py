@@ -173,3 +173,27 @@ def test_zero2_auto_says_what_it_chose_after_the_second_step(tmp_path):
     _, trainer = zero2_fit("auto", "fp32", tmp_path, max_steps=3)
     assert trainer.strategy.session.engine.share_choice.share == 0.0
     assert "device_share=auto: none, a CPU device is host memory" in format_summary(trainer.strategy.session, {}, 0)
+
+
+def test_zero2_auto_starts_with_the_share_the_pre_flight_gives_and_says_so(monkeypatch, tmp_path):
+    """Where the host holds the rest only with a share, the pre-flight's start (planner/preflight.py, an accelerator's:
+    pretended here) reaches the engine: the run starts with it, keeps it after "auto" chooses and trains as without a
+    share; the summary says why at each stage."""
+    from lightning_zero_offload.core import session
+    from lightning_zero_offload.engine.step.device_share import ShareChoice
+
+    start = ShareChoice(0.5, 0, "auto: as the pre-flight would start it")
+    checked = session.check_host_memory
+
+    def pre_flight(module, options, *args, **kwargs):
+        return checked(module, options, *args, **kwargs) or (start if options.device_share == "auto" else None)
+
+    monkeypatch.setattr(session, "check_host_memory", pre_flight)
+    want, _ = zero2_fit(0.0, "fp32", tmp_path)
+    _, trainer = zero2_fit("auto", "fp32", tmp_path, max_steps=2)
+    assert "device_share=auto: as the pre-flight would start it" in format_summary(trainer.strategy.session, {}, 0)
+    assert trainer.strategy.session.engine.memory_report()["device_share_params"] > 0
+    got, trainer = zero2_fit("auto", "fp32", tmp_path)
+    summary = format_summary(trainer.strategy.session, {}, 0)
+    assert "device share:" in summary and "on the device since setup, without which the host" in summary
+    assert same(got, want, "fp32")

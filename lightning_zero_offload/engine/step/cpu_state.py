@@ -34,64 +34,16 @@ import torch.distributed as dist
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.infra.collectives import broadcast_tensors_
-from lightning_zero_offload.engine.infra.memory import device_zeros, host_zeros
+from lightning_zero_offload.engine.infra.memory import device_empty, device_zeros, host_empty, host_zeros
 from lightning_zero_offload.engine.options import STATE_DTYPES
-from lightning_zero_offload.engine.step.layout import Bucket, Layout, count_within_share
+from lightning_zero_offload.engine.step.layout import Bucket, Layout
+from lightning_zero_offload.engine.step.shard_buffer import ShardBuffer, first_device_bucket
 from lightning_zero_offload.kernels import device as device_kernels
 
 STATE_NAMES = {dtype: name for name, dtype in STATE_DTYPES.items()}  # the cpu_state option's name of each dtype
 # A sharded checkpoint's key suffix for a state buffer's device part (saved apart: no copy of the host's part).
 DEVICE_PART = "@device"
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def first_device_bucket(layout: Layout, share: float) -> int:
-    """The first of the buckets whose state stays on the device with ``device_share=share``: the last buckets
-    (layout order is reverse registration, so their gradients arrive last), whole, as many as hold at most
-    ``share`` of the trainable elements. ``len(layout.buckets)``: none."""
-    numels = [bucket.numel for bucket in reversed(layout.buckets)]
-    return len(numels) - count_within_share(numels, share)
-
-
-class ShardBuffer:
-    """One of the state's shard-sized buffers: elements ``[0, split)`` on the host, ``[split, numel)`` on the
-    device (the device share's buckets). Indexed by shard windows, each of which lies on one side."""
-
-    def __init__(self, host: torch.Tensor, device_part: torch.Tensor) -> None:
-        self.host = host
-        self.device_part = device_part
-        self.split = host.numel()
-        self.dtype = host.dtype
-
-    def numel(self) -> int:
-        return self.split + self.device_part.numel()
-
-    def __getitem__(self, window: slice) -> torch.Tensor:
-        start, stop, _ = window.indices(self.numel())
-        if stop <= self.split:
-            return self.host[start:stop]
-        if start >= self.split:
-            return self.device_part[start - self.split : stop - self.split]
-        raise IndexError(f"shard window [{start}, {stop}) straddles the device share, which starts at {self.split}")
-
-    def pieces(self, window: slice) -> list[tuple[slice, torch.Tensor]]:
-        """The window's part on each side it lies on: (that part's place within the window, its view there). Only
-        a split parameter's window (a slot's, not a bucket's) can lie on both."""
-        start, stop, _ = window.indices(self.numel())
-        at = min(max(self.split, start), stop)
-        pieces = [(slice(0, at - start), self.host[start:at])] if at > start else []
-        if stop > at:
-            pieces.append((slice(at - start, stop - start), self.device_part[at - self.split : stop - self.split]))
-        return pieces
-
-    @property
-    def parts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.host, self.device_part
-
-    def zero_(self) -> ShardBuffer:
-        for part in self.parts:
-            part.zero_()
-        return self
 
 
 class CpuState:
@@ -308,6 +260,31 @@ class CpuState:
         if len(steps) != len(self._steps):
             raise ValueError(f"{len(steps)} step counts for {len(self._steps)} trainable parameters")
         self._steps = [_checked_step(step) for step in steps]
+
+    def takes_more(self, share: float) -> bool:
+        """Whether ``device_share=share`` keeps more buckets on the device than the state does now."""
+        return first_device_bucket(self.layout, share) < self.first_device_bucket
+
+    def grow_share(self, share: float) -> None:
+        """Move the buckets that ``share`` adds to the device share there, one buffer at a time (its host part
+        copied into a smaller one, the old freed before the next: never a copy of the whole state at once, which
+        a host short of memory could not hold). Values and step counts stay bitwise."""
+        if not self.takes_more(share):
+            raise ValueError(
+                f"device_share={share} adds no bucket to the share (from bucket {self.first_device_bucket})"
+            )
+        first = first_device_bucket(self.layout, share)
+        split = self.layout.buckets[first].shard_start
+        for name in ("master", "exp_avg", "exp_avg_sq", "grad"):
+            old = getattr(self, name)
+            if old is None:
+                continue
+            host = host_empty(split, self.dtype, False).copy_(old.host[:split])
+            moved = device_empty(self.layout.shard_numel - split, self.dtype, self.device, "state")
+            moved[: old.split - split].copy_(old.host[split:])
+            moved[old.split - split :].copy_(old.device_part)
+            setattr(self, name, ShardBuffer(host, moved))
+        self.first_device_bucket, self.split = first, split
 
     def swap_grad(self, other: ShardBuffer) -> ShardBuffer:
         """Make ``other`` the buffer backward accumulates into; returns the one it replaces."""

@@ -10,7 +10,9 @@ buckets; the speculative pipeline of :func:`exposed_after_backward`, each bucket
 tied embedding's gradient, complete only when backward ends, lands last whatever its place), counting the step's
 measured tail (validation, copy-back: no share removes it), and never more state than
 :data:`AUTO_ACTIVATION_RESERVE` short of the device memory the peak so far left free. Where the target is out of
-reach (``cpu_step="sync"`` steps everything after backward), the most buckets that fit.
+reach (``cpu_step="sync"`` steps everything after backward), the most buckets that fit. Where the host holds the
+rest only with a share, the pre-flight starts the engine with it (planner/preflight.py): "auto" keeps at least
+those buckets.
 """
 
 from __future__ import annotations
@@ -80,13 +82,15 @@ def choose_bucket_share(
     leads: Sequence[float] | None = None,
     transfer_s_per_element: float = 0.0,
     tail_s: float = 0.0,
+    floor: int = 0,
 ) -> ShareChoice:
     """The device share of the last buckets (``shards``: this rank's elements of each bucket, ``numels``: all
     ranks', in layout order), from the measured step's ``backward_s``, CPU step and gradient transfer time per
     element and each bucket's landing ``leads`` before backward's end (:func:`exposed_after_backward`), within
     ``device_room`` bytes (the reserve taken off already). The bound is one (median) bucket's CPU step after
     backward, the step's own ``tail_s`` included; where that tail alone exceeds it, no CPU step left after
-    backward."""
+    backward. The last ``floor`` buckets stay whatever the rule and the room say (on the device already: the host
+    holds the rest only without them)."""
     total = sum(numels)
     one_bucket = step_s_per_element * statistics.median(shards)
     allowed = max(0.0, one_bucket - tail_s)  # of the host buckets' work after backward
@@ -94,10 +98,11 @@ def choose_bucket_share(
     fitting = 0  # the most last buckets whose state the room holds
     while fitting < len(shards) and state_bytes_per_element * sum(shards[len(shards) - fitting - 1 :]) <= device_room:
         fitting += 1
-    for kept in range(fitting + 1):
+    fitting = max(fitting, floor)
+    for kept in range(floor, fitting + 1):
         on_host = len(shards) - kept
         if not on_host:
-            return _choice(kept, numels, total, "every bucket")
+            return _choice(kept, numels, total, "every bucket", floor)
         exposed = exposed_after_backward(shards, on_host, backward_s, per_element, leads)
         if speculative and exposed <= allowed:
             tail = f"the step's own {1e3 * tail_s:.1f} ms"
@@ -105,18 +110,21 @@ def choose_bucket_share(
                 left = f"no CPU step after backward ({tail} exceed one bucket's step)"
             else:
                 left = "at most one bucket's step after backward" + (f" ({tail} included)" if tail_s else "")
-            return _choice(kept, numels, total, f"the fewest last buckets ({kept}) that leave {left}")
+            return _choice(kept, numels, total, f"the fewest last buckets ({kept}) that leave {left}", floor)
     if speculative:
         why = "no share it takes leaves as little as one bucket's step after backward"
     else:
         why = "cpu_step='sync' steps every host bucket after backward"
-    return _choice(fitting, numels, total, f"the most the device memory left free takes ({fitting} buckets): {why}")
+    why = f"the most the device memory left free takes ({fitting} buckets): {why}"
+    return _choice(fitting, numels, total, why, floor)
 
 
-def _choice(kept: int, numels: Sequence[int], total: int, why: str) -> ShareChoice:
+def _choice(kept: int, numels: Sequence[int], total: int, why: str, floor: int) -> ShareChoice:
     params = sum(numels[len(numels) - kept :]) if kept else 0
     # a hair above the fraction the kept buckets hold, so that the same buckets are chosen from it again
     share = min(1.0, (params + 0.5) / total) if params else 0.0
+    if floor:
+        why += f"; {floor} of them on the device since setup, without which the host would not hold the rest"
     return ShareChoice(share, params, f"auto: {params / 1e6:.1f}M parameters, {why}")
 
 
@@ -136,15 +144,18 @@ def auto_bucket_share(
     speculative: bool,
     device: torch.device,
     leads: Sequence[float],
+    floor: int = 0,
 ) -> ShareChoice:
     """:func:`choose_bucket_share` from the ``measured`` step's own backward, CPU step and transfer times (the
     transfer: the gradients' copy to the host and accumulation there, which the gradient worker does before a
-    bucket's step) and tail, each bucket's measured landing ``leads`` and the device memory the peak left; every
-    rank from the same figures (the least room and backward time, the latest landings, the slowest step, transfer
-    and tail), so all choose alike."""
+    bucket's step) and tail, each bucket's measured landing ``leads`` and the device memory the peak left (the
+    ``floor`` buckets' state in it: a re-plan holds both layouts a moment); every rank from the same figures (the
+    least room and backward time, the latest landings, the slowest step, transfer and tail), so all choose
+    alike."""
     left = room_after_peak(device)
-    if left is None:
+    if left is None and not floor:
         return ShareChoice(0.0, 0, "auto: none, a CPU device is host memory")
+    left = left or 0  # a CPU device: nothing beyond the floor given
     rate, transfer_rate = (seconds / max(1, state.split) for seconds in (measured.cpu_step_s, measured.transfer_s))
     left, backward_s, minus_rate, minus_transfer_rate, minus_tail, *leads = least_over_ranks(
         [left, measured.backward_s, -rate, -transfer_rate, -measured.tail_s, *leads], layout.world_size, device
@@ -161,4 +172,5 @@ def auto_bucket_share(
         leads,
         -minus_transfer_rate,
         -minus_tail,
+        floor,
     )

@@ -26,7 +26,7 @@ from lightning_zero_offload.engine.infra.ledger import DEVICE, current_ledger
 from lightning_zero_offload.engine.step.layout import Bucket, Layout
 
 if TYPE_CHECKING:
-    from lightning_zero_offload.engine.step.cpu_state import ShardBuffer
+    from lightning_zero_offload.engine.step.shard_buffer import ShardBuffer
 
 _WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 

@@ -154,6 +154,11 @@ def host_memory_available() -> int:
     return host_memory_limit()[0]
 
 
+def device_memory_free(device: torch.device) -> int:
+    """Bytes free on the accelerator ``device`` now (the driver's count: other processes' use is taken off)."""
+    return torch.accelerator.get_memory_info(device)[0]
+
+
 ADAM_ARGS = kernels.AdamArgs(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw_mode=True)
 
 

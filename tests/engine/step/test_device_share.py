@@ -7,9 +7,9 @@ import pytest
 import torch
 from engine_helpers import CLIP, batches, loss_fn, moments, train_clipped
 
-from lightning_zero_offload.engine.step.cpu_state import ShardBuffer, first_device_bucket
 from lightning_zero_offload.engine.step.device_share import ShareChoice, choose_bucket_share, exposed_after_backward
 from lightning_zero_offload.engine.step.layout import build_layout
+from lightning_zero_offload.engine.step.shard_buffer import ShardBuffer, first_device_bucket
 from lightning_zero_offload.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -226,6 +226,85 @@ def test_auto_stays_within_the_room_and_takes_the_most_it_can_where_the_target_i
     assert sync.params == 60 and "cpu_step='sync' steps every host bucket after backward" in sync.why
 
 
+def test_auto_keeps_at_least_the_buckets_the_host_needs():
+    """The pre-flight's floor (buckets on the device since setup) stays whatever the rule and the room say; the rule
+    adds to it."""
+    shards = [10, 10, 10, 10, 40]
+    rate = 1 / 80
+    kept = choose_bucket_share(shards, shards, 1.0, rate, 16, device_room=0, speculative=True, floor=2)
+    assert kept.params == 50 and "fewest last buckets (2)" in kept.why
+    assert "2 of them on the device since setup" in kept.why
+    assert choose_bucket_share(shards, shards, 1.0, rate, 16, device_room=10**6, speculative=True, floor=1).params == 40
+    more = choose_bucket_share(shards, shards, 1.0, 1 / 20, 16, device_room=10**6, speculative=True, floor=1)
+    assert more.params == 60  # the step twice backward's: the rule adds two buckets to the floor's one
+    sync = choose_bucket_share(shards, shards, 1.0, rate, 16, device_room=16 * 50, speculative=False, floor=3)
+    assert sync.params == 60 and "(3 buckets)" in sync.why
+
+
+def test_auto_starts_with_the_share_the_host_needs_and_keeps_it(monkeypatch):
+    """Where the host holds the rest only with a share, the pre-flight gives the engine a floor: it starts with those
+    buckets on the device, "auto" keeps them where the device has no room for more (no re-plan) and adds to them
+    where the rule asks for more; training is as without a share."""
+    from lightning_zero_offload.engine.step import device_share
+
+    floor = ShareChoice(0.3, 0, "auto: the host's floor")
+    _, want = train(0.0, cpu_step="speculative")
+    _, early = train("auto", cpu_step="speculative", share_floor=floor, steps=2)
+    assert early.share_choice is None and early.resolved.device_share == 0.3
+    floor_buckets = len(early.layout.buckets) - early.state.first_device_bucket
+    assert floor_buckets == len(early.layout.buckets) - first_device_bucket(early.layout, 0.3) > 0
+
+    monkeypatch.setattr(device_share, "room_after_peak", lambda device: 0)
+    monkeypatch.setattr(type(early), "take_device_share", lambda engine, share: pytest.fail("re-planned"))
+    _, kept = train("auto", cpu_step="speculative", share_floor=floor)
+    assert kept.share_choice is not None and "on the device since setup" in kept.share_choice.why
+    assert kept.state.first_device_bucket == early.state.first_device_bucket
+    assert close(kept.master_params(), want.master_params(), "fp32") and close(moments(kept), moments(want), "fp32")
+
+    monkeypatch.undo()
+    given = []
+    choose = device_share.choose_bucket_share
+
+    def more(*args):
+        given.append(args[-1])
+        return choose(*args[:-1], floor=len(args[0]) - 1)  # every bucket but the first
+
+    monkeypatch.setattr(device_share, "room_after_peak", lambda device: 10**9)
+    monkeypatch.setattr(device_share, "choose_bucket_share", more)
+    _, grown = train("auto", cpu_step="speculative", share_floor=floor)
+    assert given == [floor_buckets] and grown.state.first_device_bucket <= 1  # all but the first, or every one
+    assert close(grown.master_params(), want.master_params(), "fp32") and close(moments(grown), moments(want), "fp32")
+
+
+@pytest.mark.parametrize(("cpu_state", "dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_a_larger_share_moves_its_buckets_to_the_device_in_place(monkeypatch, cpu_state, dtype):
+    """The buckets a larger share adds move to the device within the state, one buffer at a time: no parameter's
+    state is gathered whole (a host short of memory could not hold that copy), the ledger then counts what an engine
+    built with that share holds, and training goes on as without a share (bf16 state bitwise)."""
+    from lightning_zero_offload.engine import state_dicts
+    from lightning_zero_offload.engine.step import device_share
+
+    _, want = train(0.0, cpu_state, dtype, cpu_step="speculative")
+    _, built = train(0.5, cpu_state, dtype, cpu_step="speculative", steps=1)
+    half = ShareChoice(0.5, built.state.device_share_numel, "auto: half, as an accelerator might")
+    monkeypatch.setattr(device_share, "room_after_peak", lambda device: 10**9)
+    monkeypatch.setattr(device_share, "choose_bucket_share", lambda *args: half)
+    gathered = []
+    monkeypatch.setattr(state_dicts, "full_tensors", lambda *args: gathered.append(args))
+    _, grown = train("auto", cpu_state, dtype, cpu_step="speculative")
+    assert gathered == [] and grown.share_choice is half
+    assert grown.state.first_device_bucket == built.state.first_device_bucket < len(grown.layout.buckets)
+    assert grown.memory_report() == built.memory_report()
+    monkeypatch.undo()
+    assert close(grown.master_params(), want.master_params(), cpu_state)
+    assert close(moments(grown), moments(want), cpu_state) and grown.state.steps == want.state.steps
+
+
+def test_a_floor_is_for_auto_in_the_zero2_mode_only():
+    with pytest.raises(ValueError, match="share_floor"):
+        train(0.0, share_floor=ShareChoice(0.3, 0, "auto: floor"))
+
+
 def test_auto_on_a_cpu_device_keeps_nothing_and_says_why():
     _, engine = train("auto", steps=2)
     assert engine.share_choice is None  # the second step is the one measured: chosen before the third
@@ -244,8 +323,8 @@ def test_auto_re_plans_after_the_second_step_and_trains_as_none(monkeypatch):
     chosen = []
     choose = device_share.choose_bucket_share
 
-    def watched(shards, numels, backward_s, rate, state_bytes, room, speculative, leads, transfer_rate, tail_s):
-        assert backward_s > 0 and rate > 0 and transfer_rate > 0 and tail_s > 0 and speculative
+    def watched(shards, numels, backward_s, rate, state_bytes, room, speculative, leads, transfer_rate, tail_s, floor):
+        assert backward_s > 0 and rate > 0 and transfer_rate > 0 and tail_s > 0 and speculative and floor == 0
         assert 0 < room < 0.8 * 10**9
         assert len(leads) == len(shards) and all(0 <= lead <= backward_s for lead in leads)
         args = (shards, numels, backward_s, rate, state_bytes, room, speculative, leads, transfer_rate, tail_s)
