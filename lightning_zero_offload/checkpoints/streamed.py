@@ -3,7 +3,8 @@ of each gathered bucket as the writer reaches it, one bucket at a time.
 
 The checkpoint dict holds placeholders (engine/save_sharing.py) for the gathered buckets of the master
 weights and moments; :class:`BucketStream` is rank 0's side (the writer's ``StreamedStorages``),
-:func:`serve_full_save` every other rank's.
+:func:`serve_full_save` every other rank's. At one rank only a device share's buckets are placeholders
+(:class:`OneRankBuckets`), so that the host never holds its master and both moments at once.
 """
 
 from __future__ import annotations
@@ -80,6 +81,33 @@ class BucketStream:
                 self.fetch(number)
         self.broadcast(("failed", message) if error is not None else ("done", None))
         self.buffer = None
+
+
+class OneRankBuckets:
+    """One rank's streamed full save: each placeholder's buckets copied from the state (a device share's from the
+    device) when the writer reaches them, into one reused buffer (valid until the next ``fetch``)."""
+
+    def __init__(self, registry: Placeholders) -> None:
+        self.registry = registry
+        self.buffer: torch.Tensor | None = None
+
+    def number(self, storage: torch.UntypedStorage) -> int | None:
+        return self.registry.number(storage)
+
+    def begin(self, order: list[int]) -> None:
+        if order:
+            self.buffer = torch.empty(max(_nbytes(self.registry, number) for number in order), dtype=torch.uint8)
+
+    def fetch(self, number: int) -> torch.Tensor:
+        shard, shard_ranges, _ = self.registry.sources[number]
+        assert self.buffer is not None
+        whole = self.buffer[: _nbytes(self.registry, number)].view(shard.dtype)
+        start = 0
+        for shard_range in shard_ranges:  # each bucket on its side of the share
+            numel = shard_range.stop - shard_range.start
+            whole[start : start + numel].copy_(shard[shard_range])
+            start += numel
+        return whole
 
 
 def serve_full_save(engine: ShardedState, broadcast: Callable[[Any], Any], what: str) -> None:

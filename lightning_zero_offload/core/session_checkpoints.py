@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_zero_offload.checkpoints import FORMAT_KEY, PathLike, save_sharded, sharded_layout
 from lightning_zero_offload.checkpoints.distributed_files import gather
-from lightning_zero_offload.checkpoints.streamed import BucketStream, serve_full_save
+from lightning_zero_offload.checkpoints.streamed import BucketStream, OneRankBuckets, serve_full_save
 from lightning_zero_offload.checkpoints.writer import StreamedStorages
 from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.engine.state_dicts import buffers_shared_for_save
@@ -106,9 +106,10 @@ class SessionCheckpoints:
         its part of each bucket as the file reaches it (one bucket at a time), and every rank raises if
         rank 0's write failed. ``broadcast(obj)``: rank 0's ``obj`` on every rank.
         """
-        if self.engine.layout.world_size == 1:
+        if self.engine.layout.world_size == 1:  # placeholders only for a device share's buckets
+            registry = self.engine.save_sharing.placeholders
             if rank == 0:
-                write(checkpoint, None)
+                write(checkpoint, OneRankBuckets(registry) if registry.sources else None)
             return
         if rank != 0:
             serve_full_save(self.engine, broadcast, "the full-format checkpoint")

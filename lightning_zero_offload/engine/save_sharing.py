@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 
 class Placeholders:
-    """The gathered bucket runs a full save at several ranks will stream, by number and by meta storage.
+    """The bucket runs a full save will stream (at several ranks gathered, at one a device share's), by number and
+    by meta storage.
 
     Every rank numbers its placeholders in the order ``engine.state.full_tensors`` makes them, which is the same
     on every rank (as the order of collectives is), so rank 0 can name a bucket by its number. An

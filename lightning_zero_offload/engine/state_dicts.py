@@ -43,10 +43,11 @@ def buffers_shared_for_save(engine: ShardedState, share: bool = True) -> Iterato
     A full-format save would otherwise hold a second copy of the weights and both moments (12 bytes
     per parameter of fp32 state, 6 of bf16) while it writes. With one rank the views are of the engine's flat buffers
     (``torch.save`` writes each buffer's storage once, and the file still loads with
-    ``weights_only=True``). With several they are views of placeholders on the meta device, one per
-    gathered bucket, whose bytes rank 0's writer gathers as it writes them (checkpoints/streamed.py): every
-    rank must then take part in that save. Only for a writer that finishes before the next step changes
-    the buffers: an asynchronous ``CheckpointIO`` must get copies (``share=False``).
+    ``weights_only=True``), but for the buckets of a device share, which are placeholders copied to the host
+    one run at a time as the writer reaches them. With several ranks they are views of placeholders on the meta
+    device, one per gathered bucket, whose bytes rank 0's writer gathers as it writes them
+    (checkpoints/streamed.py): every rank must then take part in that save. Only for a writer that finishes
+    before the next step changes the buffers: an asynchronous ``CheckpointIO`` must get copies (``share=False``).
     """
     sharing = engine.save_sharing
     previous = sharing.share
@@ -60,8 +61,8 @@ def buffers_shared_for_save(engine: ShardedState, share: bool = True) -> Iterato
 def full_tensors(engine: ShardedState, shard: ShardBuffer | torch.Tensor) -> list[torch.Tensor]:
     """Assemble full per-parameter tensors from every rank's shard (a collective if sharded).
 
-    Copies, unless inside :func:`buffers_shared_for_save` (then views that change with the next step,
-    or at several ranks views of placeholders).
+    Copies, unless inside :func:`buffers_shared_for_save` (then views that change with the next step, or views of
+    placeholders: at several ranks, and at one for a device share's buckets).
     """
     engine.refuse_after_failure("full weights and optimizer state")
     layout = engine.layout
@@ -70,9 +71,10 @@ def full_tensors(engine: ShardedState, shard: ShardBuffer | torch.Tensor) -> lis
     for run in layout.bucket_runs():  # buckets joined by a split parameter, gathered together
         buckets = [layout.buckets[b] for b in run]
         ranges = [bucket.shard_range for bucket in buckets]
-        if layout.world_size == 1:
+        on_device = isinstance(shard, ShardBuffer) and ranges[-1].stop > shard.split
+        if layout.world_size == 1 and not (share and on_device):
             whole = _whole_run(shard, ranges)
-        elif share:
+        elif share:  # copied to the host (several ranks: gathered to rank 0) only when the writer reaches it
             whole = engine.save_sharing.placeholders.add(shard, ranges, layout.world_size)
         else:
             gathered = [gather_host(shard[r], engine.process_group, engine.device) for r in ranges]

@@ -38,7 +38,10 @@ from lightning_zero_offload.planner.offload_params import (
 )
 from lightning_zero_offload.planner.preflight import resident_bytes, zero2_share_that_fits
 from lightning_zero_offload.planner.shape import ModelShape, layout_summary
-from lightning_zero_offload.planner.verdicts import SETUP_BY_BLOCKS, SETUP_WHOLE, host_checks
+from lightning_zero_offload.planner.verdicts import SETUP_BY_BLOCKS, SETUP_WHOLE, Check, host_checks
+
+# The GPU's room at setup for the ZeRO-2 share a short host needs: its state and the weights, 80% of what is free.
+START_ROOM = f"GPU memory at setup for the share a short host needs ({1 - AUTO_ACTIVATION_RESERVE:.0%} of it)"
 
 
 def choose_device_share(
@@ -148,13 +151,15 @@ def planned_share(
     if options.device_share != "auto":
         return options, None
     if not options.offload_params:  # the ZeRO-2 mode: the host's start at setup; the rest from a measured step
-        start = _zero2_start(shape, options, dtype, machine, devices, world_size)
-        share, params = start or (0.0, 0)
+        share, params, room = zero2_start(shape, options, dtype, machine, devices, world_size)
+        planned = (
+            f"the {share:g} a run starts with: the smallest with which the host holds the rest" if share else "none"
+        )
+        if room is not None and not room.fits:
+            planned += f" (the host needs a share whose {format_gb(room.need)} exceed {room.name})"
         why = (
             "auto: chosen after the second step, from its backward and CPU step times, when each bucket's gradient "
-            "landed and the device memory the peak left (planned here as "
-            + (f"the {share:g} a run starts with: the smallest with which the host holds the rest" if share else "none")
-            + "; --device-share F plans a fraction)"
+            f"landed and the device memory the peak left (planned here as {planned}; --device-share F plans a fraction)"
         )
         return replace(options, device_share=share), ShareChoice(share, params, why)
     device_free = None
@@ -174,28 +179,30 @@ def planned_share(
     return replace(options, device_share=choice.share), choice
 
 
-def _zero2_start(
+def zero2_start(
     shape: ModelShape, options: OffloadOptions, dtype: torch.dtype, machine: Machine, devices: int, world_size: int
-) -> tuple[float, int] | None:
+) -> tuple[float, int, Check | None]:
     """The ZeRO-2 share a run's pre-flight starts ``device_share="auto"`` with on ``machine`` (planner/preflight.py):
     the smallest with which the host holds the rest, where the GPU has room for its state and the weights within
-    80% of its free memory; the share and its parameters, None where the run starts with none."""
+    80% of its free memory. The share and its parameters (0: none), and the check of that room where the host
+    needs a share (failed: the run starts with none, and the pre-flight refuses)."""
     if machine.device_type == "cpu" or machine.device_memory_gb is None:
-        return None
+        return 0.0, 0, None
     device = torch.device(machine.device_type)
     try:
         config = resolve(replace(options, device_share=0.0), device, dtype, world_size, devices)
     except ValueError:  # a combination the engine refuses: the plan says so
-        return None
+        return 0.0, 0, None
     resident = 0 if shape.configure_model else shape.built_bytes
     budget = int(machine.host_memory_gb * GB)  # the module as built not yet in use, as the planner's verdicts take it
     found = zero2_share_that_fits(
         config, options, shape, dtype, (world_size, devices), device, resident, shape.configure_model, budget, first=0
     )
     if not found or not found[0]:
-        return None
+        return 0.0, 0, None
     share, _, device_bytes = found
     free = int(machine.device_memory_gb * GB) - DEVICE_CONTEXT_BYTES
-    if device_bytes + dtype.itemsize * shape.params > (1 - AUTO_ACTIVATION_RESERVE) * free:
-        return None  # the run's pre-flight refuses instead
-    return share, layout_summary(shape, options.bucket_size_mb, dtype, 1, share).device_shard_numel
+    room = Check(START_ROOM, device_bytes + dtype.itemsize * shape.params, int((1 - AUTO_ACTIVATION_RESERVE) * free))
+    if not room.fits:
+        return 0.0, 0, room
+    return share, layout_summary(shape, options.bucket_size_mb, dtype, 1, share).device_shard_numel, room

@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 from lightning_zero_offload.engine.options import STATE_DTYPES, OffloadOptions
-from lightning_zero_offload.planner.device_share import planned_share
+from lightning_zero_offload.planner.device_share import planned_share, zero2_start
 from lightning_zero_offload.planner.machine import GB, Machine
 from lightning_zero_offload.planner.memory import (
     PLAIN_DEVICE_BYTES_PER_PARAM,
@@ -224,10 +224,20 @@ def _offload_checks(
     shape_of: Callable[[int], ModelShape], args: tuple, checkpoint_format: str, params: int
 ) -> list[Check]:
     """zero_offload's checks for a model of ``params``: those of the first exact schedule that fits, else
-    sync's (the smallest)."""
-    verdicts = _evaluated(shape_of(params), args)[0].verdicts
+    sync's (the smallest); with the ZeRO-2 mode's ``device_share="auto"``, the GPU's room for the share a short host
+    needs too."""
+    shape = shape_of(params)
+    verdicts = _evaluated(shape, args)[0].verdicts
     exact = [verdicts[f"{s}/{checkpoint_format}"] for s in EXACT_SCHEDULES]
-    return next((v.checks for v in exact if v.fits), exact[0].checks)
+    checks = next((v.checks for v in exact if v.fits), exact[0].checks)
+    dtype, machine, devices, num_nodes, options, *_ = args
+    if options.device_share == "auto" and not options.offload_params:
+        _, _, room = zero2_start(shape, options, dtype, machine, devices, devices * num_nodes)
+        # Where the GPU has no room for the share, the run starts with none: the host's checks failing fail for it
+        failing = [c for c in checks if not c.fits]
+        if room is not None and not room.fits and failing and all(c.name.startswith("host") for c in failing):
+            checks = [room]
+    return checks
 
 
 def _seconds(step_s: float | None) -> str:

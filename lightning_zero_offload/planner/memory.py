@@ -173,12 +173,13 @@ def host_memory(
     module = 4 * params if module_bytes is None else module_bytes
     saves = {f: checkpoint_save_bytes(params, f, layout.world_size, config.state_dtype) for f in CHECKPOINT_FORMATS}
     # A save copies the device share's master and moments to the host: a full one at one rank (which otherwise
-    # writes views) all three at once; a sharded one a buffer's part at a time as the writer reaches it
-    # (checkpoints/writer.py's DeviceTensors), none on a CPU device, where the share is host memory already.
+    # writes views) one run of buckets at a time (checkpoints/streamed.py's OneRankBuckets); a sharded one a
+    # buffer's part at a time as the writer reaches it (checkpoints/writer.py's DeviceTensors), none on a CPU
+    # device, where the share is host memory already.
     share_part = state * layout.device_shard_numel
     saves["sharded"] += 0 if device_type == "cpu" else share_part
     if layout.world_size == 1:
-        saves["full"] += 3 * share_part
+        saves["full"] += state * layout.device_max_run
     if config.in_place:
         # In place (engine/step/in_place.py, fp32 state only): the parameters are the master; gradients are
         # autograd's own tensors.

@@ -192,6 +192,7 @@ class LayoutSummary:
     max_shard: int  # this rank's chunk of it
     device_shard_numel: int = 0  # of shard_numel, the device share's (its state on the device)
     device_max_shard: int = 0  # this rank's chunk of the device share's largest bucket
+    device_max_run: int = 0  # this rank's part of the largest run of buckets joined by a split parameter in the share
 
     @property
     def host_shard_numel(self) -> int:
@@ -200,7 +201,9 @@ class LayoutSummary:
 
     @classmethod
     def of(cls, layout: Layout, device_share: float = 0.0) -> LayoutSummary:
-        on_device = layout.buckets[first_device_bucket(layout, device_share) :]
+        first = first_device_bucket(layout, device_share)
+        on_device = layout.buckets[first:]
+        runs = [sum(layout.buckets[b].shard_numel for b in run) for run in layout.bucket_runs() if run[-1] >= first]
         return cls(
             layout.world_size,
             layout.shard_numel,
@@ -210,6 +213,7 @@ class LayoutSummary:
             max(b.shard_numel for b in layout.buckets),
             sum(b.shard_numel for b in on_device),
             max((b.shard_numel for b in on_device), default=0),
+            max(runs, default=0),
         )
 
 
@@ -236,5 +240,6 @@ def layout_summary(
             largest // world,
             sum(padded_kept) // world,
             max(padded_kept, default=0) // world,
+            max(padded_kept, default=0) // world,  # no parameter is split in a bare count
         )
     return LayoutSummary.of(build_layout(shape.shapes, bucket_numel, world, 0), device_share)

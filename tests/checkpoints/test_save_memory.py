@@ -71,6 +71,44 @@ def test_the_full_format_checkpoint_holds_views_of_the_engine_buffers_at_one_ran
     fit_with(check)
 
 
+def test_a_device_shares_buckets_are_written_one_run_at_a_time_at_one_rank(tmp_path, monkeypatch):
+    """A full save at one rank with a device share: its buckets are placeholders in the checkpoint dict, each copied
+    into one reused host buffer when the writer reaches it (the host never holds the share's master and both moments
+    at once); the rest are views as above, and the file holds what the engine holds."""
+    from lightning_zero_offload.checkpoints import streamed
+
+    buffers = []
+    begin = streamed.OneRankBuckets.begin
+
+    def watched(self, order):
+        begin(self, order)
+        buffers.append((len(order), self.buffer.numel()))
+
+    monkeypatch.setattr(streamed.OneRankBuckets, "begin", watched)
+    path = tmp_path / "share.ckpt"
+
+    def check(trainer):
+        engine = trainer.strategy.engine
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint()
+        weights = [checkpoint["state_dict"][keys[0]] for keys in trainer.strategy.session.param_keys]
+        assert {w.is_meta for w in weights} == {True, False}
+        assert {storage_of(w) for w in weights if not w.is_meta} == {storage_of(engine.master.host)}
+        del checkpoint
+        trainer.save_checkpoint(path)
+        loaded = torch.load(path, weights_only=True)
+        keys = trainer.strategy.session.param_keys
+        for key, master in zip(keys, engine.master_params()):
+            assert torch.equal(loaded["state_dict"][key[0]], master)
+        want = engine.optimizer_state_dict()["state"]
+        for index, entry in loaded["optimizer_states"][0]["state"].items():
+            assert all(torch.equal(entry[m], want[index][m]) for m in ("exp_avg", "exp_avg_sq"))
+        one_part = engine.state.dtype.itemsize * engine.state.device_share_numel  # of the share's master or moment
+        ((runs, buffer),) = buffers
+        assert runs >= 3 and 0 < buffer <= one_part  # where the dict held all three parts
+
+    fit_with(check, device_share=0.5, in_place_on_cpu=False, bucket_size_mb=0.002)
+
+
 def test_a_user_checkpoint_io_gets_copies_it_may_keep_or_write_later():
     """A plugin may write in the background (AsyncCheckpointIO) or keep the tensors: they must not change."""
 
@@ -175,7 +213,9 @@ def test_a_full_save_at_one_rank_adds_under_1_byte_per_parameter_of_host_memory(
     assert torch.load(tmp_path / "w.ckpt", weights_only=True)["state_dict"]["net.0.weight"].shape == (1024, 1024)
 
 
-def test_fabric_full_save_writes_the_engine_buffers_and_loads_back(tmp_path, monkeypatch):
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_fabric_full_save_writes_the_engine_buffers_and_loads_back(tmp_path, monkeypatch, share):
+    """Views of the engine's buffers; with a device share, its buckets placeholders the writer copies as it goes."""
     import lightning_zero_offload.core.checkpoint_io as checkpoint_io  # the one checkpoint path
 
     written = {}
@@ -186,7 +226,8 @@ def test_fabric_full_save_writes_the_engine_buffers_and_loads_back(tmp_path, mon
         real_atomic_save(checkpoint, path, streamed)
 
     monkeypatch.setattr(checkpoint_io, "atomic_save", record)
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=ZeroOffloadFabricStrategy(), precision="bf16-mixed")
+    strategy = ZeroOffloadFabricStrategy(device_share=share, in_place_on_cpu=False, bucket_size_mb=1e-4)
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed")
     fabric.launch()
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -196,7 +237,9 @@ def test_fabric_full_save_writes_the_engine_buffers_and_loads_back(tmp_path, mon
     fabric.save(tmp_path / "f.ckpt", {"model": model, "optimizer": optimizer})
     engine = fabric.strategy.engine
     state_dict = written["checkpoint"]["model"]
-    assert {storage_of(state_dict[k]) for k in ("0.weight", "2.bias")} == {storage_of(engine.master.host)}
+    held = [state_dict[k] for k in ("0.weight", "0.bias", "2.weight", "2.bias")]
+    assert {storage_of(w) for w in held if not w.is_meta} == {storage_of(engine.master.host)}
+    assert any(w.is_meta for w in held) == (share > 0) and not all(w.is_meta for w in held)
     loaded = torch.load(tmp_path / "f.ckpt", weights_only=True)
     for key, master in zip(("0.weight", "0.bias", "2.weight", "2.bias"), engine.master_params()):
         assert torch.equal(loaded["model"][key], master), key

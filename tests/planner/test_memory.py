@@ -11,6 +11,7 @@ from lightning_zero_offload.core import make_offload_options
 from lightning_zero_offload.demo.model import GPT
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions
 from lightning_zero_offload.engine.options import resolve
+from lightning_zero_offload.engine.state_dicts import buffers_shared_for_save
 from lightning_zero_offload.planner import (
     plan,
     with_rates,
@@ -217,8 +218,8 @@ def test_the_save_peak_is_one_constant(monkeypatch):
 @pytest.mark.parametrize("schedule", ["sync", "speculative"])
 def test_a_device_share_of_the_buckets_is_planned_as_the_engine_allocates_it(schedule, cpu_state):
     """The ZeRO-2 share: the host's state shrinks by the last buckets', the device holds it (the CPU device's
-    ledger tells the two apart), and a save copies its master and moments to the host (all at once, or a part at a
-    time)."""
+    ledger tells the two apart), and a save copies its master and moments to the host (a run of buckets or a part
+    at a time)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(6)))  # a bucket each
     share = {"device_share": 0.5, "in_place_on_cpu": False}  # the offload data path on the CPU device
@@ -233,12 +234,18 @@ def test_a_device_share_of_the_buckets_is_planned_as_the_engine_allocates_it(sch
         assert predicted.state_per_rank == report["host_state_bytes"]
         states = device_memory(layout, torch.bfloat16, engine.state.dtype)
         assert states["device_share"] == report["device_state_bytes"] == predicted.per_rank["device_share"]
-        # a full save copies master and moments at once; a sharded one writes the CPU device's share as it is, and
-        # on an accelerator copies one buffer's part at a time
+        # a full save copies the share's runs of buckets one at a time into one buffer (the largest placeholder the
+        # checkpoint dict holds); a sharded one writes the CPU device's share as it is, and on an accelerator copies
+        # one buffer's part at a time
+        with buffers_shared_for_save(engine):
+            held = [engine.full_tensors(b) for b in (engine.master, engine.exp_avg, engine.exp_avg_sq)]
+            sources = engine.save_sharing.placeholders.sources.values()
+            largest = max(numel * shard.dtype.itemsize for shard, _, numel in sources)
+        del held
         share_part = engine.state.dtype.itemsize * layout.device_shard_numel
-        assert predicted.checkpoint_save_per_rank == {"full": 3 * share_part, "sharded": 0}
+        assert predicted.checkpoint_save_per_rank == {"full": largest, "sharded": 0} and 0 < 2 * largest < share_part
         on_a_gpu = host_memory(layout, torch.bfloat16, engine.resolved, 1, "cuda", params).checkpoint_save_per_rank
-        assert on_a_gpu == {"full": 3 * share_part, "sharded": share_part}
+        assert on_a_gpu == {"full": largest, "sharded": share_part}
         # a bare parameter count: the same rule, whole buckets from the last
         bare = layout_summary(ModelShape(None, params, (), 8, params), 0.01, torch.bfloat16, 1, 0.5)
         assert 0 < bare.device_shard_numel <= params / 2 and bare.host_shard_numel + bare.device_shard_numel == params

@@ -11,6 +11,7 @@ from lightning_zero_offload.planner import (
     with_rates,
 )
 from lightning_zero_offload.planner.cli import main
+from lightning_zero_offload.planner.device_share import START_ROOM
 from lightning_zero_offload.planner.machine import presets
 from lightning_zero_offload.planner.memory import DEVICE_CONTEXT_BYTES
 from lightning_zero_offload.planner.shape import ModelShape
@@ -153,9 +154,11 @@ def test_the_largest_model_per_way_of_training_on_the_h200_box():
     args = dict(batch_size=1, seq_len=2048, n_layer=32, machine=H200_BOX, cpu_state="bf16", configure_model=True)
     assert plan(blockwise.params, **args).recommended["cpu_step"] == "sync"
     assert plan(int(blockwise.params * 1.003), **args).recommended == {}
-    # With device_share="auto" the ZeRO-2 mode starts with the share the host needs, where the GPU has room for it
-    shared = rows['zero_offload, cpu_state="bf16", in configure_model, device_share="auto" -> 0.500']
-    assert shared.params > 1.15 * blockwise.params and shared.device_need > 2 * blockwise.device_need
+    # With device_share="auto" the ZeRO-2 mode starts with the share the host needs, where the GPU has room for it:
+    # a larger model needs a share whose state the GPU's 80% at setup does not take
+    (shared,) = [r for name, r in rows.items() if name.startswith(f"{blockwise.name}, device_share=")]
+    assert shared.params > 1.4 * blockwise.params and shared.device_need > 2 * blockwise.device_need
+    assert 0 < shared.device_share < 1 and shared.binds == [START_ROOM]
     args = dict(args, device_share="auto")
     assert plan(shared.params, **args).recommended["cpu_step"] == "sync"
     assert plan(int(shared.params * 1.003), **args).recommended == {}
