@@ -308,6 +308,15 @@ def test_the_zero2_share_check_runs_and_passes_on_the_cpu(tmp_path):
     assert result["auto"]["share"] == 0.0 and "a CPU device is host memory" in result["auto"]["why"]
 
 
+@pytest.mark.slow  # three fits
+def test_the_zero2_share_start_check_runs_and_passes_on_the_cpu(tmp_path):
+    """The dry run: no short host pretended on a CPU device (its memory is the host's), the saves with a share hold
+    the engine's weights and training is bitwise as without one."""
+    result = load_benchmark("gpu_check").check_zero2_share_start(torch.device("cpu"), True, tmp_path)
+    assert result["ok"], result
+    assert result["0.5, sharded save"]["share_params_at_save"] > 0 and "start" not in result
+
+
 @pytest.mark.slow  # five fits, each in a fresh interpreter
 def test_the_zero2_share_simulation_lets_auto_choose_and_compares_it_with_sync(tmp_path):
     """One layer, one round, the tied model (its embedding lands last): "auto" chooses in the fit itself (its device
