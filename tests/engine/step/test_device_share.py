@@ -133,18 +133,29 @@ def test_what_a_share_cannot_run_is_refused_with_the_fix():
         train(0.5, in_place_on_cpu=True, overlap=None, steps=0)
 
 
-def share_at_rank(rank: int, share: float, cpu_state: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    _, engine = train(share, cpu_state, cpu_step="speculative", rank=rank, world=2)
-    assert engine.layout.world_size == 2 and (engine.state.device_share_numel > 0) == (share > 0)
+def share_at_rank(rank: int, share: float | str, cpu_state: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    floor = None
+    if share == "grown":  # from a short host's floor (0.2) to what "auto" chose after the second step (0.5)
+        from lightning_zero_offload.engine.step import device_share
+
+        device_share.room_after_peak = lambda device: 10**9  # as an accelerator might have
+        device_share.choose_bucket_share = lambda *args: ShareChoice(0.5, 0, "auto: as an accelerator might")
+        share, floor = "auto", ShareChoice(0.2, 0, "auto: a short host's floor")
+    _, engine = train(share, cpu_state, cpu_step="speculative", rank=rank, world=2, share_floor=floor)
+    assert engine.layout.world_size == 2 and (engine.state.device_share_numel > 0) == (share != 0.0)
+    if floor is not None:
+        assert engine.state.first_device_bucket == first_device_bucket(engine.layout, 0.5)
     return engine.master_params(), moments(engine)
 
 
 @pytest.mark.slow  # two processes
+@pytest.mark.parametrize("share", [0.5, "grown"])
 @pytest.mark.parametrize("cpu_state", ["fp32", "bf16"])
-def test_a_share_trains_as_none_at_two_ranks(cpu_state, tmp_path):
-    (tmp_path / "none").mkdir(), (tmp_path / "half").mkdir()
+def test_a_share_trains_as_none_at_two_ranks(cpu_state, share, tmp_path):
+    """A share from the start, or one grown in place after the second step (each rank moves its own buckets)."""
+    (tmp_path / "none").mkdir(), (tmp_path / "shared").mkdir()
     want = run_ranks(partial(share_at_rank, share=0.0, cpu_state=cpu_state), 2, tmp_path / "none")
-    got = run_ranks(partial(share_at_rank, share=0.5, cpu_state=cpu_state), 2, tmp_path / "half")
+    got = run_ranks(partial(share_at_rank, share=share, cpu_state=cpu_state), 2, tmp_path / "shared")
     for (weights, state), (want_weights, want_state) in zip(got, want):
         assert close(weights, want_weights, cpu_state) and close(state, want_state, cpu_state)
 
