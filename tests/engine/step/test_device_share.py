@@ -311,6 +311,21 @@ def test_a_larger_share_moves_its_buckets_to_the_device_in_place(monkeypatch, cp
     assert close(moments(grown), moments(want), cpu_state) and grown.state.steps == want.state.steps
 
 
+def test_the_room_leaves_out_the_weights_a_re_plan_builds_again(monkeypatch):
+    """A re-plan builds the device copy of the weights before the old one goes: "auto" keeps that much of the room
+    (and 20% for activations, and the bf16 step's scratch) off the share."""
+    from lightning_zero_offload.engine.step import device_share
+
+    _, engine = train(0.0, cpu_step="speculative", steps=2)
+    rooms = []
+    monkeypatch.setattr(device_share, "room_after_peak", lambda device: 10**6)
+    monkeypatch.setattr(device_share, "choose_bucket_share", lambda *args: rooms.append(args[5]))
+    measured = (engine.layout, engine.state, engine.last, True, engine.device, [], False)
+    for weights in (0, 4096):
+        device_share.auto_bucket_share(*measured, weights)
+    assert rooms[0] - rooms[1] == 4096 and rooms[0] <= 0.8 * 10**6
+
+
 def test_a_floor_is_for_auto_in_the_zero2_mode_only():
     with pytest.raises(ValueError, match="share_floor"):
         train(0.0, share_floor=ShareChoice(0.3, 0, "auto: floor"))
