@@ -55,8 +55,9 @@ class SessionCheckpoints:
 
     def shared_buffers(self, share: bool = True) -> AbstractContextManager[None]:
         """Inside: the master weights and moments come as views of the engine's buffers, not copies, for
-        a writer that is done when it returns (``share=False``: copies, e.g. for a background writer)."""
-        return buffers_shared_for_save(self.engine, share)
+        a writer that is done when it returns (``share=False``: copies, e.g. for a background writer); the
+        placeholders among them are this package's writer's to fill (:meth:`save_full`)."""
+        return buffers_shared_for_save(self.engine, share, streamed=True)
 
     def master_state_dict(self) -> dict[str, Any]:
         """``module.state_dict()`` with the fp32 master weights in place of the low-precision device copies.

@@ -53,4 +53,5 @@ class SaveSharing:
 
     def __init__(self) -> None:
         self.share = False
+        self.streamed = False  # for this package's writer: at one rank a device share's buckets are placeholders too
         self.placeholders = Placeholders()

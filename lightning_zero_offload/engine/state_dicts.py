@@ -37,32 +37,33 @@ def load_param_shard(layout: Layout, shard: ShardBuffer | torch.Tensor, index: i
 
 
 @contextmanager
-def buffers_shared_for_save(engine: ShardedState, share: bool = True) -> Iterator[None]:
+def buffers_shared_for_save(engine: ShardedState, share: bool = True, streamed: bool = False) -> Iterator[None]:
     """Inside: :func:`full_tensors` returns views instead of copies, for a save that writes them at once.
 
     A full-format save would otherwise hold a second copy of the weights and both moments (12 bytes
     per parameter of fp32 state, 6 of bf16) while it writes. With one rank the views are of the engine's flat buffers
     (``torch.save`` writes each buffer's storage once, and the file still loads with
-    ``weights_only=True``), but for the buckets of a device share, which are placeholders copied to the host
-    one run at a time as the writer reaches them. With several ranks they are views of placeholders on the meta
-    device, one per gathered bucket, whose bytes rank 0's writer gathers as it writes them
-    (checkpoints/streamed.py): every rank must then take part in that save. Only for a writer that finishes
-    before the next step changes the buffers: an asynchronous ``CheckpointIO`` must get copies (``share=False``).
+    ``weights_only=True``); a device share's buckets are copied to the host, or with ``streamed`` (this package's
+    writer, which takes placeholders) are placeholders copied one run at a time as the writer reaches them. With
+    several ranks they are views of placeholders on the meta device, one per gathered bucket, whose bytes rank 0's
+    writer gathers as it writes them (checkpoints/streamed.py): every rank must then take part in that save. Only
+    for a writer that finishes before the next step changes the buffers: an asynchronous ``CheckpointIO`` must get
+    copies (``share=False``).
     """
     sharing = engine.save_sharing
-    previous = sharing.share
-    sharing.share = share or previous
+    previous = sharing.share, sharing.streamed
+    sharing.share, sharing.streamed = share or previous[0], (share and streamed) or previous[1]
     try:
         yield
     finally:
-        sharing.share = previous
+        sharing.share, sharing.streamed = previous
 
 
 def full_tensors(engine: ShardedState, shard: ShardBuffer | torch.Tensor) -> list[torch.Tensor]:
     """Assemble full per-parameter tensors from every rank's shard (a collective if sharded).
 
     Copies, unless inside :func:`buffers_shared_for_save` (then views that change with the next step, or views of
-    placeholders: at several ranks, and at one for a device share's buckets).
+    placeholders: at several ranks, and at one for a device share's buckets in a streamed save).
     """
     engine.refuse_after_failure("full weights and optimizer state")
     layout = engine.layout
@@ -72,7 +73,7 @@ def full_tensors(engine: ShardedState, shard: ShardBuffer | torch.Tensor) -> lis
         buckets = [layout.buckets[b] for b in run]
         ranges = [bucket.shard_range for bucket in buckets]
         on_device = isinstance(shard, ShardBuffer) and ranges[-1].stop > shard.split
-        if layout.world_size == 1 and not (share and on_device):
+        if layout.world_size == 1 and not (share and engine.save_sharing.streamed and on_device):
             whole = _whole_run(shard, ranges)
         elif share:  # copied to the host (several ranks: gathered to rank 0) only when the writer reaches it
             whole = engine.save_sharing.placeholders.add(shard, ranges, layout.world_size)

@@ -237,7 +237,7 @@ def test_a_device_share_of_the_buckets_is_planned_as_the_engine_allocates_it(sch
         # a full save copies the share's runs of buckets one at a time into one buffer (the largest placeholder the
         # checkpoint dict holds); a sharded one writes the CPU device's share as it is, and on an accelerator copies
         # one buffer's part at a time
-        with buffers_shared_for_save(engine):
+        with buffers_shared_for_save(engine, streamed=True):
             held = [engine.full_tensors(b) for b in (engine.master, engine.exp_avg, engine.exp_avg_sq)]
             sources = engine.save_sharing.placeholders.sources.values()
             largest = max(numel * shard.dtype.itemsize for shard, _, numel in sources)

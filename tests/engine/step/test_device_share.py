@@ -326,6 +326,20 @@ def test_the_room_leaves_out_the_weights_a_re_plan_builds_again(monkeypatch):
     assert rooms[0] - rooms[1] == 4096 and rooms[0] <= 0.8 * 10**6
 
 
+def test_the_gradients_read_at_one_rank_hold_the_shares_values():
+    """User code reading p.grad (engine.gradients(): views of the host part) gets the device share's gradients as
+    real tensors, not the placeholders a streamed save takes."""
+    read = {}
+    for share in (0.0, 0.5):
+        net, engine = train(share, steps=0)
+        x, y = batches(1)[0]
+        engine.begin_backward()
+        loss_fn(net, (x, y)).backward()
+        read[share] = engine.gradients()
+        assert engine.state.device_share_numel > 0 or share == 0.0
+    assert not any(g.is_meta for g in read[0.5]) and all(map(torch.equal, read[0.5], read[0.0]))
+
+
 def test_a_floor_is_for_auto_in_the_zero2_mode_only():
     with pytest.raises(ValueError, match="share_floor"):
         train(0.0, share_floor=ShareChoice(0.3, 0, "auto: floor"))
