@@ -143,6 +143,23 @@ def delayed_copies(cycles: int):
         torch.Tensor.copy_ = original  # type: ignore[method-assign]
 
 
+def quiet_trainer(device: torch.device, strategy: Any, callbacks: list[Any], **limits: Any) -> Any:
+    """A one-device bf16-mixed Trainer that logs, saves and prints nothing of its own (``limits``: ``max_steps``
+    or ``max_epochs``, and ``enable_checkpointing=True`` for a check that keeps checkpoints)."""
+    import lightning as L
+
+    settings = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+    return L.Trainer(
+        accelerator=device.type,
+        devices=1,
+        strategy=strategy,
+        precision="bf16-mixed",
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **{**settings, **limits},
+    )
+
+
 def train(device: torch.device, tiny: bool, steps: int = 5, sleep: int = 0, **options: Any) -> dict[str, Any]:
     model = gpt(device, tiny)
     dtype = options.pop("dtype", torch.bfloat16)
@@ -300,18 +317,7 @@ def check_correctness(device: torch.device, tiny: bool, results: Path) -> dict[s
 
     def fit(strategy: Any) -> tuple[Watch, torch.Tensor]:
         module, watch = Module(spec, "adamw", device), Watch()
-        trainer = L.Trainer(
-            accelerator=device.type,
-            devices=1,
-            strategy=strategy,
-            precision="bf16-mixed",
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[watch],
-        )
+        trainer = quiet_trainer(device, strategy, [watch], max_steps=steps)
         trainer.fit(module, DataLoader(data, batch_size=spec["batch"]))
         return watch, torch.cat([p.detach().float().flatten().cpu() for p in module.parameters()])
 
@@ -399,18 +405,8 @@ def check_offload_params(device: torch.device, tiny: bool, results: Path) -> dic
         clock = Clock()
         module = LM(spec, "adamw")  # on the host: each mode takes the weights where it keeps them
         out["params"] = sum(p.numel() for p in module.parameters())
-        trainer = L.Trainer(
-            accelerator=device.type,
-            devices=1,
-            strategy=ZeroOffloadStrategy(metrics=False, **options),
-            precision="bf16-mixed",
-            max_steps=warmup + steps + 1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[clock],
-        )
+        strategy = ZeroOffloadStrategy(metrics=False, **options)
+        trainer = quiet_trainer(device, strategy, [clock], max_steps=warmup + steps + 1)
         trainer.fit(module, DataLoader(token_data(spec, warmup + steps + 1), batch_size=spec["batch"]))
         step_s = statistics.median(b - a for a, b in zip(clock.starts[warmup:], clock.starts[warmup + 1 :]))
         row = {"step_ms": 1e3 * step_s, "tokens_per_s": spec["batch"] * spec["seq"] / step_s}
@@ -605,18 +601,7 @@ def check_zero2_share_start(device: torch.device, tiny: bool, results: Path) -> 
         saves = SaveMidFit(Path(tmp) / name)
         module = LM(spec, "adamw")
         strategy = ZeroOffloadStrategy(metrics=False, cpu_state="bf16", cpu_step="sync", bucket_size_mb=0.05, **options)
-        trainer = L.Trainer(
-            accelerator=device.type,
-            devices=1,
-            strategy=strategy,
-            precision="bf16-mixed",
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[saves],
-        )
+        trainer = quiet_trainer(device, strategy, [saves], max_steps=steps)
         trainer.fit(module, DataLoader(token_data(spec, steps), batch_size=spec["batch"]))
         exported = convert_checkpoint_to_fp32_state_dict(saves.path)
         file_holds = all(torch.equal(exported[k].float(), m) for k, m in (saves.master or {}).items())
@@ -841,17 +826,9 @@ def check_fit_resume(device: torch.device, tiny: bool, results: Path) -> dict[st
 
     def fit(epochs: int, tmp: str, ckpt: str | None = None) -> tuple[torch.Tensor, dict[str, int]]:
         module, report = LM(spec, "adamw", device), Report()
-        trainer = L.Trainer(
-            accelerator=device.type,
-            devices=1,
-            strategy=ZeroOffloadStrategy(metrics=False),
-            precision="bf16-mixed",
-            max_epochs=epochs,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[report, ModelCheckpoint(dirpath=tmp, filename="{epoch}", save_top_k=-1)],
-        )
+        keep = ModelCheckpoint(dirpath=tmp, filename="{epoch}", save_top_k=-1)
+        strategy = ZeroOffloadStrategy(metrics=False)
+        trainer = quiet_trainer(device, strategy, [report, keep], max_epochs=epochs, enable_checkpointing=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         trainer.fit(module, DataLoader(token_data(spec, 2), batch_size=spec["batch"]), ckpt_path=ckpt)
