@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.infra.collectives import broadcast_tensors_
-from lightning_zero_offload.engine.infra.memory import device_empty, device_zeros, host_empty, host_zeros
+from lightning_zero_offload.engine.infra.memory import device_zeros, host_zeros
 from lightning_zero_offload.engine.options import STATE_DTYPES
 from lightning_zero_offload.engine.step.layout import Bucket, Layout
 from lightning_zero_offload.engine.step.shard_buffer import ShardBuffer, first_device_bucket
@@ -266,25 +266,25 @@ class CpuState:
         return first_device_bucket(self.layout, share) < self.first_device_bucket
 
     def grow_share(self, share: float) -> None:
-        """Move the buckets that ``share`` adds to the device share there, one buffer at a time (its host part
-        copied into a smaller one, the old freed before the next: never a copy of the whole state at once, which
-        a host short of memory could not hold). Values and step counts stay bitwise."""
+        """Move the buckets that ``share`` adds to the device share there, one buffer at a time (each made as
+        :meth:`new_buffer` makes the state's, its old one freed before the next: never a copy of the whole state at
+        once, which a host short of memory could not hold). Values and step counts stay bitwise."""
         if not self.takes_more(share):
             raise ValueError(
                 f"device_share={share} adds no bucket to the share (from bucket {self.first_device_bucket})"
             )
-        first = first_device_bucket(self.layout, share)
-        split = self.layout.buckets[first].shard_start
+        old_split = self.split
+        self.first_device_bucket = first_device_bucket(self.layout, share)
+        self.split = split = self.layout.buckets[self.first_device_bucket].shard_start
         for name in ("master", "exp_avg", "exp_avg_sq", "grad"):
             old = getattr(self, name)
             if old is None:
                 continue
-            host = host_empty(split, self.dtype, False).copy_(old.host[:split])
-            moved = device_empty(self.layout.shard_numel - split, self.dtype, self.device, "state")
-            moved[: old.split - split].copy_(old.host[split:])
-            moved[old.split - split :].copy_(old.device_part)
-            setattr(self, name, ShardBuffer(host, moved))
-        self.first_device_bucket, self.split = first, split
+            new = self.new_buffer()
+            new.host.copy_(old.host[:split])
+            new.device_part[: old_split - split].copy_(old.host[split:])
+            new.device_part[old_split - split :].copy_(old.device_part)
+            setattr(self, name, new)
 
     def swap_grad(self, other: ShardBuffer) -> ShardBuffer:
         """Make ``other`` the buffer backward accumulates into; returns the one it replaces."""
