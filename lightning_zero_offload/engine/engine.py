@@ -164,16 +164,17 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         state_dicts.load_shard(self.layout, self.master, [p.detach() for p in self.params])
         self._build_parts()
 
-    @records_allocations  # a fresh ledger: the state's buffers as moved, and the parts built again
+    @records_allocations  # a fresh ledger: the state's buffers as moved, the parts built again but the publisher
     def _grow_share(self, share: float) -> None:
-        """Move the buckets ``share`` adds to the device share there (the state in place) and build the parts
-        again over it (the old ones closed first)."""
+        """Move the buckets ``share`` adds to the device share there (the state in place) and build the parts again
+        (the old ones closed first) but the publisher: its layout stays, and a second one would take device memory."""
         self.state.grow_share(share)
-        self._build_parts()
+        self.publisher.record_in(self.ledger)
+        self._build_parts(kept=self.publisher)
 
-    def _build_parts(self) -> None:
-        """The device copy of the parameters, the gradients' way to the CPU and the update: in place, neither
-        moves and the update is one native call per param group (only the sync schedule runs there)."""
+    def _build_parts(self, kept: Publisher | None = None) -> None:
+        """The device copy of the parameters (or the ``kept`` one), the gradients' way to the CPU and the update: in
+        place, neither moves and the update is one native call per param group (only the sync schedule runs there)."""
         optimizer, param_dtype, device = self.optimizer, self.param_dtype, self.device
         arrivals = BucketArrivals()  # the gradient source reports each landed bucket there, a schedule listens
         # In place the update can take the norm and the inf/nan check itself (engine.step).
@@ -185,14 +186,13 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
             self._in_place_update = update
             self.schedule = SyncSchedule(self._schedule_parts(arrivals, update))
             return
-        group, ledger = self.process_group, self.ledger
-        publisher = Publisher(self.layout, self.params, device, param_dtype, self.pin, group, ledger, self.state.dtype)
-        self.publisher = publisher
+        where = (self.layout, self.params, device, param_dtype, self.pin)
+        self.publisher = publisher = kept or Publisher(*where, self.process_group, self.ledger, self.state.dtype)
         on_device = (self.layout, self.params, self.state, device, param_dtype, self.pin, self.num_threads)
         self.grads = GradientStreamer(*on_device, self.process_group, self.overlap, arrivals)
         workers = (self.update_worker, self.overlap, self.num_threads)
         pipeline = UpdatePipeline(optimizer, self.group_of, self.layout, self.state, publisher, *workers)
-        if self.state.dtype != param_dtype and param_dtype == torch.float32:
+        if self.state.dtype != param_dtype and param_dtype == torch.float32 and kept is None:
             # bf16 state under fp32 parameters: the device computes with the master's (bf16) values from the start.
             publisher.refresh(self.state.master)
         self.schedule = make_schedule(self.cpu_step, self._schedule_parts(arrivals, pipeline))

@@ -154,9 +154,8 @@ class EngineLifecycle:
             return None
         speculative = self.cpu_step == "speculative"
         leads = [] if self.in_place else self.grads.landings.leads  # in place: no bucket lands (and a CPU device)
-        weights = self.publisher.flat_params.nbytes  # their device copy, built again by a re-plan
         self.share_choice = choice = auto_bucket_share(
-            self.layout, self.state, self.last, speculative, self.device, leads, self.share_floor is not None, weights
+            self.layout, self.state, self.last, speculative, self.device, leads, self.share_floor is not None
         )
         if self.state.takes_more(choice.share):  # never fewer: it starts from none, or from a short host's floor
             self.take_device_share(choice.share)

@@ -222,6 +222,12 @@ class HostToDevice:
         self._pool.release(buffer, record_event(self.device))
         self.staged_copies += 1
 
+    def record_in(self, ledger: MemoryLedger) -> None:
+        """Count the staging buffers made so far in ``ledger``, and make it the one later buffers are recorded in."""
+        self._ledger = ledger
+        for buffer in self.staging_buffers:
+            record_allocation(ledger, HOST_PINNED if is_pinned_here(buffer) else HOST, "staging", buffer)
+
     @property
     def staging_buffers(self) -> list[torch.Tensor]:
         """The pinned buffers pageable sources go through (none before the first such copy)."""

@@ -145,14 +145,13 @@ def auto_bucket_share(
     device: torch.device,
     leads: Sequence[float],
     keeps_its_share: bool = False,
-    weights_bytes: int = 0,
 ) -> ShareChoice:
     """:func:`choose_bucket_share` from the ``measured`` step's own backward, CPU step and transfer times (the
     transfer: the gradients' copy to the host and accumulation there, which the gradient worker does before a
     bucket's step) and tail, each bucket's measured landing ``leads`` and the device memory the peak left (with
     ``keeps_its_share``, the buckets the state holds on the device now stay there, a short host's start: their state
-    is in the peak; a re-plan holds both layouts a moment, and builds the device copy of the weights,
-    ``weights_bytes``, anew before the old one goes); every rank from the same figures (the least room and backward
+    is in the peak, yet counted against the room: that covers the move's moment with one buffer's old and new device
+    parts; the weights' device copy stays as it is); every rank from the same figures (the least room and backward
     time, the latest landings, the slowest step, transfer and tail), so all choose alike."""
     floor = len(layout.buckets) - state.first_device_bucket if keeps_its_share else 0
     left = room_after_peak(device)
@@ -170,7 +169,7 @@ def auto_bucket_share(
         backward_s,
         -minus_rate,
         4 * state.dtype.itemsize,  # master, moments, gradient
-        int((1 - AUTO_ACTIVATION_RESERVE) * left) - scratch - weights_bytes,
+        int((1 - AUTO_ACTIVATION_RESERVE) * left) - scratch,
         speculative,
         leads,
         -minus_transfer_rate,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lightning_zero_offload import kernels
-from lightning_zero_offload.engine.infra.ledger import DEVICE, current_ledger
+from lightning_zero_offload.engine.infra.ledger import DEVICE, MemoryLedger, current_ledger
 from lightning_zero_offload.engine.step.layout import Bucket, Layout
 
 if TYPE_CHECKING:
@@ -53,9 +53,12 @@ class ParamWriteWatch:
         self._views = [flat_params[layout.slot_range(i)].view(slot.shape) for i, slot in enumerate(layout.slots)]
         self._pointers = [view.data_ptr() for view in self._views]
         self._prints: list[torch.Tensor | None] = [None] * len(layout.buckets)
-        ledger = current_ledger()
-        if ledger is not None and checksums:  # one 8-byte checksum per bucket, where the device copy is
-            ledger.add(DEVICE, "checksums", 8 * len(layout.buckets))
+        self.record_in(current_ledger())
+
+    def record_in(self, ledger: MemoryLedger | None) -> None:
+        """Count the checksums in ``ledger``: one 8-byte checksum per bucket, where the device copy is."""
+        if ledger is not None and self.checksums:
+            ledger.add(DEVICE, "checksums", 8 * len(self.layout.buckets))
 
     def _bucket_words(self, bucket: Bucket) -> torch.Tensor:
         flat = self.flat_params[bucket.flat_start : bucket.flat_start + bucket.padded_numel]

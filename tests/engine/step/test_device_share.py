@@ -287,11 +287,15 @@ def test_auto_starts_with_the_share_the_host_needs_and_keeps_it(monkeypatch):
     assert close(grown.master_params(), want.master_params(), "fp32") and close(moments(grown), moments(want), "fp32")
 
 
-@pytest.mark.parametrize(("cpu_state", "dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("cpu_state", "dtype"), [("fp32", torch.float32), ("fp32", torch.bfloat16), ("bf16", torch.bfloat16)]
+)
 def test_a_larger_share_moves_its_buckets_to_the_device_in_place(monkeypatch, cpu_state, dtype):
     """The buckets a larger share adds move to the device within the state, one buffer at a time: no parameter's
-    state is gathered whole (a host short of memory could not hold that copy), the ledger then counts what an engine
-    built with that share holds, and training goes on as without a share (bf16 state bitwise)."""
+    state is gathered whole (a host short of memory could not hold that copy), the weights' device copy is the one
+    setup made (a second would take device memory), the ledger then counts what an engine built with that share
+    holds, and training goes on as without a share (bf16 state bitwise)."""
+    from lightning_zero_offload.engine import engine as engine_module
     from lightning_zero_offload.engine import state_dicts
     from lightning_zero_offload.engine.step import device_share
 
@@ -300,10 +304,14 @@ def test_a_larger_share_moves_its_buckets_to_the_device_in_place(monkeypatch, cp
     half = ShareChoice(0.5, built.state.device_share_numel, "auto: half, as an accelerator might")
     monkeypatch.setattr(device_share, "room_after_peak", lambda device: 10**9)
     monkeypatch.setattr(device_share, "choose_bucket_share", lambda *args: half)
-    gathered = []
+    gathered, publishers = [], []
     monkeypatch.setattr(state_dicts, "full_tensors", lambda *args: gathered.append(args))
-    _, grown = train("auto", cpu_state, dtype, cpu_step="speculative")
-    assert gathered == [] and grown.share_choice is half
+    publisher = engine_module.Publisher
+    monkeypatch.setattr(engine_module, "Publisher", lambda *args: publishers.append(publisher(*args)) or publishers[-1])
+    net, grown = train("auto", cpu_state, dtype, cpu_step="speculative")
+    assert gathered == [] and grown.share_choice is half and publishers == [grown.publisher]
+    flat = grown.publisher.flat_params.untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == flat for p in net.parameters())
     assert grown.state.first_device_bucket == built.state.first_device_bucket < len(grown.layout.buckets)
     assert grown.memory_report() == built.memory_report()
     monkeypatch.undo()
@@ -311,19 +319,19 @@ def test_a_larger_share_moves_its_buckets_to_the_device_in_place(monkeypatch, cp
     assert close(moments(grown), moments(want), cpu_state) and grown.state.steps == want.state.steps
 
 
-def test_the_room_leaves_out_the_weights_a_re_plan_builds_again(monkeypatch):
-    """A re-plan builds the device copy of the weights before the old one goes: "auto" keeps that much of the room
-    (and 20% for activations, and the bf16 step's scratch) off the share."""
+def test_the_room_is_what_the_peak_left_less_the_reserve_and_the_bf16_steps_scratch(monkeypatch):
+    """The room "auto" gives the share: 80% of the device memory the peak left (20% kept for activations), less the
+    bf16 step's scratch; not less the weights' device copy, which a larger share keeps as it is."""
     from lightning_zero_offload.engine.step import device_share
+    from lightning_zero_offload.kernels.device import BF16_STATE_CHUNK, BF16_STATE_SCRATCH_BYTES
 
     _, engine = train(0.0, cpu_step="speculative", steps=2)
     rooms = []
     monkeypatch.setattr(device_share, "room_after_peak", lambda device: 10**6)
     monkeypatch.setattr(device_share, "choose_bucket_share", lambda *args: rooms.append(args[5]))
-    measured = (engine.layout, engine.state, engine.last, True, engine.device, [], False)
-    for weights in (0, 4096):
-        device_share.auto_bucket_share(*measured, weights)
-    assert rooms[0] - rooms[1] == 4096 and rooms[0] <= 0.8 * 10**6
+    device_share.auto_bucket_share(engine.layout, engine.state, engine.last, True, engine.device, [], False)
+    scratch = BF16_STATE_SCRATCH_BYTES * min(BF16_STATE_CHUNK, max(b.shard_numel for b in engine.layout.buckets))
+    assert rooms == [int(0.8 * 10**6) - scratch]
 
 
 def test_the_gradients_read_at_one_rank_hold_the_shares_values():
