@@ -3,7 +3,8 @@
 :mod:`.meta_device` builds on the meta device; :mod:`.options` holds what they take (options, precision, timeout,
 validated once); :mod:`.session`
 what they do, the one door to the engine (build it, the backward window, the pending clip, the step,
-``zero_grad``, what the engine did), with :mod:`.session_checkpoints` its state dicts and saves;
+``zero_grad``, what the engine did), with :mod:`.session_checkpoints` its state dicts and saves, and
+:mod:`.param_session` the same door for ``offload_params=True`` (what both answer alike: :mod:`.session_base`);
 :mod:`.optimizer` the optimizer for a loop that steps itself; :mod:`.gradients` what
 ``p.grad`` says; :mod:`.checkpoint_io` the one checkpoint path of both front ends; :mod:`.model_rules` the
 models the engine refuses; :mod:`.teardown` the end of a run. ``trainer/`` and ``fabric/`` translate

@@ -9,7 +9,6 @@ back beyond telling a speculated step that they may have changed.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -22,6 +21,7 @@ from torch import nn
 from lightning_zero_offload.checkpoints import PathLike
 from lightning_zero_offload.checkpoints.distributed import load_sharded, save_sharded
 from lightning_zero_offload.core.options import resolve_precision
+from lightning_zero_offload.core.session_base import EngineSession
 from lightning_zero_offload.engine import OffloadOptions, StepStats
 from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
 from lightning_zero_offload.engine.offload_params.full_state import (
@@ -31,7 +31,6 @@ from lightning_zero_offload.engine.offload_params.full_state import (
     load_full_optimizer_state,
 )
 from lightning_zero_offload.engine.offload_params.placement import device_resident, shard_model
-from lightning_zero_offload.engine.options import Resolved
 from lightning_zero_offload.planner import check_host_memory
 from lightning_zero_offload.planner.device_share import ShareChoice, auto_device_share
 
@@ -40,15 +39,11 @@ from lightning_zero_offload.planner.device_share import ShareChoice, auto_device
 _SHARES: WeakKeyDictionary[nn.Module, ShareChoice] = WeakKeyDictionary()
 
 
-class ParamOffloadSession:
+class ParamOffloadSession(EngineSession):
     """The parameter-offload engine training ``module`` (already sharded) through one optimizer."""
 
     loads_module_itself = True  # a module state dict goes into the shards here, not through load_state_dict
-
-    def __init__(self, module: nn.Module, engine: ParamOffloadEngine) -> None:
-        self.module = module
-        self.engine = engine
-        self._clip: dict[str, float] = {}
+    engine: ParamOffloadEngine
 
     @staticmethod
     def shard(
@@ -128,60 +123,14 @@ class ParamOffloadSession:
         return _SHARES.get(self.module)
 
     @property
-    def training(self) -> bool:
-        return not self.engine.closed
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.engine.optimizer
-
-    @property
-    def options(self) -> OffloadOptions:
-        return self.engine.options
-
-    @property
-    def resolved(self) -> Resolved:
-        return self.engine.resolved
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return self.engine.param_dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.engine.device
-
-    @property
     def world_size(self) -> int:
         return self.engine.world_size
-
-    @property
-    def loss_scale(self) -> float | None:
-        return self.engine.loss_scale if self.engine.scaler is not None else None
-
-    @property
-    def last_step(self) -> StepStats:
-        return self.engine.last
-
-    @property
-    def step_calls(self) -> int:
-        return self.engine.step_calls
-
-    @property
-    def skipped_steps(self) -> int:
-        return self.engine.skipped_steps
 
     @property
     def rollbacks(self) -> int:
         return self.engine.rollbacks
 
-    def memory_report(self) -> dict[str, int]:
-        return self.engine.memory_report()
-
     # -- training ----------------------------------------------------------------------------------
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.engine.scale_loss(loss)
 
     def expect_step(self, publish_early: bool = False) -> None:
         self.engine.expect_step(publish_early)
@@ -206,20 +155,8 @@ class ParamOffloadSession:
     def hide_gradients(self) -> None:
         self.engine.after_user_code()
 
-    def clip_norm(self, max_norm: float) -> None:
-        self._clip["clip_norm"] = float(max_norm)
-
-    def clip_value(self, limit: float) -> None:
-        self._clip["clip_value"] = float(limit)
-
     def grad_norm(self, error_if_nonfinite: bool = False) -> float:
-        norm = self.engine.grad_norm()
-        if error_if_nonfinite and math.isinf(norm) and self.loss_scale is None:
-            raise RuntimeError(
-                "The total norm of the gradients is non-finite, so it cannot be clipped. "
-                "Pass error_if_nonfinite=False to clip_gradients to skip this step instead."
-            )
-        return norm
+        return self._checked_norm(self.engine.grad_norm(), error_if_nonfinite)
 
     def step(self) -> StepStats:
         clip, self._clip = self._clip, {}

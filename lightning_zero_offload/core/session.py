@@ -23,7 +23,6 @@ run after a failure or at exit (``core/teardown.py``) and Fabric's checkpoint la
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -35,6 +34,7 @@ from lightning_zero_offload.checkpoints import ENGINE_STATE_KEY
 from lightning_zero_offload.core.gradients import GradientView
 from lightning_zero_offload.core.model_rules import check_model
 from lightning_zero_offload.core.options import STRATEGY_DESCRIPTION, resolve_precision
+from lightning_zero_offload.core.session_base import EngineSession
 from lightning_zero_offload.core.session_checkpoints import SessionCheckpoints, state_dict_keys
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions, StepStats
 from lightning_zero_offload.engine.blockwise import BlockwiseInit
@@ -42,11 +42,10 @@ from lightning_zero_offload.engine.infra.collectives import broadcast_tensors_
 from lightning_zero_offload.engine.initialization import on_meta
 from lightning_zero_offload.engine.offload_params.materialize import materialize
 from lightning_zero_offload.engine.offload_params.placement import init_units
-from lightning_zero_offload.engine.options import Resolved
 from lightning_zero_offload.planner import check_host_memory
 
 
-class OffloadSession(SessionCheckpoints):
+class OffloadSession(EngineSession, SessionCheckpoints):
     """The engine training ``module``'s parameters through one optimizer, and what the front ends ask of it.
 
     Built by :meth:`start`. The engine stays after :meth:`close` (closed), so the optimizer state can
@@ -54,11 +53,11 @@ class OffloadSession(SessionCheckpoints):
     tests and for reading its parts; the front ends and users go through the session's methods.
     """
 
+    engine: OffloadEngine
+
     def __init__(self, module: nn.Module, engine: OffloadEngine) -> None:
-        self.module = module
-        self.engine = engine
+        super().__init__(module, engine)
         self.gradients = GradientView(engine)  # what p.grad says between backward and zero_grad
-        self._clip: dict[str, float] = {}  # recorded between backward and the step, applied by step()
         # Refuses, now, an optimizer holding parameters of another module.
         self._param_keys = state_dict_keys(module, engine.params)
         self._keyed_params = tuple(map(id, engine.params))
@@ -133,37 +132,7 @@ class OffloadSession(SessionCheckpoints):
         host): each parameter gets its own memory there, with the values the engine would get (rank 0's)."""
         blockwise.fill(lambda param, value: False, _from_rank0(world_size, blockwise.device), device)
 
-    @property
-    def training(self) -> bool:
-        """The engine is set up and not closed yet (:func:`training_session` asks this for the front ends)."""
-        return not self.engine.closed
-
     # -- what the engine is and did --------------------------------------------------------------
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        """The user's optimizer, whose ``param_groups`` the engine reads live."""
-        return self.engine.optimizer
-
-    @property
-    def options(self) -> OffloadOptions:
-        """The offload options as given."""
-        return self.engine.options
-
-    @property
-    def resolved(self) -> Resolved:
-        """The options with every "auto" decided for this device and world size: the CPU step schedule
-        (``cpu_step``), the CPU threads, in place or offloaded (``in_place``), the CPU state's dtype."""
-        return self.engine.resolved
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        """The dtype of the parameters and gradients on the device."""
-        return self.engine.param_dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.engine.device
 
     @property
     def world_size(self) -> int:
@@ -171,40 +140,11 @@ class OffloadSession(SessionCheckpoints):
         return self.engine.layout.world_size
 
     @property
-    def loss_scale(self) -> float | None:
-        """fp16's dynamic loss scale now; None without loss scaling (bf16, fp32)."""
-        return self.engine.loss_scale if self.engine.scaler is not None else None
-
-    @property
-    def last_step(self) -> StepStats:
-        """What the last optimizer step did and where its time went."""
-        return self.engine.last
-
-    @property
-    def step_calls(self) -> int:
-        """Optimizer steps called so far (skipped ones included), across resumes."""
-        return self.engine.step_calls
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for inf/nan gradients so far, across resumes."""
-        return self.engine.skipped_steps
-
-    @property
     def rollbacks(self) -> int:
         """Speculated CPU steps taken back so far (``cpu_step="speculative"``: a clip or an overflow)."""
         return self.engine.schedule.rollbacks
 
-    def memory_report(self) -> dict[str, int]:
-        """Bytes the engine holds, by kind (device parameters and buckets, host state, staging, pinned),
-        and ``params``, the trainable parameter count; after :meth:`close` too."""
-        return self.engine.memory_report()
-
     # -- training --------------------------------------------------------------------------------
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call ``backward`` on: fp16 multiplies it by the loss scale (unscaled in the CPU kernel)."""
-        return self.engine.scale_loss(loss)
 
     def expect_step(self, publish_early: bool = False) -> None:
         """The next backward ends an accumulation window: a step follows it, so the speculative schedule
@@ -247,14 +187,6 @@ class OffloadSession(SessionCheckpoints):
         self.gradients.take_back()
         self.gradients.mark()
 
-    def clip_norm(self, max_norm: float) -> None:
-        """Clip the global gradient norm in the coming step (on the CPU, fused into it)."""
-        self._clip["clip_norm"] = float(max_norm)
-
-    def clip_value(self, limit: float) -> None:
-        """Clip each gradient element to ``[-limit, limit]`` in the coming step."""
-        self._clip["clip_value"] = float(limit)
-
     def grad_norm(self, error_if_nonfinite: bool = False) -> float:
         """The total 2-norm of this window's unscaled gradients; its all-reduce is the coming step's.
 
@@ -262,13 +194,7 @@ class OffloadSession(SessionCheckpoints):
         fp16 loss scaling, where an overflow is routine (the step is skipped and the scale lowered).
         """
         self.gradients.take_back()
-        norm = self.engine.grad_norm()
-        if error_if_nonfinite and math.isinf(norm) and self.loss_scale is None:
-            raise RuntimeError(
-                "The total norm of the gradients is non-finite, so it cannot be clipped. "
-                "Pass error_if_nonfinite=False to clip_gradients to skip this step instead."
-            )
-        return norm
+        return self._checked_norm(self.engine.grad_norm(), error_if_nonfinite)
 
     def step(self) -> StepStats:
         """The optimizer step on the CPU with the clip recorded since the last step. As torch's, it keeps
