@@ -95,35 +95,45 @@ def fp16_headroom(device: torch.device = CPU) -> tuple[float, bool]:
     return float(engine.grad.host.max()), engine.grads.local_summary()[1]
 
 
-def unfreeze_training(rank: int, world: int, unfreeze_at: int = 3, steps: int = 6) -> dict:
+def unfreeze_training(
+    rank: int, world: int, unfreeze_at: int = 3, steps: int = 6, micro: int = 1, **engine_options
+) -> dict:
     """AdamW with the first layer frozen until ``unfreeze_at`` (then trainable: the engine re-plans), on
-    this rank's share of each batch; the full master weights and the optimizer state at the end."""
+    this rank's share of each batch in ``micro`` micro-batches (unfrozen before the last one: mid-window when
+    ``micro`` > 1); the full master weights and the optimizer state at the end."""
     net = make_net()
     net[0].requires_grad_(False)
     optimizer = two_groups(net)
-    engine = OffloadEngine(optimizer, CPU, torch.float32, options())
+    engine = OffloadEngine(optimizer, CPU, torch.float32, options(**engine_options))
     for index, (x, y) in enumerate(batches(steps)):
-        if index == unfreeze_at:
-            net[0].requires_grad_(True)
-            assert engine.replan_if_changed()
         share = len(x) // world
         mine = slice(rank * share, (rank + 1) * share)
-        engine.begin_backward()
-        loss_fn(net, (x[mine], y[mine])).backward()
+        for part in range(micro):
+            if index == unfreeze_at and part == micro - 1:
+                net[0].requires_grad_(True)
+                assert engine.replan_if_changed()
+            engine.begin_backward()
+            (loss_fn(net, (x[mine][part::micro], y[mine][part::micro])) / micro).backward()
+            engine.finish_backward()
         engine.step()
+        engine.zero_grad()
     return {"weights": engine.master_params(), "state": engine.optimizer_state_dict()["state"]}
 
 
-def unfreeze_reference(unfreeze_at: int = 3, steps: int = 6) -> dict:
-    """The same with torch's AdamW on whole batches."""
+def unfreeze_reference(unfreeze_at: int = 3, steps: int = 6, micro: int = 1, world: int = 1) -> dict:
+    """The same with torch's AdamW on whole batches (micro-batch k: every rank's k-th part)."""
     net = make_net()
     net[0].requires_grad_(False)
     optimizer = two_groups(net)
-    for index, batch in enumerate(batches(steps)):
-        if index == unfreeze_at:
-            net[0].requires_grad_(True)
+    for index, (x, y) in enumerate(batches(steps)):
+        share = len(x) // world
         optimizer.zero_grad()
-        loss_fn(net, batch).backward()
+        for part in range(micro):
+            if index == unfreeze_at and part == micro - 1:
+                net[0].requires_grad_(True)
+            ranks = [slice(rank * share, (rank + 1) * share) for rank in range(world)]
+            batch = (torch.cat([x[r][part::micro] for r in ranks]), torch.cat([y[r][part::micro] for r in ranks]))
+            (loss_fn(net, batch) / micro).backward()
         optimizer.step()
     return {"weights": [p.detach().clone() for p in net.parameters()], "state": optimizer.state_dict()["state"]}
 

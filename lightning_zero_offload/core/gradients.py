@@ -71,7 +71,8 @@ class GradientView:
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine
         self._held: dict[int, HeldGradient] = {}  # id(param) -> its placeholder (kept: one object each)
-        self._shown: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # index -> (in .grad, the source)
+        # Keyed by id(param), not by the engine's index, which a re-plan (a layer unfrozen) changes mid-window.
+        self._shown: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (in .grad, the source)
         self._marked: set[int] = set()  # parameters given a placeholder since the last clear
 
     def _placeholder(self, param: torch.Tensor) -> HeldGradient:
@@ -83,9 +84,9 @@ class GradientView:
     def mark(self) -> None:
         """Placeholders on the parameters that have a gradient (on this rank); nothing on the others."""
         has_grad = self.engine.grads.has_grad
-        self._marked = {index for index, has in enumerate(has_grad) if has}
-        for index, param in enumerate(self.engine.params):
-            param.grad = self._placeholder(param) if index in self._marked else None
+        self._marked = {id(param) for param, has in zip(self.engine.params, has_grad) if has}
+        for param in self.engine.params:
+            param.grad = self._placeholder(param) if id(param) in self._marked else None
 
     def clear(self) -> None:
         """No ``.grad`` on any trainable parameter (before a backward, which must not add into one)."""
@@ -98,7 +99,7 @@ class GradientView:
 
         A collective when the state is sharded: every rank calls it."""
         self.take_back()
-        for index, (param, value) in enumerate(zip(self.engine.params, self.engine.gradients())):
+        for param, value in zip(self.engine.params, self.engine.gradients()):
             if value is None:
                 param.grad = None
                 continue
@@ -107,13 +108,14 @@ class GradientView:
             else:
                 shown = value.view(param.shape).to(device=param.device, dtype=param.dtype, copy=True)
             param.grad = shown
-            self._shown[index] = (shown, value)
+            self._shown[id(param)] = (shown, value)
 
     def take_back(self) -> None:
         """Give the engine what user code did to ``.grad`` since the engine last set it."""
         shown, self._shown = self._shown, {}
         marked = self._marked
-        changes: dict[int, torch.Tensor | None] = {}
+        changes: dict[int, torch.Tensor | None] = {}  # by the engine's index
+        dropped: set[int] = set()
         for index, param in enumerate(self.engine.params):
             grad = param.grad
             if isinstance(grad, HeldGradient):
@@ -122,16 +124,17 @@ class GradientView:
                     changes[index] = torch.zeros(param.shape)
                 continue
             if grad is None:
-                if index in marked or index in shown:
+                if id(param) in marked or id(param) in shown:
                     changes[index] = None  # dropped (p.grad = None, model.zero_grad())
+                    dropped.add(id(param))
                 continue
-            given = shown.get(index)
+            given = shown.get(id(param))
             if given is None or grad is not given[0]:
                 changes[index] = grad.detach()  # assigned
             elif self.engine.in_place or not torch.equal(grad.detach().cpu(), given[1].to(grad.dtype)):
                 changes[index] = grad.detach()  # the shown tensor, changed (in place: it is the step's input)
         had = marked | set(shown)
-        if had and set(changes) == had and all(value is None for value in changes.values()):
+        if had and dropped == had and len(changes) == len(dropped):
             self.engine.zero_grad()  # every gradient dropped (model.zero_grad()): the whole window goes
         else:
             self.engine.set_gradients(changes)

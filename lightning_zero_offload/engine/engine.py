@@ -131,8 +131,9 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         LIVE_ENGINES.add(self)
 
     @records_allocations  # every buffer made here (schedules' too) lands in self.ledger, read by memory_report
-    def _build(self) -> None:
-        """Lay out the optimizer's trainable parameters as they are now, and make every part that depends on it."""
+    def _build(self, replaced: state_dicts.Replaced | None = None) -> None:
+        """Lay out the optimizer's trainable parameters as they are now (and carry a ``replaced`` layout's state
+        over), and make every part that depends on it."""
         optimizer, param_dtype, device, options = self.optimizer, self.param_dtype, self.device, self.options
         world, rank = self._world, self._rank
         self._signature = self.trainable_signature()
@@ -153,15 +154,13 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         if not self.params:
             raise ValueError("The optimizer has no parameter with requires_grad=True: nothing to train")
         self._param_index = {id(p): index for index, p in enumerate(self.params)}
-
         element = torch.empty(0, dtype=param_dtype).element_size()
         self.layout: Layout = build_layout([p.shape for p in self.params], options.bucket_numel(element), world, rank)
         self.in_place = self.resolved.in_place
         self.pin = self.resolved.pin_memory and can_pin(device)
         state_args = (self.resolved.state_dtype, self._rounding_seed, device, self.resolved.device_share)
-        self.state = CpuState(self.layout, self.group_of, not self.in_place, *state_args)
-        self._original_dtypes = [p.dtype for p in self.params]
-        state_dicts.load_shard(self.layout, self.master, [p.detach() for p in self.params])
+        self.state = CpuState(self.layout, self.group_of, not self.in_place, *state_args, allocate=not replaced)
+        self._original_dtypes = state_dicts.fill_state(self, replaced, self._parked)
         self._build_parts()
 
     @records_allocations  # a fresh ledger: the state's buffers as moved, the parts built again but the publisher

@@ -30,6 +30,7 @@ from lightning_zero_offload.engine.step.gradient_source import GradientSource
 from lightning_zero_offload.engine.step.layout import Layout
 from lightning_zero_offload.engine.step.publisher import NullPublisher, Publisher
 from lightning_zero_offload.engine.step.shard_buffer import ShardBuffer
+from lightning_zero_offload.engine.window import CarriedGradients
 
 LIVE_ENGINES: weakref.WeakSet[EngineLifecycle] = weakref.WeakSet()  # every engine built, for engine_training
 
@@ -62,6 +63,7 @@ class EngineLifecycle:
     _closed: bool
     _signature: tuple[tuple[int, bool], ...]
     _parked: ParkedState
+    _carried: CarriedGradients | None
     _original_dtypes: list[torch.dtype]
     _rounding_seed: int
     options: OffloadOptions
@@ -126,9 +128,10 @@ class EngineLifecycle:
         """Re-plan the layout if parameters became trainable or frozen, or param groups were added.
 
         Call before a forward (the front ends do, for every training step; ``begin_backward`` too). Every
-        parameter that stays keeps its master weights, moments and step count bitwise; a new one starts
-        from its current value with fresh moments, as torch's AdamW would. Slow (gathers the whole state),
-        and rare. Every rank re-plans at the same step, as every rank changes its trainable set alike.
+        parameter that stays keeps its master weights, moments, step count and the window's gradient bitwise; a
+        new one starts from its current value with fresh moments, as torch's AdamW would. A pass over the whole
+        state (one buffer at a time), and rare. Every rank re-plans at the same step, as every rank changes its
+        trainable set alike.
         """
         if self._closed or self.failed or self.trainable_signature() == self._signature:
             return False
@@ -162,32 +165,25 @@ class EngineLifecycle:
         return choice
 
     def _replan(self, in_place: bool = False) -> None:
-        """Lay the state out again (``_build``), carrying every parameter's master, moments and step count
-        (``in_place``: more buckets on the device, moved by ``_grow_share`` with no gathered copy of the state)."""
+        """Lay the state out again (``_build``), carrying every parameter's master, moments, step count and this
+        window's gradient one buffer at a time (``in_place``: more buckets on the device, moved by ``_grow_share``)."""
         self.sync()  # an update in flight lands and is published
         # Nothing stays pending: the device holds the master (a delayed update's weights are of the old layout).
         self.schedule.on_weights_loaded()
         self._settle()  # writes to the parameters absorbed
-        if not in_place:  # every parameter's state whole, for the new layout
-            masters, exp_avgs, exp_avg_sqs = map(self.full_tensors, (self.master, self.exp_avg, self.exp_avg_sq))
         schedule_state = self.schedule.state_dict()
+        old_params, has_grad, held = self.params, list(self.grads.has_grad), self.grads.held()
         self.schedule.close()
         self.grads.close()
         if in_place:
             self._grow_share(self.resolved.device_share)
-            self.schedule.load_state_dict({"name": self.schedule.name, **schedule_state})
-            return
-        for p, weight, dtype in zip(self.params, masters, self._original_dtypes):
-            p.data = weight.to(device=self.device, dtype=dtype, copy=True)  # a device tensor of its own again
-        self._parked.park(self.params, exp_avgs, exp_avg_sqs, self.steps)
-        kept_masters = {id(p): weight for p, weight in zip(self.params, masters)}
-        self._build()
-        state_dicts.load_shard(self.layout, self.master, [kept_masters.get(id(p), p.detach()) for p in self.params])
-        exp_avgs, exp_avg_sqs, steps = self._parked.unpark(self.params)
-        self.state.load_steps(steps)
-        state_dicts.load_shard(self.layout, self.exp_avg, exp_avgs)
-        state_dicts.load_shard(self.layout, self.exp_avg_sq, exp_avg_sqs)
-        self.refresh_device_params()
+        else:
+            carried = self._carried  # what the last step did to the gradients it kept (torch's .grad), if kept
+            self._build(state_dicts.Replaced(self.layout, self.state, old_params, self._original_dtypes, has_grad))
+            self._carried = carried
+            self.refresh_device_params()
+        moved = [(self._param_index.get(id(p)), i) for i, p in enumerate(old_params)]
+        self.grads.carry_window({j: (has_grad[i], held[i] if held else None) for j, i in moved if j is not None})
         self.schedule.load_state_dict({"name": self.schedule.name, **schedule_state})
 
     # -- state in and out ----------------------------------------------------------------------

@@ -10,11 +10,13 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lightning_zero_offload.engine.infra.collectives import gather_host
+from lightning_zero_offload.engine.step.cpu_state import MOMENTS, CpuState, ParkedState
 from lightning_zero_offload.engine.step.shard_buffer import ShardBuffer
 from lightning_zero_offload.warning import ZeroOffloadWarning
 
@@ -66,9 +68,19 @@ def full_tensors(engine: ShardedState, shard: ShardBuffer | torch.Tensor) -> lis
     placeholders: at several ranks, and at one for a device share's buckets in a streamed save).
     """
     engine.refuse_after_failure("full weights and optimizer state")
-    layout = engine.layout
     share = engine.save_sharing.share
     full: list[torch.Tensor | None] = [None] * len(engine.params)
+    for index, view in _full_runs(engine, shard, engine.layout):
+        full[index] = view if share else view.clone()
+    return full  # type: ignore[return-value]
+
+
+def _full_runs(
+    engine: ShardedState, shard: ShardBuffer | torch.Tensor, layout: Layout
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each parameter of ``layout`` with its full tensor from every rank's ``shard``, one bucket run at a time (a
+    collective per run if sharded): views of the run gathered to the host, valid until the next run is read."""
+    share = engine.save_sharing.share
     for run in layout.bucket_runs():  # buckets joined by a split parameter, gathered together
         buckets = [layout.buckets[b] for b in run]
         ranges = [bucket.shard_range for bucket in buckets]
@@ -83,9 +95,87 @@ def full_tensors(engine: ShardedState, shard: ShardBuffer | torch.Tensor) -> lis
         start = buckets[0].flat_start
         for index in dict.fromkeys(i for bucket in buckets for i in bucket.param_indices):
             slot = layout.slots[index]
-            view = whole[slot.flat_start - start : slot.flat_start - start + slot.numel].view(slot.shape)
-            full[index] = view if share else view.clone()
-    return full  # type: ignore[return-value]
+            yield index, whole[slot.flat_start - start : slot.flat_start - start + slot.numel].view(slot.shape)
+
+
+@dataclass(frozen=True)
+class Replaced:
+    """What a re-plan lays out again: the old layout, its state and trainable parameters (their dtypes as
+    built), and whether the window in progress has gradients to carry (its source's ``has_grad``)."""
+
+    layout: Layout
+    state: CpuState
+    params: list[torch.nn.Parameter]
+    dtypes: list[torch.dtype]
+    has_grad: list[bool]
+
+
+def fill_state(engine: ShardedState, replaced: Replaced | None, parked: ParkedState) -> list[torch.dtype]:
+    """Fill ``engine.state``, new: from the parameters' values (the master; fresh moments), or carried over from the
+    state a re-plan ``replaced`` (made without buffers: :func:`carry_state`). Returns each parameter's dtype as
+    built (what it goes back to when the engine lets it go)."""
+    if replaced is None:
+        load_shard(engine.layout, engine.state.master, [p.detach() for p in engine.params])
+        return [p.dtype for p in engine.params]
+    carry_state(engine, replaced, parked)
+    built = {id(p): dtype for p, dtype in zip(replaced.params, replaced.dtypes)}
+    return [built.get(id(p), p.dtype) for p in engine.params]
+
+
+def carry_state(engine: ShardedState, old: Replaced, parked: ParkedState) -> None:
+    """Fill ``engine.state`` (laid out for ``engine.params``, made without buffers) from ``old``'s, one buffer at a
+    time, each old one dropped when its successor is full (the gradient buffer first where the window has none),
+    read one bucket run at a time: never a copy of the whole state, which a host sized for training could not hold.
+    A parameter that stays keeps its master, moments, step count and this window's gradient bitwise (its device
+    value stays in the old flat buffer until the new one is built); one that leaves gets its master as a device
+    tensor of its own and its moments and step count parked; one that comes (back) starts from its current value
+    with its parked moments and step count, or fresh ones, as torch's AdamW does."""
+    state = engine.state
+    index_of = {id(p): j for j, p in enumerate(engine.params)}
+    moved = [index_of.get(id(p)) for p in old.params]  # each old parameter's new index (None: it leaves)
+    came = [j for j in range(len(engine.params)) if j not in set(moved)]
+    carries_grad = state.keeps_grad and any(old.has_grad)
+    if not carries_grad:
+        old.state.grad = None
+    for name in ["master", *MOMENTS] + (["grad"] if state.keeps_grad else []):
+        setattr(state, name, _carried_buffer(engine, old, name, moved, came, parked, name != "grad" or carries_grad))
+        setattr(old.state, name, None)  # freed, unless a part not rebuilt yet holds it (in place: the views)
+    steps = [0] * len(engine.params)
+    for i, (j, step) in enumerate(zip(moved, old.state.steps)):
+        if j is None:
+            parked.park(old.params[i], "step", step)
+        else:
+            steps[j] = step
+    for j in came:
+        steps[j] = int(parked.take(engine.params[j], "step") or 0)
+    state.load_steps(steps)
+
+
+def _carried_buffer(
+    engine: ShardedState,
+    old: Replaced,
+    name: str,
+    moved: list[int | None],
+    came: list[int],
+    parked: ParkedState,
+    read_old: bool,
+) -> ShardBuffer:
+    """The new layout's buffer ``name``, filled (:func:`carry_state`); nothing of the old one referenced after."""
+    buffer, layout = engine.state.new_buffer(), engine.layout
+    for i, full in _full_runs(engine, getattr(old.state, name), old.layout) if read_old else ():
+        j, p = moved[i], old.params[i]
+        if name == "master" and j is None:  # its weights, out of the flat buffer, into a device tensor of their own
+            p.data = full.to(device=engine.device, dtype=old.dtypes[i], copy=True)
+        if j is not None:
+            load_param_shard(layout, buffer, j, full)
+        elif name in MOMENTS:
+            parked.park(p, name, full.clone())
+    for j in came:
+        p = engine.params[j]
+        value = p.detach() if name == "master" else parked.take(p, name) if name in MOMENTS else None
+        if value is not None:
+            load_param_shard(layout, buffer, j, value)
+    return buffer
 
 
 def _whole_run(shard: ShardBuffer | torch.Tensor, ranges: list[slice]) -> torch.Tensor:

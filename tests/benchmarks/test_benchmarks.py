@@ -286,6 +286,13 @@ def test_zero2_setup_from_the_meta_device_holds_less_than_the_module_built_whole
     assert rows["meta"]["setup_peak_B_per_param"] < rows["eager"]["setup_peak_B_per_param"] - 2
 
 
+def test_the_replan_memory_benchmark_unfreezes_a_layer_and_measures_the_re_plan():
+    """Its run at one rank (the RSS figures are for docs/benchmarks.md: at this size glibc reuses freed memory;
+    tests/engine/test_replan.py checks the order buffers are made and freed in)."""
+    row = load_benchmark("replan_memory").unfreeze(0, 2e6, 256, "32-true")
+    assert row["params"] == 30 * (256 * 256 + 256) and row["seconds"] > 0 and row["rss_peak"] >= row["rss_before"]
+
+
 def test_the_device_step_check_compares_the_device_kernels_with_the_native_ones(tmp_path):
     result = load_benchmark("gpu_check").check_device_step(torch.device("cpu"), True, tmp_path)
     assert result["ok"] and result["bf16_state_bitwise"] and result["fp32_within_rounding"], result

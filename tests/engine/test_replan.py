@@ -6,11 +6,15 @@ torch's to within rounding (observed <= 1e-7 on these runs), 1e-6 leaves a 10x m
 lost the moments or step counts of the layers that stayed differs by > 1e-3.
 """
 
+import weakref
+from functools import partial
+
 import pytest
 import torch
-from engine_helpers import unfreeze_reference, unfreeze_training
+from engine_helpers import batches, loss_fn, make_net, options, two_groups, unfreeze_reference, unfreeze_training
 from workers.replan import unfreeze_two_ranks
 
+from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.testing.ranks import run_ranks
 
 ATOL = 1e-6
@@ -26,15 +30,76 @@ def assert_matches_reference(result: dict, reference: dict) -> None:
         torch.testing.assert_close(ours["exp_avg"], theirs["exp_avg"], rtol=0, atol=ATOL)
 
 
-def test_unfreezing_at_one_rank_trains_as_torch():
-    reference = unfreeze_reference()
+@pytest.mark.parametrize("in_place_on_cpu", [False, True])
+@pytest.mark.parametrize("micro", [1, 2])
+def test_unfreezing_at_one_rank_trains_as_torch(micro, in_place_on_cpu):
+    """``micro=2``: unfrozen before the window's last micro-batch; the other layers' gradients of the first one
+    are carried into the new layout (dropping them differs by > 1e-3)."""
+    reference = unfreeze_reference(micro=micro)
     assert float(reference["state"][0]["step"]) == 3  # the first layer trained only after the unfreeze
-    assert_matches_reference(unfreeze_training(0, 1), reference)
+    assert_matches_reference(unfreeze_training(0, 1, micro=micro, in_place_on_cpu=in_place_on_cpu), reference)
 
 
 @pytest.mark.slow  # two ranks in processes
-def test_unfreezing_under_zero_2_re_plans_alike_on_every_rank(tmp_path):
-    results = run_ranks(unfreeze_two_ranks, 2, tmp_path)
-    reference = unfreeze_reference()
+@pytest.mark.parametrize("micro", [1, 2])
+def test_unfreezing_under_zero_2_re_plans_alike_on_every_rank(tmp_path, micro):
+    results = run_ranks(partial(unfreeze_two_ranks, micro=micro), 2, tmp_path)
+    reference = unfreeze_reference(micro=micro, world=2)
     for result in results:
         assert_matches_reference(result, reference)
+
+
+def test_a_re_plan_moves_the_state_one_buffer_at_a_time(monkeypatch):
+    """The new layout's buffers are made one at a time, each after the old one it replaces was freed (the window
+    has no gradient: the old gradient buffer goes first): the host holds the state once plus one buffer, never a
+    gathered copy of it."""
+    from lightning_zero_offload.engine import state_dicts
+    from lightning_zero_offload.engine.step.cpu_state import CpuState
+
+    net = make_net()
+    net[0].requires_grad_(False)
+    engine = OffloadEngine(two_groups(net), torch.device("cpu"), torch.float32, options())
+    engine.begin_backward()
+    loss_fn(net, batches(1)[0]).backward()
+    engine.step()
+    engine.zero_grad()
+    old = [weakref.ref(getattr(engine.state, name).host) for name in ("master", "exp_avg", "exp_avg_sq", "grad")]
+    alive = []
+    new_buffer = CpuState.new_buffer
+    monkeypatch.setattr(state_dicts, "full_tensors", lambda *args: pytest.fail("a re-plan gathered the state"))
+    monkeypatch.setattr(
+        CpuState, "new_buffer", lambda *a, **k: alive.append(sum(r() is not None for r in old)) or new_buffer(*a, **k)
+    )
+    net[0].requires_grad_(True)
+    assert engine.replan_if_changed()
+    assert alive[:4] == [3, 2, 1, 0]
+
+
+@pytest.mark.parametrize("in_place_on_cpu", [False, True])
+def test_an_unfreeze_between_a_step_and_zero_grad_keeps_the_clipped_gradients_as_torch_does(in_place_on_cpu):
+    """torch keeps ``.grad`` after a step, clipped in place, until ``zero_grad``: a backward after an unfreeze adds
+    to it. The re-plan carries the kept gradients and what the step's clipping did to them."""
+    data = batches(2)
+    ours_net, ref_net = make_net(), make_net()
+    for net in (ours_net, ref_net):
+        net[0].requires_grad_(False)
+    engine = OffloadEngine(
+        two_groups(ours_net), torch.device("cpu"), torch.float32, options(in_place_on_cpu=in_place_on_cpu)
+    )
+    reference = two_groups(ref_net)
+    clipped = []
+    for index, batch in enumerate(data):
+        if index == 1:
+            ours_net[0].requires_grad_(True)
+            ref_net[0].requires_grad_(True)
+            assert engine.replan_if_changed()
+        engine.begin_backward()
+        loss_fn(ours_net, batch).backward()
+        engine.finish_backward()
+        engine.step(clip_norm=0.05, keep_grads=True)
+        loss_fn(ref_net, batch).backward()
+        clipped.append(float(torch.nn.utils.clip_grad_norm_(ref_net.parameters(), 0.05)) > 0.05)
+        reference.step()
+    assert all(clipped)
+    for ours, theirs in zip(engine.master_params(), ref_net.parameters()):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=0, atol=ATOL)

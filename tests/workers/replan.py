@@ -3,5 +3,5 @@
 from engine_helpers import unfreeze_training
 
 
-def unfreeze_two_ranks(rank: int) -> dict:
-    return unfreeze_training(rank, 2)
+def unfreeze_two_ranks(rank: int, micro: int = 1) -> dict:
+    return unfreeze_training(rank, 2, micro=micro)

@@ -58,7 +58,10 @@ class CpuState:
         seed: int = 0,
         device: torch.device | None = None,
         device_share: float = 0.0,
+        allocate: bool = True,
     ) -> None:
+        """``allocate=False``: without buffers, which a re-plan makes and fills one at a time (``carry_state`` in
+        engine/state_dicts.py)."""
         self.layout = layout
         self.group_of = group_of  # param group of each trainable parameter, in optimizer order
         self.dtype = dtype
@@ -68,11 +71,11 @@ class CpuState:
         self.first_device_bucket = first_device_bucket(layout, device_share)
         on_device = layout.buckets[self.first_device_bucket :]
         self.split = on_device[0].shard_start if on_device else layout.shard_numel
-        self.master = self.new_buffer()
-        self.exp_avg = self.new_buffer()
-        self.exp_avg_sq = self.new_buffer()
-        # The buffer backward accumulates into now (in place: gradients stay in the tensors autograd made).
-        self.grad: ShardBuffer | None = self.new_buffer() if keeps_grad else None
+        self.keeps_grad = keeps_grad
+        if allocate:
+            self.master, self.exp_avg, self.exp_avg_sq = (self.new_buffer() for _ in range(3))
+            # The buffer backward accumulates into now (in place: gradients stay in the tensors autograd made).
+            self.grad: ShardBuffer | None = self.new_buffer() if keeps_grad else None
         self._steps = [0] * len(layout.slots)
         # Each bucket's shift from this rank's shard positions to the elements' global numbers.
         self._element_base = []
@@ -334,22 +337,18 @@ class ParkedState:
     """
 
     def __init__(self) -> None:
-        self._parked: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._parked: dict[int, dict[str, torch.Tensor | int]] = {}
 
-    def park(
-        self,
-        params: list[torch.nn.Parameter],
-        exp_avgs: list[torch.Tensor],
-        exp_avg_sqs: list[torch.Tensor],
-        steps: Sequence[int],
-    ) -> None:
-        for p, exp_avg, exp_avg_sq, step in zip(params, exp_avgs, exp_avg_sqs, steps):
-            self._parked[id(p)] = (exp_avg.clone(), exp_avg_sq.clone(), step)
+    def park(self, param: torch.nn.Parameter, name: str, value: torch.Tensor | int) -> None:
+        """Keep ``param``'s ``name`` ("exp_avg", "exp_avg_sq", "step"): ``value`` must be its own (a copy)."""
+        self._parked.setdefault(id(param), {})[name] = value
 
-    def unpark(self, params: list[torch.nn.Parameter]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
-        """(exp_avgs, exp_avg_sqs, steps) for ``params``: the parked ones, zeros and 0 for new ones."""
-        moments = [self._parked.pop(id(p), None) for p in params]
-        zeros = [torch.zeros(p.shape) for p in params]
-        exp_avgs = [m[0] if m else z for m, z in zip(moments, zeros)]
-        exp_avg_sqs = [m[1] if m else z for m, z in zip(moments, zeros)]
-        return exp_avgs, exp_avg_sqs, [m[2] if m else 0 for m in moments]
+    def take(self, param: torch.nn.Parameter, name: str) -> torch.Tensor | int | None:
+        """``param``'s parked ``name``, given back (None for a parameter never trained)."""
+        entry = self._parked.get(id(param))
+        if entry is None:
+            return None
+        value = entry.pop(name, None)
+        if not entry:
+            del self._parked[id(param)]
+        return value

@@ -97,6 +97,11 @@ class GradientSource(Protocol):
     def refresh_sums(self) -> None:
         """The stored gradients were changed in place: :meth:`local_summary` must sum them again."""
 
+    def carry_window(self, carried: dict[int, tuple[bool, torch.Tensor | None]]) -> None:
+        """After a re-plan (this source new): the window's gradients so far, per trainable parameter whether it has
+        one and the tensor where the old source held them so (else they are in the state's gradient buffer, which
+        the re-plan carried)."""
+
     def close(self) -> None:
         """Remove the hooks and release what the source holds."""
 

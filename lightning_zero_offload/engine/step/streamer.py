@@ -334,11 +334,20 @@ class GradientStreamer:
                 else:
                     target.copy_(flat[seg.param_start : seg.param_start + seg.numel])
             self.has_grad[index] = value is not None
-        for bucket_index in touched:
+        self._sum_buckets(touched)
+
+    def _sum_buckets(self, indices: Iterable[int]) -> None:
+        for bucket_index in indices:
             window = self.layout.buckets[bucket_index].shard_range
-            grad = self.state.grad[window]  # type: ignore[index]
-            sums = self.state.sum_of_squares(window, grad, self.num_threads)
+            sums = self.state.sum_of_squares(window, self.state.grad[window], self.num_threads)  # type: ignore[index]
             self.bucket_sumsq[bucket_index], self.bucket_nonfinite[bucket_index] = sums
+
+    def carry_window(self, carried: dict[int, tuple[bool, torch.Tensor | None]]) -> None:
+        """After a re-plan: the window's gradients are in the buffer already (carried, zero elsewhere): add to them."""
+        self.has_grad = [carried.get(index, (False, None))[0] for index in range(len(self.params))]
+        if any(self.has_grad):
+            self._fresh = [False] * len(self.layout.buckets)
+            self._sum_buckets(range(len(self.layout.buckets)))
 
     def refresh_sums(self) -> None:
         """Sum the stored gradients again (they were changed in place after they were accumulated)."""
