@@ -204,6 +204,7 @@ class ParamOffloadEngine:
     def _global_summary(self, known: dict[ShardSlot, float]) -> tuple[float, bool]:
         """(sum of squares of every rank's gradient shards, any inf/nan), summed in slot order on every rank."""
         if self._summary is None:
+            self._groups()  # a parameter made trainable since the last step (a layer unfrozen) counts too
             sumsq, nonfinite = 0.0, False
             for slot in self._with_grads():
                 if slot in known:

@@ -214,9 +214,11 @@ def _undo():
     return SpeculativeOptions(rollback="undo")
 
 
-def test_frozen_layers_unfrozen_mid_run_and_added_groups_train_as_under_torch():
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_frozen_layers_unfrozen_mid_run_and_added_groups_train_as_under_torch(clip):
     """Frozen parameters (a whole block, half of another) get no state until unfrozen, as torch's AdamW
-    keeps none for a parameter without a gradient; a param group added mid-run is read at the next step."""
+    keeps none for a parameter without a gradient; a param group added mid-run is read at the next step. With
+    clipping that fires, the norm of the step after the unfreeze counts the unfrozen layer's gradient."""
 
     def freeze(model):
         model.blocks[0].requires_grad_(False)
@@ -245,9 +247,12 @@ def test_frozen_layers_unfrozen_mid_run_and_added_groups_train_as_under_torch():
         engine.begin_backward()
         loss_of(sharded, x, y, 1).backward()
         engine.finish_backward()
-        engine.step()
+        engine.step(clip_norm=clip)
         engine.zero_grad()
         loss_of(model, x, y, 1).backward()
+        if clip is not None:
+            stepped = [p for group in reference.param_groups for p in group["params"]]  # as Lightning clips
+            assert float(torch.nn.utils.clip_grad_norm_(stepped, clip)) > clip  # it fires
         reference.step()
         reference.zero_grad()
     want = {n: p.detach() for n, p in model.named_parameters()}
