@@ -18,10 +18,9 @@ through engine/step/parts.py's ``ScheduleParts``, with this class only behind it
 skip); engine/lifecycle.py holds the rest of the engine's life (re-planning, state in and out,
 teardown, the failure path).
 
-Device parameters are views into one flat low-precision buffer, so a bucket's update lands with a
-single copy (or one all-gather). The CPU holds only this rank's shard: master, two moments and a
-gradient buffer, fp32 (16 bytes per owned parameter) or bf16 with ``cpu_state="bf16"`` (8), plus a few
-bucket-sized staging buffers.
+Device parameters are views into one flat low-precision buffer, so a bucket's update lands with a single copy (or
+one all-gather). The CPU holds only this rank's shard: master, two moments and a gradient buffer, fp32 (16 bytes
+per owned parameter) or bf16 with ``cpu_state="bf16"`` (8), plus a few bucket-sized staging buffers.
 Where nothing would be offloaded (a CPU device, fp32, one process, the sync step) the engine runs in
 place (engine/step/in_place.py): the parameters views of the fp32 master, gradients where backward left
 them. Plain torch: no Lightning imports, so it can be driven and tested without a Trainer.
@@ -139,14 +138,16 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self._signature = self.trainable_signature()
         self._grad_summary: tuple[float, bool, list[bool]] | None = None  # this window's, once computed
         self._carried: CarriedGradients | None = None  # what the last step left, until zero_grad (as torch's .grad)
-        # Trainable params in optimizer order; torch_index maps the optimizer's state-dict numbering.
+        # Trainable params (and any frozen mid-window, for its gradient) in optimizer order; torch_index: their keys
+        # in the optimizer's state dict.
+        holding = replaced.with_gradient if replaced else set()
         self.params: list[torch.nn.Parameter] = []
         self.group_of: list[int] = []
         self.torch_index: list[int] = []
         counter = 0
         for group_index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
-                if p.requires_grad:
+                if p.requires_grad or id(p) in holding:
                     self.params.append(p)
                     self.group_of.append(group_index)
                     self.torch_index.append(counter)

@@ -109,6 +109,12 @@ class Replaced:
     dtypes: list[torch.dtype]
     has_grad: list[bool]
 
+    @property
+    def with_gradient(self) -> set[int]:
+        """Ids of the parameters with a gradient in the window in progress: the new layout keeps them, frozen or
+        not, so that the step uses it as torch's AdamW steps a ``.grad`` (a later re-plan lets the frozen ones go)."""
+        return {id(p) for p, has in zip(self.params, self.has_grad) if has}
+
 
 def fill_state(engine: ShardedState, replaced: Replaced | None, parked: ParkedState) -> list[torch.dtype]:
     """Fill ``engine.state``, new: from the parameters' values (the master; fresh moments), or carried over from the
@@ -166,7 +172,7 @@ def _carried_buffer(
         j, p = moved[i], old.params[i]
         if name == "master" and j is None:  # its weights, out of the flat buffer, into a device tensor of their own
             p.data = full.to(device=engine.device, dtype=old.dtypes[i], copy=True)
-        if j is not None:
+        if j is not None and (name != "grad" or old.has_grad[i]):  # a bucket with none may hold an older window's
             load_param_shard(layout, buffer, j, full)
         elif name in MOMENTS:
             parked.park(p, name, full.clone())

@@ -103,3 +103,38 @@ def test_an_unfreeze_between_a_step_and_zero_grad_keeps_the_clipped_gradients_as
     assert all(clipped)
     for ours, theirs in zip(engine.master_params(), ref_net.parameters()):
         torch.testing.assert_close(ours, theirs.detach(), rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    "engine_options",
+    [
+        dict(),
+        dict(in_place_on_cpu=True),
+        dict(cpu_step="speculative"),
+        dict(cpu_step="speculative", device_share=0.5, bucket_size_mb=0.001),
+    ],
+    ids=["sync", "in-place", "speculative", "share"],
+)
+def test_a_layer_frozen_in_the_middle_of_a_window_is_stepped_with_its_gradient_as_torch_does(engine_options):
+    """torch's AdamW steps every parameter whose ``.grad`` is set: one frozen after the window's first micro-batch
+    is still stepped with that gradient (the re-plan keeps it), then no more until it is unfrozen."""
+    ours_net, ref_net = make_net(), make_net()
+    engine = OffloadEngine(two_groups(ours_net), torch.device("cpu"), torch.float32, options(**engine_options))
+    reference = two_groups(ref_net)
+    for index, (x, y) in enumerate(batches(4)):
+        for part in range(2):
+            for net in (ours_net, ref_net):
+                net[0].requires_grad_(
+                    (index, part) not in ((1, 1), (2, 0))
+                )  # frozen mid-window 1, unfrozen mid-window 2
+            engine.begin_backward()
+            (loss_fn(ours_net, (x[part::2], y[part::2])) / 2).backward()
+            engine.finish_backward()
+            (loss_fn(ref_net, (x[part::2], y[part::2])) / 2).backward()
+        engine.step(clip_norm=0.05)
+        engine.zero_grad()
+        torch.nn.utils.clip_grad_norm_([p for p in ref_net.parameters() if p.grad is not None], 0.05)
+        reference.step()
+        reference.zero_grad()
+    for ours, theirs in zip(engine.master_params(), ref_net.parameters()):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=0, atol=ATOL)

@@ -9,10 +9,10 @@ step()                     global norm + inf/nan check (one all-reduce) -> skip,
 next forward               FSDP2's all-gather brings the updated shards to the device
 ```
 
-The parameters are ``fully_shard``-ed before the engine sees them (placement.py); the optimizer's
-param groups hold those sharded parameters and are read live at every step (schedulers, callbacks), as
-the ZeRO-2 engine reads them. Gradients stay where torch and FSDP2 put them, in ``p.grad`` (DTensors on
-the host), so user code reads and clips them as under FSDP2; ``zero_grad`` drops them. Plain torch.
+The parameters are ``fully_shard``-ed before the engine sees them (placement.py); the optimizer's param groups hold
+those sharded parameters and are read live at every step (schedulers, callbacks), as the ZeRO-2 engine reads them.
+Gradients stay where torch and FSDP2 put them, in ``p.grad`` (DTensors on the host), so user code reads and clips them
+as under FSDP2; ``zero_grad`` drops them. Plain torch.
 """
 
 from __future__ import annotations
@@ -92,10 +92,9 @@ class ParamOffloadEngine:
         self.scaler = DynamicLossScaler(options.loss_scaler) if param_dtype == torch.float16 else None
         self.nonfinite = NonFinitePolicy(options.max_consecutive_skipped_steps, self.scaler)
         self._seed = rounding_seed(None, device, world_size) if self.state_dtype == torch.bfloat16 else 0
-        self._threads = self.resolved.cpu_threads
+        self._threads, self._next_element = self.resolved.cpu_threads, 0
         self._slots: dict[int, ShardSlot] = {}
         self._on_device = {id(p) for p in on_device}
-        self._next_element = 0
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         speculative = self.resolved.cpu_step == "speculative"
         self._worker = worker_pool("lzo-shard-step", device) if speculative and self.resolved.overlap else None
@@ -128,11 +127,12 @@ class ParamOffloadEngine:
         self.speculation.on_gradient(self._slots[id(param)])
 
     def _groups(self) -> list[Group]:
-        """Each param group's hyperparameters now, with the slots of its trainable parameters."""
+        """Each param group's hyperparameters now, with the slots of its trainable parameters (and of one frozen in
+        the middle of a window, whose ``.grad`` torch's AdamW still steps)."""
         groups = []
         for index, group in enumerate(self.optimizer.param_groups):
-            hparams = read_hyperparams(self.optimizer, group, index)
-            groups.append((hparams, [self._slot(p) for p in group["params"] if p.requires_grad]))
+            trained = [p for p in group["params"] if p.requires_grad or (p.grad is not None and id(p) in self._slots)]
+            groups.append((read_hyperparams(self.optimizer, group, index), [self._slot(p) for p in trained]))
         return groups
 
     @property

@@ -136,10 +136,12 @@ def check_gradient(grad: torch.Tensor, seen: bool) -> None:
 def register_grad_hooks(
     params: list[torch.nn.Parameter], on_grad: Callable[[int, torch.Tensor], None]
 ) -> list[torch.utils.hooks.RemovableHandle]:
-    """Call ``on_grad(index, param)`` once each parameter's gradient of a backward pass is accumulated."""
+    """Call ``on_grad(index, param)`` once each parameter's gradient of a backward pass is accumulated (none for
+    a parameter frozen in the middle of a window, which gets no more)."""
     return [
         p.register_post_accumulate_grad_hook(functools.partial(_call_with_index, on_grad, i))
         for i, p in enumerate(params)
+        if p.requires_grad
     ]
 
 

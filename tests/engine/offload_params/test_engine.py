@@ -260,3 +260,34 @@ def test_frozen_layers_unfrozen_mid_run_and_added_groups_train_as_under_torch(cl
     steps = {id(slot.param): slot.step for slot in engine.slots}
     assert id(sharded.blocks[0].fc1.weight) not in steps  # frozen throughout: no state at all
     assert steps[id(sharded.blocks[1].fc1.weight)] == 2 and steps[id(sharded.head.bias)] == 2
+
+
+@pytest.mark.parametrize("cpu_step", ["sync", "speculative"])
+def test_a_block_frozen_in_the_middle_of_a_window_is_stepped_with_its_gradient_as_torch_does(cpu_step):
+    """torch's AdamW steps every parameter whose ``.grad`` is set: a block frozen after the window's first
+    micro-batch is still stepped with that gradient (and counted in the clipped norm), then no more."""
+    torch.manual_seed(0)
+    model, data = Blocks(), batches(steps=3, micro=2)
+    sharded = sharded_copy(model)
+    options = OffloadOptions(offload_params=True, cpu_step=cpu_step)
+    engine = ParamOffloadEngine(
+        torch.optim.AdamW(sharded.parameters(), lr=1e-2), torch.device("cpu"), torch.float32, options
+    )
+    reference = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step, window in enumerate(data):
+        for part, (x, y) in enumerate(window):
+            for net in (sharded, model):
+                net.blocks[1].requires_grad_(not (step == 1 and part == 1))
+            if part == len(window) - 1:
+                engine.expect_step(publish_early=True)
+            engine.begin_backward()
+            loss_of(sharded, x, y, len(window)).backward()
+            engine.finish_backward()
+            loss_of(model, x, y, len(window)).backward()
+        engine.step(clip_norm=0.05)
+        engine.zero_grad()
+        assert float(torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 0.05)) > 0.05
+        reference.step()
+        reference.zero_grad()
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    assert relative_error(full_state(sharded), want) < FP32_ROUNDING
