@@ -139,7 +139,8 @@ def carry_state(engine: ShardedState, old: Replaced, parked: ParkedState) -> Non
     state = engine.state
     index_of = {id(p): j for j, p in enumerate(engine.params)}
     moved = [index_of.get(id(p)) for p in old.params]  # each old parameter's new index (None: it leaves)
-    came = [j for j in range(len(engine.params)) if j not in set(moved)]
+    stayed = set(moved)
+    came = [j for j in range(len(engine.params)) if j not in stayed]
     carries_grad = state.keeps_grad and any(old.has_grad)
     if not carries_grad:
         old.state.grad = None
