@@ -138,6 +138,48 @@ def unfreeze_reference(unfreeze_at: int = 3, steps: int = 6, micro: int = 1, wor
     return {"weights": [p.detach().clone() for p in net.parameters()], "state": optimizer.state_dict()["state"]}
 
 
+# (step, micro-batch) -> the first layer's requires_grad from then on: frozen in the middle of the second window,
+# unfrozen in the middle of the third.
+MID_WINDOW = {(1, 1): False, (2, 1): True}
+
+
+def mid_window_training(rank: int, world: int, events: dict = MID_WINDOW, **engine_options) -> dict:
+    """Two micro-batches a step on this rank's share of each batch, the first layer frozen or unfrozen before the
+    micro-batches ``events`` name, clipping that fires; the full master weights at the end."""
+    net = make_net()
+    engine = OffloadEngine(two_groups(net), CPU, torch.float32, options(**engine_options))
+    for index, (x, y) in enumerate(batches(4)):
+        share = len(x) // world
+        mine = slice(rank * share, (rank + 1) * share)
+        for part in range(2):
+            if (index, part) in events:
+                net[0].requires_grad_(events[index, part])
+            engine.begin_backward()
+            (loss_fn(net, (x[mine][part::2], y[mine][part::2])) / 2).backward()
+            engine.finish_backward()
+        engine.step(clip_norm=0.05)
+        engine.zero_grad()
+    return {"weights": engine.master_params()}
+
+
+def mid_window_reference(world: int = 1, events: dict = MID_WINDOW) -> list[torch.Tensor]:
+    """The same with torch's AdamW on whole batches (micro-batch k: every rank's k-th part)."""
+    net = make_net()
+    optimizer = two_groups(net)
+    for index, (x, y) in enumerate(batches(4)):
+        share = len(x) // world
+        ranks = [slice(rank * share, (rank + 1) * share) for rank in range(world)]
+        for part in range(2):
+            if (index, part) in events:
+                net[0].requires_grad_(events[index, part])
+            batch = (torch.cat([x[r][part::2] for r in ranks]), torch.cat([y[r][part::2] for r in ranks]))
+            (loss_fn(net, batch) / 2).backward()
+        assert float(torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.grad is not None], 0.05)) > 0.05
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in net.parameters()]
+
+
 class DelayedReference:
     """``cpu_step="delayed"`` with writes between steps, as docs/usage.md states it, in plain torch.
 

@@ -11,8 +11,18 @@ from functools import partial
 
 import pytest
 import torch
-from engine_helpers import batches, loss_fn, make_net, options, two_groups, unfreeze_reference, unfreeze_training
-from workers.replan import unfreeze_two_ranks
+from engine_helpers import (
+    batches,
+    loss_fn,
+    make_net,
+    mid_window_reference,
+    mid_window_training,
+    options,
+    two_groups,
+    unfreeze_reference,
+    unfreeze_training,
+)
+from workers.replan import mid_window_two_ranks, unfreeze_two_ranks
 
 from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.testing.ranks import run_ranks
@@ -117,24 +127,17 @@ def test_an_unfreeze_between_a_step_and_zero_grad_keeps_the_clipped_gradients_as
 )
 def test_a_layer_frozen_in_the_middle_of_a_window_is_stepped_with_its_gradient_as_torch_does(engine_options):
     """torch's AdamW steps every parameter whose ``.grad`` is set: one frozen after the window's first micro-batch
-    is still stepped with that gradient (the re-plan keeps it), then no more until it is unfrozen."""
-    ours_net, ref_net = make_net(), make_net()
-    engine = OffloadEngine(two_groups(ours_net), torch.device("cpu"), torch.float32, options(**engine_options))
-    reference = two_groups(ref_net)
-    for index, (x, y) in enumerate(batches(4)):
-        for part in range(2):
-            for net in (ours_net, ref_net):
-                net[0].requires_grad_(
-                    (index, part) not in ((1, 1), (2, 0))
-                )  # frozen mid-window 1, unfrozen mid-window 2
-            engine.begin_backward()
-            (loss_fn(ours_net, (x[part::2], y[part::2])) / 2).backward()
-            engine.finish_backward()
-            (loss_fn(ref_net, (x[part::2], y[part::2])) / 2).backward()
-        engine.step(clip_norm=0.05)
-        engine.zero_grad()
-        torch.nn.utils.clip_grad_norm_([p for p in ref_net.parameters() if p.grad is not None], 0.05)
-        reference.step()
-        reference.zero_grad()
-    for ours, theirs in zip(engine.master_params(), ref_net.parameters()):
-        torch.testing.assert_close(ours, theirs.detach(), rtol=0, atol=ATOL)
+    is still stepped with that gradient (the re-plan keeps it), then no more until it is unfrozen (mid-window too)."""
+    got = mid_window_training(0, 1, **engine_options)["weights"]
+    for ours, theirs in zip(got, mid_window_reference()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=ATOL)
+
+
+@pytest.mark.slow  # two ranks in processes
+@pytest.mark.parametrize("cpu_step", ["sync", "speculative"])
+def test_a_layer_frozen_and_unfrozen_mid_window_at_two_ranks_trains_as_one_process(tmp_path, cpu_step):
+    results = run_ranks(partial(mid_window_two_ranks, cpu_step=cpu_step), 2, tmp_path)
+    reference = mid_window_reference(world=2)
+    for result in results:
+        for ours, theirs in zip(result["weights"], reference):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=ATOL)
