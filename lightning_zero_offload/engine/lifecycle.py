@@ -172,10 +172,11 @@ class EngineLifecycle:
         self.schedule.on_weights_loaded()
         self._settle()  # writes to the parameters absorbed
         schedule_state = self.schedule.state_dict()
-        old_params, has_grad, held = self.params, list(self.grads.has_grad), self.grads.held()
+        old_params, has_grad, held, fresh = self.params, list(self.grads.has_grad), self.grads.held(), None
         self.schedule.close()
         self.grads.close()
-        if in_place:
+        if in_place:  # the gradient buffer moves whole, stale buckets too
+            fresh = self.grads.fresh_buckets()
             self._grow_share(self.resolved.device_share)
         else:
             carried = self._carried  # what the last step did to the gradients it kept (torch's .grad), if kept
@@ -183,7 +184,7 @@ class EngineLifecycle:
             self._carried = carried
             self.refresh_device_params()
         moved = [(self._param_index.get(id(p)), i) for i, p in enumerate(old_params)]
-        self.grads.carry_window({j: (has_grad[i], held[i] if held else None) for j, i in moved if j is not None})
+        self.grads.carry_window({j: (has_grad[i], held[i] if held else None) for j, i in moved if j is not None}, fresh)
         self.schedule.load_state_dict({"name": self.schedule.name, **schedule_state})
 
     # -- state in and out ----------------------------------------------------------------------

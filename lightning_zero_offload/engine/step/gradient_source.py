@@ -97,10 +97,14 @@ class GradientSource(Protocol):
     def refresh_sums(self) -> None:
         """The stored gradients were changed in place: :meth:`local_summary` must sum them again."""
 
-    def carry_window(self, carried: dict[int, tuple[bool, torch.Tensor | None]]) -> None:
+    def fresh_buckets(self) -> list[bool] | None:
+        """Per bucket of the state's gradient buffer, whether no gradient of this window was written there yet (None
+        where gradients are tensors of their own)."""
+
+    def carry_window(self, carried: dict[int, tuple[bool, torch.Tensor | None]], fresh: list[bool] | None) -> None:
         """After a re-plan (this source new): the window's gradients so far, per trainable parameter whether it has
         one and the tensor where the old source held them so (else they are in the state's gradient buffer, which
-        the re-plan carried)."""
+        the re-plan carried: only those, or, ``fresh`` given, the whole buffer moved, those buckets stale)."""
 
     def close(self) -> None:
         """Remove the hooks and release what the source holds."""

@@ -158,7 +158,11 @@ class InPlaceGradients:
         """The held gradients were changed in place: their sums are taken again when next needed."""
         self._summed = [False] * len(self.params)
 
-    def carry_window(self, carried: dict[int, tuple[bool, torch.Tensor | None]]) -> None:
+    def fresh_buckets(self) -> None:
+        """None: no buckets (each gradient is a tensor of its own)."""
+        return None
+
+    def carry_window(self, carried: dict[int, tuple[bool, torch.Tensor | None]], fresh: None = None) -> None:
         """After a re-plan: hold the gradients the old source held (its own tensors: no copy)."""
         for index, (has_grad, grad) in carried.items():
             self.grads[index], self.has_grad[index], self._summed[index] = grad, has_grad, False

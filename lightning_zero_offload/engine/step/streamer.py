@@ -1,18 +1,17 @@
 """Gradients leave the device bucket by bucket while backward is still running.
 
-For each parameter a post-accumulate-grad hook copies the final ``.grad`` into its bucket's device
-buffer and frees it. A full bucket is launched: reduce-scattered across ranks (each rank keeps its
-chunk), copied into a host staging buffer, and handed to a worker thread that adds it into the
-rank's gradient buffer (``CpuState.accumulate``: the native kernel into fp32 state). That returns the bucket's
-sum of squares and an inf/nan flag, so the global norm and the fp16 overflow check cost no extra
-pass over memory.
+For each parameter a post-accumulate-grad hook copies the final ``.grad`` into its bucket's device buffer and frees
+it. A full bucket is launched: reduce-scattered across ranks (each rank keeps its chunk), copied into a host staging
+buffer, and handed to a worker thread that adds it into the rank's gradient buffer (``CpuState.accumulate``: the
+native kernel into fp32 state). That returns the bucket's sum of squares and an inf/nan flag, so the global norm and
+the fp16 overflow check cost no extra pass over memory.
 
 When a bucket leaves (in the order gradients arrive, the same on every rank) is decided by
 engine/step/launch_order.py; this module holds the buffers and moves the bytes.
 
-A failure on the gradient worker (the accumulate kernel, the speculative step, a CUDA error) is kept:
-the next hook, the flush and every wait raise that error, and a launch waiting for a staging buffer
-wakes up and raises it, so backward ends instead of waiting for a buffer that will never come back.
+A failure on the gradient worker (the accumulate kernel, the speculative step, a CUDA error) is kept: the next hook,
+the flush and every wait raise that error, and a launch waiting for a staging buffer wakes up and raises it, so
+backward ends instead of waiting for a buffer that will never come back.
 """
 
 from __future__ import annotations
@@ -76,14 +75,12 @@ class GradientStreamer:
         predivide = world > 1 and grad_dtype == torch.float16
         self._device_factor = 1.0 / world if predivide else 1.0
         self.scale = 1.0 if predivide else 1.0 / world
-
         max_bucket = max((b.padded_numel for b in layout.buckets), default=0)
         max_shard = max((b.shard_numel for b in layout.buckets), default=0)
         self._device_buffer_numel = max_bucket
         self.device_buffers = DeviceBufferPool(max_bucket, grad_dtype, device, DEVICE_BUFFER_CAP, self.ledger)
         self._stream = side_stream(device)
-        self._buffers_held = 0  # device gradient buffers holding gradients now, and the most since last asked
-        self._buffers_peak = 0
+        self._buffers_held = self._buffers_peak = 0  # device gradient buffers holding gradients now, most since asked
         self._staging = BufferPool(2, max_shard, grad_dtype, pin_memory, self.ledger)
         self.worker = worker_pool("zero-offload-grads", device)
         self._futures: list[Future] = []
@@ -342,20 +339,21 @@ class GradientStreamer:
             sums = self.state.sum_of_squares(window, self.state.grad[window], self.num_threads)  # type: ignore[index]
             self.bucket_sumsq[bucket_index], self.bucket_nonfinite[bucket_index] = sums
 
-    def carry_window(self, carried: dict[int, tuple[bool, torch.Tensor | None]]) -> None:
-        """After a re-plan: the window's gradients are in the buffer already (carried, zero elsewhere): add to them."""
+    def fresh_buckets(self) -> list[bool]:
+        """Per bucket: no gradient of this window written there yet (it may hold an older window's values)."""
+        return list(self._fresh)
+
+    def carry_window(self, carried: dict[int, tuple[bool, torch.Tensor | None]], fresh: list[bool] | None) -> None:
+        """After a re-plan: the window's gradients are in the buffer already (carried, zero elsewhere; or moved whole,
+        the buckets ``fresh`` names still holding an older window's values): add to them."""
         self.has_grad = [carried.get(index, (False, None))[0] for index in range(len(self.params))]
         if any(self.has_grad):
-            self._fresh = [False] * len(self.layout.buckets)
-            self._sum_buckets(range(len(self.layout.buckets)))
+            self._fresh = list(fresh) if fresh is not None else [False] * len(self.layout.buckets)
+            self.refresh_sums()
 
     def refresh_sums(self) -> None:
         """Sum the stored gradients again (they were changed in place after they were accumulated)."""
-        for bucket in self.layout.buckets:
-            if not self._fresh[bucket.index]:
-                grad = self.state.grad[bucket.shard_range]  # type: ignore[index]
-                sums = self.state.sum_of_squares(bucket.shard_range, grad, self.num_threads)
-                self.bucket_sumsq[bucket.index], self.bucket_nonfinite[bucket.index] = sums
+        self._sum_buckets(index for index, stale in enumerate(self._fresh) if not stale)
 
     def local_summary(self) -> tuple[float, bool]:
         """(sum of squares, any inf/nan) of this rank's accumulated gradients."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 from engine_helpers import CLIP, batches, loss_fn, moments, train_clipped
 
+from lightning_zero_offload.engine import OffloadEngine, OffloadOptions
 from lightning_zero_offload.engine.step.device_share import ShareChoice, choose_bucket_share, exposed_after_backward
 from lightning_zero_offload.engine.step.layout import build_layout
 from lightning_zero_offload.engine.step.shard_buffer import ShardBuffer, first_device_bucket
@@ -406,3 +407,42 @@ def test_a_streamed_full_save_at_two_ranks_holds_what_a_run_without_a_share_save
     for key, entry in want_state.items():
         pairs = [(got_state[key][m], entry[m]) for m in ("exp_avg", "exp_avg_sq")]
         assert close([g for g, _ in pairs], [w for _, w in pairs], "fp32")
+
+
+class UnusedAtFirst(torch.nn.Module):
+    """A head used by some micro-batches only: its buckets get no gradient from the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head, self.extra = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1), torch.nn.Linear(4, 64)
+
+    def forward(self, x: torch.Tensor, use_extra: bool) -> torch.Tensor:
+        h = self.body(x)
+        return self.head(h) + (self.extra(h).sum(-1, keepdim=True) if use_extra else 0)
+
+
+def test_a_share_grown_mid_window_keeps_the_window_and_nothing_older():
+    """The gradient buffer moves whole; the buckets no gradient of this window reached yet hold an older window's
+    values, and stay fresh (the next gradient overwrites them) instead of being added to."""
+
+    def fit(grow: bool) -> list[torch.Tensor]:
+        model = UnusedAtFirst()
+        options = OffloadOptions(in_place_on_cpu=False, bucket_size_mb=0.0001)
+        engine = OffloadEngine(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), torch.device("cpu"), torch.float32, options
+        )
+        generator = torch.Generator().manual_seed(1)
+        for step in range(3):
+            for part in range(2):
+                if grow and (step, part) == (1, 1):
+                    engine.take_device_share(0.5)
+                engine.begin_backward()
+                x = torch.randn(3, 4, generator=generator)
+                (model(x, use_extra=(step, part) != (1, 0)).pow(2).mean() / 2).backward()
+                engine.finish_backward()
+            engine.step()
+            engine.zero_grad()
+        return engine.master_params()
+
+    assert close(fit(grow=True), fit(grow=False), "fp32")
