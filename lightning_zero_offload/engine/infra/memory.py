@@ -183,6 +183,11 @@ class BufferPool:
     def release(self, buffer: torch.Tensor, event: torch.Event | None = None) -> None:
         self._free.put((buffer, event))
 
+    def record_in(self, ledger: MemoryLedger) -> None:
+        """Count the pool's buffers in ``ledger`` (an owner kept across a re-plan, which starts a fresh ledger)."""
+        for buffer in self.buffers:
+            record_allocation(ledger, HOST_PINNED if is_pinned_here(buffer) else HOST, "staging", buffer)
+
     def fail(self, error: BaseException) -> None:
         """The pool's users failed with ``error``: waiting and later acquires raise it (the first one kept)."""
         if self._error is None:
@@ -225,8 +230,8 @@ class HostToDevice:
     def record_in(self, ledger: MemoryLedger) -> None:
         """Count the staging buffers made so far in ``ledger``, and make it the one later buffers are recorded in."""
         self._ledger = ledger
-        for buffer in self.staging_buffers:
-            record_allocation(ledger, HOST_PINNED if is_pinned_here(buffer) else HOST, "staging", buffer)
+        if self._pool is not None:
+            self._pool.record_in(ledger)
 
     @property
     def staging_buffers(self) -> list[torch.Tensor]:

@@ -16,21 +16,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_zero_offload.engine.infra.collectives import all_gather
-from lightning_zero_offload.engine.infra.ledger import (
-    COLLECTIVE,
-    DEVICE,
-    HOST,
-    HOST_PINNED,
-    MemoryLedger,
-    record_allocation,
-)
-from lightning_zero_offload.engine.infra.memory import (
-    BufferPool,
-    HostToDevice,
-    device_empty,
-    device_zeros,
-    is_pinned_here,
-)
+from lightning_zero_offload.engine.infra.ledger import COLLECTIVE, DEVICE, MemoryLedger, record_allocation
+from lightning_zero_offload.engine.infra.memory import BufferPool, HostToDevice, device_empty, device_zeros
 from lightning_zero_offload.engine.infra.streams import record_event, wait_event
 from lightning_zero_offload.engine.step.layout import Bucket, Layout
 from lightning_zero_offload.engine.step.param_writes import ParamWriteWatch
@@ -122,8 +109,8 @@ class Publisher:
         holds in the engine's new ``ledger``, which records what it makes from now on."""
         self.ledger = ledger
         record_allocation(ledger, DEVICE, "params", self.flat_params)
-        for buffer in self.pool.buffers if self.pool is not None else []:
-            record_allocation(ledger, HOST_PINNED if is_pinned_here(buffer) else HOST, "staging", buffer)
+        if self.pool is not None:
+            self.pool.record_in(ledger)
         self.h2d.record_in(ledger)
         self.writes.record_in(ledger)
 
