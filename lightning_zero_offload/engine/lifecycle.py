@@ -172,11 +172,11 @@ class EngineLifecycle:
         self.schedule.on_weights_loaded()
         self._settle()  # writes to the parameters absorbed
         schedule_state = self.schedule.state_dict()
-        old_params, has_grad, held, fresh = self.params, list(self.grads.has_grad), self.grads.held(), None
+        old_params, has_grad, held = self.params, list(self.grads.has_grad), self.grads.held()
+        fresh = self.grads.fresh_buckets() if in_place else None  # growing moves the gradient buffer whole, stale too
         self.schedule.close()
         self.grads.close()
-        if in_place:  # the gradient buffer moves whole, stale buckets too
-            fresh = self.grads.fresh_buckets()
+        if in_place:
             self._grow_share(self.resolved.device_share)
         else:
             carried = self._carried  # what the last step did to the gradients it kept (torch's .grad), if kept
