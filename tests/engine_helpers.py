@@ -95,89 +95,61 @@ def fp16_headroom(device: torch.device = CPU) -> tuple[float, bool]:
     return float(engine.grad.host.max()), engine.grads.local_summary()[1]
 
 
-def unfreeze_training(
-    rank: int, world: int, unfreeze_at: int = 3, steps: int = 6, micro: int = 1, **engine_options
+def unfreezing(micro: int) -> dict:
+    """Events of :func:`replan_training` (the first layer's requires_grad before the micro-batches named (step,
+    micro-batch); "start": before any): frozen, then unfrozen before the last micro-batch of step 3 of 6 (mid-window
+    when there are several)."""
+    return {"start": False, (3, micro - 1): True}
+
+
+# Frozen in the middle of the second window and unfrozen in the middle of the third (two micro-batches, four steps).
+MID_WINDOW = {(1, 1): False, (2, 1): True}
+
+
+def replan_training(
+    rank: int, world: int, events: dict, steps: int, micro: int, clip: float | None = None, **engine_options
 ) -> dict:
-    """AdamW with the first layer frozen until ``unfreeze_at`` (then trainable: the engine re-plans), on
-    this rank's share of each batch in ``micro`` micro-batches (unfrozen before the last one: mid-window when
-    ``micro`` > 1); the full master weights and the optimizer state at the end."""
+    """AdamW on this rank's share of each batch in ``micro`` micro-batches, the first layer frozen or unfrozen as
+    ``events`` say (each change re-planned at once), clipping at ``clip``; the full master weights and the optimizer
+    state at the end."""
     net = make_net()
-    net[0].requires_grad_(False)
-    optimizer = two_groups(net)
-    engine = OffloadEngine(optimizer, CPU, torch.float32, options(**engine_options))
+    net[0].requires_grad_(events.get("start", True))
+    engine = OffloadEngine(two_groups(net), CPU, torch.float32, options(**engine_options))
     for index, (x, y) in enumerate(batches(steps)):
         share = len(x) // world
         mine = slice(rank * share, (rank + 1) * share)
         for part in range(micro):
-            if index == unfreeze_at and part == micro - 1:
-                net[0].requires_grad_(True)
+            if (index, part) in events:
+                net[0].requires_grad_(events[index, part])
                 assert engine.replan_if_changed()
             engine.begin_backward()
             (loss_fn(net, (x[mine][part::micro], y[mine][part::micro])) / micro).backward()
             engine.finish_backward()
-        engine.step()
+        engine.step(clip_norm=clip)
         engine.zero_grad()
     return {"weights": engine.master_params(), "state": engine.optimizer_state_dict()["state"]}
 
 
-def unfreeze_reference(unfreeze_at: int = 3, steps: int = 6, micro: int = 1, world: int = 1) -> dict:
-    """The same with torch's AdamW on whole batches (micro-batch k: every rank's k-th part)."""
+def replan_reference(events: dict, steps: int, micro: int, world: int = 1, clip: float | None = None) -> dict:
+    """The same with torch's AdamW on whole batches (micro-batch k: every rank's k-th part); ``clip`` must fire."""
     net = make_net()
-    net[0].requires_grad_(False)
+    net[0].requires_grad_(events.get("start", True))
     optimizer = two_groups(net)
     for index, (x, y) in enumerate(batches(steps)):
         share = len(x) // world
-        optimizer.zero_grad()
+        ranks = [slice(rank * share, (rank + 1) * share) for rank in range(world)]
         for part in range(micro):
-            if index == unfreeze_at and part == micro - 1:
-                net[0].requires_grad_(True)
-            ranks = [slice(rank * share, (rank + 1) * share) for rank in range(world)]
+            if (index, part) in events:
+                net[0].requires_grad_(events[index, part])
             batch = (torch.cat([x[r][part::micro] for r in ranks]), torch.cat([y[r][part::micro] for r in ranks]))
             (loss_fn(net, batch) / micro).backward()
-        optimizer.step()
-    return {"weights": [p.detach().clone() for p in net.parameters()], "state": optimizer.state_dict()["state"]}
-
-
-# (step, micro-batch) -> the first layer's requires_grad from then on: frozen in the middle of the second window,
-# unfrozen in the middle of the third.
-MID_WINDOW = {(1, 1): False, (2, 1): True}
-
-
-def mid_window_training(rank: int, world: int, events: dict = MID_WINDOW, **engine_options) -> dict:
-    """Two micro-batches a step on this rank's share of each batch, the first layer frozen or unfrozen before the
-    micro-batches ``events`` name, clipping that fires; the full master weights at the end."""
-    net = make_net()
-    engine = OffloadEngine(two_groups(net), CPU, torch.float32, options(**engine_options))
-    for index, (x, y) in enumerate(batches(4)):
-        share = len(x) // world
-        mine = slice(rank * share, (rank + 1) * share)
-        for part in range(2):
-            if (index, part) in events:
-                net[0].requires_grad_(events[index, part])
-            engine.begin_backward()
-            (loss_fn(net, (x[mine][part::2], y[mine][part::2])) / 2).backward()
-            engine.finish_backward()
-        engine.step(clip_norm=0.05)
-        engine.zero_grad()
-    return {"weights": engine.master_params()}
-
-
-def mid_window_reference(world: int = 1, events: dict = MID_WINDOW) -> list[torch.Tensor]:
-    """The same with torch's AdamW on whole batches (micro-batch k: every rank's k-th part)."""
-    net = make_net()
-    optimizer = two_groups(net)
-    for index, (x, y) in enumerate(batches(4)):
-        share = len(x) // world
-        ranks = [slice(rank * share, (rank + 1) * share) for rank in range(world)]
-        for part in range(2):
-            if (index, part) in events:
-                net[0].requires_grad_(events[index, part])
-            batch = (torch.cat([x[r][part::2] for r in ranks]), torch.cat([y[r][part::2] for r in ranks]))
-            (loss_fn(net, batch) / 2).backward()
-        assert float(torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.grad is not None], 0.05)) > 0.05
+        if clip is not None:
+            assert (
+                float(torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.grad is not None], clip)) > clip
+            )
         optimizer.step()
         optimizer.zero_grad()
-    return [p.detach().clone() for p in net.parameters()]
+    return {"weights": [p.detach().clone() for p in net.parameters()], "state": optimizer.state_dict()["state"]}
 
 
 class DelayedReference:

@@ -12,15 +12,15 @@ from functools import partial
 import pytest
 import torch
 from engine_helpers import (
+    MID_WINDOW,
     batches,
     loss_fn,
     make_net,
-    mid_window_reference,
-    mid_window_training,
     options,
+    replan_reference,
+    replan_training,
     two_groups,
-    unfreeze_reference,
-    unfreeze_training,
+    unfreezing,
 )
 from workers.replan import mid_window_two_ranks, unfreeze_two_ranks
 
@@ -45,16 +45,18 @@ def assert_matches_reference(result: dict, reference: dict) -> None:
 def test_unfreezing_at_one_rank_trains_as_torch(micro, in_place_on_cpu):
     """``micro=2``: unfrozen before the window's last micro-batch; the other layers' gradients of the first one
     are carried into the new layout (dropping them differs by > 1e-3)."""
-    reference = unfreeze_reference(micro=micro)
+    reference = replan_reference(unfreezing(micro), 6, micro)
     assert float(reference["state"][0]["step"]) == 3  # the first layer trained only after the unfreeze
-    assert_matches_reference(unfreeze_training(0, 1, micro=micro, in_place_on_cpu=in_place_on_cpu), reference)
+    assert_matches_reference(
+        replan_training(0, 1, unfreezing(micro), 6, micro, in_place_on_cpu=in_place_on_cpu), reference
+    )
 
 
 @pytest.mark.slow  # two ranks in processes
 @pytest.mark.parametrize("micro", [1, 2])
 def test_unfreezing_under_zero_2_re_plans_alike_on_every_rank(tmp_path, micro):
     results = run_ranks(partial(unfreeze_two_ranks, micro=micro), 2, tmp_path)
-    reference = unfreeze_reference(micro=micro, world=2)
+    reference = replan_reference(unfreezing(micro), 6, micro, world=2)
     for result in results:
         assert_matches_reference(result, reference)
 
@@ -128,8 +130,8 @@ def test_an_unfreeze_between_a_step_and_zero_grad_keeps_the_clipped_gradients_as
 def test_a_layer_frozen_in_the_middle_of_a_window_is_stepped_with_its_gradient_as_torch_does(engine_options):
     """torch's AdamW steps every parameter whose ``.grad`` is set: one frozen after the window's first micro-batch
     is still stepped with that gradient (the re-plan keeps it), then no more until it is unfrozen (mid-window too)."""
-    got = mid_window_training(0, 1, **engine_options)["weights"]
-    for ours, theirs in zip(got, mid_window_reference()):
+    got = replan_training(0, 1, MID_WINDOW, 4, 2, clip=0.05, **engine_options)["weights"]
+    for ours, theirs in zip(got, replan_reference(MID_WINDOW, 4, 2, clip=0.05)["weights"]):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=ATOL)
 
 
@@ -137,7 +139,7 @@ def test_a_layer_frozen_in_the_middle_of_a_window_is_stepped_with_its_gradient_a
 @pytest.mark.parametrize("cpu_step", ["sync", "speculative"])
 def test_a_layer_frozen_and_unfrozen_mid_window_at_two_ranks_trains_as_one_process(tmp_path, cpu_step):
     results = run_ranks(partial(mid_window_two_ranks, cpu_step=cpu_step), 2, tmp_path)
-    reference = mid_window_reference(world=2)
+    reference = replan_reference(MID_WINDOW, 4, 2, world=2, clip=0.05)["weights"]
     for result in results:
         for ours, theirs in zip(result["weights"], reference):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=ATOL)
