@@ -1,5 +1,6 @@
 """Small models, data and option presets for driving the offload engine directly in tests."""
 
+import copy
 from dataclasses import replace
 
 import torch
@@ -150,6 +151,69 @@ def replan_reference(events: dict, steps: int, micro: int, world: int = 1, clip:
         optimizer.step()
         optimizer.zero_grad()
     return {"weights": [p.detach().clone() for p in net.parameters()], "state": optimizer.state_dict()["state"]}
+
+
+# Layer index -> requires_grad, set before the step named ("start": before any). frozen_resume_training takes the
+# optimizer's state dict before step FROZEN_RESUME_AT and loads it into a new net and optimizer.
+FROZEN_STATE_SCENARIOS = {
+    # trained, saved, resumed frozen (a schedule that freezes it for a while), unfrozen after the resume
+    "frozen-when-loaded": {2: {0: False}, 6: {0: True}},
+    # trained, frozen, then parked by a re-plan (another layer unfrozen) before the save; unfrozen after the resume
+    "parked-when-saved": {"start": {2: False}, 2: {0: False}, 3: {2: True}, 6: {0: True}},
+}
+FROZEN_RESUME_AT = 5
+
+
+def frozen_resume_training(rank: int, world: int, scenario: str, engine_options: dict | None, steps: int = 9) -> dict:
+    """``make_net`` with two param groups through a :data:`FROZEN_STATE_SCENARIOS` scenario, resumed from the weights
+    and the optimizer's state dict before step :data:`FROZEN_RESUME_AT`: by torch's AdamW on whole batches
+    (``engine_options`` None) or by the engine on this rank's share of each. That state dict, and the weights and
+    the state dict at the end."""
+    events = FROZEN_STATE_SCENARIOS[scenario]
+    trainable = dict(events.get("start", {}))
+
+    def build(weights: list[torch.Tensor] | None = None):
+        net = make_net(seed=3)  # other weights than the run's: they come from the "checkpoint"
+        if weights is None:
+            net = make_net()
+        else:
+            with torch.no_grad():
+                for p, w in zip(net.parameters(), weights):
+                    p.copy_(w)
+        for layer, flag in trainable.items():
+            net[layer].requires_grad_(flag)
+        optimizer = two_groups(net)
+        if engine_options is None:
+            return net, optimizer
+        return net, OffloadEngine(optimizer, CPU, torch.float32, options(**engine_options))
+
+    def weights_and_state(net, optimizer) -> tuple[list[torch.Tensor], dict]:
+        if engine_options is None:
+            return [p.detach().clone() for p in net.parameters()], copy.deepcopy(optimizer.state_dict())  # not live
+        state = optimizer.optimizer_state_dict()
+        optimizer.close()  # the parameters hold the master weights
+        return [p.detach().clone() for p in net.parameters()], state
+
+    net, optimizer = build()
+    for index, (x, y) in enumerate(batches(steps)):
+        if index == FROZEN_RESUME_AT:
+            weights, saved = weights_and_state(net, optimizer)
+            net, optimizer = build(weights)
+            load = optimizer.load_optimizer_state_dict if engine_options is not None else optimizer.load_state_dict
+            load(copy.deepcopy(saved))  # torch's load keeps the tensors it is given, and steps them in place
+        for layer, flag in events.get(index, {}).items():
+            trainable[layer] = flag
+            net[layer].requires_grad_(flag)
+        mine = slice(None)
+        if engine_options is not None:
+            optimizer.replan_if_changed()
+            share = len(x) // world
+            mine = slice(rank * share, (rank + 1) * share)
+        loss_fn(net, (x[mine], y[mine])).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    weights, state = weights_and_state(net, optimizer)
+    return {"saved": saved["state"], "weights": weights, "state": state["state"]}
 
 
 class DelayedReference:

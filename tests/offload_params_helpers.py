@@ -229,6 +229,21 @@ def train(sharded: nn.Module, engine: ParamOffloadEngine, data: list, clip_norm:
         engine.zero_grad()
 
 
+# blocks[0] frozen (True) or trainable in each of six windows; a resume saves after the first RESUMED_AT windows.
+FREEZING = {
+    "frozen-across-the-save": [False, False, False, True, True, False],
+    "first-trained-after-the-save": [True, True, True, True, False, False],
+}
+RESUMED_AT = 4
+
+
+def train_freezing(sharded: nn.Module, engine: ParamOffloadEngine, data: list, frozen: list[bool]) -> None:
+    """:func:`train` (clipping at 0.5), ``blocks[0]`` frozen in the windows ``frozen`` says."""
+    for window, freeze in zip(data, frozen):
+        sharded.blocks[0].requires_grad_(not freeze)
+        train(sharded, engine, [window], clip_norm=0.5)
+
+
 def trained_copy(
     model: nn.Module, data: list, dtype: torch.dtype = torch.float32, clip_norm: float | None = None, **options
 ) -> tuple[nn.Module, ParamOffloadEngine]:

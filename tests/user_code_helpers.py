@@ -77,6 +77,19 @@ class Backbone(L.LightningModule):
         return torch.optim.AdamW(filter(lambda p: p.requires_grad, self.parameters()), lr=1e-2)
 
 
+class BlockBackbone(Backbone):
+    """:class:`Backbone` with a backbone of identical blocks, which offload_params=True shards one by one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(16, 32)
+        self.backbone = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.GELU()) for _ in range(3)])
+
+    def forward(self, x):
+        return self.head(self.backbone(self.stem(x)))
+
+
 class UnfreezeAt(L.Callback):
     """``requires_grad_(True)`` on the frozen backbone at a step; with ``add_group`` also a param group for it."""
 

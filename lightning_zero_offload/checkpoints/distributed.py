@@ -63,6 +63,7 @@ from lightning_zero_offload.checkpoints.sharded import (
 from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
 from lightning_zero_offload.engine.offload_params.heap import release_free_heap
 from lightning_zero_offload.engine.offload_params.sharded_state import (
+    keep_saved_state,
     load_param_groups_by_name,
     load_sharded_state,
     param_groups_by_name,
@@ -72,7 +73,14 @@ from lightning_zero_offload.engine.offload_params.sharded_state import (
 from lightning_zero_offload.engine.state_dicts import note_state_conversion
 from lightning_zero_offload.engine.step.cpu_state import STATE_DTYPES, STATE_NAMES
 
-__all__ = ["export_fp32", "is_distributed_checkpoint", "load_sharded", "load_sharded_full", "save_sharded"]
+__all__ = [
+    "OpenedCheckpoint",
+    "export_fp32",
+    "is_distributed_checkpoint",
+    "load_sharded",
+    "load_sharded_full",
+    "save_sharded",
+]
 
 FORMAT = "distributed"
 
@@ -127,6 +135,50 @@ def save_sharded(
         publish(meta, root, version_name, rank, broadcast)
 
 
+class OpenedCheckpoint:
+    """A checkpoint of this format open for loading: its ``meta.pt`` read and every file checked once (every rank
+    calls it). Its model and its optimizer state then load in place, together or one after the other: the Trainer
+    loads the optimizer state after the callbacks' state, which may put param groups back first.
+    ``weights_only=False`` admits pickled objects in meta.pt and DCP's index: only for files you trust."""
+
+    def __init__(self, path: PathLike, weights_only: bool = True) -> None:
+        self.path = path
+        self.version, self.meta = read_meta(path, weights_only)
+        self.info = self.meta[FORMAT_KEY]
+        rank, self.world = rank_and_world()
+        verify_files(self.version, self.info["files"], rank, self.world)
+        self.reader = MetadataReader(self.version, weights_only)
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """The front end's entries it was saved with (loops', callbacks', schedulers' state)."""
+        return self.meta["extra"]
+
+    def load(self, module: nn.Module, engine: ParamOffloadEngine, model: bool = True, optimizer: bool = True) -> None:
+        """In place into ``module``'s shards (``model``), and into the engine's moments, step counts, the param
+        groups' hyperparameters and the engine's counters (``optimizer``). Call it on every rank, between steps.
+
+        As torch's ``load_state_dict``: a trainable parameter the checkpoint has no state for starts afresh, and a
+        frozen one it has state for keeps it for its unfreezing."""
+        if optimizer and not self.info["with_optimizer"]:
+            raise CheckpointError(
+                f"the checkpoint at {self.path} holds the model only (it was saved without optimizer state): "
+                "load it with with_optimizer=False to start from its weights"
+            )
+        saved = set(self.info["params"]) if optimizer else set()
+        if optimizer:
+            keep_saved_state(module, engine, saved)
+        state = sharded_state(module, engine, with_optimizer=optimizer, with_model=model, saved=saved)
+        _check_fits(self.reader, state, self.path)
+        if optimizer:
+            load_param_groups_by_name(module, engine.optimizer, self.meta["param_groups"])
+            note_state_conversion(engine.state_dtype, [STATE_DTYPES[self.info["state_dtype"]]], stacklevel=3)
+        load_files(state, self.reader, self.world, f"loading the checkpoint at {self.path}")  # in place
+        load_sharded_state(module, engine, state)
+        if optimizer:
+            engine.load_state_dict(self.meta["engine"])
+
+
 def load_sharded(
     path: PathLike,
     module: nn.Module,
@@ -136,28 +188,10 @@ def load_sharded(
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path`` in place into ``module``'s shards (with ``with_optimizer`` also the
     moments, step counts, param groups' hyperparameters and the engine's counters), at any world size; returns
-    the ``extra`` it was saved with. Call it on every rank. ``weights_only=False`` admits pickled objects in
-    meta.pt and DCP's index: only for files you trust."""
-    version, meta = read_meta(path, weights_only)
-    info = meta[FORMAT_KEY]
-    rank, world = rank_and_world()
-    verify_files(version, info["files"], rank, world)
-    if with_optimizer and not info["with_optimizer"]:
-        raise CheckpointError(
-            f"the checkpoint at {path} holds the model only (it was saved without optimizer state): "
-            "load it with with_optimizer=False to start from its weights"
-        )
-    reader = MetadataReader(version, weights_only)
-    state = sharded_state(module, engine, with_optimizer)
-    _check_fits(reader, state, path)
-    if with_optimizer:
-        load_param_groups_by_name(module, engine.optimizer, meta["param_groups"])
-        note_state_conversion(engine.state_dtype, [STATE_DTYPES[info["state_dtype"]]], stacklevel=3)
-    load_files(state, reader, world, f"loading the checkpoint at {path}")  # into the shards and moments, in place
-    load_sharded_state(module, engine, state)
-    if with_optimizer:
-        engine.load_state_dict(meta["engine"])
-    return meta["extra"]
+    the ``extra`` it was saved with. Call it on every rank (:class:`OpenedCheckpoint`)."""
+    opened = OpenedCheckpoint(path, weights_only)
+    opened.load(module, engine, optimizer=with_optimizer)
+    return opened.extra
 
 
 def load_sharded_full(path: PathLike, weights_only: bool = True) -> dict[str, Any]:

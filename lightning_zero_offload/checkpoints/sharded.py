@@ -7,8 +7,9 @@ epoch=3-step=400.ckpt/          never removed or renamed while a checkpoint live
                                 without optimizer state in the checkpoint, the master alone); with a device
                                 share each in two: "<name>" the host's part, "<name>@device" the share's
     shard_00001.pt
-    meta.pt                     rank 0, written last: the Lightning checkpoint minus the sharded tensors,
-                                plus the layout, the save id and each shard's size and CRC-32
+    meta.pt                     rank 0, written last: the Lightning checkpoint minus the sharded tensors (frozen
+                                parameters' optimizer state stays in it, whole), plus the layout, the save id
+                                and each shard's size and CRC-32
 ```
 
 The checkpoint is the newest version directory that has a ``meta.pt``. A save creates a new version,
@@ -310,7 +311,7 @@ def load_sharded(path: PathLike, with_optimizer: bool = True, weights_only: bool
             state_dict[key] = weight
     if with_optimizer:
         saved = checkpoint["optimizer_states"][0]
-        state = {}
+        state = dict(saved["state"])  # frozen parameters' state, whole in meta.pt (not in the layout)
         for param, m, v in zip(info["params"], full["exp_avg"], full["exp_avg_sq"]):
             if param["step"] > 0:
                 step = torch.tensor(float(param["step"]), dtype=torch.float32)

@@ -9,22 +9,23 @@ taken by the session, behaving as torch's optimizer contract says.
 - ``state_dict()`` / ``load_state_dict()``: torch AdamW's format (sharded: the param groups only, the
   moments are in the shards) plus the engine's own state under ``ENGINE_STATE_KEY``, so a checkpoint of
   it resumes the engine too.
-- ``state``: each parameter's ``step``, ``exp_avg`` and ``exp_avg_sq``, the moments as live views of the
-  engine's CPU state (one rank; at several the moments are sharded and ``state`` refuses, naming the
-  state-dict route instead). Deleting a parameter's entry (or ``state.clear()``) resets it as torch would.
+- ``state``: each parameter's ``step``, ``exp_avg`` and ``exp_avg_sq`` (a frozen one's too, once it trained), the
+  moments as live views of the engine's state (core/param_states.py: ZeRO-2 at one rank, at several ``state``
+  refuses and names the state-dict route; offload_params as DTensors at any world size). Deleting a
+  parameter's entry (or ``state.clear()``) resets it as torch would.
+- ``param_groups``: the wrapped optimizer's, read live by the engine; assigning them assigns its.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import torch
 
 from lightning_zero_offload.checkpoints import ENGINE_STATE_KEY
+from lightning_zero_offload.core.param_states import ParamStates
 from lightning_zero_offload.core.session import OffloadSession, training_session
-from lightning_zero_offload.engine import OffloadEngine
-from lightning_zero_offload.engine.step.cpu_state import MOMENTS
 
 
 class OffloadedOptimizer:
@@ -48,6 +49,15 @@ class OffloadedOptimizer:
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self._session.optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._session.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Assigned groups are the wrapped optimizer's (Lightning's finetuning callbacks restore theirs so)."""
+        self._session.optimizer.param_groups = groups
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """The step on the CPU; with a ``closure``, that closure (forward and backward) runs first and its
@@ -101,89 +111,3 @@ class OffloadedOptimizer:
         if item in ("_optimizer", "_session"):  # not set yet (copy/unpickle): do not recurse
             raise AttributeError(item)
         return getattr(self._session.optimizer, item)
-
-
-class ParamStates(MutableMapping):
-    """``optimizer.state``: for each trainable parameter that has taken a step, its entry (below)."""
-
-    def __init__(self, session: OffloadSession) -> None:
-        if session.world_size != 1:
-            raise RuntimeError(
-                f"zero_offload shards the optimizer state across {session.world_size} ranks, so "
-                "optimizer.state cannot show a parameter's moments whole. Read them with optimizer.state_dict() "
-                "and change them with optimizer.load_state_dict() (both on every rank)."
-            )
-        engine = session.engine  # its CPU state, shown as torch's optimizer.state
-        self._engine = engine
-        self._index = {id(p): i for i, p in enumerate(engine.params)}
-
-    def _position(self, param: Any) -> int:
-        index = self._index.get(id(param))
-        if index is None:
-            raise KeyError(param)
-        return index
-
-    def __getitem__(self, param: Any) -> ParamState:
-        return ParamState(self._engine, self._position(param))
-
-    def __setitem__(self, param: Any, entry: Any) -> None:
-        """``state[p] = {...}``: a reset when empty; otherwise each given entry is copied in."""
-        state = self[param]
-        if not entry:
-            state.clear()
-        for key, value in dict(entry).items():
-            state[key] = value
-
-    def __delitem__(self, param: Any) -> None:
-        self[param].clear()
-
-    def __iter__(self) -> Iterator[torch.nn.Parameter]:
-        steps = self._engine.steps
-        return iter([p for i, p in enumerate(self._engine.params) if steps[i] > 0])
-
-    def __len__(self) -> int:
-        return sum(step > 0 for step in self._engine.steps)
-
-    def __contains__(self, param: object) -> bool:
-        index = self._index.get(id(param))
-        return index is not None and self._engine.steps[index] > 0
-
-
-class ParamState(MutableMapping):
-    """``optimizer.state[p]``: ``step`` (a float tensor, as torch keeps it; assign to change it), and
-    ``exp_avg``/``exp_avg_sq`` as live views of the engine's moments (in-place changes are the engine's).
-    Empty until the parameter's first step, as in torch; ``clear()`` resets the parameter."""
-
-    def __init__(self, engine: OffloadEngine, index: int) -> None:
-        self._engine, self._index = engine, index
-
-    def _keys(self) -> tuple[str, ...]:
-        return ("step", *MOMENTS) if self._engine.steps[self._index] > 0 else ()
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self._keys():
-            raise KeyError(key)
-        if key == "step":
-            return torch.tensor(float(self._engine.steps[self._index]))
-        return self._engine.moment_view(self._index, key)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        if key == "step":
-            self._engine.set_param_step(self._index, int(value))
-        elif key in MOMENTS:
-            self._engine.set_moment(self._index, key, value)
-        else:
-            raise KeyError(f"zero_offload's Adam state holds step, exp_avg and exp_avg_sq, not {key!r}")
-
-    def __delitem__(self, key: str) -> None:
-        raise KeyError(f"{key!r}: clear the parameter's whole state instead (del optimizer.state[p])")
-
-    def clear(self) -> None:
-        """The parameter starts again from zero moments and step 0, as torch's state for a new parameter."""
-        self._engine.set_param_step(self._index, 0)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys())
-
-    def __len__(self) -> int:
-        return len(self._keys())

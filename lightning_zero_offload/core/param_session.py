@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_zero_offload.checkpoints import PathLike
-from lightning_zero_offload.checkpoints.distributed import load_sharded, save_sharded
+from lightning_zero_offload.checkpoints.distributed import OpenedCheckpoint, load_sharded, save_sharded
 from lightning_zero_offload.core.options import resolve_precision
 from lightning_zero_offload.core.session_base import EngineSession
 from lightning_zero_offload.engine import OffloadOptions, StepStats
@@ -210,6 +210,10 @@ class ParamOffloadSession(EngineSession):
         """A sharded checkpoint in place into the shards (and moments, step counts, hyperparameters and the
         engine's counters); returns the rest of the checkpoint as saved. Every rank calls it."""
         return load_sharded(path, self.module, self.engine, with_optimizer)
+
+    def load_opened(self, checkpoint: OpenedCheckpoint, model: bool, optimizer: bool) -> None:
+        """Parts of an opened sharded checkpoint in place (:meth:`load_sharded` in two calls). Every rank calls it."""
+        checkpoint.load(self.module, self.engine, model, optimizer)
 
     def engine_state_dict(self) -> dict[str, Any]:
         return self.engine.state_dict()

@@ -24,7 +24,7 @@ from lightning_zero_offload.checkpoints.distributed_files import gather
 from lightning_zero_offload.checkpoints.streamed import BucketStream, OneRankBuckets, serve_full_save
 from lightning_zero_offload.checkpoints.writer import StreamedStorages
 from lightning_zero_offload.engine import OffloadEngine
-from lightning_zero_offload.engine.state_dicts import buffers_shared_for_save
+from lightning_zero_offload.engine.state_dicts import buffers_shared_for_save, parked_state
 
 
 class SessionCheckpoints:
@@ -82,10 +82,10 @@ class SessionCheckpoints:
         return state
 
     def optimizer_state_to_save(self) -> dict[str, Any]:
-        """The optimizer state in torch AdamW's format; sharded, only the param groups (the moments are
-        in the shards). A collective with several ranks (full format)."""
+        """The optimizer state in torch AdamW's format; sharded, the param groups and the state of frozen parameters
+        that have one (the trainable ones' moments are in the shards). A collective with several ranks (full format)."""
         if self.sharded:
-            return {"state": {}, "param_groups": self.engine.param_groups_state()}
+            return {"state": parked_state(self.engine), "param_groups": self.engine.param_groups_state()}
         return self.engine.optimizer_state_dict()
 
     def engine_state_dict(self) -> dict[str, Any]:

@@ -118,7 +118,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.nonfinite = NonFinitePolicy(options.max_consecutive_skipped_steps, self.scaler)
         self.failed = False  # closed after an exception, without gathering (see _close_after_failure)
         self._closed = False
-        self._parked = ParkedState()  # moments and step counts of parameters that left the trainable set
+        self.parked = ParkedState()  # moments and step counts of parameters that left the trainable set
         self.share_choice = None  # device_share="auto" (ZeRO-2): chosen after a warm step
         self.share_floor = share_floor
         self.save_sharing = SaveSharing()  # how a full save takes the state (engine/state_dicts.py)
@@ -161,7 +161,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.pin = self.resolved.pin_memory and can_pin(device)
         state_args = (self.resolved.state_dtype, self._rounding_seed, device, self.resolved.device_share)
         self.state = CpuState(self.layout, self.group_of, not self.in_place, *state_args, allocate=not replaced)
-        self._original_dtypes = state_dicts.fill_state(self, replaced, self._parked)
+        self._original_dtypes = state_dicts.fill_state(self, replaced)
         self._build_parts()
 
     @records_allocations  # a fresh ledger: the state's buffers as moved, the parts built again but the publisher

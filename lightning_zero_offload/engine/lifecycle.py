@@ -62,7 +62,7 @@ class EngineLifecycle:
     failed: bool
     _closed: bool
     _signature: tuple[tuple[int, bool], ...]
-    _parked: ParkedState
+    parked: ParkedState
     _carried: CarriedGradients | None
     _original_dtypes: list[torch.dtype]
     _rounding_seed: int
@@ -295,7 +295,9 @@ class EngineLifecycle:
         return tensors
 
     def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam)."""
+        """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam), numbered by the param
+        groups as they are now (laid out again first if they changed: a finetuning callback restored its groups)."""
+        self.replan_if_changed()
         self._settle()
         state_dicts.load_optimizer_state_dict(self, state_dict)
 

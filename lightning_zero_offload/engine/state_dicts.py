@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_zero_offload.engine.infra.collectives import gather_host
-from lightning_zero_offload.engine.step.cpu_state import MOMENTS, CpuState, ParkedState
+from lightning_zero_offload.engine.step.cpu_state import MOMENTS, CpuState
 from lightning_zero_offload.engine.step.shard_buffer import ShardBuffer
 from lightning_zero_offload.warning import ZeroOffloadWarning
 
@@ -116,19 +116,19 @@ class Replaced:
         return {id(p) for p, has in zip(self.params, self.has_grad) if has}
 
 
-def fill_state(engine: ShardedState, replaced: Replaced | None, parked: ParkedState) -> list[torch.dtype]:
+def fill_state(engine: ShardedState, replaced: Replaced | None) -> list[torch.dtype]:
     """Fill ``engine.state``, new: from the parameters' values (the master; fresh moments), or carried over from the
     state a re-plan ``replaced`` (made without buffers: :func:`carry_state`). Returns each parameter's dtype as
     built (what it goes back to when the engine lets it go)."""
     if replaced is None:
         load_shard(engine.layout, engine.state.master, [p.detach() for p in engine.params])
         return [p.dtype for p in engine.params]
-    carry_state(engine, replaced, parked)
+    carry_state(engine, replaced)
     built = {id(p): dtype for p, dtype in zip(replaced.params, replaced.dtypes)}
     return [built.get(id(p), p.dtype) for p in engine.params]
 
 
-def carry_state(engine: ShardedState, old: Replaced, parked: ParkedState) -> None:
+def carry_state(engine: ShardedState, old: Replaced) -> None:
     """Fill ``engine.state`` (laid out for ``engine.params``, made without buffers) from ``old``'s, one buffer at a
     time, each old one dropped when its successor is full (the gradient buffer first where the window has none),
     read one bucket run at a time: never a copy of the whole state, which a host sized for training could not hold.
@@ -136,7 +136,7 @@ def carry_state(engine: ShardedState, old: Replaced, parked: ParkedState) -> Non
     value stays in the old flat buffer until the new one is built); one that leaves gets its master as a device
     tensor of its own and its moments and step count parked; one that comes (back) starts from its current value
     with its parked moments and step count, or fresh ones, as torch's AdamW does."""
-    state = engine.state
+    state, parked = engine.state, engine.parked
     index_of = {id(p): j for j, p in enumerate(engine.params)}
     moved = [index_of.get(id(p)) for p in old.params]  # each old parameter's new index (None: it leaves)
     stayed = set(moved)
@@ -145,7 +145,7 @@ def carry_state(engine: ShardedState, old: Replaced, parked: ParkedState) -> Non
     if not carries_grad:
         old.state.grad = None
     for name in ["master", *MOMENTS] + (["grad"] if state.keeps_grad else []):
-        setattr(state, name, _carried_buffer(engine, old, name, moved, came, parked, name != "grad" or carries_grad))
+        setattr(state, name, _carried_buffer(engine, old, name, moved, came, name != "grad" or carries_grad))
         setattr(old.state, name, None)  # freed, unless a part not rebuilt yet holds it (in place: the views)
     steps = [0] * len(engine.params)
     for i, (j, step) in enumerate(zip(moved, old.state.steps)):
@@ -164,11 +164,10 @@ def _carried_buffer(
     name: str,
     moved: list[int | None],
     came: list[int],
-    parked: ParkedState,
     read_old: bool,
 ) -> ShardBuffer:
     """The new layout's buffer ``name``, filled (:func:`carry_state`); nothing of the old one referenced after."""
-    buffer, layout = engine.state.new_buffer(), engine.layout
+    buffer, layout, parked = engine.state.new_buffer(), engine.layout, engine.parked
     for i, full in _full_runs(engine, getattr(old.state, name), old.layout) if read_old else ():
         j, p = moved[i], old.params[i]
         if name == "master" and j is None:  # its weights, out of the flat buffer, into a device tensor of their own
@@ -214,12 +213,31 @@ def optimizer_state_dict(engine: ShardedState) -> dict[str, Any]:
     state: dict[int, dict[str, torch.Tensor]] = {}
     for index, torch_index in enumerate(engine.torch_index):
         if engine.state.steps[index] > 0:
-            state[torch_index] = {
-                "step": torch.tensor(float(engine.state.steps[index]), dtype=torch.float32),
-                "exp_avg": exp_avg[index],
-                "exp_avg_sq": exp_avg_sq[index],
-            }
-    return {"state": state, "param_groups": param_groups_state(engine)}
+            state[torch_index] = _entry(engine.state.steps[index], exp_avg[index], exp_avg_sq[index])
+    state.update(parked_state(engine))
+    return {"state": dict(sorted(state.items())), "param_groups": param_groups_state(engine)}
+
+
+def _entry(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"step": torch.tensor(float(step), dtype=torch.float32), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """Every parameter of the optimizer, numbered as in its state dict (frozen ones too)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def parked_state(engine: ShardedState) -> dict[int, dict[str, torch.Tensor]]:
+    """The state of the optimizer's parameters that are not trainable now but stepped before (frozen since, or
+    frozen when a checkpoint was loaded), in torch's format: torch's AdamW keeps it, in memory and in its state
+    dict, and uses it again when the parameter is unfrozen. The same full tensors on every rank."""
+    state = {}
+    for torch_index, param in enumerate(_optimizer_params(engine.optimizer)):
+        parked = engine.parked.entry(param)
+        step = int(parked.get("step", 0))
+        if step > 0:
+            state[torch_index] = _entry(step, parked["exp_avg"], parked["exp_avg_sq"])  # type: ignore[arg-type]
+    return state
 
 
 def note_state_conversion(kept: torch.dtype, saved: list[torch.dtype], stacklevel: int = 4) -> None:
@@ -258,16 +276,36 @@ def load_optimizer_state_dict(engine: ShardedState, state_dict: dict[str, Any]) 
             exp_avg.append(torch.zeros(shape, dtype=engine.state.dtype))
             exp_avg_sq.append(torch.zeros(shape, dtype=engine.state.dtype))
             continue
-        if entry["exp_avg"].shape != shape:
-            raise ValueError(
-                f"optimizer state for parameter {torch_index} has shape {tuple(entry['exp_avg'].shape)}, "
-                f"the parameter has {tuple(shape)}"
-            )
+        _check_shape(entry, torch_index, shape)
         steps.append(int(float(entry["step"])))
         exp_avg.append(entry["exp_avg"])
         exp_avg_sq.append(entry["exp_avg_sq"])
     engine.state.load_steps(steps)
     load_shard(engine.layout, engine.state.exp_avg, exp_avg)
     load_shard(engine.layout, engine.state.exp_avg_sq, exp_avg_sq)
+    _park_loaded(engine, state)
     for group, saved in zip(optimizer.param_groups, groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
+
+
+def _check_shape(entry: dict[str, torch.Tensor], torch_index: int, shape: torch.Size) -> None:
+    if entry["exp_avg"].shape != shape:
+        raise ValueError(
+            f"optimizer state for parameter {torch_index} has shape {tuple(entry['exp_avg'].shape)}, "
+            f"the parameter has {tuple(shape)}"
+        )
+
+
+def _park_loaded(engine: ShardedState, state: dict[int, dict[str, torch.Tensor]]) -> None:
+    """The loaded state of the optimizer's frozen parameters, parked (what was parked before is replaced, as
+    torch's ``load_state_dict`` replaces its whole state): an unfreeze takes it up, as under torch's AdamW."""
+    engine.parked.clear()
+    trainable = set(engine.torch_index)
+    for torch_index, param in enumerate(_optimizer_params(engine.optimizer)):
+        entry = state.get(torch_index)
+        if torch_index in trainable or entry is None:
+            continue
+        _check_shape(entry, torch_index, param.shape)
+        for name in MOMENTS:
+            engine.parked.park(param, name, entry[name].to(engine.state.dtype, copy=True))
+        engine.parked.park(param, "step", int(float(entry["step"])))

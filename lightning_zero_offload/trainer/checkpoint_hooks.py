@@ -11,13 +11,24 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_zero_offload.checkpoints.distributed import is_distributed_checkpoint
+from lightning_zero_offload.checkpoints.distributed import OpenedCheckpoint, is_distributed_checkpoint
 from lightning_zero_offload.core import OffloadSession, ParamOffloadSession, training_session
 from lightning_zero_offload.core.checkpoint_io import load_checkpoint, save_checkpoint, uses_own_writer
+
+
+def restore_finetuning_groups(trainer: Trainer) -> None:
+    """Lightning's finetuning callbacks (``BaseFinetuning``: ``BackboneFinetuning``, users' own) put back the param
+    groups they added, from their checkpointed state, in ``on_fit_start``. A strategy that restores the checkpoint
+    after setup (this one, as Lightning's FSDP one) loads that state after ``on_fit_start``, so the optimizer would
+    lack those groups when its state is loaded: they are put back here, just before, as under ``"auto"``."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, BaseFinetuning) and getattr(callback, "_restarting", False):
+            BaseFinetuning.on_fit_start(callback, trainer, trainer.lightning_module)
 
 
 def _weights_only_resume_message(path: Any) -> str:
@@ -46,9 +57,10 @@ class TrainerCheckpoints(Strategy):
     and the optimizer state. Mixed in before the strategy's base class."""
 
     session: OffloadSession | ParamOffloadSession | None
-    # What a sharded checkpoint of offload_params=True loaded straight into the shards (Lightning's own loading of
-    # it then has nothing to do).
-    _loaded_in_place: frozenset[str] | set[str] = frozenset()
+    # A sharded checkpoint of offload_params=True loads straight into the shards (Lightning's own loading of its
+    # dict then has nothing to do): the model at once, the optimizer state where Lightning loads it.
+    _model_loaded_in_place = False
+    _optimizer_to_load: OpenedCheckpoint | None = None
 
     @property
     @override
@@ -101,12 +113,11 @@ class TrainerCheckpoints(Strategy):
         if weights_only is None:
             weights_only = getattr(self, "_weights_only", None)
         if isinstance(self.session, ParamOffloadSession) and is_distributed_checkpoint(checkpoint_path):
-            # Loaded in place into the shards and moments now; Lightning's loading of the weights and the
-            # optimizer state from the dict then has nothing left to do.
-            with_optimizer = fitting(getattr(self.lightning_module, "_trainer", None))
-            checkpoint = self.session.load_sharded(checkpoint_path, with_optimizer)
-            self._loaded_in_place = {"model", "optimizer"} if with_optimizer else {"model"}
-            return {**checkpoint, "state_dict": {}, "optimizer_states": [{}]}
+            opened = OpenedCheckpoint(checkpoint_path)
+            self.session.load_opened(opened, model=True, optimizer=False)
+            self._model_loaded_in_place = True
+            self._optimizer_to_load = opened if fitting(getattr(self.lightning_module, "_trainer", None)) else None
+            return {**opened.extra, "state_dict": {}, "optimizer_states": [{}]}
         checkpoint = load_checkpoint(checkpoint_path, self.checkpoint_io, weights_only)
         if "optimizer_states" not in checkpoint and fitting(getattr(self.lightning_module, "_trainer", None)):
             raise KeyError(_weights_only_resume_message(checkpoint_path))
@@ -114,8 +125,8 @@ class TrainerCheckpoints(Strategy):
 
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
-        if "model" in self._loaded_in_place:
-            self._loaded_in_place = self._loaded_in_place - {"model"}
+        if self._model_loaded_in_place:
+            self._model_loaded_in_place = False
             return
         if getattr(self, "options", None) is not None and self.options.offload_params:
             assert self.lightning_module is not None  # sharded by FSDP2: load_state_dict cannot copy into it
@@ -127,12 +138,14 @@ class TrainerCheckpoints(Strategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        if "optimizer" in self._loaded_in_place:
-            self._loaded_in_place = self._loaded_in_place - {"optimizer"}
-            return
         session = training_session(self.session)
         if session is None:
             return super().load_optimizer_state_dict(checkpoint)
+        restore_finetuning_groups(self.lightning_module.trainer)
+        if self._optimizer_to_load is not None:
+            opened, self._optimizer_to_load = self._optimizer_to_load, None
+            assert isinstance(session, ParamOffloadSession)
+            return session.load_opened(opened, model=False, optimizer=True)
         states = checkpoint["optimizer_states"]
         if len(states) != 1:
             raise ValueError(f"expected one optimizer state in the checkpoint, found {len(states)}")

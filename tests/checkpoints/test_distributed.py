@@ -12,6 +12,8 @@ import pytest
 import torch
 from checkpoint_helpers import crash_at, save_sharded_one_rank
 from offload_params_helpers import (
+    FREEZING,
+    RESUMED_AT,
     Blocks,
     batches,
     differences,
@@ -20,6 +22,7 @@ from offload_params_helpers import (
     one_rank_group,
     sharded_copy,
     train,
+    train_freezing,
     trained_copy,
     training_state,
     two_groups,
@@ -74,6 +77,29 @@ def test_a_sharded_checkpoint_resumes_bitwise_as_the_uninterrupted_run(tmp_path,
     assert differences(training_state(resumed, resumed_engine), training_state(first, first_engine)) == []
     assert extra.keys() == EXTRA.keys() and torch.equal(extra["loops"]["fit_loop"]["batches"], torch.arange(3))
     train(resumed, resumed_engine, data[3:], clip_norm=0.5)
+    assert differences(training_state(resumed, resumed_engine), training_state(uninterrupted, engine)) == []
+
+
+@pytest.mark.parametrize("case", FREEZING)
+def test_a_frozen_blocks_state_resumes_as_torch_keeps_it(tmp_path, case):
+    """Frozen across the save: its state is saved, loaded into it frozen and taken up when it is unfrozen; trained
+    only after the save (the checkpoint has no state for it): it starts afresh. Both bitwise as the uninterrupted
+    run."""
+    torch.manual_seed(0)
+    model, data, frozen = Blocks(), batches(steps=6, micro=2), FREEZING[case]
+    uninterrupted = sharded_copy(model)
+    engine = make_engine(uninterrupted)
+    train_freezing(uninterrupted, engine, data, frozen)
+
+    first = sharded_copy(model)
+    first_engine = make_engine(first)
+    train_freezing(first, first_engine, data[:RESUMED_AT], frozen)
+    distributed.save_sharded(tmp_path / "last.ckpt", first, first_engine, {})
+    resumed = sharded_copy(Blocks())
+    resumed.blocks[0].requires_grad_(not frozen[RESUMED_AT])
+    resumed_engine = make_engine(resumed)
+    distributed.load_sharded(tmp_path / "last.ckpt", resumed, resumed_engine)
+    train_freezing(resumed, resumed_engine, data[RESUMED_AT:], frozen[RESUMED_AT:])
     assert differences(training_state(resumed, resumed_engine), training_state(uninterrupted, engine)) == []
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import QUIET, BlockRegression, BlockRegressionInConfigureModel, CausalLM, block_data
 from offload_params_helpers import relative_error, tiny_llama_config
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero_offload import ZeroOffloadStrategy, convert_checkpoint_to_fp32_state_dict, load_pretrained
@@ -57,6 +58,34 @@ def test_speculative_equals_sync_bitwise_in_the_trainer():
     sync = fit(ZeroOffloadStrategy(offload_params=True, cpu_step="sync"), **arguments)
     speculated = fit(ZeroOffloadStrategy(offload_params=True, cpu_step="speculative"), **arguments)
     assert all(torch.equal(speculated[k], sync[k]) for k in sync)
+
+
+class MomentSurgery(L.Callback):
+    """A user resets the optimizer through ``optimizer.state`` (test_torch_contracts.py's, on the blocks): moments
+    changed in place at step 2, new ones assigned at 3 (whole tensors, as under auto), an entry deleted at 4."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        state = trainer.optimizers[0].state
+        if trainer.global_step == 2:
+            self.moment_types = {type(entry["exp_avg"]) for entry in state.values()}
+            for entry in state.values():
+                entry["exp_avg"].zero_()
+                entry["exp_avg_sq"].mul_(0.5)
+        if trainer.global_step == 3:
+            for p in pl_module.model.blocks[0].parameters():
+                state[p]["exp_avg_sq"] = torch.full(p.shape, 1e-4)
+        if trainer.global_step == 4:
+            del state[pl_module.model.head.weight]
+
+
+def test_the_optimizer_state_is_the_engines_moments_as_fsdp2_shows_them():
+    """``optimizer.state[p]``: the step and the moments as DTensors with the parameter's placement (as torch's AdamW
+    keeps them under FSDP2), live: changing them changes the training as it does under auto."""
+    want = fit("auto", callbacks=[MomentSurgery()])
+    surgery = MomentSurgery()
+    assert relative_error(fit(ZeroOffloadStrategy(offload_params=True), callbacks=[surgery]), want) < FP32_ROUNDING
+    assert surgery.moment_types == {DTensor}
+    assert relative_error(fit(ZeroOffloadStrategy(offload_params=True)), want) > 1e-3  # the surgery changes it
 
 
 def test_the_registered_name_offloads_the_parameters():

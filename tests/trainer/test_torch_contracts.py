@@ -443,8 +443,8 @@ def test_fabric_steps_with_a_closure_and_refuses_a_backward_outside_fabric():
 def test_optimizer_state_at_several_ranks_refuses_and_names_the_state_dict_route():
     from types import SimpleNamespace
 
-    from lightning_zero_offload.core.optimizer import ParamStates
+    from lightning_zero_offload.core.param_states import ParamStates
 
-    sharded = SimpleNamespace(world_size=2)  # a session at two ranks
+    sharded = SimpleNamespace(world_size=2, engine=None)  # a ZeRO-2 session at two ranks
     with pytest.raises(RuntimeError, match="across 2 ranks.*optimizer.state_dict\\(\\).*load_state_dict\\(\\)"):
         ParamStates(sharded)

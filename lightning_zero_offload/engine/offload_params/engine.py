@@ -110,7 +110,8 @@ class ParamOffloadEngine:
 
     # -- the parameters ----------------------------------------------------------------------------
 
-    def _slot(self, param: nn.Parameter) -> ShardSlot:
+    def slot_of(self, param: nn.Parameter) -> ShardSlot:
+        """``param``'s shard, moments and step count (made for a trainable one, or a frozen one a checkpoint has)."""
         slot = self._slots.get(id(param))
         if slot is None:
             slot = ShardSlot.for_param(param, self.state_dtype, self._next_element, id(param) in self._on_device)
@@ -132,13 +133,8 @@ class ParamOffloadEngine:
         groups = []
         for index, group in enumerate(self.optimizer.param_groups):
             trained = [p for p in group["params"] if p.requires_grad or (p.grad is not None and id(p) in self._slots)]
-            groups.append((read_hyperparams(self.optimizer, group, index), [self._slot(p) for p in trained]))
+            groups.append((read_hyperparams(self.optimizer, group, index), [self.slot_of(p) for p in trained]))
         return groups
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        """The trainable parameters, in the optimizer's order."""
-        return [slot.param for slot in self._slots.values()]
 
     @property
     def slots(self) -> list[ShardSlot]:

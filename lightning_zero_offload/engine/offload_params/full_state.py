@@ -48,7 +48,7 @@ def _whole(slot: ShardSlot, local: torch.Tensor) -> torch.Tensor:
 
 
 def _torch_indices(engine: ParamOffloadEngine) -> dict[int, int]:
-    """Each trainable parameter's number in ``torch.optim.Optimizer.state_dict`` (param groups in order)."""
+    """Each parameter's number in ``torch.optim.Optimizer.state_dict`` (param groups in order, frozen ones too)."""
     params = [p for group in engine.optimizer.param_groups for p in group["params"]]
     return {id(p): index for index, p in enumerate(params)}
 
@@ -95,10 +95,14 @@ def load_full_optimizer_state(engine: ParamOffloadEngine, state_dict: dict[str, 
     for group, saved in zip(groups, saved_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
     index = _torch_indices(engine)
-    state = state_dict["state"]
+    state = {int(k): v for k, v in state_dict["state"].items()}
     note_state_conversion(engine.state_dtype, [entry["exp_avg"].dtype for entry in state.values()], stacklevel=3)
+    for group in groups:  # a frozen parameter's state is kept for its unfreezing, as torch's AdamW keeps it
+        for param in group["params"]:
+            if index[id(param)] in state:
+                engine.slot_of(param)
     for slot in engine.slots:
-        entry = state.get(index[id(slot.param)], state.get(str(index[id(slot.param)])))
+        entry = state.get(index[id(slot.param)])
         if entry is None:
             slot.step = 0
             slot.exp_avg.zero_()

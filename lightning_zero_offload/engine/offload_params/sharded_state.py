@@ -7,7 +7,8 @@ integrity, the export) are checkpoints/distributed.py's, the full format full_st
     model       get_model_state_dict(module): each sharded parameter is a DTensor whose local shard is the
                 master weight, the buffers as the module holds them
     optimizer   {name: {"exp_avg", "exp_avg_sq": DTensor views of the slot's moments with the parameter's
-                spec, "step": int64}}, one entry per trainable parameter (a tied one under its first name)
+                spec, "step": int64}}, one entry per parameter with state (trainable, or frozen after
+                training; a tied one under its first name)
 
 Beside it, plain Python: the param groups with their parameters by name (:func:`param_groups_by_name`) and the
 engine's ``state_dict`` (its counters).
@@ -15,6 +16,7 @@ engine's ``state_dict`` (its counters).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -24,7 +26,15 @@ from torch.distributed.tensor import DTensor
 
 from lightning_zero_offload.engine.offload_params.engine import ParamOffloadEngine
 
-__all__ = ["load_param_groups_by_name", "load_sharded_state", "param_groups_by_name", "param_names", "sharded_state"]
+__all__ = [
+    "keep_saved_state",
+    "load_param_groups_by_name",
+    "load_sharded_state",
+    "param_groups_by_name",
+    "param_names",
+    "as_dtensor",
+    "sharded_state",
+]
 
 
 def param_names(module: nn.Module, engine: ParamOffloadEngine) -> list[str]:
@@ -43,33 +53,55 @@ def _names(module: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters()}  # a tied parameter under its first name
 
 
-def sharded_state(module: nn.Module, engine: ParamOffloadEngine, with_optimizer: bool = True) -> dict[str, Any]:
+def sharded_state(
+    module: nn.Module,
+    engine: ParamOffloadEngine,
+    with_optimizer: bool = True,
+    with_model: bool = True,
+    saved: Collection[str] | None = None,
+) -> dict[str, Any]:
     """The dict ``torch.distributed.checkpoint`` saves, or fills in place on load: views of the live shards and
-    moments, nothing copied. Call it between steps (no speculated step pending)."""
-    state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    moments, nothing copied; ``saved``: only the optimizer state of these parameters (those a checkpoint has).
+    Call it between steps (no speculated step pending)."""
+    state: dict[str, Any] = {"model": get_model_state_dict(module)} if with_model else {}
     if with_optimizer:
         state["optimizer"] = {
             name: {
-                "exp_avg": _as_dtensor(slot.exp_avg, slot.param),
-                "exp_avg_sq": _as_dtensor(slot.exp_avg_sq, slot.param),
+                "exp_avg": as_dtensor(slot.exp_avg, slot.param),
+                "exp_avg_sq": as_dtensor(slot.exp_avg_sq, slot.param),
                 "step": torch.tensor(slot.step, dtype=torch.int64),
             }
             for name, slot in zip(param_names(module, engine), engine.slots)
+            if saved is None or name in saved
         }
     return state
+
+
+def keep_saved_state(module: nn.Module, engine: ParamOffloadEngine, saved: Collection[str]) -> None:
+    """Slots for the optimizer's frozen parameters whose state a checkpoint has (``saved``: their names), so that
+    it loads into them: torch's AdamW keeps a frozen parameter's state for its unfreezing."""
+    in_optimizer = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+    for name, param in module.named_parameters():
+        if name in saved and id(param) in in_optimizer:
+            engine.slot_of(param)
 
 
 def load_sharded_state(module: nn.Module, engine: ParamOffloadEngine, state: dict[str, Any]) -> None:
     """After ``torch.distributed.checkpoint.load(state)`` filled :func:`sharded_state`'s dict: the model's
     entries into the module (the shards were filled in place already; buffers may be copies), the step counts
-    into the slots (the moments were filled in place)."""
-    set_model_state_dict(module, state["model"])
+    into the slots (the moments were filled in place; a slot the checkpoint has no state for starts afresh)."""
+    if "model" in state:
+        set_model_state_dict(module, state["model"])
     if "optimizer" in state:
         for name, slot in zip(param_names(module, engine), engine.slots):
-            slot.step = int(state["optimizer"][name]["step"])
+            entry = state["optimizer"].get(name)
+            slot.step = int(entry["step"]) if entry is not None else 0
+            if entry is None:
+                slot.exp_avg.zero_()
+                slot.exp_avg_sq.zero_()
 
 
-def _as_dtensor(local: Tensor, param: nn.Parameter) -> Tensor:
+def as_dtensor(local: Tensor, param: nn.Parameter) -> Tensor:
     """``local`` (shaped like the parameter's shard) as a DTensor with the parameter's spec: a view, no copy.
 
     The global shape and stride are given, as a rank's shard of an unevenly split parameter does not tell them.

@@ -331,9 +331,11 @@ def rounding_seed(process_group: dist.ProcessGroup | None, device: torch.device,
 
 
 class ParkedState:
-    """Moments and step counts of parameters that left the trainable set, kept should they return.
+    """Moments and step counts of parameters that left the trainable set (or were frozen when a checkpoint was
+    loaded), kept should they return, and saved with the optimizer state, as torch's AdamW keeps them.
 
-    Survives re-planning (a new :class:`CpuState` is built for the new layout); keyed by parameter id.
+    Survives re-planning (a new :class:`CpuState` is built for the new layout); keyed by parameter id. Full
+    tensors, the same on every rank.
     """
 
     def __init__(self) -> None:
@@ -342,6 +344,17 @@ class ParkedState:
     def park(self, param: torch.nn.Parameter, name: str, value: torch.Tensor | int) -> None:
         """Keep ``param``'s ``name`` ("exp_avg", "exp_avg_sq", "step"): ``value`` must be its own (a copy)."""
         self._parked.setdefault(id(param), {})[name] = value
+
+    def entry(self, param: torch.nn.Parameter) -> dict[str, torch.Tensor | int]:
+        """``param``'s parked values by name (empty for a parameter with none), not taken."""
+        return dict(self._parked.get(id(param), {}))
+
+    def drop(self, param: torch.nn.Parameter) -> None:
+        """Forget ``param``'s parked values (a reset: it comes back with fresh ones)."""
+        self._parked.pop(id(param), None)
+
+    def clear(self) -> None:
+        self._parked.clear()
 
     def take(self, param: torch.nn.Parameter, name: str) -> torch.Tensor | int | None:
         """``param``'s parked ``name``, given back (None for a parameter never trained)."""

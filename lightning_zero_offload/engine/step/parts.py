@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from lightning_zero_offload import kernels
     from lightning_zero_offload.engine.options import Resolved
     from lightning_zero_offload.engine.save_sharing import SaveSharing
-    from lightning_zero_offload.engine.step.cpu_state import CpuState
+    from lightning_zero_offload.engine.step.cpu_state import CpuState, ParkedState
     from lightning_zero_offload.engine.step.gradient_source import BucketArrivals, GradientSource
     from lightning_zero_offload.engine.step.layout import Layout
     from lightning_zero_offload.engine.step.publisher import NullPublisher, Publisher
@@ -90,5 +90,6 @@ class ShardedState(Protocol):
     process_group: dist.ProcessGroup | None  # the ranks sharing the state (gathers for checkpoints)
     torch_index: list[int]  # each trainable parameter's number in the optimizer's state dict
     save_sharing: SaveSharing  # views or placeholders for a full save
+    parked: ParkedState  # the state of parameters that left the trainable set
 
     def refuse_after_failure(self, what: str) -> None: ...

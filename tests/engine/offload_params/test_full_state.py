@@ -8,6 +8,8 @@ import pytest
 import torch
 from engine_helpers import CPU, options
 from offload_params_helpers import (
+    FREEZING,
+    RESUMED_AT,
     Blocks,
     batches,
     differences,
@@ -16,6 +18,7 @@ from offload_params_helpers import (
     relative_error,
     sharded_copy,
     train,
+    train_freezing,
     trained_copy,
     training_state,
     two_groups,
@@ -74,6 +77,30 @@ def test_a_full_checkpoint_resumes_bitwise_as_the_uninterrupted_run(tmp_path, cp
     assert {id(p) for p in resumed.parameters()} == params  # in place: the optimizer's parameters still
     train(resumed, resumed_engine, data[3:], clip_norm=0.5)
     assert differences(training_state(resumed, resumed_engine), want) == []
+
+
+@pytest.mark.parametrize("case", FREEZING)
+def test_a_frozen_blocks_state_resumes_as_torch_keeps_it(tmp_path, case):
+    """Frozen across the save: its state is saved, loaded into it frozen and taken up when it is unfrozen; trained
+    only after the save: it starts afresh. Both bitwise as the uninterrupted run (whose slots never go)."""
+    torch.manual_seed(0)
+    model, data, frozen = Blocks(), batches(steps=6, micro=2), FREEZING[case]
+    uninterrupted = sharded_copy(model)
+    engine = make_engine(uninterrupted)
+    train_freezing(uninterrupted, engine, data, frozen)
+
+    first = sharded_copy(model)
+    first_engine = make_engine(first)
+    train_freezing(first, first_engine, data[:RESUMED_AT], frozen)
+    saved = full_checkpoint(first, first_engine, tmp_path / "full.ckpt")
+    resumed = sharded_copy(Blocks())
+    resumed.blocks[0].requires_grad_(not frozen[RESUMED_AT])
+    resumed_engine = make_engine(resumed)
+    load_full_model_state(resumed, saved["state_dict"])
+    load_full_optimizer_state(resumed_engine, saved["optimizer"])
+    resumed_engine.load_state_dict(saved["engine"])
+    train_freezing(resumed, resumed_engine, data[RESUMED_AT:], frozen[RESUMED_AT:])
+    assert differences(training_state(resumed, resumed_engine), training_state(uninterrupted, engine)) == []
 
 
 def test_the_full_optimizer_state_is_torch_adamws():
