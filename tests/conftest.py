@@ -25,6 +25,16 @@ def torch_seed() -> None:
 
 
 @pytest.fixture
+def own_process_group():
+    """The one-process group a strategy with offload_params=True starts for FSDP2 lives until exit (a later fit
+    reuses it); with this fixture it ends with the test, so later tests do not run in a 'distributed setting'."""
+    yield
+    from lightning_zero_offload.core import release_process_group
+
+    release_process_group()
+
+
+@pytest.fixture
 def backend(request: pytest.FixtureRequest):
     """Every kernel backend in turn (parametrized in pytest_generate_tests), restored afterwards."""
     from lightning_zero_offload import kernels

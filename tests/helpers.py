@@ -33,8 +33,10 @@ def load_benchmark(name: str) -> ModuleType:
 
 
 def assert_same_weights(ours: nn.Module, reference: nn.Module, atol: float) -> None:
-    """Parameter by parameter (compared in fp32), naming the first that differs by more than ``atol``."""
+    """Parameter by parameter (compared in fp32, whole: a DTensor of offload_params gathered), naming the first that
+    differs by more than ``atol``."""
     for (name, a), b in zip(ours.named_parameters(), reference.parameters()):
+        a, b = (t.full_tensor() if hasattr(t, "full_tensor") else t for t in (a, b))
         torch.testing.assert_close(
             a.detach().float(), b.detach().float(), rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
         )

@@ -11,16 +11,11 @@ from offload_params_helpers import Blocks, batches, loss_of, relative_error, two
 
 import lightning_zero_offload  # noqa: F401  (registers strategy="zero_offload_params" for Fabric)
 from lightning_zero_offload import ZeroOffloadFabricStrategy
-from lightning_zero_offload.core import release_process_group
 
 FP32_ROUNDING = 1e-6  # normwise; observed below 2e-7
 
 
-@pytest.fixture(autouse=True)
-def own_process_group():
-    """The one-process group the strategy starts for FSDP2 ends with each test (see tests/trainer)."""
-    yield
-    release_process_group()
+pytestmark = pytest.mark.usefixtures("own_process_group")  # conftest.py
 
 
 def train(

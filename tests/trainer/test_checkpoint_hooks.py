@@ -19,7 +19,6 @@ from lightning.pytorch.callbacks import BackboneFinetuning
 from user_code_helpers import Backbone, BlockBackbone
 
 from lightning_zero_offload import ZeroOffloadStrategy
-from lightning_zero_offload.core import release_process_group
 
 ATOL = 1e-6
 
@@ -33,11 +32,7 @@ MODES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def own_process_group():
-    """offload_params' one-process group ends with each test (test_offload_params.py says why)."""
-    yield
-    release_process_group()
+pytestmark = pytest.mark.usefixtures("own_process_group")  # conftest.py
 
 
 class UnfreezeAtStep(L.Callback):

@@ -11,17 +11,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero_offload import ZeroOffloadStrategy, convert_checkpoint_to_fp32_state_dict, load_pretrained
-from lightning_zero_offload.core import release_process_group
 
 FP32_ROUNDING = 1e-6  # normwise; observed below 2e-7 (the kernel's rounding and the clip norm's)
 
 
-@pytest.fixture(autouse=True)
-def own_process_group():
-    """The one-process group the strategy starts for FSDP2 lives until exit (a later fit reuses it); here it
-    ends with each test, so later tests do not run in a 'distributed setting'."""
-    yield
-    release_process_group()
+pytestmark = pytest.mark.usefixtures("own_process_group")  # conftest.py
 
 
 def fit(strategy, **trainer_args) -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ from torch import nn
 from user_code_helpers import (
     CLAMP,
     Backbone,
+    BlockBackbone,
     ClampThroughParameter,
     ClampWeights,
     LoadStateMidFit,
@@ -356,16 +357,25 @@ class SetTrainableAtBatch(L.Callback):
             pl_module.backbone.requires_grad_(self.at[batch_idx])
 
 
-@pytest.mark.parametrize("options", OFFLOAD_32)
+@pytest.mark.usefixtures("own_process_group")
+@pytest.mark.parametrize(
+    "options",
+    [
+        *OFFLOAD_32,
+        pytest.param(dict(offload_params=True), id="params-sync"),
+        pytest.param(dict(offload_params=True, cpu_step="speculative"), id="params-speculative"),
+    ],
+)
 @pytest.mark.parametrize("change", ["unfreeze", "freeze"])
 def test_a_layer_frozen_or_unfrozen_in_the_middle_of_an_accumulation_window_trains_as_under_auto(options, change):
     """Unfrozen: the head's gradient of the window's first micro-batch stays in the step (the re-plan carries it,
     and ``p.grad``'s bookkeeping follows the parameters, not their place in the layout). Frozen: the backbone's
     gradient of the first micro-batch is still stepped, as torch's AdamW steps a set ``.grad``. Dropping either
-    differs by > 1e-3."""
+    differs by > 1e-3. offload_params: on a backbone of blocks (FSDP2 units)."""
 
     def run(strategy):
-        model = frozen_backbone() if change == "unfreeze" else Backbone()
+        model = (BlockBackbone if options.get("offload_params") else Backbone)()
+        model.backbone.requires_grad_(change != "unfreeze")
         model.configure_optimizers = lambda: torch.optim.AdamW(model.parameters(), lr=1e-2)
         at = {5: True} if change == "unfreeze" else {5: False, 9: True}
         kwargs = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
