@@ -162,7 +162,9 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         state_args = (self.resolved.state_dtype, self._rounding_seed, device, self.resolved.device_share)
         self.state = CpuState(self.layout, self.group_of, not self.in_place, *state_args, allocate=not replaced)
         self._original_dtypes = state_dicts.fill_state(self, replaced)
-        self._build_parts()
+        if replaced is not None:  # the new device copy is filled from the master: the old one goes first
+            self.publisher.release(self.params)
+        self._build_parts(from_master=replaced is not None)
 
     @records_allocations  # a fresh ledger: the state's buffers as moved, the parts built again but the publisher
     def _grow_share(self, share: float) -> None:
@@ -172,9 +174,10 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.publisher.record_in(self.ledger)
         self._build_parts(kept=self.publisher)
 
-    def _build_parts(self, kept: Publisher | None = None) -> None:
-        """The device copy of the parameters (or the ``kept`` one), the gradients' way to the CPU and the update: in
-        place, neither moves and the update is one native call per param group (only the sync schedule runs there)."""
+    def _build_parts(self, kept: Publisher | None = None, from_master: bool = False) -> None:
+        """The device copy of the parameters (or the ``kept`` one; ``from_master``: zeros the caller fills from the
+        master, else the parameters' values), the gradients' way to the CPU and the update: in place, neither moves
+        and the update is one native call per param group (only the sync schedule runs there)."""
         optimizer, param_dtype, device = self.optimizer, self.param_dtype, self.device
         arrivals = BucketArrivals()  # the gradient source reports each landed bucket there, a schedule listens
         # In place the update can take the norm and the inf/nan check itself (engine.step).
@@ -187,7 +190,8 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
             self.schedule = SyncSchedule(self._schedule_parts(arrivals, update))
             return
         where = (self.layout, self.params, device, param_dtype, self.pin)
-        self.publisher = publisher = kept or Publisher(*where, self.process_group, self.ledger, self.state.dtype)
+        made = (self.process_group, self.ledger, self.state.dtype, not from_master)
+        self.publisher = publisher = kept or Publisher(*where, *made)
         on_device = (self.layout, self.params, self.state, device, param_dtype, self.pin, self.num_threads)
         self.grads = GradientStreamer(*on_device, self.process_group, self.overlap, arrivals)
         workers = (self.update_worker, self.overlap, self.num_threads)
@@ -198,20 +202,8 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.schedule = make_schedule(self.cpu_step, self._schedule_parts(arrivals, pipeline))
 
     def _schedule_parts(self, arrivals: BucketArrivals, update: U) -> ScheduleParts[U]:
-        return ScheduleParts(
-            self.layout,
-            self.state,
-            self.grads,
-            arrivals,
-            self.publisher,
-            update,
-            self.params,
-            self.device,
-            self.param_dtype,
-            self.num_threads,
-            self.resolved,
-            control=self,
-        )
+        parts = (self.layout, self.state, self.grads, arrivals, self.publisher, update, self.params, self.device)
+        return ScheduleParts(*parts, self.param_dtype, self.num_threads, self.resolved, control=self)
 
     # -- training ------------------------------------------------------------------------------
 

@@ -78,6 +78,11 @@ class ParamWriteWatch:
         for bucket in self.layout.buckets:
             self.record(bucket)
 
+    def drop(self) -> None:
+        """The parameters left the flat buffer (close, or a re-plan's new one): hold none of it."""
+        self.flat_params = self.flat_params.new_empty(0)
+        self._views = []
+
     def reattach(self) -> list[int]:
         """Put parameters whose ``.data`` was replaced back into the flat buffer; returns their indices."""
         moved = []

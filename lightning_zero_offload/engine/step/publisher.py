@@ -25,6 +25,11 @@ from lightning_zero_offload.engine.step.param_writes import ParamWriteWatch
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+def _detach(params: list[torch.nn.Parameter]) -> None:
+    for p in params:
+        p.data = p.data.new_empty(0)
+
+
 def _attach(layout: Layout, params: list[torch.nn.Parameter], flat: torch.Tensor, copy: bool) -> None:
     """Make each parameter a view of its slot in ``flat`` (copying its values in first if ``copy``)."""
     for slot, p in zip(layout.slots, params):
@@ -47,11 +52,14 @@ class Publisher:
         process_group: dist.ProcessGroup | None,
         ledger: MemoryLedger,
         master_dtype: torch.dtype = torch.float32,
+        copy_values: bool = True,
     ) -> None:
+        """``copy_values``: the parameters' values go into the new flat buffer; False: it stays zero until the
+        caller publishes the master (a re-plan, whose old buffer was released first)."""
         self.layout, self.device, self.dtype = layout, device, dtype
         self.process_group, self.ledger = process_group, ledger
         self.flat_params = device_zeros(layout.flat_numel, dtype, device, "params")
-        _attach(layout, params, self.flat_params, copy=True)
+        _attach(layout, params, self.flat_params, copy=copy_values)
         self.writes = ParamWriteWatch(layout, params, self.flat_params, checksums=True, master_dtype=master_dtype)
         self.writes.record_all()
         max_shard = max(b.shard_numel for b in layout.buckets)
@@ -121,8 +129,15 @@ class Publisher:
                 self.pool.release(buffer)
 
     def drop(self) -> None:
-        """The parameters left the flat buffer (close): free it."""
+        """The parameters left the flat buffer (close, or a re-plan's new one): free it."""
         self.flat_params = self.flat_params.new_empty(0)
+        self.writes.drop()
+
+    def release(self, params: list[torch.nn.Parameter]) -> None:
+        """A re-plan lays ``params`` out anew, in a flat buffer filled from the master: they leave this one, freed
+        before that one is made, so the device never holds the weights twice."""
+        _detach(params)
+        self.drop()
 
 
 class NullPublisher:
@@ -156,3 +171,9 @@ class NullPublisher:
 
     def drop(self) -> None:
         self.flat_params = self.flat_params.new_empty(0)
+        self.writes.drop()
+
+    def release(self, params: list[torch.nn.Parameter]) -> None:
+        """A re-plan: the parameters leave the old master (the new one is carried already)."""
+        _detach(params)
+        self.drop()
