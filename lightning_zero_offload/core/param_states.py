@@ -81,6 +81,9 @@ class FlatStateTable:
             self._engine.parked.drop(self.params[index])
         else:
             self._engine.parked.park(self.params[index], "step", step)
+            for name in MOMENTS:  # an entry given its step before its moments (or without): zero ones until then
+                if name not in self._parked(index):
+                    self.set_moment(index, name, 0.0)
 
     def moment(self, index: int, name: str) -> torch.Tensor:
         if index < self._trainable:
@@ -95,7 +98,7 @@ class FlatStateTable:
         whole = torch.as_tensor(value).expand(param.shape)
         held = self._parked(index).get(name)
         if held is None:
-            self._engine.parked.park(param, name, whole.to(self._engine.state.dtype, copy=True))
+            self._engine.parked.park(param, name, whole.to("cpu", self._engine.state.dtype, copy=True))
         else:
             held.copy_(whole)
 

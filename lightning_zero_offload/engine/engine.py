@@ -119,6 +119,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.failed = False  # closed after an exception, without gathering (see _close_after_failure)
         self._closed = False
         self.parked = ParkedState()  # moments and step counts of parameters that left the trainable set
+        self.weights_on_device = True  # the device copy holds the weights (not between a re-plan's two copies)
         self.share_choice = None  # device_share="auto" (ZeRO-2): chosen after a warm step
         self.share_floor = share_floor
         self.save_sharing = SaveSharing()  # how a full save takes the state (engine/state_dicts.py)
@@ -164,6 +165,7 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self._original_dtypes = state_dicts.fill_state(self, replaced)
         if replaced is not None:  # the new device copy is filled from the master: the old one goes first
             self.publisher.release(self.params)
+            self.weights_on_device = False  # until _replan publishes the master into the new one
         self._build_parts(from_master=replaced is not None)
 
     @records_allocations  # a fresh ledger: the state's buffers as moved, the parts built again but the publisher

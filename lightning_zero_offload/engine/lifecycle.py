@@ -63,6 +63,7 @@ class EngineLifecycle:
     _closed: bool
     _signature: tuple[tuple[int, bool], ...]
     parked: ParkedState
+    weights_on_device: bool
     _carried: CarriedGradients | None
     _original_dtypes: list[torch.dtype]
     _rounding_seed: int
@@ -83,6 +84,7 @@ class EngineLifecycle:
     def refresh_device_params(self) -> None:
         """Write the master weights (rounded to the device dtype) into the device parameters."""
         self.publisher.refresh(self.state.master)
+        self.weights_on_device = True
 
     def full_tensors(self, shard: ShardBuffer | torch.Tensor) -> list[torch.Tensor]:
         """Full per-parameter tensors of a flat shard-sized buffer (a collective when sharded: state_dicts.py)."""
@@ -128,10 +130,10 @@ class EngineLifecycle:
         """Re-plan the layout if parameters became trainable or frozen, or param groups were added.
 
         Call before a forward (the front ends do, for every training step; ``begin_backward`` too). Every
-        parameter that stays keeps its master weights, moments, step count and the window's gradient bitwise; a
-        new one starts from its current value with fresh moments, as torch's AdamW would. A pass over the whole
-        state (one buffer at a time), and rare. Every rank re-plans at the same step, as every rank changes its
-        trainable set alike.
+        parameter that stays keeps its master weights, moments, step count and the window's gradient bitwise; one
+        that comes starts from its current value with the moments it had (parked) or fresh ones, as torch's AdamW
+        would. A pass over the whole state (one buffer at a time), and rare. Every rank re-plans at the same step,
+        as every rank changes its trainable set alike.
         """
         if self._closed or self.failed or self.trainable_signature() == self._signature:
             return False
@@ -286,13 +288,9 @@ class EngineLifecycle:
         self._settle()
         # Each part as it is: the device share's on the device (the sharded writer copies it to the host when it
         # reaches it, one buffer's part at a time: checkpoints/writer.py's DeviceTensors).
-        tensors = {}
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            buffer = getattr(self.state, name)
-            tensors[name] = buffer.host
-            if buffer.device_part.numel():
-                tensors[name + DEVICE_PART] = buffer.device_part
-        return tensors
+        buffers = {name: getattr(self.state, name) for name in ("master", "exp_avg", "exp_avg_sq")}
+        tensors = {name: buffer.host for name, buffer in buffers.items()}
+        return tensors | {name + DEVICE_PART: b.device_part for name, b in buffers.items() if b.device_part.numel()}
 
     def load_optimizer_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state in torch Adam/AdamW format (from this engine, torch, or CPUAdam), numbered by the param
@@ -368,6 +366,8 @@ class EngineLifecycle:
           forward used, upcast), because the full master weights are spread over the ranks and gathering
           them needs peers that may be gone. The engine keeps only this rank's shard of the optimizer
           state; asking it for the full state raises instead of hanging (:meth:`refuse_after_failure`).
+          Failed inside a re-plan, between freeing the old device copy and filling the new one, there are none:
+          the parameters are empty (0 elements), so nothing computes with or saves weights that are not there.
 
         A failure inside the optimizer step itself can leave some buckets updated and others not; resume
         from the last checkpoint rather than saving these weights as a training checkpoint.
@@ -384,7 +384,8 @@ class EngineLifecycle:
             if single:
                 masters = state_dicts.full_tensors(self, self.master)  # one rank: no collective involved
             for index, (p, dtype) in enumerate(zip(self.params, self._original_dtypes)):
-                p.data = masters[index].to(dtype) if single else p.detach().to(dtype, copy=True)
+                kept = masters[index] if single else p.detach() if self.weights_on_device else p.new_empty(0)
+                p.data = kept.to(dtype, copy=True)
         self.publisher.drop()
         self.failed = True
         self._closed = True

@@ -306,6 +306,6 @@ def _park_loaded(engine: ShardedState, state: dict[int, dict[str, torch.Tensor]]
         if torch_index in trainable or entry is None:
             continue
         _check_shape(entry, torch_index, param.shape)
-        for name in MOMENTS:
-            engine.parked.park(param, name, entry[name].to(engine.state.dtype, copy=True))
+        for name in MOMENTS:  # on the host with the rest of the state, whatever device the state dict is on
+            engine.parked.park(param, name, entry[name].to("cpu", engine.state.dtype, copy=True))
         engine.parked.park(param, "step", int(float(entry["step"])))

@@ -113,7 +113,7 @@ class TrainerCheckpoints(Strategy):
         if weights_only is None:
             weights_only = getattr(self, "_weights_only", None)
         if isinstance(self.session, ParamOffloadSession) and is_distributed_checkpoint(checkpoint_path):
-            opened = OpenedCheckpoint(checkpoint_path)
+            opened = OpenedCheckpoint(checkpoint_path, weights_only=weights_only is not False)
             self.session.load_opened(opened, model=True, optimizer=False)
             self._model_loaded_in_place = True
             self._optimizer_to_load = opened if fitting(getattr(self.lightning_module, "_trainer", None)) else None

@@ -66,3 +66,22 @@ def test_a_parked_parameters_state_is_shown_changed_and_reset_as_torchs(change, 
         torch.testing.assert_close(ours, theirs, rtol=0, atol=ATOL)
     unchanged = parked_then_unfrozen(lambda state, net: None, None)
     assert max(float((a - b).abs().max()) for a, b in zip(reference, unchanged)) > 1e-4  # the change matters
+
+
+def test_an_entry_given_its_step_alone_gets_zero_moments_and_saves():
+    """``state[p] = {"step": t}`` on a parked parameter: torch would keep an entry without moments (and fail at
+    its next step); here the moments are zero until given, and the state dict keeps working."""
+    net = make_net()
+    engine = OffloadEngine(two_groups(net), CPU, torch.float32, options())
+    for batch in batches(2):
+        loss_fn(net, batch).backward()
+        engine.step()
+        engine.zero_grad()
+    net[0].requires_grad_(False)
+    assert engine.replan_if_changed()
+    state = ParamStates(SimpleNamespace(engine=engine, world_size=1))
+    del state[net[0].weight]
+    state[net[0].weight] = {"step": 7}
+    saved = engine.optimizer_state_dict()["state"][0]
+    assert float(saved["step"]) == 7 and not saved["exp_avg"].any() and not saved["exp_avg_sq"].any()
+    engine.close()

@@ -48,22 +48,24 @@ def frozen_when_resumed() -> dict:
     """Trained 6 steps, saved (at the end of an epoch), resumed by a module that freezes its backbone (its state
     loaded into the frozen layer), unfrozen at step 8 (its state taken up again)."""
     epochs = dict(limit_train_batches=6)
-    return dict(
-        callbacks=[UnfreezeAtStep(8)], first=dict(max_steps=6, **epochs), then=dict(max_steps=12, **epochs), frozen=True
-    )
+    return dict(callbacks=[UnfreezeAtStep(8)], phases=[dict(max_steps=6, **epochs), dict(max_steps=12, **epochs)])
+
+
+def saved_while_frozen() -> dict:
+    """As above, but resumed frozen for one epoch and saved again (its state is parked outside the ZeRO-2 layout,
+    so the sharded format keeps it in meta.pt), then resumed once more, frozen, and unfrozen at step 14."""
+    epochs = dict(limit_train_batches=6)
+    phases = [dict(max_steps=6, **epochs), dict(max_steps=12, **epochs), dict(max_steps=18, **epochs)]
+    return dict(callbacks=[UnfreezeAtStep(14)], phases=phases)
 
 
 def finetuning() -> dict:
     """BackboneFinetuning: the backbone unfrozen at epoch 1 in a param group of its own; saved after epoch 2,
     resumed for a third (the callback puts the group back from its state; the backbone stays frozen then, as
     the callback leaves it under auto)."""
-    epochs = dict(max_steps=-1)
-    return dict(
-        callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)],
-        first=dict(max_epochs=2, **epochs),
-        then=dict(max_epochs=3, **epochs),
-        trainable_only=True,
-    )
+    callback = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)
+    phases = [dict(max_epochs=2, max_steps=-1), dict(max_epochs=3, max_steps=-1)]
+    return dict(callbacks=[callback], phases=phases, trainable_only=True, resumed_trainable=True)
 
 
 class StateWhenResumed(L.Callback):
@@ -97,23 +99,25 @@ def fit_and_resume(strategy, case, model_class, ckpt) -> tuple[L.LightningModule
         model.configure_optimizers = lambda: torch.optim.AdamW(chosen(), lr=1e-2)
         return model
 
-    trainer = L.Trainer(strategy=strategy(), callbacks=case["callbacks"], **{**QUIET, **case["first"]})
-    trainer.fit(build(), loader())
-    trainer.save_checkpoint(ckpt)
-    model = build()
-    model.backbone.requires_grad_(not case.get("frozen"))
     resumed = StateWhenResumed()
-    trainer = L.Trainer(strategy=strategy(), callbacks=[*case["callbacks"], resumed], **{**QUIET, **case["then"]})
-    trainer.fit(model, loader(), ckpt_path=ckpt, weights_only=False)  # the callbacks' state holds Python objects
+    for index, phase in enumerate(case["phases"]):
+        model = build()
+        model.backbone.requires_grad_(index == 0 or case.get("resumed_trainable", False))
+        callbacks = [*case["callbacks"], resumed] if index else case["callbacks"]
+        trainer = L.Trainer(strategy=strategy(), callbacks=callbacks, **{**QUIET, **phase})
+        # A fresh path per save: the sharded format keeps one directory per save (weights_only=False: the
+        # callbacks' state holds Python objects).
+        trainer.fit(model, loader(), ckpt_path=ckpt / f"{index - 1}.ckpt" if index else None, weights_only=False)
+        trainer.save_checkpoint(ckpt / f"{index}.ckpt")
     return model, resumed.seen
 
 
 @pytest.mark.parametrize("options", MODES)
-@pytest.mark.parametrize("case", [frozen_when_resumed, finetuning])
+@pytest.mark.parametrize("case", [frozen_when_resumed, saved_while_frozen, finetuning])
 def test_a_resume_with_frozen_layers_trains_as_under_auto(options, case, tmp_path):
     model_class = BlockBackbone if options.get("offload_params") else Backbone
-    reference, reference_state = fit_and_resume(lambda: "auto", case(), model_class, tmp_path / "auto.ckpt")
-    ours, state = fit_and_resume(lambda: ZeroOffloadStrategy(**options), case(), model_class, tmp_path / "ours.ckpt")
+    reference, reference_state = fit_and_resume(lambda: "auto", case(), model_class, tmp_path / "auto")
+    ours, state = fit_and_resume(lambda: ZeroOffloadStrategy(**options), case(), model_class, tmp_path / "ours")
     assert state.keys() == reference_state.keys() == set(range(len(list(ours.parameters()))))  # the frozen too
     for index, theirs in reference_state.items():
         assert state[index].keys() == theirs.keys()

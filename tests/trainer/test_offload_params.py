@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import lightning as L
 import pytest
 import torch
@@ -11,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_zero_offload import ZeroOffloadStrategy, convert_checkpoint_to_fp32_state_dict, load_pretrained
+from lightning_zero_offload.checkpoints import CheckpointError
 
 FP32_ROUNDING = 1e-6  # normwise; observed below 2e-7 (the kernel's rounding and the clip norm's)
 
@@ -150,6 +153,27 @@ def test_sharded_checkpoints_resume_as_the_full_format_does(cpu_state, tmp_path)
     assert all(torch.equal(runs["sharded"][k], v) for k, v in runs["full"].items())
     exported = convert_checkpoint_to_fp32_state_dict(tmp_path / "sharded")  # streamed, tensor by tensor
     assert sorted(exported) == sorted(torch.load(tmp_path / "full", weights_only=True)["state_dict"])
+
+
+class BlockRegressionWithPath(BlockRegression):
+    def __init__(self, where: pathlib.Path = pathlib.Path("/data/run")) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+def test_fit_weights_only_false_is_honoured_by_the_sharded_format(tmp_path):
+    """Hyperparameters holding a pathlib.Path need fit(weights_only=False), as with strategy="auto" (the DCP
+    checkpoint's meta.pt read it as weights_only whatever fit was given)."""
+    strategy = lambda: ZeroOffloadStrategy(offload_params=True, checkpoint_format="sharded")  # noqa: E731
+    trainer = L.Trainer(strategy=strategy(), max_steps=3, **QUIET)
+    trainer.fit(BlockRegressionWithPath(), block_data(24))
+    trainer.save_checkpoint(tmp_path / "p.ckpt")
+    resumed = L.Trainer(strategy=strategy(), max_steps=6, **QUIET)
+    with pytest.raises(CheckpointError, match="refused by weights_only loading"):
+        resumed.fit(BlockRegressionWithPath(), block_data(24), ckpt_path=tmp_path / "p.ckpt")
+    resumed = L.Trainer(strategy=strategy(), max_steps=6, **QUIET)
+    resumed.fit(BlockRegressionWithPath(), block_data(24), ckpt_path=tmp_path / "p.ckpt", weights_only=False)
+    assert resumed.global_step == 6
 
 
 def test_a_model_built_in_configure_model_trains_as_the_eager_one():

@@ -38,7 +38,8 @@ __all__ = [
 
 
 def param_names(module: nn.Module, engine: ParamOffloadEngine) -> list[str]:
-    """Each of the engine's trainable parameters' name in ``module`` (a tied one's first name), in slot order."""
+    """The name in ``module`` of each parameter the engine holds state for (trainable, or frozen after training; a
+    tied one's first name), in slot order."""
     names = _names(module)
     missing = [tuple(slot.param.shape) for slot in engine.slots if id(slot.param) not in names]
     if missing:
