@@ -80,24 +80,26 @@ def test_a_sharded_checkpoint_resumes_bitwise_as_the_uninterrupted_run(tmp_path,
     assert differences(training_state(resumed, resumed_engine), training_state(uninterrupted, engine)) == []
 
 
+@pytest.mark.parametrize("cpu_state", ["fp32", "bf16"])
 @pytest.mark.parametrize("case", FREEZING)
-def test_a_frozen_blocks_state_resumes_as_torch_keeps_it(tmp_path, case):
+def test_a_frozen_blocks_state_resumes_as_torch_keeps_it(tmp_path, case, cpu_state):
     """Frozen across the save: its state is saved, loaded into it frozen and taken up when it is unfrozen; trained
     only after the save (the checkpoint has no state for it): it starts afresh. Both bitwise as the uninterrupted
     run."""
     torch.manual_seed(0)
     model, data, frozen = Blocks(), batches(steps=6, micro=2), FREEZING[case]
-    uninterrupted = sharded_copy(model)
-    engine = make_engine(uninterrupted)
+    dtype = torch.bfloat16 if cpu_state == "bf16" else torch.float32
+    uninterrupted = sharded_copy(model, dtype)
+    engine = make_engine(uninterrupted, cpu_state=cpu_state)
     train_freezing(uninterrupted, engine, data, frozen)
 
-    first = sharded_copy(model)
-    first_engine = make_engine(first)
+    first = sharded_copy(model, dtype)
+    first_engine = make_engine(first, cpu_state=cpu_state)
     train_freezing(first, first_engine, data[:RESUMED_AT], frozen)
     distributed.save_sharded(tmp_path / "last.ckpt", first, first_engine, {})
-    resumed = sharded_copy(Blocks())
+    resumed = sharded_copy(Blocks(), dtype)
     resumed.blocks[0].requires_grad_(not frozen[RESUMED_AT])
-    resumed_engine = make_engine(resumed)
+    resumed_engine = make_engine(resumed, cpu_state=cpu_state)  # bf16: rounding offsets as before the save
     distributed.load_sharded(tmp_path / "last.ckpt", resumed, resumed_engine)
     train_freezing(resumed, resumed_engine, data[RESUMED_AT:], frozen[RESUMED_AT:])
     assert differences(training_state(resumed, resumed_engine), training_state(uninterrupted, engine)) == []

@@ -34,6 +34,7 @@ from lightning_zero_offload.engine.offload_params.shards import (
     ShardSlot,
     check_clip,
     check_shard,
+    element_offsets,
     exceeds_limit,
     memory_report,
     step_shard,
@@ -92,7 +93,7 @@ class ParamOffloadEngine:
         self.scaler = DynamicLossScaler(options.loss_scaler) if param_dtype == torch.float16 else None
         self.nonfinite = NonFinitePolicy(options.max_consecutive_skipped_steps, self.scaler)
         self._seed = rounding_seed(None, device, world_size) if self.state_dtype == torch.bfloat16 else 0
-        self._threads, self._next_element = self.resolved.cpu_threads, 0
+        self._threads, self._offsets = self.resolved.cpu_threads, {}
         self._slots: dict[int, ShardSlot] = {}
         self._on_device = {id(p) for p in on_device}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -114,9 +115,10 @@ class ParamOffloadEngine:
         """``param``'s shard, moments and step count (made for a trainable one, or a frozen one a checkpoint has)."""
         slot = self._slots.get(id(param))
         if slot is None:
-            slot = ShardSlot.for_param(param, self.state_dtype, self._next_element, id(param) in self._on_device)
+            if id(param) not in self._offsets:  # the bf16 state's rounding counter starts at its place among all of
+                self._offsets = element_offsets(self.optimizer)  # the optimizer's parameters, frozen ones too
+            slot = ShardSlot.for_param(param, self.state_dtype, self._offsets[id(param)], id(param) in self._on_device)
             check_shard(param, slot, self.state_dtype, self.device)
-            self._next_element += param.numel()
             self._slots[id(param)] = slot
             # A device-resident shard steps after backward: on the device its step is short, and nothing waits.
             if self.speculation is not None and not slot.on_device:

@@ -37,6 +37,17 @@ def first_row(param: Tensor) -> int:
     return int(offset[0]) if offset else 0
 
 
+def element_offsets(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """Each of the optimizer's parameters' first element among all of them (frozen ones too), in its param groups'
+    order: the bf16 state's rounding counter, so a run resumed with another trainable set (a block frozen at the
+    resume) rounds each parameter as the uninterrupted run did."""
+    offsets, total = {}, 0
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
+        offsets[id(p)] = total
+        total += p.numel()
+    return offsets
+
+
 @dataclass(eq=False)
 class ShardSlot:
     """One trainable parameter's CPU state: its Adam moments (local, like the shard), its step count, the
