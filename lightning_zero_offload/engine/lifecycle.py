@@ -385,7 +385,7 @@ class EngineLifecycle:
                 masters = state_dicts.full_tensors(self, self.master)  # one rank: no collective involved
             for index, (p, dtype) in enumerate(zip(self.params, self._original_dtypes)):
                 kept = masters[index] if single else p.detach() if self.weights_on_device else p.new_empty(0)
-                p.data = kept.to(dtype, copy=True)
+                p.data = kept.to(dtype, copy=not single)  # one rank: the masters are copies already
         self.publisher.drop()
         self.failed = True
         self._closed = True
