@@ -21,7 +21,7 @@ from torch import nn
 from lightning_zero_offload.checkpoints import PathLike
 from lightning_zero_offload.checkpoints.distributed import OpenedCheckpoint, load_sharded, save_sharded
 from lightning_zero_offload.core.options import resolve_precision
-from lightning_zero_offload.core.session_base import EngineSession
+from lightning_zero_offload.core.session_base import EngineSession, the_optimizer
 from lightning_zero_offload.engine import OffloadOptions, StepStats
 from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
 from lightning_zero_offload.engine.offload_params.full_state import (
@@ -103,16 +103,12 @@ class ParamOffloadSession(EngineSession):
         world_size: int,
         local_world_size: int,
     ) -> ParamOffloadSession:
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"zero_offload takes exactly one optimizer, got {len(optimizers)}. "
-                "Put the parameters in param groups of one optimizer instead."
-            )
+        optimizer = the_optimizer(optimizers)
         _, param_dtype = resolve_precision(precision)
         choice = _SHARES.get(module)
         options = replace(options, device_share=choice.share if choice is not None else 0.0)
         resident = device_resident(module)
-        engine = ParamOffloadEngine(optimizers[0], device, param_dtype, options, world_size, local_world_size, resident)
+        engine = ParamOffloadEngine(optimizer, device, param_dtype, options, world_size, local_world_size, resident)
         return cls(module, engine)
 
     # -- what the engine is and did ----------------------------------------------------------------

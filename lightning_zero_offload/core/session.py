@@ -34,7 +34,7 @@ from lightning_zero_offload.checkpoints import ENGINE_STATE_KEY
 from lightning_zero_offload.core.gradients import GradientView
 from lightning_zero_offload.core.model_rules import check_model
 from lightning_zero_offload.core.options import STRATEGY_DESCRIPTION, resolve_precision
-from lightning_zero_offload.core.session_base import EngineSession
+from lightning_zero_offload.core.session_base import EngineSession, the_optimizer
 from lightning_zero_offload.core.session_checkpoints import SessionCheckpoints, state_dict_keys
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions, StepStats
 from lightning_zero_offload.engine.blockwise import BlockwiseInit
@@ -83,12 +83,7 @@ class OffloadSession(EngineSession, SessionCheckpoints):
         on the meta device (:meth:`placeholders`); the engine is built over the placeholders, then takes each
         block's values as it is initialized.
         """
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"zero_offload takes exactly one optimizer, got {len(optimizers)}. "
-                "Put the parameters in param groups of one optimizer instead."
-            )
-        (optimizer,) = optimizers
+        optimizer = the_optimizer(optimizers)
         precision, param_dtype = resolve_precision(precision)
         placeholders = blockwise.placeholder_ids if blockwise is not None else ()
         check_model(module, optimizer, param_dtype, precision, options, device, world_size > 1, placeholders)

@@ -18,6 +18,18 @@ if TYPE_CHECKING:
     from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
 
 
+def the_optimizer(optimizers: list[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """The one optimizer a session trains with; several are refused, saying what to do instead."""
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"zero_offload takes exactly one optimizer, got {len(optimizers)}. Put the parameters in param groups of "
+            "one optimizer if they step together. Optimizers stepped apart (a GAN's generator and discriminator, "
+            "with Lightning's toggle_optimizer) are not supported, and one optimizer with requires_grad switched "
+            'at every step would re-plan the CPU state at every step: train such a model with strategy="auto" or "ddp"'
+        )
+    return optimizers[0]
+
+
 class EngineSession:
     """An engine training ``module`` through one optimizer: the front ends' questions both modes answer alike."""
 
