@@ -25,7 +25,8 @@ def restore_finetuning_groups(trainer: Trainer) -> None:
     """Lightning's finetuning callbacks (``BaseFinetuning``: ``BackboneFinetuning``, users' own) put back the param
     groups they added, from their checkpointed state, in ``on_fit_start``. A strategy that restores the checkpoint
     after setup (this one, as Lightning's FSDP one) loads that state after ``on_fit_start``, so the optimizer would
-    lack those groups when its state is loaded: they are put back here, just before, as under ``"auto"``."""
+    lack those groups when its state is loaded: they are put back here, just before, as under ``"auto"``. Only
+    ``BaseFinetuning``'s own restore runs here, not what a subclass's ``on_fit_start`` adds to it."""
     for callback in trainer.callbacks:
         if isinstance(callback, BaseFinetuning) and getattr(callback, "_restarting", False):
             BaseFinetuning.on_fit_start(callback, trainer, trainer.lightning_module)
