@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_zero_offload.engine.infra.collectives import all_gather, comm_device
+from lightning_zero_offload.engine.optimizer_support import optimizer_params
 
 # Options that change which collectives run, or their sizes and dtypes: they must agree across ranks.
 COLLECTIVE_OPTIONS = (
@@ -206,7 +207,7 @@ def check_model(
     for name, p in module.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     check_unique_params(optimizer, names)
-    trainable = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    trainable = [p for p in optimizer_params(optimizer) if p.requires_grad]
     check_param_dtypes(trainable, names, param_dtype, placeholders)
     if distributed:
         check_same_on_all_ranks(describe_model(module, optimizer, options, precision), device)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
 from lightning_zero_offload.engine.offload_params.sharded_state import as_dtensor
-from lightning_zero_offload.engine.offload_params.shards import first_row
+from lightning_zero_offload.engine.optimizer_support import optimizer_params
 from lightning_zero_offload.engine.step.cpu_state import MOMENTS
 
 if TYPE_CHECKING:
@@ -58,12 +58,7 @@ class FlatStateTable:
         self._engine = engine
         self._trainable = len(engine.params)
         trainable = {id(p) for p in engine.params}
-        parked = [
-            p
-            for group in engine.optimizer.param_groups
-            for p in group["params"]
-            if id(p) not in trainable and engine.parked.entry(p)
-        ]
+        parked = [p for p in optimizer_params(engine.optimizer) if id(p) not in trainable and engine.parked.entry(p)]
         self.params = [*engine.params, *parked]
 
     def _parked(self, index: int) -> dict[str, Any]:
@@ -115,10 +110,9 @@ class SlotTable:
 
     def set_step(self, index: int, step: int) -> None:
         slot = self._slots[index]
-        slot.step = step
         if step == 0:
-            slot.exp_avg.zero_()
-            slot.exp_avg_sq.zero_()
+            slot.reset()
+        slot.step = step
 
     def moment(self, index: int, name: str) -> torch.Tensor:
         slot = self._slots[index]
@@ -130,10 +124,8 @@ class SlotTable:
         local = getattr(slot, name)
         if isinstance(value, DTensor):
             local.copy_(value.to_local())
-            return
-        whole = torch.as_tensor(value).expand(slot.param.shape)
-        start = first_row(slot.param)
-        local.copy_(whole[start : start + local.shape[0]] if local.dim() else whole)
+        else:
+            slot.load_rows(local, value)
 
 
 def state_table(session: EngineSession) -> StateTable:

@@ -18,7 +18,19 @@ from torch.optim import Optimizer
 from lightning_zero_offload import kernels
 from lightning_zero_offload.optim import CPUAdam
 
-__all__ = ["SUPPORTED", "adam_args", "check_optimizer", "overridden_update_methods", "read_hyperparams"]
+__all__ = [
+    "SUPPORTED",
+    "adam_args",
+    "check_optimizer",
+    "optimizer_params",
+    "overridden_update_methods",
+    "read_hyperparams",
+]
+
+
+def optimizer_params(optimizer: Optimizer) -> list[torch.nn.Parameter]:
+    """Every parameter of ``optimizer``, frozen ones too, in param-group order: numbered so in its state dict."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def adam_args(group: Mapping[str, Any], adamw_mode: bool) -> kernels.AdamArgs:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_zero_offload.engine.infra.collectives import gather_host
+from lightning_zero_offload.engine.optimizer_support import optimizer_params
 from lightning_zero_offload.engine.step.cpu_state import MOMENTS, CpuState
 from lightning_zero_offload.engine.step.shard_buffer import ShardBuffer
 from lightning_zero_offload.warning import ZeroOffloadWarning
@@ -222,17 +223,12 @@ def _entry(step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> dict[s
     return {"step": torch.tensor(float(step), dtype=torch.float32), "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
 
 
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-    """Every parameter of the optimizer, numbered as in its state dict (frozen ones too)."""
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
 def parked_state(engine: ShardedState) -> dict[int, dict[str, torch.Tensor]]:
     """The state of the optimizer's parameters that are not trainable now but stepped before (frozen since, or
     frozen when a checkpoint was loaded), in torch's format: torch's AdamW keeps it, in memory and in its state
     dict, and uses it again when the parameter is unfrozen. The same full tensors on every rank."""
     state = {}
-    for torch_index, param in enumerate(_optimizer_params(engine.optimizer)):
+    for torch_index, param in enumerate(optimizer_params(engine.optimizer)):
         parked = engine.parked.entry(param)
         step = int(parked.get("step", 0))
         if step > 0:
@@ -301,7 +297,7 @@ def _park_loaded(engine: ShardedState, state: dict[int, dict[str, torch.Tensor]]
     torch's ``load_state_dict`` replaces its whole state): an unfreeze takes it up, as under torch's AdamW."""
     engine.parked.clear()
     trainable = set(engine.torch_index)
-    for torch_index, param in enumerate(_optimizer_params(engine.optimizer)):
+    for torch_index, param in enumerate(optimizer_params(engine.optimizer)):
         entry = state.get(torch_index)
         if torch_index in trainable or entry is None:
             continue

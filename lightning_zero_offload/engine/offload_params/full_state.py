@@ -17,7 +17,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from lightning_zero_offload.engine.offload_params.engine import ParamOffloadEngine
-from lightning_zero_offload.engine.offload_params.shards import ShardSlot, first_row
+from lightning_zero_offload.engine.offload_params.shards import ShardSlot
+from lightning_zero_offload.engine.optimizer_support import optimizer_params
 from lightning_zero_offload.engine.state_dicts import note_state_conversion
 
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -49,8 +50,7 @@ def _whole(slot: ShardSlot, local: torch.Tensor) -> torch.Tensor:
 
 def _torch_indices(engine: ParamOffloadEngine) -> dict[int, int]:
     """Each parameter's number in ``torch.optim.Optimizer.state_dict`` (param groups in order, frozen ones too)."""
-    params = [p for group in engine.optimizer.param_groups for p in group["params"]]
-    return {id(p): index for index, p in enumerate(params)}
+    return {id(p): index for index, p in enumerate(optimizer_params(engine.optimizer))}
 
 
 def param_groups_state(engine: ParamOffloadEngine) -> list[dict[str, Any]]:
@@ -104,12 +104,8 @@ def load_full_optimizer_state(engine: ParamOffloadEngine, state_dict: dict[str, 
     for slot in engine.slots:
         entry = state.get(index[id(slot.param)])
         if entry is None:
-            slot.step = 0
-            slot.exp_avg.zero_()
-            slot.exp_avg_sq.zero_()
+            slot.reset()
             continue
         slot.step = int(entry["step"])
-        start = first_row(slot.param)
         for local, whole in ((slot.exp_avg, entry["exp_avg"]), (slot.exp_avg_sq, entry["exp_avg_sq"])):
-            rows = whole.reshape(slot.param.shape)[start : start + local.shape[0]] if local.dim() else whole
-            local.copy_(rows.reshape(local.shape))
+            slot.load_rows(local, whole.reshape(slot.param.shape))

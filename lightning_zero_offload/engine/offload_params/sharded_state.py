@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.tensor import DTensor
 
 from lightning_zero_offload.engine.offload_params.engine import ParamOffloadEngine
+from lightning_zero_offload.engine.optimizer_support import optimizer_params
 
 __all__ = [
     "keep_saved_state",
@@ -81,7 +82,7 @@ def sharded_state(
 def keep_saved_state(module: nn.Module, engine: ParamOffloadEngine, saved: Collection[str]) -> None:
     """Slots for the optimizer's frozen parameters whose state a checkpoint has (``saved``: their names), so that
     it loads into them: torch's AdamW keeps a frozen parameter's state for its unfreezing."""
-    in_optimizer = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
+    in_optimizer = {id(p) for p in optimizer_params(engine.optimizer)}
     for name, param in module.named_parameters():
         if name in saved and id(param) in in_optimizer:
             engine.slot_of(param)
@@ -96,10 +97,10 @@ def load_sharded_state(module: nn.Module, engine: ParamOffloadEngine, state: dic
     if "optimizer" in state:
         for name, slot in zip(param_names(module, engine), engine.slots):
             entry = state["optimizer"].get(name)
-            slot.step = int(entry["step"]) if entry is not None else 0
             if entry is None:
-                slot.exp_avg.zero_()
-                slot.exp_avg_sq.zero_()
+                slot.reset()
+            else:
+                slot.step = int(entry["step"])
 
 
 def as_dtensor(local: Tensor, param: nn.Parameter) -> Tensor:

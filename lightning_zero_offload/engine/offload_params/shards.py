@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_zero_offload import kernels
+from lightning_zero_offload.engine.optimizer_support import optimizer_params
 from lightning_zero_offload.kernels import device as device_kernels
 
 
@@ -42,7 +43,7 @@ def element_offsets(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     order: the bf16 state's rounding counter, so a run resumed with another trainable set (a block frozen at the
     resume) rounds each parameter as the uninterrupted run did."""
     offsets, total = {}, 0
-    for p in (p for group in optimizer.param_groups for p in group["params"]):
+    for p in optimizer_params(optimizer):
         offsets[id(p)] = total
         total += p.numel()
     return offsets
@@ -97,6 +98,19 @@ class ShardSlot:
 
     def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
         return self.master, self.exp_avg, self.exp_avg_sq
+
+    def reset(self) -> None:
+        """torch's fresh state for the parameter: step 0, zero moments."""
+        self.step = 0
+        self.exp_avg.zero_()
+        self.exp_avg_sq.zero_()
+
+    def load_rows(self, local: Tensor, whole: Tensor) -> None:
+        """This rank's rows of ``whole`` (the parameter's full shape; a broadcastable value too) into ``local``, a
+        tensor shaped like the shard (a moment)."""
+        whole = torch.as_tensor(whole).expand(self.param.shape)
+        start = first_row(self.param)
+        local.copy_((whole[start : start + local.shape[0]] if local.dim() else whole).reshape(local.shape))
 
     def state_bytes(self) -> int:
         """Bytes this slot holds beyond the parameter and its gradient (FSDP2's), on its side."""
