@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -242,6 +242,28 @@ def train_freezing(sharded: nn.Module, engine: ParamOffloadEngine, data: list, f
     for window, freeze in zip(data, frozen):
         sharded.blocks[0].requires_grad_(not freeze)
         train(sharded, engine, [window], clip_norm=0.5)
+
+
+def frozen_block_resume_differences(case: str, cpu_state: str, checkpoint: Callable) -> list[str]:
+    """:data:`FREEZING` ``case`` trained through, and again stopped after :data:`RESUMED_AT` windows, carried by
+    ``checkpoint(first, first_engine, resumed, resumed_engine)`` (a save and a load) into a fresh copy built with
+    ``blocks[0]`` as frozen as it is then, and trained on: how the two ends differ (:func:`differences`)."""
+    torch.manual_seed(0)
+    model, data, frozen = Blocks(), batches(steps=6, micro=2), FREEZING[case]
+    dtype = torch.bfloat16 if cpu_state == "bf16" else torch.float32
+    uninterrupted = sharded_copy(model, dtype)
+    engine = make_engine(uninterrupted, cpu_state=cpu_state)
+    train_freezing(uninterrupted, engine, data, frozen)
+
+    first = sharded_copy(model, dtype)
+    first_engine = make_engine(first, cpu_state=cpu_state)
+    train_freezing(first, first_engine, data[:RESUMED_AT], frozen)
+    resumed = sharded_copy(Blocks(), dtype)
+    resumed.blocks[0].requires_grad_(not frozen[RESUMED_AT])
+    resumed_engine = make_engine(resumed, cpu_state=cpu_state)  # bf16: rounding offsets as before the save
+    checkpoint(first, first_engine, resumed, resumed_engine)
+    train_freezing(resumed, resumed_engine, data[RESUMED_AT:], frozen[RESUMED_AT:])
+    return differences(training_state(resumed, resumed_engine), training_state(uninterrupted, engine))
 
 
 def trained_copy(

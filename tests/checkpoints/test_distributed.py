@@ -13,16 +13,15 @@ import torch
 from checkpoint_helpers import crash_at, save_sharded_one_rank
 from offload_params_helpers import (
     FREEZING,
-    RESUMED_AT,
     Blocks,
     batches,
     differences,
+    frozen_block_resume_differences,
     full_state,
     make_engine,
     one_rank_group,
     sharded_copy,
     train,
-    train_freezing,
     trained_copy,
     training_state,
     two_groups,
@@ -86,23 +85,12 @@ def test_a_frozen_blocks_state_resumes_as_torch_keeps_it(tmp_path, case, cpu_sta
     """Frozen across the save: its state is saved, loaded into it frozen and taken up when it is unfrozen; trained
     only after the save (the checkpoint has no state for it): it starts afresh. Both bitwise as the uninterrupted
     run."""
-    torch.manual_seed(0)
-    model, data, frozen = Blocks(), batches(steps=6, micro=2), FREEZING[case]
-    dtype = torch.bfloat16 if cpu_state == "bf16" else torch.float32
-    uninterrupted = sharded_copy(model, dtype)
-    engine = make_engine(uninterrupted, cpu_state=cpu_state)
-    train_freezing(uninterrupted, engine, data, frozen)
 
-    first = sharded_copy(model, dtype)
-    first_engine = make_engine(first, cpu_state=cpu_state)
-    train_freezing(first, first_engine, data[:RESUMED_AT], frozen)
-    distributed.save_sharded(tmp_path / "last.ckpt", first, first_engine, {})
-    resumed = sharded_copy(Blocks(), dtype)
-    resumed.blocks[0].requires_grad_(not frozen[RESUMED_AT])
-    resumed_engine = make_engine(resumed, cpu_state=cpu_state)  # bf16: rounding offsets as before the save
-    distributed.load_sharded(tmp_path / "last.ckpt", resumed, resumed_engine)
-    train_freezing(resumed, resumed_engine, data[RESUMED_AT:], frozen[RESUMED_AT:])
-    assert differences(training_state(resumed, resumed_engine), training_state(uninterrupted, engine)) == []
+    def checkpoint(first, first_engine, resumed, resumed_engine):
+        distributed.save_sharded(tmp_path / "last.ckpt", first, first_engine, {})
+        distributed.load_sharded(tmp_path / "last.ckpt", resumed, resumed_engine)
+
+    assert frozen_block_resume_differences(case, cpu_state, checkpoint) == []
 
 
 def test_every_file_loads_without_pickled_code(tmp_path):

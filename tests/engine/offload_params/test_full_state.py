@@ -9,16 +9,15 @@ import torch
 from engine_helpers import CPU, options
 from offload_params_helpers import (
     FREEZING,
-    RESUMED_AT,
     Blocks,
     batches,
     differences,
+    frozen_block_resume_differences,
     full_state,
     make_engine,
     relative_error,
     sharded_copy,
     train,
-    train_freezing,
     trained_copy,
     training_state,
     two_groups,
@@ -84,25 +83,14 @@ def test_a_full_checkpoint_resumes_bitwise_as_the_uninterrupted_run(tmp_path, cp
 def test_a_frozen_blocks_state_resumes_as_torch_keeps_it(tmp_path, case, cpu_state):
     """Frozen across the save: its state is saved, loaded into it frozen and taken up when it is unfrozen; trained
     only after the save: it starts afresh. Both bitwise as the uninterrupted run (whose slots never go)."""
-    torch.manual_seed(0)
-    model, data, frozen = Blocks(), batches(steps=6, micro=2), FREEZING[case]
-    dtype = torch.bfloat16 if cpu_state == "bf16" else torch.float32
-    uninterrupted = sharded_copy(model, dtype)
-    engine = make_engine(uninterrupted, cpu_state=cpu_state)
-    train_freezing(uninterrupted, engine, data, frozen)
 
-    first = sharded_copy(model, dtype)
-    first_engine = make_engine(first, cpu_state=cpu_state)
-    train_freezing(first, first_engine, data[:RESUMED_AT], frozen)
-    saved = full_checkpoint(first, first_engine, tmp_path / "full.ckpt")
-    resumed = sharded_copy(Blocks(), dtype)
-    resumed.blocks[0].requires_grad_(not frozen[RESUMED_AT])
-    resumed_engine = make_engine(resumed, cpu_state=cpu_state)  # bf16: rounding offsets as before the save
-    load_full_model_state(resumed, saved["state_dict"])
-    load_full_optimizer_state(resumed_engine, saved["optimizer"])
-    resumed_engine.load_state_dict(saved["engine"])
-    train_freezing(resumed, resumed_engine, data[RESUMED_AT:], frozen[RESUMED_AT:])
-    assert differences(training_state(resumed, resumed_engine), training_state(uninterrupted, engine)) == []
+    def checkpoint(first, first_engine, resumed, resumed_engine):
+        saved = full_checkpoint(first, first_engine, tmp_path / "full.ckpt")
+        load_full_model_state(resumed, saved["state_dict"])
+        load_full_optimizer_state(resumed_engine, saved["optimizer"])
+        resumed_engine.load_state_dict(saved["engine"])
+
+    assert frozen_block_resume_differences(case, cpu_state, checkpoint) == []
 
 
 def test_the_full_optimizer_state_is_torch_adamws():
