@@ -164,11 +164,13 @@ FROZEN_STATE_SCENARIOS = {
 FROZEN_RESUME_AT = 5
 
 
-def frozen_resume_training(rank: int, world: int, scenario: str, engine_options: dict | None, steps: int = 9) -> dict:
+def frozen_resume_training(
+    rank: int, world: int, scenario: str, engine_options: dict | None, steps: int = 9, resume: bool = True
+) -> dict:
     """``make_net`` with two param groups through a :data:`FROZEN_STATE_SCENARIOS` scenario, resumed from the weights
-    and the optimizer's state dict before step :data:`FROZEN_RESUME_AT`: by torch's AdamW on whole batches
-    (``engine_options`` None) or by the engine on this rank's share of each. That state dict, and the weights and
-    the state dict at the end."""
+    and the optimizer's state dict (and the engine's counters) before step :data:`FROZEN_RESUME_AT` (``resume``): by
+    torch's AdamW on whole batches (``engine_options`` None) or by the engine on this rank's share of each. That
+    state dict, and the weights and the state dict at the end."""
     events = FROZEN_STATE_SCENARIOS[scenario]
     trainable = dict(events.get("start", {}))
 
@@ -187,20 +189,23 @@ def frozen_resume_training(rank: int, world: int, scenario: str, engine_options:
             return net, optimizer
         return net, OffloadEngine(optimizer, CPU, torch.float32, options(**engine_options))
 
-    def weights_and_state(net, optimizer) -> tuple[list[torch.Tensor], dict]:
-        if engine_options is None:
-            return [p.detach().clone() for p in net.parameters()], copy.deepcopy(optimizer.state_dict())  # not live
-        state = optimizer.optimizer_state_dict()
+    def weights_and_state(net, optimizer) -> tuple[list[torch.Tensor], dict, dict | None]:
+        if engine_options is None:  # torch's state dict is not a copy
+            return [p.detach().clone() for p in net.parameters()], copy.deepcopy(optimizer.state_dict()), None
+        state, counters = optimizer.optimizer_state_dict(), optimizer.state_dict()
         optimizer.close()  # the parameters hold the master weights
-        return [p.detach().clone() for p in net.parameters()], state
+        return [p.detach().clone() for p in net.parameters()], state, counters
 
     net, optimizer = build()
+    saved = {"state": None}
     for index, (x, y) in enumerate(batches(steps)):
-        if index == FROZEN_RESUME_AT:
-            weights, saved = weights_and_state(net, optimizer)
+        if index == FROZEN_RESUME_AT and resume:
+            weights, saved, counters = weights_and_state(net, optimizer)
             net, optimizer = build(weights)
             load = optimizer.load_optimizer_state_dict if engine_options is not None else optimizer.load_state_dict
             load(copy.deepcopy(saved))  # torch's load keeps the tensors it is given, and steps them in place
+            if counters is not None:  # the bf16 state's rounding seed among them
+                optimizer.load_state_dict(counters)
         for layer, flag in events.get(index, {}).items():
             trainable[layer] = flag
             net[layer].requires_grad_(flag)
@@ -212,7 +217,7 @@ def frozen_resume_training(rank: int, world: int, scenario: str, engine_options:
         loss_fn(net, (x[mine], y[mine])).backward()
         optimizer.step()
         optimizer.zero_grad()
-    weights, state = weights_and_state(net, optimizer)
+    weights, state, _ = weights_and_state(net, optimizer)
     return {"saved": saved["state"], "weights": weights, "state": state["state"]}
 
 

@@ -43,13 +43,13 @@ from lightning_zero_offload.engine.infra.memory import can_pin
 from lightning_zero_offload.engine.infra.streams import worker_pool
 from lightning_zero_offload.engine.lifecycle import LIVE_ENGINES, EngineLifecycle
 from lightning_zero_offload.engine.optimizer_hooks import has_step_hooks, step_hooks
-from lightning_zero_offload.engine.optimizer_support import check_optimizer
+from lightning_zero_offload.engine.optimizer_support import check_optimizer, optimizer_params
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
 from lightning_zero_offload.engine.save_sharing import SaveSharing
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import StepInputs, SyncSchedule, make_schedule
 from lightning_zero_offload.engine.stats import StepStats, StepTimer
-from lightning_zero_offload.engine.step.cpu_state import CpuState, ParkedState, rounding_seed
+from lightning_zero_offload.engine.step.cpu_state import CpuState, ParkedState, rounding_numbers, rounding_seed
 from lightning_zero_offload.engine.step.device_share import ShareChoice
 from lightning_zero_offload.engine.step.gradient_source import BucketArrivals
 from lightning_zero_offload.engine.step.in_place import InPlaceGradients, InPlaceUpdate
@@ -160,8 +160,10 @@ class OffloadEngine(AccumulationWindow, EngineLifecycle):
         self.layout: Layout = build_layout([p.shape for p in self.params], options.bucket_numel(element), world, rank)
         self.in_place = self.resolved.in_place
         self.pin = self.resolved.pin_memory and can_pin(device)
-        state_args = (self.resolved.state_dtype, self._rounding_seed, device, self.resolved.device_share)
-        self.state = CpuState(self.layout, self.group_of, not self.in_place, *state_args, allocate=not replaced)
+        state_args = (self.resolved.state_dtype, self._rounding_seed, device, self.resolved.device_share, not replaced)
+        numbers = rounding_numbers([p.numel() for p in optimizer_params(optimizer)])
+        first_numbers = [numbers[index] for index in self.torch_index]  # frozen parameters keep their numbers
+        self.state = CpuState(self.layout, self.group_of, not self.in_place, *state_args, first_numbers)
         self._original_dtypes = state_dicts.fill_state(self, replaced)
         if replaced is not None:  # the new device copy is filled from the master: the old one goes first
             self.publisher.release(self.params)

@@ -57,6 +57,22 @@ def assert_resumes_as_torch(ours: dict, scenario: str) -> None:
         torch.testing.assert_close(mine, theirs, rtol=0, atol=ATOL)
 
 
+@pytest.mark.parametrize("cpu_step", ["sync", "speculative"])
+@pytest.mark.parametrize("scenario", FROZEN_STATE_SCENARIOS)
+def test_a_bf16_state_resumed_with_other_layers_frozen_rounds_as_the_uninterrupted_run(scenario, cpu_step):
+    """The bf16 state's stochastic rounding numbers an element by its parameter's place among all of the optimizer's,
+    frozen ones too, so a run resumed with another set of trainable layers draws the uninterrupted run's bits."""
+    engine_options = {"cpu_state": "bf16", "cpu_step": cpu_step}
+    resumed = frozen_resume_training(0, 1, scenario, engine_options)
+    uninterrupted = frozen_resume_training(0, 1, scenario, engine_options, resume=False)
+    for mine, theirs in zip(resumed["weights"], uninterrupted["weights"], strict=True):
+        assert torch.equal(mine, theirs)
+    assert resumed["state"].keys() == uninterrupted["state"].keys()
+    for index, theirs in uninterrupted["state"].items():
+        for name, value in theirs.items():
+            assert torch.equal(torch.as_tensor(resumed["state"][index][name]), torch.as_tensor(value)), (index, name)
+
+
 @pytest.mark.slow  # two ranks in processes
 @pytest.mark.parametrize("scenario", FROZEN_STATE_SCENARIOS)
 def test_at_two_ranks_every_rank_saves_and_loads_the_frozen_state_alike(tmp_path, scenario):

@@ -34,7 +34,6 @@ from lightning_zero_offload.engine.offload_params.shards import (
     ShardSlot,
     check_clip,
     check_shard,
-    element_offsets,
     exceeds_limit,
     memory_report,
     step_shard,
@@ -43,11 +42,11 @@ from lightning_zero_offload.engine.offload_params.shards import (
 )
 from lightning_zero_offload.engine.offload_params.speculation import Speculation
 from lightning_zero_offload.engine.optimizer_hooks import step_hooks
-from lightning_zero_offload.engine.optimizer_support import check_optimizer, read_hyperparams
+from lightning_zero_offload.engine.optimizer_support import check_optimizer, optimizer_params, read_hyperparams
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.stats import StepStats, StepTimer
-from lightning_zero_offload.engine.step.cpu_state import rounding_seed
+from lightning_zero_offload.engine.step.cpu_state import rounding_numbers, rounding_seed
 from lightning_zero_offload.warning import ZeroOffloadRuntimeWarning
 
 __all__ = ["ParamOffloadEngine"]
@@ -93,7 +92,7 @@ class ParamOffloadEngine:
         self.scaler = DynamicLossScaler(options.loss_scaler) if param_dtype == torch.float16 else None
         self.nonfinite = NonFinitePolicy(options.max_consecutive_skipped_steps, self.scaler)
         self._seed = rounding_seed(None, device, world_size) if self.state_dtype == torch.bfloat16 else 0
-        self._threads, self._offsets = self.resolved.cpu_threads, {}
+        self._threads, self._numbers = self.resolved.cpu_threads, {}
         self._slots: dict[int, ShardSlot] = {}
         self._on_device = {id(p) for p in on_device}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -115,9 +114,10 @@ class ParamOffloadEngine:
         """``param``'s shard, moments and step count (made for a trainable one, or a frozen one a checkpoint has)."""
         slot = self._slots.get(id(param))
         if slot is None:
-            if id(param) not in self._offsets:  # the bf16 state's rounding counter starts at its place among all of
-                self._offsets = element_offsets(self.optimizer)  # the optimizer's parameters, frozen ones too
-            slot = ShardSlot.for_param(param, self.state_dtype, self._offsets[id(param)], id(param) in self._on_device)
+            if id(param) not in self._numbers:  # the bf16 state's rounding numbers: from all of the optimizer's
+                params = optimizer_params(self.optimizer)  # parameters, frozen ones too
+                self._numbers = dict(zip(map(id, params), rounding_numbers([p.numel() for p in params])))
+            slot = ShardSlot.for_param(param, self.state_dtype, self._numbers[id(param)], id(param) in self._on_device)
             check_shard(param, slot, self.state_dtype, self.device)
             self._slots[id(param)] = slot
             # A device-resident shard steps after backward: on the device its step is short, and nothing waits.

@@ -19,7 +19,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_zero_offload import kernels
-from lightning_zero_offload.engine.optimizer_support import optimizer_params
 from lightning_zero_offload.kernels import device as device_kernels
 
 
@@ -38,22 +37,11 @@ def first_row(param: Tensor) -> int:
     return int(offset[0]) if offset else 0
 
 
-def element_offsets(optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    """Each of the optimizer's parameters' first element among all of them (frozen ones too), in its param groups'
-    order: the bf16 state's rounding counter, so a run resumed with another trainable set (a block frozen at the
-    resume) rounds each parameter as the uninterrupted run did."""
-    offsets, total = {}, 0
-    for p in optimizer_params(optimizer):
-        offsets[id(p)] = total
-        total += p.numel()
-    return offsets
-
-
 @dataclass(eq=False)
 class ShardSlot:
     """One trainable parameter's CPU state: its Adam moments (local, like the shard), its step count, the
-    global number of its shard's first element (the bf16 state's rounding counter, so one run rounds the
-    same at any world size) and, once it has been speculated, a snapshot of (param, exp_avg, exp_avg_sq).
+    rounding number of its shard's first element (the bf16 state's counter, ``rounding_numbers``: the same at any
+    world size and trainable set) and, once it has been speculated, a snapshot of (param, exp_avg, exp_avg_sq).
     ``on_device``: its unit is in the device share, so shard, moments and step stay on the device."""
 
     param: nn.Parameter

@@ -11,8 +11,9 @@ a user sets ``optimizer.state[p]["step"]`` (:meth:`CpuState.set_step`), or loade
 
 The state is fp32 (``cpu_state="fp32"``: exact to torch's AdamW) or bf16 (``"bf16"``, docs/compact-state.md):
 master, moments and gradient buffers in bf16, the update computed in fp32 and stored with stochastic
-rounding whose random bits are a hash of (seed, step, element), the element numbered by its place among
-all trainable elements (padding left out), so the bits do not depend on the world size or the thread count.
+rounding whose random bits are a hash of (seed, step, element), the element numbered by its parameter's place among
+all of the optimizer's (:func:`rounding_numbers`), so the bits depend neither on the world size, the thread count
+nor which parameters are trainable.
 
 With a device share (``device_share``), the buckets whose gradients arrive last keep their state on the device:
 each buffer is a :class:`ShardBuffer`, the shard's first elements on the host and its last ones (whole buckets) on
@@ -59,9 +60,11 @@ class CpuState:
         device: torch.device | None = None,
         device_share: float = 0.0,
         allocate: bool = True,
+        first_numbers: Sequence[int] | None = None,
     ) -> None:
         """``allocate=False``: without buffers, which a re-plan makes and fills one at a time (``carry_state`` in
-        engine/state_dicts.py)."""
+        engine/state_dicts.py). ``first_numbers``: each parameter's :func:`rounding_numbers` entry (None: the layout's
+        parameters are all of the optimizer's)."""
         self.layout = layout
         self.group_of = group_of  # param group of each trainable parameter, in optimizer order
         self.dtype = dtype
@@ -77,12 +80,9 @@ class CpuState:
             # The buffer backward accumulates into now (in place: gradients stay in the tensors autograd made).
             self.grad: ShardBuffer | None = self.new_buffer() if keeps_grad else None
         self._steps = [0] * len(layout.slots)
-        # Each bucket's shift from this rank's shard positions to the elements' global numbers.
-        self._element_base = []
-        before = 0
-        for bucket in layout.buckets:
-            self._element_base.append(before + layout.rank * bucket.shard_numel - bucket.shard_start)
-            before += bucket.numel
+        if first_numbers is None:
+            first_numbers = rounding_numbers([slot.numel for slot in layout.slots])
+        self._number_runs = [_number_runs(bucket, first_numbers) for bucket in layout.buckets]
 
     @property
     def compact(self) -> bool:
@@ -111,10 +111,15 @@ class CpuState:
         """Trainable elements whose state is on the device (all ranks)."""
         return sum(bucket.numel for bucket in self.layout.buckets[self.first_device_bucket :])
 
-    def element_number(self, bucket: Bucket, shard_position: int) -> int:
-        """The global number of the element at ``shard_position`` (in ``bucket``'s shard range): its place
-        among all trainable elements in layout order, the same at every world size (padding is not counted)."""
-        return self._element_base[bucket.index] + shard_position
+    def numbered_runs(self, bucket: Bucket, window: slice) -> list[tuple[slice, int]]:
+        """``window`` (in ``bucket``'s shard range) cut where the elements' rounding numbers jump (a frozen parameter
+        between two of the bucket's), each run with its first element's number: one run unless something is frozen."""
+        runs = []
+        for start, stop, number in self._number_runs[bucket.index]:
+            if start < window.stop and window.start < stop:
+                first = max(start, window.start)
+                runs.append((slice(first, min(stop, window.stop)), number + first - start))
+        return runs
 
     def accumulate(
         self, window: slice, src: torch.Tensor, scale: float, overwrite: bool, num_threads: int
@@ -172,18 +177,19 @@ class CpuState:
             self._update_on_device(bucket, window, hparams, step, grad_scale, grad)
             return
         if self.compact:
-            kernels.adam_step_bf16_state(
-                self.master[window],
-                grad[window],
-                self.exp_avg[window],
-                self.exp_avg_sq[window],
-                hparams=hparams,
-                step=step,
-                seed=self.seed,
-                offset=self.element_number(bucket, window.start),
-                grad_scale=grad_scale,
-                num_threads=num_threads,
-            )
+            for run, number in self.numbered_runs(bucket, window):
+                kernels.adam_step_bf16_state(
+                    self.master[run],
+                    grad[run],
+                    self.exp_avg[run],
+                    self.exp_avg_sq[run],
+                    hparams=hparams,
+                    step=step,
+                    seed=self.seed,
+                    offset=number,
+                    grad_scale=grad_scale,
+                    num_threads=num_threads,
+                )
             return
         kernels.adam_step(
             self.master[window],
@@ -201,23 +207,16 @@ class CpuState:
     def _update_on_device(
         self, bucket: Bucket, window: slice, hparams: kernels.AdamArgs, step: int, grad_scale: float, grad: ShardBuffer
     ) -> None:
-        master, exp_avg, exp_avg_sq = self.master[window], self.exp_avg[window], self.exp_avg_sq[window]
         if self.compact:
-            device_kernels.adam_step_bf16_state(
-                master,
-                grad[window],
-                exp_avg,
-                exp_avg_sq,
-                hparams=hparams,
-                step=step,
-                seed=self.seed,
-                offset=self.element_number(bucket, window.start),
-                grad_scale=grad_scale,
-            )
-        else:
-            device_kernels.adam_step_multi(
-                [master], [grad[window]], [exp_avg], [exp_avg_sq], [step], hparams=hparams, grad_scale=grad_scale
-            )
+            for run, number in self.numbered_runs(bucket, window):
+                moments = self.exp_avg[run], self.exp_avg_sq[run]
+                state_step = {"hparams": hparams, "step": step, "seed": self.seed, "grad_scale": grad_scale}
+                device_kernels.adam_step_bf16_state(self.master[run], grad[run], *moments, **state_step, offset=number)
+            return
+        master, exp_avg, exp_avg_sq = self.master[window], self.exp_avg[window], self.exp_avg_sq[window]
+        device_kernels.adam_step_multi(
+            [master], [grad[window]], [exp_avg], [exp_avg_sq], [step], hparams=hparams, grad_scale=grad_scale
+        )
 
     @property
     def steps(self) -> Sequence[int]:
@@ -319,6 +318,39 @@ def _checked_step(step: int) -> int:
     if step < 0:
         raise ValueError(f"a step count must be >= 0, got {step}")
     return step
+
+
+# The bf16 state's rounding numbers count down from here: above any model's element count, within the kernels' offset.
+ROUNDING_NUMBERS_TOP = 2**48
+
+
+def rounding_numbers(sizes: Sequence[int]) -> list[int]:
+    """The bf16 state's rounding number of each parameter's first element, given the numels of all of the optimizer's
+    parameters (frozen ones too) in param-group order; a parameter's element i is number ``first + i``.
+
+    Counted down from :data:`ROUNDING_NUMBERS_TOP`, the last parameter lowest, as the ZeRO-2 layout lays them out (last
+    first): a bucket's elements number contiguously (one kernel call); a param group added later numbers below the
+    others, renumbering none; and a run resumed with another trainable set (a block frozen) rounds every parameter as
+    the uninterrupted run did. offload_params numbers its shards the same way."""
+    numbers, end = [], ROUNDING_NUMBERS_TOP
+    for size in sizes:
+        end -= size
+        numbers.append(end)
+    return numbers
+
+
+def _number_runs(bucket: Bucket, first_numbers: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``bucket``'s shard range as (start, stop, number of start) runs of contiguous rounding numbers (the padding
+    that may end it numbered on from its last parameter: its values stay zero)."""
+    runs: list[tuple[int, int, int]] = []
+    for segment in bucket.segments:
+        number = first_numbers[segment.param_index] + segment.param_start
+        if runs and runs[-1][2] + segment.shard_start - runs[-1][0] == number:
+            runs[-1] = (runs[-1][0], segment.shard_end, runs[-1][2])
+        else:
+            runs.append((segment.shard_start, segment.shard_end, number))
+    end = bucket.shard_start + bucket.shard_numel
+    return [*runs[:-1], (runs[-1][0], end, runs[-1][2])] if runs else [(bucket.shard_start, end, 0)]
 
 
 def rounding_seed(process_group: dist.ProcessGroup | None, device: torch.device, world_size: int) -> int:

@@ -15,7 +15,7 @@ from engine_helpers import CPU, batches, loss_fn, make_net, options, two_groups
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine import OffloadEngine
 from lightning_zero_offload.engine.optimizer_support import read_hyperparams
-from lightning_zero_offload.engine.step.cpu_state import CpuState
+from lightning_zero_offload.engine.step.cpu_state import ROUNDING_NUMBERS_TOP, CpuState, rounding_numbers
 from lightning_zero_offload.engine.step.layout import build_layout
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -60,7 +60,7 @@ class CompactReference:
         self.master = [p.detach().to(torch.bfloat16).clone() for p in self.params]
         self.exp_avg = [torch.zeros_like(m) for m in self.master]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
-        self.offsets = [slot.flat_start for slot in engine_like.layout.slots]  # one rank: no padding inside
+        self.offsets = rounding_numbers([p.numel() for p in self.params])  # each parameter's first element's number
         self.steps = 0
         self.seed = engine_like.state.seed
 
@@ -253,28 +253,50 @@ def test_an_unknown_cpu_state_is_refused():
         options(cpu_state="fp16")
 
 
+def element_numbers(state: CpuState) -> dict[tuple[int, int], int]:
+    """(parameter, element) -> the rounding number the state's update passes the kernel for it (padding skipped)."""
+    found = {}
+    for bucket in state.layout.buckets:
+        for run, first in state.numbered_runs(bucket, bucket.shard_range):
+            for seg in bucket.segments:
+                for position in range(max(run.start, seg.shard_start), min(run.stop, seg.shard_end)):
+                    found[seg.param_index, seg.param_start + position - seg.shard_start] = first + position - run.start
+    return found
+
+
+SHAPES = [torch.Size(s) for s in ((7, 3), (5,), (11, 2), (1,), (13,))]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_elements_keep_their_numbers_at_any_world_size(world):
     """The rounding bits of an element depend on its number only, so a shard must number its elements as
     one rank numbers the same elements (padding at the end of each bucket is skipped)."""
-    shapes = [torch.Size(s) for s in ((7, 3), (5,), (11, 2), (1,), (13,))]
-    whole = build_layout(shapes, bucket_numel=20)
-    one_rank = {}
-    state = CpuState(whole, [0] * len(shapes), keeps_grad=False)
-    for bucket in whole.buckets:
-        for seg in bucket.segments:
-            for k in range(seg.numel):
-                one_rank[seg.param_index, seg.param_start + k] = state.element_number(bucket, seg.shard_start + k)
-    assert sorted(one_rank.values()) == list(range(sum(s.numel() for s in shapes)))
+    one_rank = element_numbers(CpuState(build_layout(SHAPES, bucket_numel=20), [0] * len(SHAPES), keeps_grad=False))
+    total = sum(s.numel() for s in SHAPES)
+    assert sorted(one_rank.values()) == list(range(ROUNDING_NUMBERS_TOP - total, ROUNDING_NUMBERS_TOP))
     for rank in range(world):
-        layout = build_layout(shapes, bucket_numel=20, world_size=world, rank=rank)
+        layout = build_layout(SHAPES, bucket_numel=20, world_size=world, rank=rank)
         assert any(b.padded_numel > b.numel for b in layout.buckets)  # padding to skip
-        shard = CpuState(layout, [0] * len(shapes), keeps_grad=False)
-        for bucket in layout.buckets:
-            for seg in bucket.segments:
-                for k in range(seg.numel):
-                    number = shard.element_number(bucket, seg.shard_start + k)
-                    assert number == one_rank[seg.param_index, seg.param_start + k]
+        shard = element_numbers(CpuState(layout, [0] * len(SHAPES), keeps_grad=False))
+        assert shard == {key: one_rank[key] for key in shard}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("frozen", [[3], [1, 3], [1, 2, 3]])
+def test_elements_keep_their_numbers_when_other_parameters_are_frozen(world, frozen):
+    """A frozen parameter leaves the layout but keeps its numbers: the others number as when all are trainable (a
+    resume with a block frozen rounds as the uninterrupted run), the runs cut where the frozen one would lie."""
+    everything = element_numbers(CpuState(build_layout(SHAPES, bucket_numel=20), [0] * len(SHAPES), keeps_grad=False))
+    numbers = rounding_numbers([s.numel() for s in SHAPES])
+    trainable = [i for i in range(len(SHAPES)) if i not in frozen]
+    cuts = 0
+    for rank in range(world):
+        layout = build_layout([SHAPES[i] for i in trainable], bucket_numel=48, world_size=world, rank=rank)
+        state = CpuState(layout, [0] * len(trainable), False, first_numbers=[numbers[i] for i in trainable])
+        for (index, element), number in element_numbers(state).items():
+            assert number == everything[trainable[index], element]
+        cuts += sum(len(state.numbered_runs(b, b.shard_range)) - 1 for b in layout.buckets)
+    assert cuts > 0  # a bucket holds parameters on both sides of a frozen one
 
 
 def test_auto_keeps_compact_state_at_8_bytes_with_sync_on_an_accelerator():
