@@ -34,8 +34,10 @@ def train(
     save: str | None = None,
     save_at: int | None = None,
     seed: int = 0,
+    accumulate: int = 1,
 ) -> dict:
-    """Train the shared MLP with two param groups and a scheduler; returns losses and fp32 weights."""
+    """Train the shared MLP with two param groups and a scheduler; returns losses and fp32 weights. ``accumulate``:
+    each rank's share of a batch in that many micro-batches, in Fabric's recipe (``no_backward_sync`` but the last)."""
     net = make_net(seed, width=31)
     optimizer = two_groups(net)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
@@ -48,8 +50,10 @@ def train(
     for x, y in batches(steps, seed=1)[state["step"] :]:
         share = GLOBAL_BATCH // world
         x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
-        loss = loss_fn(model, (x, y))
-        fabric.backward(loss)
+        for index, micro in enumerate(zip(x.chunk(accumulate), y.chunk(accumulate))):
+            with fabric.no_backward_sync(model, enabled=index < accumulate - 1):
+                loss = loss_fn(model, micro) / accumulate
+                fabric.backward(loss)
         if clip == "norm":
             fabric.clip_gradients(model, optimizer, max_norm=0.5)
         elif clip == "value":
@@ -78,9 +82,8 @@ def run(spec: dict, devices: int) -> None:
         )
     fabric = L.Fabric(accelerator="cpu", devices=devices, strategy=strategy, precision=spec.get("precision", "32-true"))
     fabric.launch()
-    result = train(
-        fabric, spec.get("steps", 12), resume=spec.get("resume"), save=spec.get("save"), save_at=spec.get("save_at")
-    )
+    saving = {"resume": spec.get("resume"), "save": spec.get("save"), "save_at": spec.get("save_at")}
+    result = train(fabric, spec.get("steps", 12), **saving, accumulate=spec.get("accumulate", 1))
     if fabric.is_global_zero:
         torch.save(result, spec["out"])
     fabric.barrier()
