@@ -23,6 +23,8 @@ from lightning_zero_offload import ZeroOffloadStrategy
 
 ATOL = 1e-6
 
+pytestmark = pytest.mark.usefixtures("own_process_group")  # conftest.py: offload_params' group ends with the test
+
 MODES = [
     pytest.param(dict(in_place_on_cpu=False, cpu_step="speculative"), id="offload-speculative"),
     pytest.param(dict(offload_params=True, checkpoint_format="sharded"), id="params-sharded"),
@@ -101,7 +103,7 @@ def found_lr_then_fit(strategy) -> tuple[L.LightningModule, float]:
 def found_batch_size_then_fit(strategy) -> tuple[L.LightningModule, int]:
     model = Tunable(batch_size=2)
     trainer = L.Trainer(strategy=strategy, max_epochs=2, **QUIET)
-    found = Tuner(trainer).scale_batch_size(model, mode="power", max_trials=3, steps_per_trial=2)
+    found = Tuner(trainer).scale_batch_size(model, mode="power", max_trials=2, steps_per_trial=2)
     trainer.fit(model)
     return model, found
 
