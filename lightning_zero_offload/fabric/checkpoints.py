@@ -17,6 +17,18 @@ from torch import nn
 from lightning_zero_offload.checkpoints import FABRIC_KEY, FORMAT_KEY
 
 
+def refuse_sharded_filter(filter: dict[str, Any] | None, keys: dict[str, str | None]) -> None:
+    """``fabric.save(..., filter=...)`` cannot filter the model or the optimizer of a sharded checkpoint: each rank
+    writes its shard of the weights and moments whole (Lightning's FSDP refuses it too)."""
+    filtered = sorted(name for name in filter or {} if name is not None and name in keys.values())
+    if filtered:
+        raise ValueError(
+            f"fabric.save(..., filter=...) filters {filtered}, which checkpoint_format='sharded' writes whole (each "
+            "rank its shard of the weights and moments). Save a filtered checkpoint with "
+            "ZeroOffloadFabricStrategy(checkpoint_format='full'), or filter other entries only"
+        )
+
+
 def sharded_from_fabric_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """The Fabric checkpoint dict (with its ``FABRIC_KEY`` entry) in the Trainer's layout, in place."""
     keys = checkpoint[FABRIC_KEY]

@@ -52,6 +52,7 @@ from lightning_zero_offload.core import (
 from lightning_zero_offload.core.checkpoint_io import load_checkpoint, save_checkpoint, uses_own_writer
 from lightning_zero_offload.fabric.checkpoints import (
     fabric_checkpoint_from_sharded,
+    refuse_sharded_filter,
     restore_objects,
     sharded_from_fabric_checkpoint,
 )
@@ -319,12 +320,14 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
             "model": next((k for k, v in state.items() if self._owns(v)), None),
             "optimizer": next((k for k, v in state.items() if isinstance(v, OffloadedOptimizer)), None),
         }
+        sharded = keys["model"] is not None and self.session.sharded
+        if sharded:
+            refuse_sharded_filter(filter, keys)
         # Views of the engine's buffers rather than a second copy of the fp32 state, when the writer is
         # the strategy's own (done when it returns; a user's CheckpointIO may write in the background).
         share = uses_own_writer(self.checkpoint_io, storage_options)
         with self.session.shared_buffers(share) if self.session is not None else nullcontext():
             checkpoint = self._convert_stateful_objects_in_state(state, filter=filter or {})
-        sharded = keys["model"] is not None and self.session.sharded
         if keys["model"] is not None:
             checkpoint[FABRIC_KEY] = keys  # where the weights are, for the fp32 export and sharded loading
         if sharded:

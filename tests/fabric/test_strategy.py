@@ -113,6 +113,37 @@ def test_save_load_resumes_bitwise_and_exports_fp32(tmp_path, fmt):
         assert ref["losses"][0] == pytest.approx(resumed["losses"][0], rel=1e-2)
 
 
+def trained_and_saved_head(f: L.Fabric, path: Path) -> dict[str, torch.Tensor]:
+    """Three steps of make_net, then ``fabric.save`` with a filter that keeps the head ("4.*", as a fine-tune keeps
+    its adapters); the master weights saved, by name."""
+    net = make_net()
+    model, optimizer = f.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    for batch in batches(3):
+        f.backward(loss_fn(model, batch))
+        optimizer.step()
+        optimizer.zero_grad()
+    f.save(path, {"model": model, "optimizer": optimizer, "step": 3}, filter={"model": lambda k, v: k[0] == "4"})
+    return {k: v.clone() for k, v in f.strategy.master_state_dict(model).items()}
+
+
+def test_a_filtered_save_keeps_what_the_filter_keeps_and_loads_over_other_weights(tmp_path):
+    saved = trained_and_saved_head(fabric(), tmp_path / "head.ckpt")
+    assert sorted(torch.load(tmp_path / "head.ckpt", weights_only=True)["model"]) == ["4.bias", "4.weight"]
+    f = fabric()
+    net = make_net(seed=1)
+    model, _ = f.setup(net, torch.optim.AdamW(net.parameters()))
+    left = f.load(tmp_path / "head.ckpt", {"model": model}, strict=False)  # as plain Fabric loads a filtered one
+    assert left == {"optimizer": left["optimizer"], "step": 3}
+    loaded, fresh = f.strategy.master_state_dict(model), make_net(seed=1).state_dict()
+    assert all(torch.equal(loaded[k], saved[k] if k[0] == "4" else fresh[k]) for k in fresh)
+
+
+def test_a_sharded_save_refuses_to_filter_the_weights_and_writes_nothing(tmp_path):
+    with pytest.raises(ValueError, match=r"filters \['model'\].*checkpoint_format='full'"):
+        trained_and_saved_head(fabric(checkpoint_format="sharded"), tmp_path / "head.ckpt")
+    assert not (tmp_path / "head.ckpt").exists()
+
+
 @pytest.mark.filterwarnings(  # the first steps overflow and are skipped: torch warns as it does under AMP
     "ignore:Detected call of `lr_scheduler.step\\(\\)` before `optimizer.step\\(\\)`"
 )
