@@ -194,6 +194,52 @@ def test_litgpt_learns_under_bf16_mixed():
     assert sum(losses[-4:]) < 0.7 * sum(losses[:4])
 
 
+def litgpt_lora_finetune(strategy, path: Path) -> dict[str, torch.Tensor]:
+    """litgpt's LoRA recipe on pythia-14m's shape: the base frozen, adapters on query, value, MLP and head trained by
+    AdamW(fused=True) in Fabric's accumulation loop with clipping, then ``fabric.save`` with litgpt's ``lora_filter``.
+    What was saved (the adapters), and every weight by name."""
+    from litgpt.lora import GPT, Config, lora_filter, mark_only_lora_as_trainable
+
+    adapters = {f"lora_{where}": True for where in ("query", "value", "mlp", "head")}
+    f = L.Fabric(accelerator="cpu", devices=1, strategy=strategy, precision="32-true")
+    f.launch()
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("pythia-14m", lora_r=4, lora_alpha=8, **adapters))
+    mark_only_lora_as_trainable(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    model, optimizer = f.setup(model, torch.optim.AdamW(trained, lr=2e-3, weight_decay=0.02, fused=True))
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        for micro in range(2):
+            tokens = torch.randint(0, 1000, (2, 33), generator=generator)
+            with f.no_backward_sync(model, enabled=micro == 0):
+                logits = model(tokens[:, :-1])
+                f.backward(nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) / 2)
+        f.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    f.save(path, {"model": model}, filter={"model": lora_filter})
+    weights = {f"weights/{name}": p.detach().clone() for name, p in model.named_parameters()}
+    return {**weights, **{f"saved/{k}": v for k, v in torch.load(path, weights_only=True)["model"].items()}}
+
+
+@pytest.mark.slow  # a model nobody here wrote: litgpt is the slow tier's install (Makefile, MODELS)
+@pytest.mark.usefixtures("own_process_group")  # conftest.py: offload_params' group ends with the test
+@pytest.mark.parametrize(
+    "options",
+    [{"in_place_on_cpu": False, "cpu_step": "speculative"}, {"offload_params": True}],
+    ids=["zero2-speculative", "params"],
+)
+def test_litgpts_lora_finetuning_is_plain_fabrics_bitwise(options, tmp_path):
+    """The CPU step is torch's fused AdamW's arithmetic: adapters, frozen base and the filtered save all bitwise."""
+    reference = litgpt_lora_finetune("auto", tmp_path / "auto.pth")
+    ours = litgpt_lora_finetune(ZeroOffloadFabricStrategy(**options), tmp_path / "ours.pth")
+    assert ours.keys() == reference.keys() and any(key.startswith("saved/") for key in ours)
+    for key, value in reference.items():
+        mine = ours[key].full_tensor() if hasattr(ours[key], "full_tensor") else ours[key]
+        assert torch.equal(mine, value), key
+
+
 def train_at_two_ranks(tmp: Path, runs: dict[str, dict]) -> dict[str, dict]:
     """``runs`` (name: options, as tests/workers/fabric_train.py takes them) one after another in one
     launch of two ranks; what rank 0 wrote for each, by name."""
