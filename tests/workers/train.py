@@ -5,8 +5,9 @@ launch costs more than a run). A run is a dict: ``strategy`` ("zero_offload", "z
 ``cpu_step``, or "ddp"), ``precision``, ``max_steps``, ``max_epochs``, ``accumulate``, ``clip``
 (gradient_clip_val, by norm), ``format`` (checkpoint_format), ``dpu`` (DPU with weight prediction after 3
 steps), ``resume``, ``save``, ``out``, ``model`` ("blocks": residual blocks in a ModuleList;
-"blocks_in_configure_model": the same built in configure_model, each rank from its own seed). Also run by
-tests/trainer/test_offload_params_distributed.py.
+"blocks_in_configure_model": the same built in configure_model, each rank from its own seed), ``first_block_at``
+(with "blocks": the first block's ``requires_grad`` set before the fit's batches it names, counted across epochs,
+``{"5": false}``). Also run by tests/trainer/test_offload_params_distributed.py.
 """
 
 import argparse
@@ -73,6 +74,20 @@ class ShardedBlocksInConfigureModel(ShardedData):
         self.net = ResidualStack(self.width)
 
 
+class SetFirstBlockTrainable(L.Callback):
+    """``net.blocks[0].requires_grad_(flag)`` before each of the fit's batches (counted from 0 across epochs) that
+    ``at`` names: mid-window under accumulation where the count is odd."""
+
+    def __init__(self, at: dict[str, bool]) -> None:
+        self.at = {int(batch): flag for batch, flag in at.items()}
+        self.batches = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.batches in self.at:
+            pl_module.net.blocks[0].requires_grad_(self.at[self.batches])
+        self.batches += 1
+
+
 def fit(run: dict, devices: int) -> None:
     """One training run; rank 0 writes what the test compares to ``run["out"]``."""
     if run.get("strategy", "zero_offload") == "zero_offload":
@@ -96,7 +111,7 @@ def fit(run: dict, devices: int) -> None:
         gradient_clip_val=run.get("clip", 1.0),  # by norm
         accumulate_grad_batches=run.get("accumulate", 2),
         use_distributed_sampler=False,
-        callbacks=[norms],
+        callbacks=[norms, SetFirstBlockTrainable(run.get("first_block_at", {}))],
         **{**QUIET, "devices": devices},
     )
     # 192 samples, global batch 48: the same global batches at world sizes 1, 2 and 3.
