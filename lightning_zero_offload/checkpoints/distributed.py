@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from lightning_zero_offload.checkpoints.distributed_files import (
     DCP_METADATA,
@@ -77,6 +78,7 @@ __all__ = [
     "OpenedCheckpoint",
     "export_fp32",
     "is_distributed_checkpoint",
+    "load_as_full",
     "load_sharded",
     "load_sharded_full",
     "save_sharded",
@@ -97,17 +99,19 @@ def save_sharded(
     engine: ParamOffloadEngine,
     extra: dict[str, Any],
     with_optimizer: bool = True,
+    model_state: dict[str, Any] | None = None,
 ) -> None:
     """Every rank writes its shards of ``module`` (and with ``with_optimizer`` of the moments and step counts),
     rank 0 the param groups, the engine's counters and ``extra`` (plain Python and tensors: it must load with
     ``weights_only=True``), as a new version under ``path`` that replaces the previous one when complete.
-
+    ``model_state``: the module's entries to write (:func:`sharded_state`'s, some left out), else all of them.
     Call it on every rank, between steps. A failure on any rank raises on every rank and leaves the previous
     checkpoint at ``path`` as it was.
     """
     root = _local(path)
     rank, world = rank_and_world()
-    state = sharded_state(module, engine, with_optimizer)
+    state = {"model": model_state} if model_state is not None else {}
+    state |= sharded_state(module, engine, with_optimizer, with_model=model_state is None)
     version_name, save_id = raise_any([broadcast(attempt(new_version, root) if rank == 0 else None)])[0]
     version = root / version_name
     with removed_unless_published(version, rank):  # DCP's writes and the collectives below return on every rank
@@ -154,12 +158,20 @@ class OpenedCheckpoint:
         """The front end's entries it was saved with (loops', callbacks', schedulers' state)."""
         return self.meta["extra"]
 
-    def load(self, module: nn.Module, engine: ParamOffloadEngine, model: bool = True, optimizer: bool = True) -> None:
+    def load(
+        self,
+        module: nn.Module,
+        engine: ParamOffloadEngine,
+        model: bool = True,
+        optimizer: bool = True,
+        strict: bool = True,
+    ) -> None:
         """In place into ``module``'s shards (``model``), and into the engine's moments, step counts, the param
         groups' hyperparameters and the engine's counters (``optimizer``). Call it on every rank, between steps.
 
         As torch's ``load_state_dict``: a trainable parameter the checkpoint has no state for starts afresh, and a
-        frozen one it has state for keeps it for its unfreezing."""
+        frozen one it has state for keeps it for its unfreezing; not ``strict``: the module keeps its values for
+        the entries the checkpoint lacks."""
         if optimizer and not self.info["with_optimizer"]:
             raise CheckpointError(
                 f"the checkpoint at {self.path} holds the model only (it was saved without optimizer state): "
@@ -168,7 +180,8 @@ class OpenedCheckpoint:
         saved = set(self.info["params"]) if optimizer else set()
         if optimizer:
             keep_saved_state(module, engine, saved)
-        state = sharded_state(module, engine, with_optimizer=optimizer, with_model=model, saved=saved)
+        keys = self._model_keys(module, strict) if model else None
+        state = sharded_state(module, engine, with_optimizer=optimizer, with_model=model, saved=saved, model_keys=keys)
         _check_fits(self.reader, state, self.path)
         if optimizer:
             load_param_groups_by_name(module, engine.optimizer, self.meta["param_groups"])
@@ -178,6 +191,21 @@ class OpenedCheckpoint:
         if optimizer:
             engine.load_state_dict(self.meta["engine"])
 
+    def _model_keys(self, module: nn.Module, strict: bool) -> set[str]:
+        """The module's entries the checkpoint has (a hook may have left some out); ``strict``, as torch's
+        ``load_state_dict``, refuses any difference."""
+        saved, held = set(self.info["model_keys"]), set(get_model_state_dict(module))
+        if strict and saved != held:
+            missing, unexpected = sorted(held - saved), sorted(saved - held)
+            differences = [f"lacks {len(missing)} of the module's entries {missing[:4]}"] if missing else []
+            differences += [f"has {len(unexpected)} the module lacks {unexpected[:4]}"] if unexpected else []
+            raise CheckpointError(
+                f"the checkpoint at {self.path} {' and '.join(differences)}. If it was saved without some entries on "
+                "purpose (on_save_checkpoint), load with strict=False (the Trainer: self.strict_loading = False): the "
+                "module keeps its own values for them; else build the model as it was when it was saved"
+            )
+        return saved & held
+
 
 def load_sharded(
     path: PathLike,
@@ -185,20 +213,21 @@ def load_sharded(
     engine: ParamOffloadEngine,
     with_optimizer: bool = True,
     weights_only: bool = True,
+    strict: bool = True,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path`` in place into ``module``'s shards (with ``with_optimizer`` also the
     moments, step counts, param groups' hyperparameters and the engine's counters), at any world size; returns
     the ``extra`` it was saved with. Call it on every rank (:class:`OpenedCheckpoint`)."""
     opened = OpenedCheckpoint(path, weights_only)
-    opened.load(module, engine, optimizer=with_optimizer)
+    opened.load(module, engine, optimizer=with_optimizer, strict=strict)
     return opened.extra
 
 
-def load_sharded_full(path: PathLike, weights_only: bool = True) -> dict[str, Any]:
+def load_sharded_full(path: PathLike, weights_only: bool = True, with_optimizer: bool = True) -> dict[str, Any]:
     """The checkpoint whole, in one process (no process group needed), read tensor by tensor:
     ``state_dict`` (the module's, as saved: fp32, or bf16 from ``cpu_state="bf16"``), ``optimizer_state``
-    (torch AdamW's format: state by index in param_groups order; absent if saved without it),
-    ``engine_state`` and ``extra``. What a run with ``offload_params=False`` resumes from."""
+    (torch AdamW's format: state by index in param_groups order; absent if saved without it, or not read without
+    ``with_optimizer``), ``engine_state`` and ``extra``. What a run with ``offload_params=False`` resumes from."""
     version, meta = read_meta(path, weights_only)
     info = meta[FORMAT_KEY]
     verify_files(version, info["files"], 0, 1)
@@ -208,9 +237,19 @@ def load_sharded_full(path: PathLike, weights_only: bool = True) -> dict[str, An
         tied = info["tied"].get(key)
         state_dict[key] = state_dict[tied] if tied is not None else read_tensor(reader, ("model", key))
     loaded = {"state_dict": state_dict, "engine_state": meta["engine"], "extra": meta["extra"]}
-    if info["with_optimizer"]:
+    if info["with_optimizer"] and with_optimizer:
         loaded["optimizer_state"] = _optimizer_state(reader, info["params"], meta["param_groups"])
     return loaded
+
+
+def load_as_full(path: PathLike, weights_only: bool = True, with_optimizer: bool = True) -> dict[str, Any]:
+    """The checkpoint whole as a full-format Lightning checkpoint dict: what a run without its shards loads
+    (``validate``/``test``/``predict``, the ZeRO-2 mode). ``with_optimizer=False``: the moments are not read."""
+    loaded = load_sharded_full(path, weights_only, with_optimizer)
+    checkpoint = {**loaded["extra"], "state_dict": loaded["state_dict"], FORMAT_KEY: {"format": FORMAT}}
+    if "optimizer_state" in loaded:
+        checkpoint["optimizer_states"] = [loaded["optimizer_state"]]
+    return checkpoint
 
 
 def _optimizer_state(reader: MetadataReader, params: list[str], groups: list[dict[str, Any]]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from lightning_zero_offload.checkpoints import (
     load_checkpoint_file,
     load_sharded,
 )
+from lightning_zero_offload.checkpoints.distributed import is_distributed_checkpoint, load_as_full
 from lightning_zero_offload.warning import ZeroOffloadWarning
 
 if TYPE_CHECKING:
@@ -86,10 +87,13 @@ def save_checkpoint(
 def load_checkpoint(
     path: PathLike, checkpoint_io: Any, weights_only: bool | None, with_optimizer: bool = True
 ) -> dict[str, Any]:
-    """Either format as a Lightning checkpoint dict; ``weights_only=None`` means ``True`` (torch's default).
+    """Either format (and offload_params' sharded one, read whole) as a Lightning checkpoint dict;
+    ``weights_only=None`` means ``True`` (torch's default).
 
     ``with_optimizer=False``: a sharded checkpoint's moments are not read.
     """
+    if is_distributed_checkpoint(path):
+        return load_as_full(path, weights_only is not False, with_optimizer)
     if is_sharded_checkpoint(path):
         return load_sharded(path, with_optimizer=with_optimizer, weights_only=weights_only is not False)
     if uses_own_writer(checkpoint_io):

@@ -17,6 +17,7 @@ from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from lightning_zero_offload.checkpoints import PathLike
 from lightning_zero_offload.checkpoints.distributed import OpenedCheckpoint, load_sharded, save_sharded
@@ -189,27 +190,31 @@ class ParamOffloadSession(EngineSession):
         return full_model_state(self.module)
 
     def module_state_to_save(self) -> dict[str, Any]:
-        """The full state dict; sharded: nothing (every rank saves its shards in :meth:`save_sharded`)."""
-        return {} if self.sharded else self.master_state_dict()
+        """The full state dict; sharded: this rank's shards as ``torch.distributed.checkpoint`` saves them (views,
+        nothing copied; :meth:`save_sharded` writes what the checkpoint hooks leave of it)."""
+        return get_model_state_dict(self.module) if self.sharded else self.master_state_dict()
 
     def optimizer_state_to_save(self) -> dict[str, Any]:
         """The optimizer state in torch AdamW's format, the moments whole (a collective); sharded: nothing here."""
         return {} if self.sharded else full_optimizer_state(self.engine)
 
     def save_sharded(self, checkpoint: dict[str, Any], path: PathLike, rank: int, broadcast: Callable) -> None:
-        """Every rank writes its shards, moments and step counts, rank 0 the rest of ``checkpoint`` (the loops',
-        callbacks' and schedulers' state): a new version under ``path``, at any world size resumable."""
+        """Every rank writes its shards (those of ``checkpoint["state_dict"]``: a hook may have left some out), and
+        with the optimizer's entry (not a weights-only save) its moments and step counts; rank 0 the rest of
+        ``checkpoint`` (the loops', callbacks' and schedulers' state): a new version under ``path``, at any world
+        size resumable."""
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        save_sharded(path, self.module, self.engine, extra)
+        with_optimizer = "optimizer_states" in checkpoint
+        save_sharded(path, self.module, self.engine, extra, with_optimizer, checkpoint.get("state_dict"))
 
-    def load_sharded(self, path: PathLike, with_optimizer: bool = True) -> dict[str, Any]:
+    def load_sharded(self, path: PathLike, with_optimizer: bool = True, strict: bool = True) -> dict[str, Any]:
         """A sharded checkpoint in place into the shards (and moments, step counts, hyperparameters and the
         engine's counters); returns the rest of the checkpoint as saved. Every rank calls it."""
-        return load_sharded(path, self.module, self.engine, with_optimizer)
+        return load_sharded(path, self.module, self.engine, with_optimizer, strict=strict)
 
-    def load_opened(self, checkpoint: OpenedCheckpoint, model: bool, optimizer: bool) -> None:
+    def load_opened(self, checkpoint: OpenedCheckpoint, model: bool, optimizer: bool, strict: bool = True) -> None:
         """Parts of an opened sharded checkpoint in place (:meth:`load_sharded` in two calls). Every rank calls it."""
-        checkpoint.load(self.module, self.engine, model, optimizer)
+        checkpoint.load(self.module, self.engine, model, optimizer, strict)
 
     def engine_state_dict(self) -> dict[str, Any]:
         return self.engine.state_dict()

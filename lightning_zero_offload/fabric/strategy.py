@@ -356,7 +356,7 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         loaded_in_place: set[str] = set()
         with_optimizer = _wants_optimizer(state)
         if isinstance(self.session, ParamOffloadSession) and is_distributed_checkpoint(path):
-            checkpoint = self.session.load_sharded(path, with_optimizer=with_optimizer)
+            checkpoint = self.session.load_sharded(path, with_optimizer, strict)
             # a Trainer's checkpoint names its entries as the Trainer does
             keys = checkpoint.pop(FABRIC_KEY, {"model": "state_dict", "optimizer": "optimizer_states"})
             loaded_in_place = {keys["model"]} | ({keys["optimizer"]} if with_optimizer else set())

@@ -115,12 +115,17 @@ class TrainerCheckpoints(Strategy):
             weights_only = getattr(self, "_weights_only", None)
         if isinstance(self.session, ParamOffloadSession) and is_distributed_checkpoint(checkpoint_path):
             opened = OpenedCheckpoint(checkpoint_path, weights_only=weights_only is not False)
-            self.session.load_opened(opened, model=True, optimizer=False)
+            training = fitting(getattr(self.lightning_module, "_trainer", None))
+            if training and not opened.info["with_optimizer"]:
+                raise KeyError(_weights_only_resume_message(checkpoint_path))
+            strict = getattr(self.lightning_module, "strict_loading", True)
+            self.session.load_opened(opened, model=True, optimizer=False, strict=strict)
             self._model_loaded_in_place = True
-            self._optimizer_to_load = opened if fitting(getattr(self.lightning_module, "_trainer", None)) else None
+            self._optimizer_to_load = opened if training else None
             return {**opened.extra, "state_dict": {}, "optimizer_states": [{}]}
-        checkpoint = load_checkpoint(checkpoint_path, self.checkpoint_io, weights_only)
-        if "optimizer_states" not in checkpoint and fitting(getattr(self.lightning_module, "_trainer", None)):
+        training = fitting(getattr(self.lightning_module, "_trainer", None))  # else the moments are not read
+        checkpoint = load_checkpoint(checkpoint_path, self.checkpoint_io, weights_only, with_optimizer=training)
+        if "optimizer_states" not in checkpoint and training:
             raise KeyError(_weights_only_resume_message(checkpoint_path))
         return checkpoint
 

@@ -136,6 +136,22 @@ def test_the_full_checkpoint_resumes_with_parameters_on_the_device_too(tmp_path)
     assert relative_error(back, ours) < FP32_ROUNDING
 
 
+def test_the_sharded_checkpoint_is_read_whole_where_no_shards_await_it(tmp_path):
+    """The ZeRO-2 mode resumes from offload_params' sharded (DCP) checkpoint as from its full one, bitwise the
+    offload_params resume (it was refused); a fresh Trainer validates from it (refused too, naming offload_params=True
+    as the way, which it was), the shards filled from it."""
+    sharded = ZeroOffloadStrategy(offload_params=True, checkpoint_format="sharded")
+    fit_to(sharded, tmp_path, 3, save=tmp_path / "dcp.ckpt")
+    ours = fit_to(ZeroOffloadStrategy(offload_params=True), tmp_path, 6, ckpt_path=tmp_path / "dcp.ckpt")
+    crossed = fit_to(ZeroOffloadStrategy(in_place_on_cpu=False), tmp_path, 6, ckpt_path=tmp_path / "dcp.ckpt")
+    assert all(torch.equal(crossed[k], v) for k, v in ours.items())
+    module = Evaluated()
+    trainer = L.Trainer(strategy=ZeroOffloadStrategy(offload_params=True), **QUIET)
+    trainer.validate(module, block_data(8), ckpt_path=tmp_path / "dcp.ckpt", verbose=False)
+    saved = convert_checkpoint_to_fp32_state_dict(tmp_path / "dcp.ckpt")
+    assert all(torch.equal(p.full_tensor(), saved[f"model.{k}"]) for k, p in module.model.named_parameters())
+
+
 @pytest.mark.parametrize("cpu_state", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_sharded_checkpoints_resume_as_the_full_format_does(cpu_state, tmp_path):
     """checkpoint_format='sharded': every rank saves its shards through torch.distributed.checkpoint; the resumed

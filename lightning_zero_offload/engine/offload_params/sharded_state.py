@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from lightning_zero_offload.engine.offload_params.engine import ParamOffloadEngine
@@ -61,11 +61,16 @@ def sharded_state(
     with_optimizer: bool = True,
     with_model: bool = True,
     saved: Collection[str] | None = None,
+    model_keys: Collection[str] | None = None,
 ) -> dict[str, Any]:
     """The dict ``torch.distributed.checkpoint`` saves, or fills in place on load: views of the live shards and
-    moments, nothing copied; ``saved``: only the optimizer state of these parameters (those a checkpoint has).
-    Call it between steps (no speculated step pending)."""
-    state: dict[str, Any] = {"model": get_model_state_dict(module)} if with_model else {}
+    moments, nothing copied; ``saved``: only the optimizer state of these parameters (those a checkpoint has);
+    ``model_keys``: only these entries of the module (those a checkpoint has). Call it between steps (no
+    speculated step pending)."""
+    model = get_model_state_dict(module) if with_model else {}
+    if model_keys is not None:
+        model = {key: value for key, value in model.items() if key in model_keys}
+    state: dict[str, Any] = {"model": model} if with_model else {}
     if with_optimizer:
         state["optimizer"] = {
             name: {
@@ -90,10 +95,11 @@ def keep_saved_state(module: nn.Module, engine: ParamOffloadEngine, saved: Colle
 
 def load_sharded_state(module: nn.Module, engine: ParamOffloadEngine, state: dict[str, Any]) -> None:
     """After ``torch.distributed.checkpoint.load(state)`` filled :func:`sharded_state`'s dict: the model's
-    entries into the module (the shards were filled in place already; buffers may be copies), the step counts
-    into the slots (the moments were filled in place; a slot the checkpoint has no state for starts afresh)."""
+    entries into the module (the shards were filled in place already; buffers may be copies; entries the
+    checkpoint lacks, checked by the caller, keep their values), the step counts into the slots (the moments were
+    filled in place; a slot the checkpoint has no state for starts afresh)."""
     if "model" in state:
-        set_model_state_dict(module, state["model"])
+        set_model_state_dict(module, state["model"], options=StateDictOptions(strict=False))
     if "optimizer" in state:
         for name, slot in zip(param_names(module, engine), engine.slots):
             entry = state["optimizer"].get(name)
