@@ -23,7 +23,10 @@ from lightning_zero_offload import ZeroOffloadStrategy
 
 ATOL = 1e-6
 
-pytestmark = pytest.mark.usefixtures("own_process_group")  # conftest.py: offload_params' group ends with the test
+pytestmark = [
+    pytest.mark.slow,  # Trainer runs of the tuner (10 s in all): the fast tier stays within its 3 minutes
+    pytest.mark.usefixtures("own_process_group"),  # conftest.py: offload_params' group ends with the test
+]
 
 MODES = [
     pytest.param(dict(in_place_on_cpu=False, cpu_step="speculative"), id="offload-speculative"),
