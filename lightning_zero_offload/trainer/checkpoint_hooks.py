@@ -113,9 +113,9 @@ class TrainerCheckpoints(Strategy):
         """Either format, on any filesystem; ``weights_only`` as passed to ``fit`` (Lightning 2.4+ alike)."""
         if weights_only is None:
             weights_only = getattr(self, "_weights_only", None)
+        training = fitting(getattr(self.lightning_module, "_trainer", None))  # else no optimizer state is read
         if isinstance(self.session, ParamOffloadSession) and is_distributed_checkpoint(checkpoint_path):
             opened = OpenedCheckpoint(checkpoint_path, weights_only=weights_only is not False)
-            training = fitting(getattr(self.lightning_module, "_trainer", None))
             if training and not opened.info["with_optimizer"]:
                 raise KeyError(_weights_only_resume_message(checkpoint_path))
             strict = getattr(self.lightning_module, "strict_loading", True)
@@ -123,7 +123,6 @@ class TrainerCheckpoints(Strategy):
             self._model_loaded_in_place = True
             self._optimizer_to_load = opened if training else None
             return {**opened.extra, "state_dict": {}, "optimizer_states": [{}]}
-        training = fitting(getattr(self.lightning_module, "_trainer", None))  # else the moments are not read
         checkpoint = load_checkpoint(checkpoint_path, self.checkpoint_io, weights_only, with_optimizer=training)
         if "optimizer_states" not in checkpoint and training:
             raise KeyError(_weights_only_resume_message(checkpoint_path))

@@ -173,49 +173,33 @@ class CpuState:
         bf16: the master is the copy to publish (``out`` is None, ``extrapolate`` 0). A device-share window
         steps on the device (kernels/device.py) and is published from its master (``out`` None).
         """
-        if self._on_device(window):
-            self._update_on_device(bucket, window, hparams, step, grad_scale, grad)
-            return
-        if self.compact:
+        on_device = self._on_device(window)
+        if self.compact:  # one call per run of contiguous rounding numbers, on the side the window lies
+            common = {"hparams": hparams, "step": step, "seed": self.seed, "grad_scale": grad_scale}
             for run, number in self.numbered_runs(bucket, window):
-                kernels.adam_step_bf16_state(
-                    self.master[run],
-                    grad[run],
-                    self.exp_avg[run],
-                    self.exp_avg_sq[run],
-                    hparams=hparams,
-                    step=step,
-                    seed=self.seed,
-                    offset=number,
-                    grad_scale=grad_scale,
-                    num_threads=num_threads,
-                )
+                tensors = (self.master[run], grad[run], self.exp_avg[run], self.exp_avg_sq[run])
+                if on_device:
+                    device_kernels.adam_step_bf16_state(*tensors, **common, offset=number)
+                else:
+                    kernels.adam_step_bf16_state(*tensors, **common, offset=number, num_threads=num_threads)
+            return
+        master, exp_avg, exp_avg_sq = self.master[window], self.exp_avg[window], self.exp_avg_sq[window]
+        if on_device:
+            device_kernels.adam_step_multi(
+                [master], [grad[window]], [exp_avg], [exp_avg_sq], [step], hparams=hparams, grad_scale=grad_scale
+            )
             return
         kernels.adam_step(
-            self.master[window],
+            master,
             grad[window],
-            self.exp_avg[window],
-            self.exp_avg_sq[window],
+            exp_avg,
+            exp_avg_sq,
             hparams=hparams,
             step=step,
             grad_scale=grad_scale,
             param_out=out,
             extrapolate=extrapolate,
             num_threads=num_threads,
-        )
-
-    def _update_on_device(
-        self, bucket: Bucket, window: slice, hparams: kernels.AdamArgs, step: int, grad_scale: float, grad: ShardBuffer
-    ) -> None:
-        if self.compact:
-            for run, number in self.numbered_runs(bucket, window):
-                moments = self.exp_avg[run], self.exp_avg_sq[run]
-                state_step = {"hparams": hparams, "step": step, "seed": self.seed, "grad_scale": grad_scale}
-                device_kernels.adam_step_bf16_state(self.master[run], grad[run], *moments, **state_step, offset=number)
-            return
-        master, exp_avg, exp_avg_sq = self.master[window], self.exp_avg[window], self.exp_avg_sq[window]
-        device_kernels.adam_step_multi(
-            [master], [grad[window]], [exp_avg], [exp_avg_sq], [step], hparams=hparams, grad_scale=grad_scale
         )
 
     @property
