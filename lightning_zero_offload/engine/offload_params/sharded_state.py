@@ -67,10 +67,10 @@ def sharded_state(
     moments, nothing copied; ``saved``: only the optimizer state of these parameters (those a checkpoint has);
     ``model_keys``: only these entries of the module (those a checkpoint has). Call it between steps (no
     speculated step pending)."""
-    model = get_model_state_dict(module) if with_model else {}
-    if model_keys is not None:
-        model = {key: value for key, value in model.items() if key in model_keys}
-    state: dict[str, Any] = {"model": model} if with_model else {}
+    state: dict[str, Any] = {}
+    if with_model:
+        model = get_model_state_dict(module)
+        state["model"] = model if model_keys is None else {k: v for k, v in model.items() if k in model_keys}
     if with_optimizer:
         state["optimizer"] = {
             name: {
