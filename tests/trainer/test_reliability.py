@@ -71,9 +71,10 @@ def test_an_io_error_writing_one_shard_stops_every_rank(tmp_path):
     assert not list(tmp_path.glob("step2.ckpt/**/meta.pt"))  # nothing half-written was published
 
 
-@pytest.mark.slow  # waits out the stalled rank's 40 s
-def test_a_stalled_rank_makes_the_others_give_up_after_the_timeout_option():
-    results = run_ranks("--failure", "stall", "--timeout", "15", "--stall", "40")
+@pytest.mark.slow  # waits for the timeout
+def test_a_stalled_rank_makes_the_others_give_up_after_the_timeout_option(tmp_path):
+    # The stall outlasts the timeout and the time allowed to leave; the stalled rank wakes once rank 0 has left.
+    results = run_ranks("--failure", "stall", "--timeout", "15", "--stall", "40", "--left", str(tmp_path))
     assert_all_failed(results)
     gave_up = stamp(results[0]["out"], "rank 0 left fit") - stamp(results[1]["out"], "rank 1 stalls")
     assert 15 <= gave_up < 15 + RELEASE_S

@@ -9,7 +9,9 @@ Failures:
 - ``extra-layer``: rank ``--rank``'s model has one more layer.
 - ``width``: rank ``--rank``'s model has wider hidden layers.
 - ``stall``: rank ``--rank`` stops answering for ``--stall`` seconds at step 2 (alive, not failing):
-  the others' collectives must give up after the strategy's ``--timeout``.
+  the others' collectives must give up after the strategy's ``--timeout``. With ``--left``, every rank marks
+  that folder when it leaves fit, and the stalled rank wakes as soon as another has left (not waiting out the
+  rest of its stall).
 """
 
 import argparse
@@ -18,6 +20,7 @@ import resource
 import signal
 import sys
 import time
+from pathlib import Path
 
 import lightning as L
 from torch import nn
@@ -45,7 +48,9 @@ class Failing(Classifier):
             raise RuntimeError(f"{FAILURE_TEXT} on rank {self.global_rank}")
         if self.failure == "stall" and self.failing and self.global_step == 2:
             print(f"rank {self.global_rank} stalls at {time.time():.2f}", flush=True)
-            time.sleep(self.stall_s)
+            deadline = time.monotonic() + self.stall_s
+            while time.monotonic() < deadline and not (self.left and any(Path(self.left).iterdir())):
+                time.sleep(0.1)
         return super().training_step(batch, batch_idx)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
@@ -67,7 +72,8 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--save", default=None, help="checkpoint path for shard-io")
     parser.add_argument("--timeout", type=float, default=None, help="the strategy's collective timeout (s)")
-    parser.add_argument("--stall", type=float, default=40.0, help="how long the stalling rank sleeps (s)")
+    parser.add_argument("--stall", type=float, default=40.0, help="how long the stalling rank sleeps at most (s)")
+    parser.add_argument("--left", default=None, help="a folder where each rank marks that it left fit")
     args = parser.parse_args()
 
     if args.strategy == "zero_offload":
@@ -77,12 +83,14 @@ def main() -> None:
         strategy = args.strategy
     rank = int(os.environ.get("LOCAL_RANK", 0))
     model = Failing(args.failure, failing=rank == args.rank, scheduler=False)
-    model.save_path, model.stall_s = args.save, args.stall
+    model.save_path, model.stall_s, model.left = args.save, args.stall, args.left
     trainer = L.Trainer(strategy=strategy, precision=args.precision, max_steps=6, **{**QUIET, "devices": 2})
     try:
         trainer.fit(model, loader(n=64))
     finally:
         print(f"rank {rank} left fit at {time.time():.2f}", flush=True)
+        if args.left:
+            Path(args.left, f"rank{rank}").touch()
 
 
 if __name__ == "__main__":
