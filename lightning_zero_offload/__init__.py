@@ -9,7 +9,11 @@ Lightning cannot be imported, the package imports without its two front ends (``
 and registers nothing.
 """
 
-from lightning_zero_offload.checkpoints import CheckpointError, convert_checkpoint_to_fp32_state_dict
+from lightning_zero_offload.checkpoints import (
+    CheckpointError,
+    convert_checkpoint_to_fp32_state_dict,
+    export_hugging_face,
+)
 from lightning_zero_offload.core.model_rules import ModelMismatchError
 from lightning_zero_offload.engine.failures import NonFiniteLossError
 from lightning_zero_offload.engine.offload_params.pretrained import load_pretrained
@@ -22,6 +26,7 @@ __all__ = [
     "ModelMismatchError",
     "NonFiniteLossError",
     "convert_checkpoint_to_fp32_state_dict",
+    "export_hugging_face",
     "load_pretrained",
     "plan",
 ]

@@ -11,10 +11,11 @@ a save runs through it:
 - :mod:`.streamed`: a full save at several ranks, buckets streamed to rank 0's writer;
 - :mod:`.writer`: ``torch.save``'s bytes into a file object, with their size and CRC-32;
 - :mod:`.files`: where bytes go (the local disk, atomically, or fsspec) and every read error named;
-- :mod:`.export`: the fp32 ``state_dict`` export and ``zero-offload-convert`` (of every format).
+- :mod:`.export`: the fp32 ``state_dict`` export, the Hugging Face folder export (:mod:`.hugging_face`: the
+  safetensors files) and ``zero-offload-convert`` (of every format).
 """
 
-from lightning_zero_offload.checkpoints.export import convert_checkpoint_to_fp32_state_dict
+from lightning_zero_offload.checkpoints.export import convert_checkpoint_to_fp32_state_dict, export_hugging_face
 from lightning_zero_offload.checkpoints.files import CheckpointError, PathLike
 from lightning_zero_offload.checkpoints.full import atomic_save, load_checkpoint_file
 from lightning_zero_offload.checkpoints.keys import ENGINE_STATE_KEY, FABRIC_KEY, FORMAT_KEY
@@ -38,6 +39,7 @@ __all__ = [
     "atomic_save",
     "convert_checkpoint_to_fp32_state_dict",
     "current_version",
+    "export_hugging_face",
     "is_sharded_checkpoint",
     "load_checkpoint_file",
     "load_sharded",

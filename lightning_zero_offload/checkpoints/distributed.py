@@ -15,9 +15,9 @@ A save makes a new version directory, every rank writes its DCP file, then rank 
 then deletes the older versions (sharded.py's helpers), so a save that fails or dies at any point leaves the
 previous checkpoint the current one. Each rank writes and later reads only its own shards: nothing is gathered.
 Loaded at any world size (DCP reads each rank's rows from whichever files hold them), in place into the
-existing shards and moments; checked first against the recorded sizes and CRC-32s, and read without
-pickled code (distributed_files.py). :func:`load_sharded_full` and :func:`export_fp32` read it in one
-process without a process group, one tensor at a time. Local paths only (DCP's file writer).
+existing shards and moments; checked first against the recorded sizes and CRC-32s, and read without pickled
+code (distributed_files.py). :func:`load_sharded_full` and the exports (:func:`model_placeholders`) read it in
+one process without a process group, one tensor at a time. Local paths only (DCP's file writer).
 """
 
 from __future__ import annotations
@@ -41,13 +41,7 @@ from lightning_zero_offload.checkpoints.distributed_files import (
     tensor_entry,
     verify_files,
 )
-from lightning_zero_offload.checkpoints.files import (
-    CheckpointError,
-    Location,
-    PathLike,
-    check_zip_checksums,
-    load_file,
-)
+from lightning_zero_offload.checkpoints.files import CheckpointError, Location, PathLike, check_zip_checksums, load_file
 from lightning_zero_offload.checkpoints.full import atomic_save
 from lightning_zero_offload.checkpoints.keys import FORMAT_KEY
 from lightning_zero_offload.checkpoints.sharded import (
@@ -81,6 +75,7 @@ __all__ = [
     "load_as_full",
     "load_sharded",
     "load_sharded_full",
+    "model_placeholders",
     "save_sharded",
 ]
 
@@ -273,27 +268,29 @@ def export_fp32(path: PathLike, output_path: PathLike) -> None:
     """Write the checkpoint's module state dict to ``output_path`` as one ``torch.save`` file (atomically),
     bf16 widened to fp32 (exactly), reading and holding one tensor at a time: the file is what
     ``torch.save`` writes for the whole dict, built without it in memory."""
+    placeholders, stream = model_placeholders(path)
+    atomic_save(placeholders, output_path, streamed=stream)
+
+
+def model_placeholders(path: PathLike) -> tuple[dict[str, torch.Tensor], TensorByTensor]:
+    """The module's state dict as meta tensors (in the module's order, a tied name sharing its first name's
+    tensor, bf16 as fp32), and the reader of each one's values, from the checked files."""
     version, meta = read_meta(path, weights_only=True)
     info = meta[FORMAT_KEY]
     verify_files(version, info["files"], 0, 1)
-    stream = _TensorByTensor(MetadataReader(version))
+    stream = TensorByTensor(MetadataReader(version))
     placeholders: dict[str, torch.Tensor] = {}
     for key in info["model_keys"]:
         tied = info["tied"].get(key)
         placeholders[key] = placeholders[tied] if tied is not None else stream.add(key)
-    atomic_save(placeholders, output_path, streamed=stream)
+    return placeholders, stream
 
 
-class _TensorByTensor:
-    """The export's placeholders (meta tensors standing for the model's tensors), each read from the
-    checkpoint when the writer reaches its record (checkpoints/writer.py's ``StreamedStorages``) into one
-    buffer the size of the largest.
-
-    DCP reads each tensor into a block of its own; glibc keeps freed blocks under its (dynamic, up to 32 MB)
-    mmap threshold in its heap, where blocks still in use between them can pin them: the export's peak RSS at
-    101M parameters was 35 to 323 MB over eight runs, and 35 MB in every run once the free heap is handed back
-    before each read (twice the largest tensor).
-    """
+class TensorByTensor:
+    """The exports' placeholders (meta tensors standing for the model's tensors), each read from the checkpoint
+    when a writer reaches it (checkpoints/writer.py's ``StreamedStorages``) into one buffer the size of the
+    largest. The free heap is handed back before each read: DCP reads each tensor into a block of its own,
+    which glibc's heap can keep pinned (docs/benchmarks.md, "Checkpoints of the parameter-offload mode")."""
 
     def __init__(self, reader: MetadataReader) -> None:
         self.reader = reader
@@ -317,6 +314,7 @@ class _TensorByTensor:
         """Any order: each tensor is read on its own."""
 
     def fetch(self, number: int) -> torch.Tensor:
+        """The values of placeholder ``number``, in the one buffer (valid until the next fetch)."""
         path = ("model", self.keys[number])
         entry = tensor_entry(self.reader, path)
         dtype = _exported(entry.properties.dtype)
