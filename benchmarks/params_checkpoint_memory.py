@@ -11,9 +11,10 @@ the parameter-offload engine, then, while a thread samples each rank's RSS every
 save (``checkpoints.distributed.save_sharded``), the sharded load back in place, and the full format's
 gathers (``full_model_state`` + ``full_optimizer_state``, held until both are done, as a save holds them;
 also the bytes of the tensors they copied: RSS grows by less where the allocator reuses memory freed before).
-Then, each in a fresh process: ``zero-offload-convert`` of the sharded checkpoint (the streamed fp32 export)
-and ``load_sharded_full`` (the whole state built in memory); their peak RSS above what the process held
-after its imports. Reported in MB and bytes per parameter (of the whole model). Writes JSON to
+Then, each in a fresh process: ``zero-offload-convert`` of the sharded checkpoint (the streamed fp32 export),
+the same with ``--safetensors`` (a Hugging Face folder in 100 MB shards) and ``load_sharded_full`` (the whole
+state built in memory); their peak RSS above what the process held after its imports. Reported in MB and
+bytes per parameter (of the whole model). Writes JSON to
 ``benchmarks/results/params_checkpoint_memory[_LABEL].json``.
 """
 
@@ -141,9 +142,11 @@ def main() -> None:
         shown = {"MB": round(extra / MB, 1), "B/param": round(extra / numel, 3)}
         return shown if seconds is None else {**shown, "s": round(seconds, 2)}
 
-    output = work / "model.pt"
+    output, folder = work / "model.pt", work / "hf"
+    hugging_face = [str(path), str(folder), "--safetensors", "--max-shard-size", "100MB"]
     fresh = {
         "zero-offload-convert (fresh process)": fresh_peak(f"export.main([{str(path)!r}, {str(output)!r}])"),
+        "zero-offload-convert --safetensors (fresh process)": fresh_peak(f"export.main({hugging_face!r})"),
         "load_sharded_full (fresh process)": fresh_peak(f"whole = distributed.load_sharded_full({str(path)!r})"),
     }
     element = 2 if args.cpu_state == "bf16" else 4
@@ -153,6 +156,7 @@ def main() -> None:
         "cpu_state": args.cpu_state,
         "model_MB": round(numel * element / MB, 1),
         "export_MB": round(output.stat().st_size / MB, 1),
+        "safetensors_MB": round(sum(f.stat().st_size for f in folder.iterdir()) / MB, 1),
         "checkpoint_MB": round(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / MB, 1),
         "largest_tensor_MB": round(args.width * args.width * 4 / MB, 1),
         "gathered_MB_per_rank": [round(rank["gathered_bytes"] / MB, 1) for rank in ranks],
