@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_zero_offload.checkpoints.files import CheckpointError, PathLike
+from lightning_zero_offload.checkpoints.files import CheckpointError, Location, PathLike
 from lightning_zero_offload.engine.offload_params.pretrained import SAFETENSORS_DTYPES
 
 __all__ = ["INDEX", "check_folder", "write_safetensors_folder"]
@@ -79,7 +79,7 @@ def write_safetensors_folder(
     for name in old:  # weights of an earlier export that these do not replace
         if name not in files:
             (folder / name).unlink()
-    _fsync_dir(folder)
+    Location(os.fspath(folder)).fsync_dir()
     return weight_map
 
 
@@ -150,14 +150,6 @@ def _write_json(path: Path, content: dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, path)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _bytes(size: int | str) -> int:
