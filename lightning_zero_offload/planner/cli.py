@@ -5,6 +5,8 @@ Examples::
     zero-offload-plan --params 1.3e9 --batch-size 8 --seq-len 2048          # measure this machine
     zero-offload-plan --model lightning_zero_offload.demo.GPT --model-args '{"n_layer": 6}' --batch-size 8 \\
         --seq-len 256 --n-layer 6
+    zero-offload-plan --model path/to/Llama-3.1-70B --batch-size 1 --seq-len 4096 --devices 8 \\
+        --offload-params --configure-model --cpu-state bf16   # a Hugging Face folder (its config.json)
     zero-offload-plan --params 7e9 --batch-size 4 --seq-len 2048 --n-layer 32 --devices 8 \\
         --host "server (2 sockets, 8ch DDR4-3200 each)" --device "H100 SXM (PCIe 5)"
     zero-offload-plan --largest --host "server (1 socket, 8ch DDR4-3200)" --device "H200 SXM (PCIe 5)" \\
@@ -48,15 +50,42 @@ def importable_cwd() -> None:
         sys.path.insert(0, os.getcwd())
 
 
-def build_model(path: str, kwargs: dict) -> torch.nn.Module:
-    """Instantiate ``package.module.Class`` (or ``package.module:Class``) on the meta device: no memory."""
-    module_name, _, name = path.replace(":", ".").rpartition(".")
+def build_model(spec: str, kwargs: dict) -> torch.nn.Module:
+    """The model to plan, on the meta device (no memory): ``package.module.Class`` (or ``package.module:Class``)
+    built with ``kwargs``; or a Hugging Face model from its config, when ``spec`` is a folder holding
+    ``config.json``, a config file, or a hub id (``org/name``), ``kwargs`` overriding the config's fields."""
+    if "/" in spec or os.path.exists(spec):
+        return _hugging_face_model(spec, kwargs)
+    module_name, _, name = spec.replace(":", ".").rpartition(".")
     if not module_name:
-        raise SystemExit(f"--model must be a dotted path like package.module.Class, got {path!r}")
+        raise SystemExit(
+            f"--model must be a dotted path like package.module.Class, or a Hugging Face model (a folder with "
+            f"config.json, a config file, or a hub id like org/name), got {spec!r}"
+        )
     importable_cwd()
     cls = getattr(importlib.import_module(module_name), name)
     with torch.device("meta"):
         return cls(**kwargs)
+
+
+def _hugging_face_model(spec: str, overrides: dict) -> torch.nn.Module:
+    """The class the config names (``architectures``; a causal LM where it names none), built from it."""
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit(
+            f"--model {spec!r} is a Hugging Face model: planning it needs transformers (pip install "
+            "transformers), or give its class as a dotted path or --params"
+        ) from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(spec, **overrides)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"--model {spec!r}: no Hugging Face config there ({error})") from None
+    architecture = getattr(transformers, (config.architectures or ["AutoModelForCausalLM"])[0], None)
+    with torch.device("meta"):
+        if architecture is None or architecture.__name__.startswith("Auto"):
+            return transformers.AutoModelForCausalLM.from_config(config)
+        return architecture(config)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -68,7 +97,11 @@ def parser() -> argparse.ArgumentParser:
     )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--params", type=float, help="trainable parameters (e.g. 1.3e9)")
-    what.add_argument("--model", help="dotted path of an nn.Module class, built on the meta device")
+    what.add_argument(
+        "--model",
+        help="dotted path of an nn.Module class, or a Hugging Face model (a folder with config.json, a config "
+        "file, or a hub id like org/name): built on the meta device",
+    )
     what.add_argument(
         "--largest",
         action="store_true",
@@ -77,7 +110,9 @@ def parser() -> argparse.ArgumentParser:
         f"{LARGEST_DEFAULTS['n_layer']}, widened; "
         f"--batch-size default {LARGEST_DEFAULTS['batch_size']}, --seq-len {LARGEST_DEFAULTS['seq_len']})",
     )
-    p.add_argument("--model-args", type=json.loads, default={}, help="JSON keyword arguments for --model")
+    p.add_argument(
+        "--model-args", type=json.loads, default={}, help="JSON keyword arguments for --model (a config's fields)"
+    )
     p.add_argument("--batch-size", type=int, help="micro-batch per rank, as the run will use it (required)")
     p.add_argument("--seq-len", type=int, help="tokens per sample, as the run will use them (required)")
     p.add_argument(

@@ -1,4 +1,5 @@
 import json
+import sys
 
 import pytest
 from planner_helpers import H200_BOX, h200
@@ -72,3 +73,34 @@ def test_the_bf16_state_fix_is_offered_when_the_user_asked_for_the_undo_rollback
     p = h200("7B", speculation_rollback="undo")
     assert not p.fits
     assert any(f.startswith('cpu_state="bf16"') for f in p.fixes)
+
+
+GH200 = ["--batch-size", "1", "--seq-len", "64", "--host", "Grace (GH200, LPDDR5X)", "--device", "GH200 (NVLink-C2C)"]
+
+
+def test_a_hugging_face_model_without_transformers_names_what_to_install(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as where it is not installed
+    for spec in (str(tmp_path), str(tmp_path / "config.json"), "meta-llama/Llama-3.1-8B"):
+        with pytest.raises(SystemExit, match=r"is a Hugging Face model: planning it needs transformers \(pip"):
+            main(["--model", spec, *GH200])
+    with pytest.raises(SystemExit, match="a dotted path like package.module.Class, or a Hugging Face model"):
+        main(["--model", "GPT", *GH200])
+
+
+@pytest.mark.slow  # transformers
+def test_a_hugging_face_model_is_planned_from_its_config(tmp_path, capsys, monkeypatch):
+    from offload_params_helpers import tiny_llama_config
+    from transformers import LlamaForCausalLM
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = tiny_llama_config()
+    config.save_pretrained(tmp_path)
+    want = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+    for spec, overrides, layers in ((tmp_path, "{}", 3), (tmp_path / "config.json", '{"num_hidden_layers": 5}', 5)):
+        main(["--model", str(spec), "--model-args", overrides, "--json", "--offload-params", *GH200])
+        data = json.loads(capsys.readouterr().out)
+        block = want - sum(p.numel() for p in LlamaForCausalLM(config).model.layers[0].parameters()) * (3 - layers)
+        assert data["params"] == block and data["params_offload"]["units"]["units"] == layers  # the blocks
+    with pytest.raises(SystemExit, match=r"--model 'nobody/nothing': no Hugging Face config there"):
+        main(["--model", "nobody/nothing", *GH200])
