@@ -163,7 +163,9 @@ def main(argv: list[str] | None = None) -> None:
         "output_path", help="where to write the state_dict (torch.save format), or the folder with --safetensors"
     )
     parser.add_argument(
-        "--overwrite", action="store_true", help="replace output_path even if it is an existing training checkpoint"
+        "--overwrite",
+        action="store_true",
+        help="replace output_path even if it is a training checkpoint (with --safetensors: the folder's weights)",
     )
     hugging_face = parser.add_argument_group("--safetensors: a Hugging Face weights folder, as save_pretrained writes")
     hugging_face.add_argument("--safetensors", action="store_true", help="write safetensors files into output_path")
