@@ -24,8 +24,8 @@ from lightning_zero_offload.engine.options import OffloadOptions, Resolved
 from lightning_zero_offload.engine.scaler import DynamicLossScaler
 from lightning_zero_offload.engine.schedules import Schedule
 from lightning_zero_offload.engine.stats import StepStats
+from lightning_zero_offload.engine.step import device_share
 from lightning_zero_offload.engine.step.cpu_state import DEVICE_PART, STATE_NAMES, CpuState, ParkedState
-from lightning_zero_offload.engine.step.device_share import AUTO_MEASURED_STEP, ShareChoice, auto_bucket_share
 from lightning_zero_offload.engine.step.gradient_source import GradientSource
 from lightning_zero_offload.engine.step.layout import Layout
 from lightning_zero_offload.engine.step.publisher import NullPublisher, Publisher
@@ -72,8 +72,8 @@ class EngineLifecycle:
     in_place: bool
     cpu_step: str
     last: StepStats
-    share_choice: ShareChoice | None  # device_share="auto": what it chose after a measured step, and why
-    share_floor: ShareChoice | None  # device_share="auto": the share the host needs, taken at construction
+    share_choice: device_share.ShareChoice | None  # device_share="auto": what it chose after a measured step, and why
+    share_floor: device_share.ShareChoice | None  # device_share="auto": the share the host needs, taken at construction
 
     # OffloadEngine's, used here: _build (lay out and build the parts), _grow_share, sync, absorb_param_writes.
 
@@ -149,17 +149,18 @@ class EngineLifecycle:
         grows, self.resolved = self.state.takes_more(share), replace(self.resolved, device_share=share)
         self._replan(in_place=grows)
 
-    def choose_device_share(self) -> ShareChoice | None:
-        """``device_share="auto"``: after this engine's :data:`AUTO_MEASURED_STEP`-th step that was not skipped (a
-        resumed run's step count says nothing of this machine's times), choose from it (engine/step/device_share.py)
-        and re-plan with the choice; the choice, once made (None before)."""
+    def choose_device_share(self) -> device_share.ShareChoice | None:
+        """``device_share="auto"``: after this engine's second step not skipped (engine/step/device_share.py), choose
+        from it and re-plan; the choice (None before). The device's peak counts from that step's last forward."""
         if self.options.device_share != "auto" or self.share_choice is not None:
             return self.share_choice
-        if self.steps_taken < AUTO_MEASURED_STEP or self.last.skipped or self._closed or self.failed:
+        if self.steps_taken < device_share.AUTO_MEASURED_STEP or self.last.skipped or self._closed or self.failed:
+            if self.steps_taken == device_share.AUTO_MEASURED_STEP - 1:
+                device_share.reset_peak_memory(self.device)
             return None
         speculative = self.cpu_step == "speculative"
         leads = [] if self.in_place else self.grads.landings.leads  # in place: no bucket lands (and a CPU device)
-        self.share_choice = choice = auto_bucket_share(
+        self.share_choice = choice = device_share.auto_bucket_share(
             self.layout, self.state, self.last, speculative, self.device, leads, self.share_floor is not None
         )
         if self.state.takes_more(choice.share):  # never fewer: it starts from none, or from a short host's floor

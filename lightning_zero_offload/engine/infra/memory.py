@@ -102,7 +102,8 @@ def _register_pinned(tensor: torch.Tensor) -> bool:
     try:
         cudart = torch.cuda.cudart()
         pointer = tensor.data_ptr()
-        status = cudart.cudaHostRegister(pointer, nbytes, 0)
+        # Portable: pinned for every device's context, not only the one current on this thread.
+        status = cudart.cudaHostRegister(pointer, nbytes, _HOST_REGISTER_PORTABLE)
         if int(status) != 0:
             # The runtime keeps the failure as this thread's last error, and torch's check after the next
             # kernel launch would report it as that kernel's error: clear it here, where it is handled.
@@ -124,9 +125,11 @@ def _register_pinned(tensor: torch.Tensor) -> bool:
 
 def _unregister_pinned(cudart: Any, pointer: int) -> None:
     _pinned_storages.discard(pointer)
-    cudart.cudaHostUnregister(pointer)
+    if int(cudart.cudaHostUnregister(pointer)) != 0:  # at exit, say: not the next kernel's error (see above)
+        clear_cuda_error(cudart)
 
 
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 _CUDART_NAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so")
 
 

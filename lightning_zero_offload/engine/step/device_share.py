@@ -128,6 +128,12 @@ def _choice(kept: int, numels: Sequence[int], total: int, why: str, floor: int) 
     return ShareChoice(share, params, f"auto: {params / 1e6:.1f}M parameters, {why}")
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the peak :func:`room_after_peak` reads from here (an accelerator's; a CPU device keeps none)."""
+    if device.type != "cpu":
+        torch.accelerator.reset_peak_memory_stats(device)
+
+
 def room_after_peak(device: torch.device) -> int | None:
     """The device memory the peak so far left (free, or cached by this process, beyond the peak); None on a
     CPU device, whose memory is the host's."""

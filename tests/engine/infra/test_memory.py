@@ -26,8 +26,10 @@ class StandInDriver:
     def __init__(self, status: int = 0) -> None:
         self.status = status
         self.registered: set[int] = set()
+        self.flags: list[int] = []
 
     def cudaHostRegister(self, pointer, nbytes, flags):
+        self.flags.append(flags)
         if self.status == 0:
             self.registered.add(pointer)
         return self.status
@@ -209,6 +211,27 @@ def test_a_refused_pin_clears_the_error_it_leaves_for_the_next_kernel_launch(mon
         tensor = memory.host_empty(64, torch.float32, pin=True)
     assert not memory.is_pinned_here(tensor)
     assert driver.last_error == 0
+
+
+class RefusingUnregister(ErrorKeepingDriver):
+    """Unregistering fails, as when the CUDA runtime is shutting down at exit."""
+
+    def cudaHostUnregister(self, pointer):
+        super().cudaHostUnregister(pointer)
+        self.last_error = 4  # cudaErrorCudartUnloading
+        return 4
+
+
+def test_pins_are_portable_and_a_failed_unpin_clears_its_error(monkeypatch):
+    """Pinned for every device's context (a rank's engine need not be the thread's current device), and a failed
+    unregister, like a failed register, leaves no error for the next kernel launch to report."""
+    driver = RefusingUnregister()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: driver)
+    tensor = memory.host_empty(64, torch.float32, pin=True)
+    assert driver.flags == [1] and driver.registered  # cudaHostRegisterPortable
+    del tensor
+    gc.collect()
+    assert not driver.registered and driver.last_error == 0
 
 
 def test_a_failed_pool_wakes_a_waiting_acquire_and_refuses_later_ones():

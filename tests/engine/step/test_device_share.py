@@ -446,3 +446,19 @@ def test_a_share_grown_mid_window_keeps_the_window_and_nothing_older():
         return engine.master_params()
 
     assert close(fit(grow=True), fit(grow=False), "fp32")
+
+
+def test_auto_reads_the_device_peak_of_the_measured_step_alone(monkeypatch):
+    """Not the setup's, nor an earlier fit's in this process (a batch-size search's): the peak statistics restart at
+    each forward of the second step's window, and not after it (the choice reads them before the third)."""
+    from lightning_zero_offload.engine.step import device_share
+
+    resets = []
+    monkeypatch.setattr(device_share, "reset_peak_memory", resets.append)
+    counts = []
+    for steps in (1, 2, 3):
+        resets.clear()
+        _, engine = train("auto", steps=steps)
+        counts.append(len(resets))
+    assert counts == [0, 2, 2] and engine.share_choice is not None  # two micro-batches a step
+    assert resets == [engine.device, engine.device]
