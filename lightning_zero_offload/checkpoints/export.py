@@ -45,6 +45,14 @@ def convert_checkpoint_to_fp32_state_dict(
             return _widened(load_sharded_full(checkpoint_path)["state_dict"])
         export_fp32(checkpoint_path, output_path)
         return torch.load(output_path, map_location="cpu", weights_only=True, mmap=True)
+    state_dict = _widened(_module_state(checkpoint_path))
+    if output_path is not None:
+        atomic_save(state_dict, output_path)
+    return state_dict
+
+
+def _module_state(checkpoint_path: PathLike) -> dict:
+    """The module's state dict of a full or ZeRO-2 sharded checkpoint, as saved (a full file memory-mapped)."""
     if is_sharded_checkpoint(checkpoint_path):  # meta.pt uses the Trainer's keys, also when Fabric saved it
         checkpoint, model_key = load_sharded(checkpoint_path, with_optimizer=False), "state_dict"
     else:
@@ -52,10 +60,7 @@ def convert_checkpoint_to_fp32_state_dict(
         model_key = checkpoint.get(FABRIC_KEY, {}).get("model", "state_dict")
     if not isinstance(checkpoint.get(model_key), dict):
         raise CheckpointError(f"{checkpoint_path} is not a Lightning checkpoint (it has no {model_key!r})")
-    state_dict = _widened(checkpoint[model_key])
-    if output_path is not None:
-        atomic_save(state_dict, output_path)
-    return state_dict
+    return checkpoint[model_key]
 
 
 def export_hugging_face(
@@ -74,7 +79,7 @@ def export_hugging_face(
     ``prefix``: the names under it, without it, are written (the rest left out): ``"model."`` for a LightningModule
     holding the Hugging Face model as ``self.model``. ``dtype``: floating-point weights are written in it (the fp32
     master weights by default; ``torch.bfloat16`` halves the files). A checkpoint of ``offload_params=True`` is
-    read one tensor at a time; the others whole, as :func:`convert_checkpoint_to_fp32_state_dict` reads them. The
+    read one tensor at a time, a full file memory-mapped, a ZeRO-2 sharded one whole, each cast as written. The
     folder's other files (``config.json``, a tokenizer) are kept; weights already there are replaced only with
     ``overwrite=True``.
     """
@@ -87,8 +92,8 @@ def export_hugging_face(
         def read(key: str) -> torch.Tensor:
             return stream.fetch(stream.number(placeholders[key].untyped_storage()))
 
-    else:
-        state_dict = convert_checkpoint_to_fp32_state_dict(checkpoint_path)
+    else:  # cast tensor by tensor as written: a full file's memory-mapped bf16 weights are never widened whole
+        state_dict = _module_state(checkpoint_path)
         others = [key for key, value in state_dict.items() if not isinstance(value, torch.Tensor)]
         if others:
             raise CheckpointError(

@@ -123,6 +123,15 @@ def test_the_folder_holds_what_the_fp32_export_holds_under_the_prefix(tmp_path, 
     assert code == 2 and "--prefix applies to --safetensors exports only" in err and not (tmp_path / "x").exists()
 
 
+def test_bf16_master_weights_of_a_full_file_are_widened_as_written(tmp_path):
+    weights = torch.randn(3, 4).bfloat16()  # cpu_state="bf16" saves its master weights as they are
+    ckpt.atomic_save({"state_dict": {"model.w": weights, "model.steps": torch.arange(2)}}, tmp_path / "bf16.ckpt")
+    export_hugging_face(tmp_path / "bf16.ckpt", tmp_path / "hf", prefix="model.")
+    written = read_folder(tmp_path / "hf")
+    assert written["w"].dtype == torch.float32 and torch.equal(written["w"], weights.float())
+    assert torch.equal(written["steps"], torch.arange(2))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_checkpoint_of_offload_params_is_written_one_tensor_at_a_time(tmp_path, capsys, dtype):
     with one_rank_group():
