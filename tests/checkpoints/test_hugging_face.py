@@ -155,6 +155,7 @@ class _LitLlama(L.LightningModule):
 
 
 @pytest.mark.slow  # transformers, two fits
+@pytest.mark.usefixtures("own_process_group")  # conftest.py: offload_params' group ends with the test
 @pytest.mark.parametrize(
     ("tied", "options"), [(True, {"offload_params": True}), (False, {"checkpoint_format": "sharded"})]
 )
