@@ -13,6 +13,7 @@ from lightning_zero_offload.checkpoints import (
     CheckpointError,
     convert_checkpoint_to_fp32_state_dict,
     export_hugging_face,
+    save_hugging_face,
 )
 from lightning_zero_offload.core.model_rules import ModelMismatchError
 from lightning_zero_offload.engine.failures import NonFiniteLossError
@@ -29,6 +30,7 @@ __all__ = [
     "export_hugging_face",
     "load_pretrained",
     "plan",
+    "save_hugging_face",
 ]
 
 try:

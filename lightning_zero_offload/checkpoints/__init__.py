@@ -18,6 +18,7 @@ a save runs through it:
 from lightning_zero_offload.checkpoints.export import convert_checkpoint_to_fp32_state_dict, export_hugging_face
 from lightning_zero_offload.checkpoints.files import CheckpointError, PathLike
 from lightning_zero_offload.checkpoints.full import atomic_save, load_checkpoint_file
+from lightning_zero_offload.checkpoints.hugging_face import save_hugging_face
 from lightning_zero_offload.checkpoints.keys import ENGINE_STATE_KEY, FABRIC_KEY, FORMAT_KEY
 from lightning_zero_offload.checkpoints.sharded import (
     META_FILE,
@@ -43,6 +44,7 @@ __all__ = [
     "is_sharded_checkpoint",
     "load_checkpoint_file",
     "load_sharded",
+    "save_hugging_face",
     "save_sharded",
     "shard_file",
     "sharded_layout",

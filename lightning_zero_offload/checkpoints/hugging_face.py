@@ -17,11 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_zero_offload.checkpoints.files import CheckpointError, Location, PathLike
 from lightning_zero_offload.engine.offload_params.pretrained import SAFETENSORS_DTYPES
 
-__all__ = ["INDEX", "check_folder", "write_safetensors_folder"]
+__all__ = ["INDEX", "check_folder", "save_hugging_face", "write_safetensors_folder"]
 
 INDEX = "model.safetensors.index.json"
 _WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
@@ -81,6 +84,59 @@ def write_safetensors_folder(
             (folder / name).unlink()
     Location(os.fspath(folder)).fsync_dir()
     return weight_map
+
+
+def save_hugging_face(
+    module: nn.Module,
+    output_dir: PathLike,
+    *,
+    prefix: str = "",
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+) -> dict[str, str] | None:
+    """Write a module's weights (its ``state_dict()``; ``prefix`` and the rest as :func:`write_safetensors_folder`
+    takes them) into a Hugging Face weights folder, from the live module: after ``fit``, where
+    ``save_pretrained`` cannot read ``offload_params``' sharded parameters. Each sharded tensor is gathered whole
+    when its shard is written, one at a time: a collective, so call it on every rank; rank 0 writes and returns the
+    ``weight_map``, the others None."""
+    state = module.state_dict()
+    keys = {key.removeprefix(prefix): key for key in state if key.startswith(prefix)}
+    if not keys:
+        raise CheckpointError(
+            f"no name of the module starts with prefix {prefix!r}; its first: {', '.join(state)[:200]}"
+        )
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    writer = not distributed or dist.get_rank() == 0
+    refusal = [None]
+    if writer:
+        try:
+            check_folder(output_dir, overwrite)
+        except CheckpointError as error:
+            refusal = [str(error)]
+    if distributed:  # every rank refuses, or none: the others would wait in the gathers
+        dist.broadcast_object_list(refusal, src=0)
+    if refusal[0] is not None:
+        raise CheckpointError(refusal[0])
+    unread = list(keys)  # the writer reads in this order; every rank gathers in it
+
+    def whole(name: str) -> torch.Tensor:
+        assert name == unread.pop(0), "the writer reads the tensors in the module's order"
+        tensor = state[keys[name]].detach()
+        return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu()
+
+    try:
+        if not writer:
+            return None
+        placeholders = {
+            name: torch.empty(state[key].shape, dtype=state[key].dtype, device="meta") for name, key in keys.items()
+        }
+        return write_safetensors_folder(
+            placeholders, whole, output_dir, dtype=dtype, max_shard_size=max_shard_size, overwrite=overwrite
+        )
+    finally:  # the rest of the gathers (all of them on the other ranks; the writer's, if it failed)
+        while unread:
+            whole(unread[0])
 
 
 def check_folder(output_dir: PathLike, overwrite: bool) -> list[str]:

@@ -1,21 +1,22 @@
 """The Hugging Face weights folder (checkpoints/hugging_face.py): safetensors files as ``save_pretrained`` writes
 them, read back by this package's reader and, in the slow tier, by transformers' ``from_pretrained`` after a fit;
 shards within the limit, the folder's other files kept, refusals, and a failed export leaving the folder's
-weights as they were."""
+weights as they were; ``save_hugging_face`` from a live module, offload_params' shards gathered at 1 and 2 ranks."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from helpers import QUIET
-from offload_params_helpers import tiny_llama_config
+from helpers import QUIET, BlockRegression, block_data
+from offload_params_helpers import Blocks, full_state, sharded_copy, tiny_llama_config
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_zero_offload import ZeroOffloadStrategy, export_hugging_face
+from lightning_zero_offload import ZeroOffloadStrategy, export_hugging_face, save_hugging_face
 from lightning_zero_offload.checkpoints import CheckpointError
 from lightning_zero_offload.checkpoints.hugging_face import INDEX, write_safetensors_folder
 from lightning_zero_offload.engine.offload_params.pretrained import open_checkpoint
@@ -178,3 +179,56 @@ def test_transformers_loads_the_trained_weights_from_the_folder(tmp_path, tied, 
         assert sorted(loaded) == sorted(trained)
         for name, tensor in trained.items():  # the fp32 master weights, bitwise (rounded once for bf16)
             assert torch.equal(loaded[name], tensor.detach().to(dtype)), name
+
+
+@pytest.mark.usefixtures("own_process_group")  # conftest.py: offload_params' group ends with the test
+def test_after_fit_the_sharded_module_is_written_whole(tmp_path):
+    """``save_pretrained`` and ``torch.save(state_dict())`` see FSDP2's DTensors after an offload_params fit; this
+    writes the whole tensors, as ``save_pretrained`` does after a fit under auto."""
+    module = BlockRegression()
+    L.Trainer(strategy=ZeroOffloadStrategy(offload_params=True), max_steps=2, **QUIET).fit(module, block_data(32))
+    assert any(hasattr(p, "full_tensor") for p in module.model.parameters())  # still sharded
+    want = full_state(module.model)
+    weight_map = save_hugging_face(module, tmp_path / "hf", prefix="model.", max_shard_size=2000)
+    assert list(weight_map) == list(want) and len(set(weight_map.values())) > 1
+    assert all(torch.equal(read_back(tmp_path / "hf")[name], t) for name, t in want.items())
+    with pytest.raises(CheckpointError, match="holds weights already"):
+        save_hugging_face(module, tmp_path / "hf", prefix="model.")
+    with pytest.raises(CheckpointError, match=r"no name of the module starts with prefix 'net\.'; its first: model"):
+        save_hugging_face(module, tmp_path / "other", prefix="net.")
+
+
+def _two_ranks_save(folder: str, rank: int) -> dict:
+    torch.manual_seed(0)
+    sharded = sharded_copy(Blocks())
+    refused = None
+    try:  # every rank refuses a folder that holds weights (only rank 0 looks), none waits in a gather
+        save_hugging_face(sharded, Path(folder) / "taken")
+    except CheckpointError as error:
+        refused = str(error)
+    weight_map = save_hugging_face(sharded, Path(folder) / "hf", max_shard_size=3000)
+    return {
+        "weight_map": weight_map,
+        "refused": refused,
+        "want": {k: v.tolist() for k, v in full_state(sharded).items()},
+    }
+
+
+@pytest.mark.slow  # ranks in processes
+def test_two_ranks_gather_each_tensor_and_rank_0_writes(tmp_path):
+    from lightning_zero_offload.testing.ranks import run_ranks
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "model.safetensors").write_bytes(b"theirs")
+    results = run_ranks(functools.partial(_two_ranks_save, str(tmp_path)), 2, tmp_path, timeout=300)
+    assert results[1]["weight_map"] is None and len(set(results[0]["weight_map"].values())) > 1
+    assert all("holds weights already (model.safetensors)" in r["refused"] for r in results)
+    written = read_back(tmp_path / "hf")
+    assert all(torch.equal(written[k], torch.tensor(v)) for k, v in results[0]["want"].items())
+
+
+def test_a_plain_module_is_written_as_its_state_dict(tmp_path):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    assert save_hugging_face(net, tmp_path) == dict.fromkeys(net.state_dict(), "model.safetensors")
+    assert all(torch.equal(read_back(tmp_path)[k], v) for k, v in net.state_dict().items())  # num_batches_tracked too
