@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_zero_offload.checkpoints.files import CheckpointError, Location, PathLike
+from lightning_zero_offload.engine.lifecycle import engine_training
 from lightning_zero_offload.engine.offload_params.pretrained import SAFETENSORS_DTYPES
 
 __all__ = ["INDEX", "check_folder", "save_hugging_face", "write_safetensors_folder"]
@@ -97,9 +98,17 @@ def save_hugging_face(
 ) -> dict[str, str] | None:
     """Write a module's weights (its ``state_dict()``; ``prefix`` and the rest as :func:`write_safetensors_folder`
     takes them) into a Hugging Face weights folder, from the live module: after ``fit``, where
-    ``save_pretrained`` cannot read ``offload_params``' sharded parameters. Each sharded tensor is gathered whole
+    ``save_pretrained`` cannot read ``offload_params``' sharded parameters (refused during a ZeRO-2 fit with a
+    low-precision device copy, whose parameters are not the master weights). Each sharded tensor is gathered whole
     when its shard is written, one at a time: a collective, so call it on every rank; rank 0 writes and returns the
     ``weight_map``, the others None."""
+    copied = [p for p in module.parameters() if (e := engine_training(p)) is not None and p.dtype != e.state.dtype]
+    if copied:  # the ZeRO-2 mode during fit: the parameters are the device copy the forward uses
+        raise CheckpointError(
+            f"the module is training: its parameters are the {copied[0].dtype} device copy of the engine's "
+            f"{engine_training(copied[0]).state.dtype} master weights. Call save_hugging_face after fit, or save a "
+            "checkpoint (trainer.save_checkpoint on every rank) and export it: export_hugging_face(path, folder)"
+        )
     state = module.state_dict()
     keys = {key.removeprefix(prefix): key for key in state if key.startswith(prefix)}
     if not keys:

@@ -232,3 +232,28 @@ def test_a_plain_module_is_written_as_its_state_dict(tmp_path):
     net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     assert save_hugging_face(net, tmp_path) == dict.fromkeys(net.state_dict(), "model.safetensors")
     assert all(torch.equal(read_back(tmp_path)[k], v) for k, v in net.state_dict().items())  # num_batches_tracked too
+
+
+def test_during_a_zero2_fit_with_a_bf16_copy_it_refuses_and_names_the_ways(tmp_path):
+    """The parameters are then the bf16 copy the forward uses, not the fp32 master weights: refused, not written
+    one bf16 ulp off; in 32-true the copy is the master, and it writes."""
+    outcomes = []
+
+    class SaveMidFit(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 2:
+                try:
+                    outcomes.append(save_hugging_face(pl_module, tmp_path / trainer.precision))
+                except CheckpointError as error:
+                    outcomes.append(str(error))
+
+    for precision in ("bf16-mixed", "32-true"):
+        trainer = L.Trainer(
+            strategy=ZeroOffloadStrategy(in_place_on_cpu=False), precision=precision, max_steps=2,
+            callbacks=[SaveMidFit()], **QUIET,
+        )  # fmt: skip
+        trainer.fit(BlockRegression(), block_data(32))
+    refused, written = outcomes
+    assert "its parameters are the torch.bfloat16 device copy of the engine's torch.float32 master" in refused
+    assert "export_hugging_face(path, folder)" in refused and not (tmp_path / "bf16-mixed").exists()
+    assert len(written) == len(BlockRegression().state_dict())
