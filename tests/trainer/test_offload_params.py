@@ -290,3 +290,19 @@ def test_validate_predict_after_fit_and_fit_again_on_the_sharded_model():
 
 def fit_weights(module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in module.model.named_parameters()}
+
+
+def test_after_fit_an_inner_model_runs_once_the_root_is_gathered():
+    """docs/offload-params.md: the LightningModule is FSDP2's root; calling the inner model directly skips its
+    hooks until ``unshard()`` gathers the root's own parameters (the blocks gather themselves)."""
+    module = BlockRegression()
+    L.Trainer(strategy=ZeroOffloadStrategy(offload_params=True), max_steps=2, **QUIET).fit(module, block_data(32))
+    plain = BlockRegression()
+    plain.model.load_state_dict(fit_weights(module))
+    x = block_data(8).dataset.tensors[0]
+    with pytest.raises(RuntimeError, match="got mixed torch.Tensor and DTensor"), torch.no_grad():
+        module.model(x)
+    module.unshard()
+    with torch.no_grad():
+        torch.testing.assert_close(module.model(x), plain.model(x), rtol=0, atol=1e-6)
+    module.reshard()
