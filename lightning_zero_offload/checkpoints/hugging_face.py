@@ -130,7 +130,8 @@ def save_hugging_face(
     unread = list(keys)  # the writer reads in this order; every rank gathers in it
 
     def whole(name: str) -> torch.Tensor:
-        assert name == unread.pop(0), "the writer reads the tensors in the module's order"
+        if name != unread.pop(0):
+            raise RuntimeError(f"{name} read out of the module's order: the ranks' gathers would not match")
         tensor = state[keys[name]].detach()
         return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).cpu()
 
