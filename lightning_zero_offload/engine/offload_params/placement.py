@@ -112,8 +112,10 @@ def shard_model(
     on_host = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload}
     on_device = {"mesh": mesh, "mp_policy": mp_policy}
     units = [] if user_wrapped else find_units(module, param_dtype=param_dtype)
-    kept = {id(m) for m in device_units(module, units, device_share)}
-    for unit in units:
+    holder = None if user_wrapped else sole_holder(module, units)
+    ordered = units if holder is None else [holder, *units]  # module order: the holder's gradients land last
+    kept = {id(m) for m in device_units(module, ordered, device_share)}
+    for unit in [*units, *([holder] if holder is not None else [])]:  # inner units before the ones around them
         fully_shard(unit, **(on_device if id(unit) in kept else on_host))  # type: ignore[arg-type]
     if not isinstance(module, FSDPModule):
         fully_shard(module, **(on_device if id(module) in kept else on_host))  # type: ignore[arg-type]
@@ -129,7 +131,7 @@ def device_units(module: nn.Module, units: list[nn.Module], device_share: float)
         return []
     in_units = {id(p) for unit in units for p in unit.parameters()}
     sizes = [(module, sum(p.numel() for p in module.parameters() if id(p) not in in_units))]
-    sizes += [(unit, _count(unit)) for unit in units]
+    sizes += [(unit, _own_count(unit, units)) for unit in units]
     chosen = sizes[: count_within_share([size for _, size in sizes], device_share)]
     return [unit for unit, size in chosen if size]  # a root without parameters of its own keeps nothing anywhere
 
@@ -219,6 +221,28 @@ def _is_repeated(m: nn.Module) -> bool:
 
 def _count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def _own_count(unit: nn.Module, units: list[nn.Module]) -> int:
+    """The parameters ``unit`` shards itself: those of the units nested in it are theirs."""
+    nested = [other for other in units if other is not unit and any(m is other for m in unit.modules())]
+    theirs = {id(p) for other in nested for p in other.parameters()}
+    return sum(p.numel() for p in unit.parameters() if id(p) not in theirs)
+
+
+def sole_holder(module: nn.Module, units: list[nn.Module]) -> nn.Module | None:
+    """The one child of ``module`` that holds all of its parameters, where ``module`` holds none of its own and
+    the child is not a unit already: wrapped as a unit too (``module``, the root, then owns nothing), so that
+    the child gathers its own parameters when called directly, as a LightningModule's ``self.model`` is after
+    fit, and not only from the root's hooks around the Trainer's steps."""
+    if next(module.parameters(recurse=False), None) is not None:
+        return None
+    holding = [child for child in module.children() if next(child.parameters(), None) is not None]
+    if len(holding) != 1 or any(holding[0] is unit for unit in units):
+        return None
+    if type(holding[0]).forward is nn.Module.forward:  # a container (nn.ModuleList): never called itself
+        return None
+    return holding[0]
 
 
 def _owners(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

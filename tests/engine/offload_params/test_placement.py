@@ -23,7 +23,12 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 
 from lightning_zero_offload.engine import OffloadOptions
 from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
-from lightning_zero_offload.engine.offload_params.placement import device_resident, find_units, shard_model
+from lightning_zero_offload.engine.offload_params.placement import (
+    device_resident,
+    find_units,
+    shard_model,
+    sole_holder,
+)
 
 
 def test_the_blocks_and_the_modules_as_large_as_one_are_the_units_in_module_order():
@@ -164,3 +169,22 @@ def test_at_one_rank_the_reduce_runs_in_the_compute_dtype_with_the_same_bits(mes
         runs[reduce_dtype] = training_state(copied, engine)
         engine.close()
     assert not differences(runs[None], runs[torch.float32])
+
+
+def test_a_sole_child_holding_every_parameter_is_a_unit_of_its_own():
+    """So that it gathers its parameters when called directly (a LightningModule's self.model after fit); not a
+    container, which is never called, nor where the root or another child holds parameters too."""
+
+    class Holds(nn.Module):
+        def __init__(self, child: nn.Module, own: bool = False, other: bool = False) -> None:
+            super().__init__()
+            self.model = child
+            self.scale = nn.Parameter(torch.ones(1)) if own else None
+            self.other = nn.Linear(2, 2) if other else nn.Identity()
+
+    blocks = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    assert sole_holder(Holds(blocks), []) is not None
+    assert sole_holder(Holds(blocks), [blocks]) is None  # a unit already
+    assert sole_holder(Holds(nn.ModuleList([nn.Linear(2, 2)])), []) is None
+    assert sole_holder(Holds(blocks, own=True), []) is None
+    assert sole_holder(Holds(blocks, other=True), []) is None
