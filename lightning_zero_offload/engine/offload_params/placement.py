@@ -83,19 +83,19 @@ def shard_model(
     init_fn: InitFn | None = None,
     pin_memory: bool = True,
 ) -> nn.Module:
-    """Wrap ``module`` for the parameter-offload mode (in place; returned for convenience): each unit of
-    ``find_units`` then the root with ``fully_shard(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=
-    pin_memory and <not a CPU mesh>), mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype,
-    cast_forward_inputs=False))``: inputs keep their dtype (a step's targets too), as under AMP, where
-    autocast casts per operation (pinning needs an accelerator). ``reduce_dtype`` None: fp32 across ranks
-    (the sum's precision), and at one rank the compute dtype: nothing is summed there (FSDP2 copies the
-    gradients into its reduce-scatter output), so the gradients are the same bits in half the device buffers
-    (the fp32 input and output of a block's reduce, 8 B/param of a block, become 4). The units that
-    ``device_units`` picks for ``device_share`` are sharded without ``CPUOffloadPolicy``: their shards stay on
-    the device. Where the user called ``fully_shard`` already, their units are kept and only the root is
-    wrapped if they did not wrap it (``check_units`` first; no device share). A model built on the meta device
-    is then materialized unit by unit (``materialize``: ``initialize`` and ``init_fn`` are its own), never
-    whole on the host or the device."""
+    """Wrap ``module`` for the parameter-offload mode (in place; returned for convenience): each unit of ``find_units``,
+    the child that holds every parameter (``sole_holder``) where there is one, then the root, with
+    ``fully_shard(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory and <not a CPU mesh>),
+    mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False))``: inputs keep their dtype
+    (a step's targets too), as under AMP, where autocast casts per operation (pinning needs an accelerator).
+    ``reduce_dtype`` None: fp32 across ranks (the sum's precision), and at one rank the compute dtype: nothing is
+    summed there (FSDP2 copies the gradients into its reduce-scatter output), so the gradients are the same bits in
+    half the device buffers (the fp32 input and output of a block's reduce, 8 B/param of a block, become 4). The
+    units that ``device_units`` picks for ``device_share`` are sharded without ``CPUOffloadPolicy``: their shards
+    stay on the device. Where the user called ``fully_shard`` already, their units are kept and only the root is
+    wrapped if they did not wrap it (``check_units`` first; no device share). A model built on the meta device is
+    then materialized unit by unit (``materialize``: ``initialize`` and ``init_fn`` are its own), never whole on the
+    host or the device."""
     user_wrapped = any(isinstance(m, FSDPModule) for m in module.modules())
     if user_wrapped:
         check_units(module)
