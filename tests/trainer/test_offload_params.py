@@ -289,6 +289,31 @@ def test_validate_predict_after_fit_and_fit_again_on_the_sharded_model():
     assert again.global_step == 6
 
 
+class CallsTheModelsLayers(BlockRegression):
+    """A step that runs ``self.model``'s layers itself and never calls ``self.model`` (as a step computing a loss
+    from a Hugging Face model's ``.model`` and ``.lm_head`` does)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = self.model.embed(x)
+        for block in self.model.blocks:
+            x = block(x)
+        return ((self.model.head(x).float() - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("cpu_step", ["sync", "speculative"])
+def test_a_step_that_never_calls_the_holder_trains_as_one_that_does(cpu_step):
+    """``self.model`` is a unit of its own (it holds every parameter): the root gathers it at each step, so a step
+    that calls only its layers gets its parameters too, and the same gradients."""
+    arguments = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.3}
+    strategy = ZeroOffloadStrategy(offload_params=True, cpu_step=cpu_step)
+    module = CallsTheModelsLayers()
+    L.Trainer(strategy=strategy, max_steps=5, **QUIET, **arguments).fit(module, block_data(96))
+    assert isinstance(module.model, FSDPModule)
+    want = fit(ZeroOffloadStrategy(offload_params=True, cpu_step=cpu_step), **arguments)
+    assert all(torch.equal(fit_weights(module)[name], want[name]) for name in want)
+
+
 def fit_weights(module) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in module.model.named_parameters()}
 

@@ -84,8 +84,9 @@ def shard_model(
     pin_memory: bool = True,
 ) -> nn.Module:
     """Wrap ``module`` for the parameter-offload mode (in place; returned for convenience): each unit of ``find_units``,
-    the child that holds every parameter (``sole_holder``) where there is one, then the root, with
-    ``fully_shard(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory and <not a CPU mesh>),
+    the child that holds every parameter (``sole_holder``) where there is one (gathered by the root's forward, as
+    the root's own parameters would be, so that a step calling only the child's layers finds them), then the root,
+    with ``fully_shard(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory and <not a CPU mesh>),
     mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False))``: inputs keep their dtype
     (a step's targets too), as under AMP, where autocast casts per operation (pinning needs an accelerator).
     ``reduce_dtype`` None: fp32 across ranks (the sum's precision), and at one rank the compute dtype: nothing is
@@ -115,10 +116,15 @@ def shard_model(
     holder = None if user_wrapped else sole_holder(module, units)
     ordered = units if holder is None else [holder, *units]  # module order: the holder's gradients land last
     kept = {id(m) for m in device_units(module, ordered, device_share)}
-    for unit in [*units, *([holder] if holder is not None else [])]:  # inner units before the ones around them
+    for unit in units:
         fully_shard(unit, **(on_device if id(unit) in kept else on_host))  # type: ignore[arg-type]
+    if holder is not None:  # after the units inside it; gathered from forward to backward, as the root's are
+        placement = on_device if id(holder) in kept else on_host
+        fully_shard(holder, reshard_after_forward=False, **placement)  # type: ignore[arg-type]
     if not isinstance(module, FSDPModule):
         fully_shard(module, **(on_device if id(module) in kept else on_host))  # type: ignore[arg-type]
+    if holder is not None:
+        module.register_forward_pre_hook(gather_sole_holder)
     materialize(module, mesh_device(mesh), initialize=initialize, init_fn=init_fn)
     return module
 
@@ -243,6 +249,14 @@ def sole_holder(module: nn.Module, units: list[nn.Module]) -> nn.Module | None:
     if type(holding[0]).forward is nn.Module.forward:  # a container (nn.ModuleList): never called itself
         return None
     return holding[0]
+
+
+def gather_sole_holder(module: nn.Module, _args: object) -> None:
+    """The root's forward pre-hook, after FSDP2's: gather the sole holder, since a step may call its layers and never
+    the holder itself (found from ``module``, so that a copy of the model gathers its own)."""
+    holder = sole_holder(module, [])
+    if isinstance(holder, FSDPModule):
+        holder.unshard()
 
 
 def _owners(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
