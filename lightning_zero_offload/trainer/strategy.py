@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch import Trainer
+from lightning.pytorch import Trainer, callbacks
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.environments import ClusterEnvironment
@@ -46,6 +46,11 @@ from lightning_zero_offload.trainer.precision import ZeroOffloadPrecision
 from lightning_zero_offload.trainer.ranks import ParallelLikeDDP
 
 __all__ = ["ZeroOffloadStrategy"]
+
+# Lightning's weight-averaging callbacks keep a whole unsharded copy of the module (WeightAveraging: Lightning 2.6+).
+WEIGHT_AVERAGING = tuple(
+    getattr(callbacks, name) for name in ("StochasticWeightAveraging", "WeightAveraging") if hasattr(callbacks, name)
+)
 
 
 class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
@@ -132,6 +137,8 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         if fitting(trainer) and self._layer_sync:
             raise ValueError("zero_offload does not support sync_batchnorm=True")
         if self.options.offload_params:
+            if fitting(trainer):
+                refuse_weight_averaging(trainer)
             # FSDP2 replaces the parameters: shard before configure_optimizers builds the optimizer over them.
             ParamOffloadSession.shard(module, self.root_device, precision, self.options, world, self.num_processes)
         if not self.options.offload_params and on_meta(module, partly=True):
@@ -256,3 +263,18 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
             raise self._setup_error from None
         finally:
             self._optimizers = optimizers
+
+
+def refuse_weight_averaging(trainer: Trainer) -> None:
+    """``offload_params`` shards the parameters; Lightning's weight averaging averages them into an unsharded copy
+    of the whole module on the device (and fails there: "aten.copy_.default got mixed torch.Tensor and DTensor").
+    Lightning's FSDP and DeepSpeed strategies refuse ``StochasticWeightAveraging`` so."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, WEIGHT_AVERAGING):
+            raise ValueError(
+                f"{type(callback).__name__} keeps an unsharded copy of the whole model on the device and averages "
+                "the parameters into it, and offload_params=True shards them (FSDP2) to keep the model off the "
+                "device. Fix: train with offload_params=False, where weight averaging works as under "
+                "strategy='auto', or remove the callback (Lightning's FSDP and DeepSpeed strategies refuse "
+                "StochasticWeightAveraging for the same reason)."
+            )

@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 import torch
 from helpers import QUIET, BlockRegression, BlockRegressionInConfigureModel, CausalLM, block_data
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from offload_params_helpers import relative_error, tiny_llama_config
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -312,6 +313,24 @@ def test_a_step_that_never_calls_the_holder_trains_as_one_that_does(cpu_step):
     assert isinstance(module.model, FSDPModule)
     want = fit(ZeroOffloadStrategy(offload_params=True, cpu_step=cpu_step), **arguments)
     assert all(torch.equal(fit_weights(module)[name], want[name]) for name in want)
+
+
+@pytest.mark.parametrize(
+    "averaging",
+    [
+        lambda: StochasticWeightAveraging(swa_lrs=1e-3),
+        lambda: WeightAveraging(avg_fn=torch.optim.swa_utils.get_ema_avg_fn(0.9)),
+    ],
+    ids=["swa", "ema"],
+)
+def test_lightnings_weight_averaging_is_refused_naming_the_zero2_mode(averaging):
+    """Its unsharded copy of the whole model on the device is what the mode keeps off it (and it failed there with
+    "aten.copy_.default got mixed torch.Tensor and DTensor")."""
+    trainer = L.Trainer(
+        strategy=ZeroOffloadStrategy(offload_params=True), max_steps=1, callbacks=[averaging()], **QUIET
+    )
+    with pytest.raises(ValueError, match="unsharded copy of the whole model.*offload_params=False"):
+        trainer.fit(BlockRegression(), block_data(8))
 
 
 def fit_weights(module) -> dict[str, torch.Tensor]:
