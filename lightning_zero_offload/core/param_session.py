@@ -82,11 +82,18 @@ class ParamOffloadSession(EngineSession):
         options = replace(options, device_share=choice.share)
         # Refused here, before a shard or a moment is allocated, if the host cannot hold the run.
         check_host_memory(module, options, param_dtype, world_size, local_world_size, device)
-        if options.cpu_state == "bf16":
-            module.to(torch.bfloat16)  # the sharded parameter is the (bf16) master
+        # The sharded parameter is the master: bf16 with cpu_state="bf16", fp32 under mixed precision.
+        master_dtype = torch.bfloat16 if options.cpu_state == "bf16" else None
+        if master_dtype is None and param_dtype != torch.float32:
+            master_dtype = torch.float32
         mesh = init_device_mesh(device.type, (world_size,))
         shard_model(
-            module, mesh, param_dtype=param_dtype, device_share=options.device_share, pin_memory=options.pin_memory
+            module,
+            mesh,
+            param_dtype=param_dtype,
+            master_dtype=master_dtype,
+            device_share=options.device_share,
+            pin_memory=options.pin_memory,
         )
         sharded = dict(module.named_parameters())
         for optimizer in optimizers:

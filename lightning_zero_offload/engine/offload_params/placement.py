@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from lightning_zero_offload.engine.offload_params.materialize import InitFn, keeps_shards_on_host, materialize
 from lightning_zero_offload.engine.step.layout import count_within_share
@@ -78,6 +79,7 @@ def shard_model(
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype | None = None,
+    master_dtype: torch.dtype | None = None,
     device_share: float = 0.0,
     initialize: bool = True,
     init_fn: InitFn | None = None,
@@ -93,10 +95,11 @@ def shard_model(
     summed there (FSDP2 copies the gradients into its reduce-scatter output), so the gradients are the same bits in
     half the device buffers (the fp32 input and output of a block's reduce, 8 B/param of a block, become 4). The
     units that ``device_units`` picks for ``device_share`` are sharded without ``CPUOffloadPolicy``: their shards
-    stay on the device. Where the user called ``fully_shard`` already, their units are kept and only the root is
-    wrapped if they did not wrap it (``check_units`` first; no device share). A model built on the meta device is
-    then materialized unit by unit (``materialize``: ``initialize`` and ``init_fn`` are its own), never whole on the
-    host or the device."""
+    stay on the device. ``master_dtype``: the dtype of the master weights, which the shards are (``cast_to_master``
+    before each unit is wrapped; None: as built). Where the user called ``fully_shard`` already, their units are
+    kept and only the root is wrapped if they did not wrap it (``check_units`` first; no device share). A model built
+    on the meta device is then materialized unit by unit (``materialize``: ``initialize`` and ``init_fn`` are its
+    own), never whole on the host or the device."""
     user_wrapped = any(isinstance(m, FSDPModule) for m in module.modules())
     if user_wrapped:
         check_units(module)
@@ -116,17 +119,46 @@ def shard_model(
     holder = None if user_wrapped else sole_holder(module, units)
     ordered = units if holder is None else [holder, *units]  # module order: the holder's gradients land last
     kept = {id(m) for m in device_units(module, ordered, device_share)}
+    if user_wrapped and master_dtype == torch.bfloat16:
+        to_keeping_buffers(module, master_dtype)  # FSDP2's module.to casts the shards in place
     for unit in units:
+        cast_to_master(unit, master_dtype)
         fully_shard(unit, **(on_device if id(unit) in kept else on_host))  # type: ignore[arg-type]
     if holder is not None:  # after the units inside it; gathered from forward to backward, as the root's are
+        cast_to_master(holder, master_dtype)
         placement = on_device if id(holder) in kept else on_host
         fully_shard(holder, reshard_after_forward=False, **placement)  # type: ignore[arg-type]
     if not isinstance(module, FSDPModule):
+        cast_to_master(module, master_dtype)
         fully_shard(module, **(on_device if id(module) in kept else on_host))  # type: ignore[arg-type]
     if holder is not None:
         module.register_forward_pre_hook(gather_sole_holder)
     materialize(module, mesh_device(mesh), initialize=initialize, init_fn=init_fn)
     return module
+
+
+def cast_to_master(unit: nn.Module, master_dtype: torch.dtype | None) -> None:
+    """Give ``unit``'s parameters not sharded yet the dtype of the master weights, which their shards become: bf16
+    for every floating-point one (``cpu_state="bf16"``; frozen ones too, gathered in the compute dtype anyway), or
+    fp32 for the trainable ones built in bf16/fp16 (the ZeRO-2 mode keeps fp32 masters of them too; frozen ones
+    keep their storage, fp64 ones are left for the engine to refuse). One parameter at a time, so a model built in
+    bf16 never stands whole in fp32. Buffers keep their dtype, as under AMP: RoPE's frequencies, batch norm's
+    statistics."""
+    if master_dtype is None:
+        return
+    for p in unit.parameters():
+        if isinstance(p, DTensor) or not p.is_floating_point() or p.dtype == master_dtype:
+            continue
+        if master_dtype == torch.bfloat16 or (p.requires_grad and p.dtype.itemsize < master_dtype.itemsize):
+            p.data = p.data.to(master_dtype)
+
+
+def to_keeping_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    """``module.to(dtype)`` for its parameters only (FSDP2's ``to`` on a module the user sharded)."""
+    buffers = [(owner, name, b) for owner in module.modules() for name, b in owner._buffers.items() if b is not None]
+    module.to(dtype)
+    for owner, name, b in buffers:
+        owner._buffers[name] = b
 
 
 def device_units(module: nn.Module, units: list[nn.Module], device_share: float) -> list[nn.Module]:

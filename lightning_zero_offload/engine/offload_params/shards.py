@@ -121,8 +121,8 @@ def check_shard(param: nn.Parameter, slot: ShardSlot, state_dtype: torch.dtype, 
     if shard.dtype != state_dtype:
         raise ValueError(
             f"a trainable parameter's shard is {shard.dtype}, and cpu_state asks for {state_dtype} master weights: "
-            "the sharded parameter is the master, so build the model in that dtype before fully_shard "
-            "(or set cpu_state to match)"
+            f"the sharded parameter is the master, so convert the model to {state_dtype} (model.to(...)) before fit "
+            "and before any fully_shard call of yours, or set cpu_state to match"
         )
     if not shard.is_contiguous():
         raise ValueError(f"a trainable parameter's shard (shape {tuple(shard.shape)}) is not contiguous")

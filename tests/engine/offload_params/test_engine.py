@@ -204,7 +204,7 @@ def test_what_offload_params_cannot_run_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="speculation_rollback='undo' is not available"):
         options = OffloadOptions(offload_params=True, cpu_step="speculative", speculative=_undo())
         ParamOffloadEngine(optimizer, cpu, torch.float32, options)
-    with pytest.raises(ValueError, match="build the model in that dtype before fully_shard"):
+    with pytest.raises(ValueError, match=r"convert the model to torch.bfloat16 \(model.to\(...\)\) before fit"):
         ParamOffloadEngine(optimizer, cpu, torch.bfloat16, OffloadOptions(offload_params=True, cpu_state="bf16"))
 
 
