@@ -380,8 +380,8 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
 
     @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
-        if self.options.offload_params and self._owns(module):  # FSDP2 shards: load_state_dict cannot copy in
-            ParamOffloadSession.load_module_state(_unwrap_objects(module), state_dict, strict)
+        if self.options.offload_params and (self._owns(module) or _unwrap_objects(module) in self._awaiting_optimizer):
+            ParamOffloadSession.load_module_state(_unwrap_objects(module), state_dict, strict)  # into FSDP2's shards
             return
         module.load_state_dict(state_dict, strict=strict)
         if self._owns(module):

@@ -103,6 +103,27 @@ def run(strategy, data, load=None, save=None, step=None) -> dict[str, torch.Tens
     }
 
 
+@pytest.mark.parametrize("how", ["load_raw", "load"])
+def test_a_load_between_setup_module_and_setup_optimizers_reaches_the_shards(how, tmp_path):
+    """setup_module shards the model; a load before the optimizer is set up went to load_state_dict, which cannot
+    copy into FSDP2's shards ("aten.copy_.default got mixed torch.Tensor and DTensor")."""
+    torch.manual_seed(7)
+    saved = Blocks().state_dict()
+    torch.save({"model": saved} if how == "load" else saved, tmp_path / "weights.pt")
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="zero_offload_params", precision="32-true")
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(Blocks())
+    if how == "load":
+        fabric.load(tmp_path / "weights.pt", {"model": model})
+    else:
+        fabric.load_raw(tmp_path / "weights.pt", model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    loaded = fabric.strategy.master_state_dict(model)
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    optimizer.step()  # the engine trains the loaded shards
+
+
 def test_save_and_load_resume_bitwise(tmp_path):
     data = batches(steps=4, micro=2)
     whole = run("zero_offload_params", data)
