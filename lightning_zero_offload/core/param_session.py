@@ -23,6 +23,7 @@ from lightning_zero_offload.checkpoints import PathLike
 from lightning_zero_offload.checkpoints.distributed import OpenedCheckpoint, load_sharded, save_sharded
 from lightning_zero_offload.core.options import resolve_precision
 from lightning_zero_offload.core.session_base import EngineSession, the_optimizer
+from lightning_zero_offload.core.session_checkpoints import state_dict_keys
 from lightning_zero_offload.engine import OffloadOptions, StepStats
 from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
 from lightning_zero_offload.engine.offload_params.full_state import (
@@ -72,6 +73,7 @@ class ParamOffloadSession(EngineSession):
                     "offload_params replaces the model's parameters with FSDP2 shards, and the optimizer given has "
                     "state already: set the model and optimizer up first, then load the optimizer's state"
                 )
+            state_dict_keys(module, [p for group in optimizer.param_groups for p in group["params"]])  # refuses others
         names = {id(p): name for name, p in module.named_parameters()}
         _, param_dtype = resolve_precision(precision)
         if options.device_share == "auto":
@@ -143,6 +145,7 @@ class ParamOffloadSession(EngineSession):
         """Nothing to re-plan: parameters unfrozen or added to the optimizer get their state at the step."""
 
     def begin_backward(self) -> None:
+        self.check_no_clip_before_backward()
         self.engine.begin_backward()
 
     def finish_backward(self) -> None:

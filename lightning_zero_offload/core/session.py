@@ -159,6 +159,7 @@ class OffloadSession(EngineSession, SessionCheckpoints):
     def begin_backward(self) -> None:
         """Before every backward: what user code did to ``p.grad`` goes to the engine, then backward adds
         to the engine's gradients (not to ``p.grad``)."""
+        self.check_no_clip_before_backward()
         self.gradients.take_back()
         self.gradients.clear()
         self.engine.begin_backward()

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
 
 
+_CLIPS = {"clip_norm": "a clip by norm (max_norm)", "clip_value": "a clip by value (clip_val)"}
+
+
 def the_optimizer(optimizers: list[torch.optim.Optimizer]) -> torch.optim.Optimizer:
     """The one optimizer a session trains with; several are refused, saying what to do instead."""
     if len(optimizers) != 1:
@@ -103,11 +106,38 @@ class EngineSession:
 
     def clip_norm(self, max_norm: float) -> None:
         """Clip the global gradient norm in the coming step (on the CPU, fused into it)."""
-        self._clip["clip_norm"] = float(max_norm)
+        self._record_clip("clip_norm", float(max_norm))
 
     def clip_value(self, limit: float) -> None:
         """Clip each gradient element to ``[-limit, limit]`` in the coming step."""
-        self._clip["clip_value"] = float(limit)
+        self._record_clip("clip_value", float(limit))
+
+    def _record_clip(self, kind: str, limit: float) -> None:
+        """One clip per step: torch applies a second in turn to the gradients the first left (a norm after a clamp
+        is the clamped gradients' norm), which the step's fused clip cannot do; refused rather than applied
+        otherwise."""
+        if self._clip:
+            (earlier, earlier_limit), *_ = self._clip.items()
+            raise ValueError(
+                f"zero_offload applies one gradient clip per optimizer step, fused into its CPU update, and this step "
+                f"has one already: {_CLIPS[earlier]}={earlier_limit}, then {_CLIPS[kind]}={limit}. torch would apply "
+                "the second to the gradients the first left, which the fused clip cannot. Clip once per step, after "
+                "the window's last backward (two clips of one kind act as the smaller one), or train with "
+                'strategy="auto"'
+            )
+        self._clip[kind] = limit
+
+    def check_no_clip_before_backward(self) -> None:
+        """A backward after a clip and before its step: torch clipped only the gradients accumulated so far, and
+        the step's clip would apply to the whole window; refused."""
+        if self._clip:
+            (kind, limit), *_ = self._clip.items()
+            raise ValueError(
+                f"zero_offload clips the gradients at the optimizer step, fused into its CPU update, and "
+                f"{_CLIPS[kind]}={limit} was recorded before this backward: torch would clip only the gradients "
+                "accumulated so far and add this backward's unclipped, where the step would clip the whole window. "
+                "Clip after the window's last backward, just before optimizer.step()"
+            )
 
     def _checked_norm(self, norm: float, error_if_nonfinite: bool) -> float:
         """``norm``, or with ``error_if_nonfinite`` an error on inf/nan as ``torch.nn.utils.clip_grad_norm_``

@@ -188,6 +188,28 @@ def test_zero_grad_drops_the_window_and_skip_step_drops_the_clip(start):
     assert_equal(weights(reference), weights(skipped))
 
 
+def test_a_second_clip_or_a_backward_after_a_clip_is_refused_before_anything_changes(start):
+    """torch applies clips in turn and clips only the gradients accumulated when it is called; the step's fused clip
+    can do neither, and applied them otherwise (the last of a kind, or the whole window: 1e-2 to 7e-2 off torch)."""
+    data = batches(3)
+    session = start(make_net())
+    backward(session, data[0])
+    session.clip_value(0.02)
+    with pytest.raises(ValueError, match=r"clip by value \(clip_val\)=0.02, then a clip by norm \(max_norm\)=0.05"):
+        session.clip_norm(0.05)
+    session.step()  # with the first clip, as recorded
+    backward(session, data[1])
+    session.clip_norm(0.05)
+    with pytest.raises(ValueError, match="recorded before this backward.*just before optimizer.step"):
+        backward(session, data[2])
+    reference = start(make_net())
+    backward(reference, data[0])
+    reference.clip_value(0.02)
+    reference.step()
+    reference.zero_grad()
+    assert_equal(weights(reference), weights(session))  # the refused calls changed nothing
+
+
 def test_what_the_engine_did_is_read_through_the_session(start):
     net = make_net()
     session = start(net)

@@ -124,6 +124,31 @@ def test_a_load_between_setup_module_and_setup_optimizers_reaches_the_shards(how
     optimizer.step()  # the engine trains the loaded shards
 
 
+def test_a_second_clip_and_a_clip_inside_the_window_are_refused():
+    """As in the ZeRO-2 mode (tests/core/test_session.py): torch would apply them otherwise than the fused clip."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="zero_offload_params", precision="32-true")
+    fabric.launch()
+    model = Blocks()
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    x, y = batches(steps=1, micro=1)[0][0]
+    fabric.backward(loss_of(model, x, y, 1))
+    fabric.clip_gradients(model, optimizer, max_norm=0.5)
+    with pytest.raises(ValueError, match="one gradient clip per optimizer step"):
+        fabric.clip_gradients(model, optimizer, clip_val=0.1)
+    with pytest.raises(ValueError, match="recorded before this backward"):
+        fabric.backward(loss_of(model, x, y, 1))
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused_before_sharding():
+    """It failed with a KeyError naming a parameter's id, after the model was sharded."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy="zero_offload_params", precision="32-true")
+    fabric.launch()
+    model = Blocks()
+    with pytest.raises(ValueError, match="not parameters of the module it trains"):
+        fabric.setup(model, torch.optim.AdamW(Blocks().parameters()))
+    assert not any(isinstance(p, torch.distributed.tensor.DTensor) for p in model.parameters())
+
+
 def test_save_and_load_resume_bitwise(tmp_path):
     data = batches(steps=4, micro=2)
     whole = run("zero_offload_params", data)
