@@ -16,7 +16,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
 
 from lightning_zero_offload.engine.offload_params.materialize import InitFn, keeps_shards_on_host, materialize
@@ -131,6 +137,12 @@ def shard_model(
     if not isinstance(module, FSDPModule):
         cast_to_master(module, master_dtype)
         fully_shard(module, **(on_device if id(module) in kept else on_host))  # type: ignore[arg-type]
+        wrapped = [*([holder] if holder is not None else []), module]
+    else:
+        wrapped = [holder] if holder is not None else []
+    for unit in wrapped:  # Hugging Face's generate runs the encoder, not forward: FSDP2 gathers around it too
+        if callable(getattr(unit, "generate", None)):
+            register_fsdp_forward_method(unit, "generate")
     if holder is not None:
         module.register_forward_pre_hook(gather_sole_holder)
     materialize(module, mesh_device(mesh), initialize=initialize, init_fn=init_fn)

@@ -83,6 +83,30 @@ def test_shard_model_wraps_the_units_and_the_root_with_cpu_offload(mesh):
     assert torch.equal(net(tokens()), eager(tokens()))
 
 
+class Generates(Net):
+    def generate(self, tokens: torch.Tensor) -> torch.Tensor:
+        """As Hugging Face's generate runs an encoder-decoder's encoder: its layers, never ``forward``."""
+        return self.head(self.norm(self.embed(tokens)))
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["root", "sole-holder"])
+def test_generate_gathers_the_parameters_as_forward_does(mesh, held):
+    """FSDP2 gathers a unit's own parameters (the final norm here) around ``forward`` only; ``generate``, of the root
+    or of the child holding every parameter, is registered as a forward method, so it runs after setup as under auto
+    (a T5's or BART's generate failed with "aten.embedding.default got mixed torch.Tensor and DTensor")."""
+    torch.manual_seed(0)
+    eager = Generates()
+    model = copy.deepcopy(eager)
+    if held:
+        holder = nn.Module()  # a LightningModule's shape
+        holder.model = model
+        shard_model(holder, mesh, param_dtype=torch.float32)
+    else:
+        shard_model(model, mesh, param_dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(model.generate(tokens()), eager.generate(tokens()))
+
+
 def test_the_users_units_are_kept_and_only_the_root_is_wrapped(mesh):
     torch.manual_seed(0)
     eager = Net()
