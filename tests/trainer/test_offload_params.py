@@ -413,6 +413,39 @@ def test_lightnings_weight_averaging_is_refused_naming_the_zero2_mode(averaging)
         trainer.fit(BlockRegression(), block_data(8))
 
 
+class BackboneAndHead(BlockRegression):
+    """A backbone holding the blocks and a head beside it, as fine-tuning modules are built."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(1, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self.head(self.model(x)).float() - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_a_backbone_beside_a_head_is_a_unit_of_its_own_and_runs_when_called_directly():
+    """The backbone holds the blocks: it is wrapped around them (the head stays with the root), so after fit
+    ``lit.model(x)`` gathers its parameters as under auto; before, it failed with "got mixed torch.Tensor and
+    DTensor" unless ``lit.unshard()`` came first."""
+    x = block_data(8).dataset.tensors[0]
+    runs = {}
+    for name, strategy in {"auto": "auto", "ours": ZeroOffloadStrategy(offload_params=True)}.items():
+        module = BackboneAndHead()
+        trainer = L.Trainer(strategy=strategy, max_steps=4, gradient_clip_val=0.3, accumulate_grad_batches=2, **QUIET)
+        trainer.fit(module, block_data(64))
+        weights = {n: getattr(p, "full_tensor", p.detach)().detach().clone() for n, p in module.named_parameters()}
+        with torch.no_grad():
+            runs[name] = (weights, module.model(x))
+    assert isinstance(module.model, FSDPModule) and not isinstance(module.head, FSDPModule)
+    assert relative_error(runs["ours"][0], runs["auto"][0]) < FP32_ROUNDING
+    torch.testing.assert_close(runs["ours"][1], runs["auto"][1], rtol=0, atol=1e-6)
+
+
 def fit_weights(module) -> dict[str, torch.Tensor]:
     return {n: getattr(p, "full_tensor", p.detach)().detach().clone() for n, p in module.model.named_parameters()}
 

@@ -3,15 +3,18 @@
 A unit is one ``fully_shard`` call: its parameters come to the device together (all-gathered) before its
 forward and backward and leave together after, so the device holds the units in flight, not the model.
 The units are the repeated blocks (the transformer layers) and the modules outside them as large as a
-block (embeddings, output head); what is left (norms, small heads, tied embeddings) belongs to the root.
+block (embeddings, output head); what is left (norms, small heads, tied embeddings) belongs to the submodel
+that holds it (``holders``: a LightningModule's ``self.model``, wrapped after its units) or to the root.
 
-``shard_model`` wraps each unit, then the root, with ``CPUOffloadPolicy`` (this rank's shards, their
+``shard_model`` wraps each unit, then the holders, then the root, with ``CPUOffloadPolicy`` (this rank's shards, their
 gradients and the optimizer state live on the host) and materializes a model built on the meta device
 shard by shard (``materialize``). A model the user wrapped already (``fully_shard`` in ``configure_model``)
 keeps its units; ``check_units`` refuses the settings this mode cannot train with.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -92,8 +95,8 @@ def shard_model(
     pin_memory: bool = True,
 ) -> nn.Module:
     """Wrap ``module`` for the parameter-offload mode (in place; returned for convenience): each unit of ``find_units``,
-    the child that holds every parameter (``sole_holder``) where there is one (gathered by the root's forward, as
-    the root's own parameters would be, so that a step calling only the child's layers finds them), then the root,
+    the children that ``holders`` picks (gathered by the root's forward and kept until backward, as the root's own
+    parameters would be, so that a step calling only a holder's layers finds them), then the root,
     with ``fully_shard(mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=pin_memory and <not a CPU mesh>),
     mp_policy=MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False))``: inputs keep their dtype
     (a step's targets too), as under AMP, where autocast casts per operation (pinning needs an accelerator).
@@ -122,29 +125,29 @@ def shard_model(
     on_host = {"mesh": mesh, "mp_policy": mp_policy, "offload_policy": offload}
     on_device = {"mesh": mesh, "mp_policy": mp_policy}
     units = [] if user_wrapped else find_units(module, param_dtype=param_dtype)
-    holder = None if user_wrapped else sole_holder(module, units)
-    ordered = units if holder is None else [holder, *units]  # module order: the holder's gradients land last
+    around = [] if user_wrapped else holders(module, units)
+    ordered = [*around, *units]  # module order: the holders' own gradients land last
     kept = {id(m) for m in device_units(module, ordered, device_share)}
     if user_wrapped and master_dtype == torch.bfloat16:
         to_keeping_buffers(module, master_dtype)  # FSDP2's module.to casts the shards in place
     for unit in units:
         cast_to_master(unit, master_dtype)
         fully_shard(unit, **(on_device if id(unit) in kept else on_host))  # type: ignore[arg-type]
-    if holder is not None:  # after the units inside it; gathered from forward to backward, as the root's are
+    for holder in around:  # after the units inside it; gathered from forward to backward, as the root's are
         cast_to_master(holder, master_dtype)
         placement = on_device if id(holder) in kept else on_host
         fully_shard(holder, reshard_after_forward=False, **placement)  # type: ignore[arg-type]
+    wrapped = list(around)
     if not isinstance(module, FSDPModule):
         cast_to_master(module, master_dtype)
         fully_shard(module, **(on_device if id(module) in kept else on_host))  # type: ignore[arg-type]
-        wrapped = [*([holder] if holder is not None else []), module]
-    else:
-        wrapped = [holder] if holder is not None else []
+        wrapped.append(module)
     for unit in wrapped:  # Hugging Face's generate runs the encoder, not forward: FSDP2 gathers around it too
         if callable(getattr(unit, "generate", None)):
             register_fsdp_forward_method(unit, "generate")
-    if holder is not None:
-        module.register_forward_pre_hook(gather_sole_holder)
+    if around:  # by name, so that a copy of the model gathers its own
+        names = tuple(name for name, child in module.named_children() if any(child is h for h in around))
+        module.register_forward_pre_hook(functools.partial(gather_children, names=names))
     materialize(module, mesh_device(mesh), initialize=initialize, init_fn=init_fn)
     return module
 
@@ -280,27 +283,35 @@ def _own_count(unit: nn.Module, units: list[nn.Module]) -> int:
     return sum(p.numel() for p in unit.parameters() if id(p) not in theirs)
 
 
-def sole_holder(module: nn.Module, units: list[nn.Module]) -> nn.Module | None:
-    """The one child of ``module`` that holds all of its parameters, where ``module`` holds none of its own and
-    the child is not a unit already: wrapped as a unit too (``module``, the root, then owns nothing), so that
-    the child gathers its own parameters when called directly, as a LightningModule's ``self.model`` is after
-    fit, and not only from the root's hooks around the Trainer's steps."""
-    if next(module.parameters(recurse=False), None) is not None:
-        return None
+def holders(module: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
+    """The children of ``module`` wrapped as units of their own, so that they gather their parameters when called
+    directly (a LightningModule's ``self.model`` or ``self.backbone`` after fit), not only from the root's hooks
+    around the Trainer's steps: the child that holds every parameter of a root without parameters of its own, and
+    any child that holds a unit (a submodel). Not a unit already, nor a container (never called itself), nor one
+    without parameters outside its units, nor one sharing a parameter with a module outside it (a weight tied
+    across children stays with the root)."""
+    inner = {id(unit) for unit in units}
     holding = [child for child in module.children() if next(child.parameters(), None) is not None]
-    if len(holding) != 1 or any(holding[0] is unit for unit in units):
-        return None
-    if type(holding[0]).forward is nn.Module.forward:  # a container (nn.ModuleList): never called itself
-        return None
-    return holding[0]
+    sole = len(holding) == 1 and next(module.parameters(recurse=False), None) is None
+    owners = _owners(module)
+    return [
+        child
+        for child in holding
+        if id(child) not in inner
+        and type(child).forward is not nn.Module.forward
+        and (sole or any(id(m) in inner for m in child.modules()))
+        and _own_count(child, units)
+        and _shared_outside(child, owners) is None
+    ]
 
 
-def gather_sole_holder(module: nn.Module, _args: object) -> None:
-    """The root's forward pre-hook, after FSDP2's: gather the sole holder, since a step may call its layers and never
-    the holder itself (found from ``module``, so that a copy of the model gathers its own)."""
-    holder = sole_holder(module, [])
-    if isinstance(holder, FSDPModule):
-        holder.unshard()
+def gather_children(module: nn.Module, _args: object, names: tuple[str, ...]) -> None:
+    """The root's forward pre-hook, after FSDP2's: gather the holders, since a step may call a holder's layers and
+    never the holder itself."""
+    for name in names:
+        child = getattr(module, name)
+        if isinstance(child, FSDPModule):
+            child.unshard()
 
 
 def _owners(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

@@ -38,7 +38,9 @@ def test_the_decoder_layers_are_the_units_and_init_is_transformers_own(mesh, tie
         model = transformers.LlamaForCausalLM(tiny_llama_config(tied))
     assert find_units(model) == list(model.model.layers)
     shard_model(model, mesh, param_dtype=torch.float32)
-    assert [m for m in model.modules() if isinstance(m, FSDPModule)] == [model, *model.model.layers]
+    # untied, the LlamaModel around the layers is a unit too (embedding and norm); tied, they stay with the root
+    submodel = [] if tied else [model.model]
+    assert [m for m in model.modules() if isinstance(m, FSDPModule)] == [model, *submodel, *model.model.layers]
     reference = reinitialized(tied, seed=5)
     ours, theirs = full_state(model), full_state(reference)
     tied_names = {"model.embed_tokens.weight", "lm_head.weight"} if tied else set()

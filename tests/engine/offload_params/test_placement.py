@@ -26,8 +26,8 @@ from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
 from lightning_zero_offload.engine.offload_params.placement import (
     device_resident,
     find_units,
+    holders,
     shard_model,
-    sole_holder,
 )
 
 
@@ -195,9 +195,10 @@ def test_at_one_rank_the_reduce_runs_in_the_compute_dtype_with_the_same_bits(mes
     assert not differences(runs[None], runs[torch.float32])
 
 
-def test_a_sole_child_holding_every_parameter_is_a_unit_of_its_own():
-    """So that it gathers its parameters when called directly (a LightningModule's self.model after fit); not a
-    container, which is never called, nor where the root or another child holds parameters too."""
+def test_the_holders_are_the_sole_child_holding_parameters_and_the_submodels():
+    """Wrapped as units of their own so that they gather their parameters when called directly (a LightningModule's
+    self.model or self.backbone after fit): the child holding every parameter, and a child holding a unit beside
+    others; not a container (never called), nor a child whose parameters are all in units, nor one tied outside."""
 
     class Holds(nn.Module):
         def __init__(self, child: nn.Module, own: bool = False, other: bool = False) -> None:
@@ -206,9 +207,15 @@ def test_a_sole_child_holding_every_parameter_is_a_unit_of_its_own():
             self.scale = nn.Parameter(torch.ones(1)) if own else None
             self.other = nn.Linear(2, 2) if other else nn.Identity()
 
-    blocks = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    assert sole_holder(Holds(blocks), []) is not None
-    assert sole_holder(Holds(blocks), [blocks]) is None  # a unit already
-    assert sole_holder(Holds(nn.ModuleList([nn.Linear(2, 2)])), []) is None
-    assert sole_holder(Holds(blocks, own=True), []) is None
-    assert sole_holder(Holds(blocks, other=True), []) is None
+    net = Net()
+    assert holders(Holds(net), []) == [net]
+    assert holders(Holds(net), [net]) == []  # a unit already
+    assert holders(Holds(nn.ModuleList([nn.Linear(2, 2)])), []) == []
+    assert holders(Holds(net, own=True), []) == []  # a root with parameters: only submodels
+    assert holders(Holds(net, own=True, other=True), list(net.blocks)) == [net]  # beside the root's and a head's
+    tied = Holds(net)
+    tied.other = nn.Linear(net.head.in_features, net.head.out_features, bias=False)
+    tied.other.weight = net.head.weight  # tied across children: the root keeps both
+    assert holders(tied, list(net.blocks)) == []
+    everything = [net.embed, *net.blocks, net.norm, net.head]
+    assert holders(Holds(net, other=True), everything) == []  # nothing of its own to gather
