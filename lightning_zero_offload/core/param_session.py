@@ -32,7 +32,7 @@ from lightning_zero_offload.engine.offload_params.full_state import (
     load_full_model_state,
     load_full_optimizer_state,
 )
-from lightning_zero_offload.engine.offload_params.placement import device_resident, shard_model
+from lightning_zero_offload.engine.offload_params.placement import device_resident, reshard_all, shard_model
 from lightning_zero_offload.planner import check_host_memory
 from lightning_zero_offload.planner.device_share import ShareChoice, auto_device_share
 
@@ -168,6 +168,7 @@ class ParamOffloadSession(EngineSession):
     def step(self) -> StepStats:
         clip, self._clip = self._clip, {}
         self.engine.after_user_code()  # the Trainer shows the gradients before on_before_optimizer_step
+        reshard_all(self.module)  # the step writes the shards: no gathered copy may outlive it
         return self.engine.step(**clip)
 
     def skip_step(self) -> None:

@@ -314,6 +314,15 @@ def gather_children(module: nn.Module, _args: object, names: tuple[str, ...]) ->
             child.unshard()
 
 
+def reshard_all(module: nn.Module) -> None:
+    """Free every gathered copy of ``module``'s units. Backward reshards the units it ran through; a forward without
+    backward (a training step that returned None, evaluation) leaves the root and the holders gathered, and a
+    step writing the shards under them would leave the next forward the old weights."""
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
 def _owners(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     """Each parameter (by id) -> every (module, qualified name) that holds it, tied ones included."""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
