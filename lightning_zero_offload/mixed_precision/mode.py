@@ -111,7 +111,9 @@ class RoundedWeights(TorchFunctionMode):
                     self._cover_checkpoint()
                 kwargs = {**kwargs, "dtype": torch.float32}
             return func(*args, **kwargs)
-        route = self._autocast_use if kind == AUTOCAST else self._float_use
+        # Inside torch.autocast(enabled=False) AMP's matmul gets the fp32 weight, as any other op does.
+        autocast = kind == AUTOCAST and torch.is_autocast_enabled(self.device_type)
+        route = self._autocast_use if autocast else self._float_use
         args = self._routed(args, route, start=1 if kind == IN_PLACE else 0)
         if kwargs:
             kwargs = {key: value if key == "out" else self._routed_value(value, route) for key, value in kwargs.items()}

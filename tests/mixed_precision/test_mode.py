@@ -233,6 +233,34 @@ def test_an_op_that_refuses_mixed_dtypes_trains_as_under_amp(op, dtype):
         assert relative_error(grad, grads_amp[name]) < allowed, name
 
 
+class Fp32Head(nn.Module):
+    """A body under autocast and a head run in fp32 by the user, as numerically touchy heads (an MoE router, a
+    loss projection) are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        with torch.autocast("cpu", enabled=False):
+            return self.head(h.float())
+
+
+def test_a_region_with_autocast_disabled_computes_in_fp32_on_the_rounded_weights():
+    """AMP runs the head's matmul on its fp32 weight there; the low-precision parameter itself was passed in and
+    the matmul failed ("mat1 and mat2 must have the same dtype, but got Float and BFloat16")."""
+    torch.manual_seed(0)
+    model, x = Fp32Head(), torch.randn(4, 8)
+    out_rounded, grads_rounded = run(rounded_copy(model), (x,), autocast())
+    out, grads = run(low_precision_copy(model), (x,), forward_context("cpu", torch.bfloat16))
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, out_rounded, rtol=0, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, grads_rounded[name].bfloat16().float(), rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("no_grad", [torch.no_grad, torch.inference_mode])
 def test_evaluation_forwards_compute_as_amp_on_the_rounded_weights(no_grad):
     torch.manual_seed(0)
