@@ -109,6 +109,7 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         self.needs_process_group = self.options.offload_params
         self.session: OffloadSession | ParamOffloadSession | None = None
         self._setup_error: BaseException | None = None  # what setup refused, which teardown must not replace
+        self._failed = False  # a step or hook raised: teardown must not replace that error either
         self._blockwise: BlockwiseInit | None = None  # during setup: the placeholders of a model built on meta
 
     # Lightning assigns a generic plugin built from `precision=`; the offload step needs this one.
@@ -116,7 +117,7 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        self._setup_error, earlier = None, self.session
+        self._setup_error, self._failed, earlier = None, False, self.session
         try:
             self._setup(trainer)
         except BaseException as error:
@@ -224,6 +225,7 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
     def on_exception(self, exception: BaseException) -> None:
         """This rank failed: release the engine and the process group without a collective (the other
         ranks then fail at once instead of at the collective timeout)."""
+        self._failed = True
         release_after_failure(self.session, self.is_distributed)
 
     @override
@@ -255,12 +257,13 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         try:
             super().teardown()
         except Exception:
-            # What setup refused (the pre-flight, a model nothing can initialize) is what the user must fix; a
-            # module that cannot move back (one on the meta device: "Cannot copy out of meta tensor") must not
-            # take its place.
-            if self._setup_error is None:
+            # What setup refused (the pre-flight, a model nothing can initialize), or what a step raised, is what
+            # the user must fix; a module that cannot move back (one on the meta device: "Cannot copy out of meta
+            # tensor"; FSDP2's units left gathered by a forward that raised) must not take its place.
+            if self._setup_error is not None:
+                raise self._setup_error from None
+            if not self._failed:
                 raise
-            raise self._setup_error from None
         finally:
             self._optimizers = optimizers
 

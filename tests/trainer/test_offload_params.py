@@ -465,6 +465,37 @@ def test_a_window_whose_last_training_step_returns_none_steps_as_under_auto(cpu_
     assert relative_error(fit_weights(got), fit_weights(want)) < FP32_ROUNDING
 
 
+class FailsInItsHead(L.LightningModule):
+    """A user's bug in forward at the second step: the wrong width into the head (the root's own parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(2))
+        self.out = torch.nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.out(h[:, :3] if self.trainer.global_step == 1 else h)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self(x) - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_an_error_in_forward_reaches_the_user_and_not_the_teardowns():
+    """The forward that raised leaves FSDP2's root gathered, and Lightning's teardown (module.cpu()) then failed with
+    "'Parameter' object has no attribute '_local_tensor'", which replaced the user's error."""
+    trainer = L.Trainer(strategy=ZeroOffloadStrategy(offload_params=True), max_steps=3, **QUIET)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+        trainer.fit(FailsInItsHead(), block_data(32))
+
+
 def fit_weights(module) -> dict[str, torch.Tensor]:
     return {n: getattr(p, "full_tensor", p.detach)().detach().clone() for n, p in module.model.named_parameters()}
 
