@@ -94,8 +94,8 @@ def kind_of(func: Callable, autocast_ops: frozenset[str]) -> int:
         return VIEW if name == "__get__" and prop in _VIEWS else PASS
     if name in _VIEWS:
         return VIEW
-    if name in _METADATA or name.startswith(("is_", "register_")):
-        return PASS
+    if name in _METADATA or name.startswith(("is_", "register_")) or func is torch.autograd.grad:
+        return PASS  # torch.autograd.grad(loss, params): the parameters themselves, not copies outside the graph
     if name in _FACTORIES:
         return FACTORY
     if func is F.embedding:
