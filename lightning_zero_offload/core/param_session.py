@@ -175,6 +175,13 @@ class ParamOffloadSession(EngineSession):
         self._clip = {}
         self.engine.skip_step()
 
+    @staticmethod
+    def after_evaluation(module: nn.Module) -> None:
+        """After an evaluation step: no unit stays gathered (FSDP2 keeps the root's and the holders' copies after a
+        forward without backward), so the module's parameters are its shards again, those the optimizer holds
+        (``BaseFinetuning`` maps one to the other by identity)."""
+        reshard_all(module)
+
     def sync(self) -> None:
         """The parameters are the master: nothing to bring up to date."""
 

@@ -9,7 +9,7 @@ import lightning as L
 import pytest
 import torch
 from helpers import QUIET, BlockRegression, BlockRegressionInConfigureModel, CausalLM, block_data
-from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import BackboneFinetuning, StochasticWeightAveraging, WeightAveraging
 from offload_params_helpers import relative_error, tiny_llama_config
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -494,6 +494,33 @@ def test_an_error_in_forward_reaches_the_user_and_not_the_teardowns():
     trainer = L.Trainer(strategy=ZeroOffloadStrategy(offload_params=True), max_steps=3, **QUIET)
     with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
         trainer.fit(FailsInItsHead(), block_data(32))
+
+
+class FinetunedWithValidation(BackboneAndHead):
+    @property
+    def backbone(self) -> torch.nn.Module:  # what BackboneFinetuning freezes, then unfreezes
+        return self.model
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", ((self.head(self.model(x)) - y) ** 2).mean())
+
+
+def test_backbone_finetuning_after_validation_trains_as_under_auto():
+    """A forward without backward (validation) left the root's parameters (the head's) gathered, so the module's
+    parameters were not those the optimizer holds, and BackboneFinetuning's mapping of one to the other failed
+    with a KeyError of a DTensor. Evaluation steps now reshard every unit."""
+    runs = {}
+    for name, strategy in {"auto": "auto", "ours": ZeroOffloadStrategy(offload_params=True)}.items():
+        module = FinetunedWithValidation()
+        finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)
+        trainer = L.Trainer(strategy=strategy, max_epochs=2, callbacks=[finetuning], limit_val_batches=1, **QUIET)
+        trainer.fit(module, block_data(32), block_data(8))
+        runs[name] = {n: getattr(p, "full_tensor", p.detach)().detach().clone() for n, p in module.named_parameters()}
+    assert relative_error(runs["ours"], runs["auto"]) < FP32_ROUNDING
 
 
 def fit_weights(module) -> dict[str, torch.Tensor]:
