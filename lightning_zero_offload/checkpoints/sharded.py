@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 META_FILE = "meta.pt"
 SHARD_KEYS = ("master", "exp_avg", "exp_avg_sq")
 _VERSION = re.compile(r"^v(\d{6,})$")
+_OURS = re.compile(r"^(v\d{6,}|meta\.pt|shard_\d{5,}\.pt)$")  # versions, and a version-1 layout's files
 
 
 def shard_file(rank: int) -> str:
@@ -214,13 +215,12 @@ def new_version(root: Location) -> tuple[str, str]:
             "Delete it or save under another name"
         )
     if kind == "other":
-        # Publishing a version deletes everything else in the directory: here, files that are not ours.
         held = root.children()
         shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
         raise CheckpointError(
             f'zero_offload cannot save a sharded checkpoint (checkpoint_format="sharded") to {root}: it is an '
-            f"existing directory that is not a checkpoint (it holds {shown}), and a sharded save deletes everything "
-            f"else in its directory. Give the checkpoint a path of its own, such as {root / 'last.ckpt'}"
+            f"existing directory that is not a checkpoint (it holds {shown}), and a sharded checkpoint is a "
+            f"directory of its own. Give the checkpoint a path of its own, such as {root / 'last.ckpt'}"
         )
     root.make_dirs()
     remove_stale_temporaries(root)
@@ -235,8 +235,8 @@ def publish_version(meta: dict[str, Any], root: Location, version_name: str) -> 
     version = root / version_name
     save_file(meta, version / META_FILE)  # the new checkpoint is the current one from here on
     version.fsync_dir()
-    for name in root.children():
-        if name != version_name:
+    for name in root.children():  # the earlier versions; what else is there (an export, notes) is not ours
+        if name != version_name and _OURS.match(name):
             _remove_version(root / name)
 
 

@@ -271,6 +271,22 @@ def test_a_sharded_save_to_a_directory_of_other_files_is_refused_instead_of_dele
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"] and (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_a_sharded_save_replaces_its_versions_and_leaves_what_you_put_in_its_directory(tmp_path):
+    """Publishing a version deleted everything else in the checkpoint's directory: an fp32 export written there
+    (zero-offload-convert took the path), notes, a Hugging Face folder, silently at the next save."""
+    path = tmp_path / "last.ckpt"
+    _, trainer = validated_run("sharded", 1)
+    trainer.save_checkpoint(path)
+    first = current_version(path).name
+    (path / "NOTES.txt").write_text("mine")
+    (path / "hf").mkdir()
+    (path / "hf" / "config.json").write_text("{}")
+    trainer.save_checkpoint(path)
+    assert sorted(p.name for p in path.iterdir()) == sorted(["NOTES.txt", "hf", current_version(path).name])
+    assert current_version(path).name != first and (path / "hf" / "config.json").read_text() == "{}"
+    assert convert_checkpoint_to_fp32_state_dict(path).keys() == trainer.lightning_module.state_dict().keys()
+
+
 @LIGHTNING_PYTREE
 def test_an_interrupted_sharded_save_is_named_as_such_on_load(tmp_path):
     """A kill before meta.pt is renamed into place (the last step of a save) leaves its shards and no meta.pt."""
