@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from lightning_zero_offload.checkpoints.assemble import assemble_params
+from lightning_zero_offload.checkpoints.distributed_files import DCP_METADATA
 from lightning_zero_offload.checkpoints.files import (
     CheckpointError,
     Location,
@@ -286,6 +287,11 @@ def load_sharded(path: PathLike, with_optimizer: bool = True, weights_only: bool
     checkpoint = load_file(meta_file, "metadata", weights_only=weights_only)
     info = checkpoint.get(FORMAT_KEY) if isinstance(checkpoint, dict) else None
     if isinstance(info, dict) and info.get("format") == "distributed":
+        if not (version / DCP_METADATA).is_file():  # the DCP index, which decides the format: a copy that lost it
+            raise CheckpointError(
+                f"file {version / DCP_METADATA} of the checkpoint is missing (torch.distributed.checkpoint's index; "
+                "`cp dir/*` skips it, being a dot-file): copy the checkpoint directory whole"
+            )
         raise CheckpointError(
             f"{root} was saved with offload_params=True (torch.distributed.checkpoint files): read it with "
             "lightning_zero_offload.checkpoints.distributed.load_sharded_full, or resume with offload_params=True"

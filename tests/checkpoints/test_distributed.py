@@ -221,6 +221,14 @@ def test_a_damaged_missing_or_foreign_file_is_named_before_anything_is_loaded(tm
     with pytest.raises(CheckpointError, match=r"__0_0.distcp of the checkpoint is missing"):
         distributed.load_sharded(path, other, other_engine)
     assert all(torch.equal(full_state(sharded)[k], v) for k, v in before.items())
+    # The index decides the format: without it the readers of the other formats said "saved with
+    # offload_params=True ... resume with offload_params=True", also to a run doing just that.
+    distributed.save_sharded(path, sharded, engine, {})
+    version_file(path, DCP_METADATA).unlink()
+    with pytest.raises(CheckpointError, match=r"\.metadata of the checkpoint is missing .* copy the checkpoint"):
+        export.convert_checkpoint_to_fp32_state_dict(path)
+    with pytest.raises(CheckpointError, match=r"\.metadata of the checkpoint is missing"):
+        load_zero2(path)
 
 
 def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(tmp_path):
