@@ -26,6 +26,7 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, fields
 
 import torch
@@ -88,6 +89,25 @@ def _hugging_face_model(spec: str, overrides: dict) -> torch.nn.Module:
         return architecture(config)
 
 
+def positive(kind: type, zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a number of ``kind`` above zero (a size, a count, a rate; ``zero``: or zero, a latency),
+    anything else refused as a usage error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(float(text)) if kind is int and float(text).is_integer() else kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {'a whole number' if kind is int else 'a number'}"
+            ) from None
+        if not (value >= 0 if zero else value > 0):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {'zero or more' if zero else 'above zero'}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its message
+    return parse
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zero-offload-plan",
@@ -96,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
         f"Exit status: {EXIT_FITS} a configuration fits, {EXIT_DOES_NOT_FIT} none fits, {EXIT_USAGE} usage error.",
     )
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=float, help="trainable parameters (e.g. 1.3e9)")
+    what.add_argument("--params", type=positive(int), help="trainable parameters (e.g. 1.3e9)")
     what.add_argument(
         "--model",
         help="dotted path of an nn.Module class, or a Hugging Face model (a folder with config.json, a config "
@@ -113,24 +133,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model-args", type=json.loads, default={}, help="JSON keyword arguments for --model (a config's fields)"
     )
-    p.add_argument("--batch-size", type=int, help="micro-batch per rank, as the run will use it (required)")
-    p.add_argument("--seq-len", type=int, help="tokens per sample, as the run will use them (required)")
+    p.add_argument("--batch-size", type=positive(int), help="micro-batch per rank, as the run will use it (required)")
+    p.add_argument("--seq-len", type=positive(int), help="tokens per sample, as the run will use them (required)")
     p.add_argument(
         "--n-layer",
-        type=int,
+        type=positive(int),
         help="transformer layers: adds attention FLOPs, and the activation estimate's depth (default: an assumed "
         f"shape, the model's own blocks or {DEFAULT_N_LAYER} layers for --params, named in the report)",
     )
-    p.add_argument("--hidden", type=int, help="model width (default: from the model, or sqrt(params / 12 / n-layer))")
+    p.add_argument(
+        "--hidden", type=positive(int), help="model width (default: from the model, or sqrt(params / 12 / n-layer))"
+    )
     p.add_argument(
         "--activation-checkpointing", action="store_true", help="the model recomputes activations in backward"
     )
-    p.add_argument("--devices", type=int, default=1, help="ranks per node")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--devices", type=positive(int), default=1, help="ranks per node")
+    p.add_argument("--nodes", type=positive(int), default=1)
     p.add_argument("--precision", default="bf16-mixed", choices=sorted(DTYPES))
-    p.add_argument("--bucket-size-mb", type=float, default=25.0)
-    p.add_argument("--cpu-threads", type=int, help="per rank (default: cores / ranks per node)")
-    p.add_argument("--accumulate-grad-batches", type=int, default=1)
+    p.add_argument("--bucket-size-mb", type=positive(float), default=25.0)
+    p.add_argument("--cpu-threads", type=positive(int), help="per rank (default: cores / ranks per node)")
+    p.add_argument("--accumulate-grad-batches", type=positive(int), default=1)
     p.add_argument("--checkpoint-format", default="full", choices=list(CHECKPOINT_FORMATS))
     p.add_argument(
         "--cpu-state", default="fp32", choices=list(STATE_DTYPES), help="dtype of master, moments and gradient buffers"
@@ -159,7 +181,11 @@ def parser() -> argparse.ArgumentParser:
     rates = p.add_argument_group("rates (override measured or preset values)")
     for f in fields(Machine):
         if f.name != "name":
-            rates.add_argument("--" + f.name.replace("_", "-"), type=str if f.name == "device_type" else float)
+            kind = int if f.name in ("cpu_cores", "torch_threads") else float
+            rates.add_argument(
+                "--" + f.name.replace("_", "-"),
+                type=str if f.name == "device_type" else positive(kind, zero=f.name.endswith("_s")),
+            )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -169,18 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     if (args.host is None) != (args.device is None):
-        raise SystemExit("--host and --device go together (or give neither, to measure this machine)")
+        p.error("--host and --device go together (or give neither, to measure this machine)")
     for name, default in LARGEST_DEFAULTS.items():
         if getattr(args, name) is None and args.largest:
             setattr(args, name, default)
     missing = [f"--{n.replace('_', '-')}" for n in ("batch_size", "seq_len") if getattr(args, n) is None]
     if missing:
         p.error(f"the following arguments are required: {', '.join(missing)}")
-    overrides = {
-        f.name: int(v) if f.name in ("cpu_cores", "torch_threads") else v
-        for f in fields(Machine)
-        if f.name != "name" and (v := getattr(args, f.name)) is not None
-    }
+    overrides = {f.name: v for f in fields(Machine) if f.name != "name" and (v := getattr(args, f.name)) is not None}
     if args.host is not None:
         machine = presets.machine(args.host, args.device)
     else:
@@ -188,20 +210,23 @@ def main(argv: list[str] | None = None) -> int:
     machine = with_rates(machine, **overrides) if overrides else machine
     if args.largest:
         return _largest(args, machine)
-    model = int(args.params) if args.params is not None else build_model(args.model, args.model_args)
-    result = plan(
-        model,
-        **_shared(args),
-        cpu_threads=args.cpu_threads,
-        accumulate_grad_batches=args.accumulate_grad_batches,
-        n_layer=args.n_layer,
-        machine=machine,
-        hidden=args.hidden,
-        cpu_state=args.cpu_state,
-        offload_params=args.offload_params,
-        configure_model=args.configure_model,
-        device_share=args.device_share,
-    )
+    try:
+        model = args.params if args.params is not None else build_model(args.model, args.model_args)
+        result = plan(
+            model,
+            **_shared(args),
+            cpu_threads=args.cpu_threads,
+            accumulate_grad_batches=args.accumulate_grad_batches,
+            n_layer=args.n_layer,
+            machine=machine,
+            hidden=args.hidden,
+            cpu_state=args.cpu_state,
+            offload_params=args.offload_params,
+            configure_model=args.configure_model,
+            device_share=args.device_share,
+        )
+    except (ValueError, ImportError, AttributeError) as error:  # what the model or the plan refuses: a usage error
+        p.error(f"{type(error).__name__}: {error}")
     print(json.dumps(result.to_dict(), indent=1) if args.json else result)
     return EXIT_FITS if result.fits else EXIT_DOES_NOT_FIT
 

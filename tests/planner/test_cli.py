@@ -25,11 +25,36 @@ def test_cli_with_presets(capsys):
 
 
 def test_cli_errors(capsys):
-    with pytest.raises(SystemExit, match="go together"):
+    with pytest.raises(SystemExit) as exc:
         main(["--params", "10", "--batch-size", "1", "--seq-len", "8", "--host", "Grace (GH200, LPDDR5X)"])
+    assert exc.value.code == 2 and "--host and --device go together" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:  # no silent 1-token step: batch and sequence length are required
         main(["--params", "10", "--host", "Grace (GH200, LPDDR5X)", "--device", "GH200 (NVLink-C2C)"])
     assert exc.value.code == 2 and "--batch-size, --seq-len" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (["--hidden", "-5"], "argument --hidden: '-5' must be above zero"),  # planned -4871 GB per GPU, "fits"
+        (["--host-bandwidth-gbs", "-60"], "argument --host-bandwidth-gbs: '-60' must be above zero"),
+        (["--host-memory-gb", "-10"], "argument --host-memory-gb: '-10' must be above zero"),  # "DOES NOT FIT", exit 3
+        (["--device-tflops", "0"], "argument --device-tflops: '0' must be above zero"),  # ZeroDivisionError
+        (["--batch-size", "0"], "argument --batch-size: '0' must be above zero"),  # a traceback
+        (["--params", "0.5"], "argument --params: '0.5' is not a whole number"),  # planned as 0
+        (["--link-latency-s", "-1"], "argument --link-latency-s: '-1' must be zero or more"),
+        (["--model", "no_such_package.Model"], "ModuleNotFoundError: No module named 'no_such_package'"),
+    ],
+)
+def test_impossible_numbers_and_models_are_usage_errors(given, said, capsys):
+    """Each was planned with negative memory or time, or raised a traceback with exit status 1."""
+    arguments = ["--batch-size", "4", "--seq-len", "2048", "--host", "Grace (GH200, LPDDR5X)"]
+    arguments += ["--device", "GH200 (NVLink-C2C)"]
+    what = [] if "--model" in given else ["--params", "1e9"]
+    with pytest.raises(SystemExit) as exc:
+        main([*what, *arguments, *given])
+    assert exc.value.code == 2 and said in capsys.readouterr().err
+    assert main(["--params", "1e9", *arguments, "--link-latency-s", "0"]) == 0  # a what-if, not a typo
 
 
 H200_ARGS = ["--host", "server (1 socket, 8ch DDR4-3200)", "--device", "H200 SXM (PCIe 5)", "--host-memory-gb", "128"]
