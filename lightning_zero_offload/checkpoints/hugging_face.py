@@ -219,12 +219,15 @@ def _write_json(path: Path, content: dict) -> None:
 
 
 def _bytes(size: int | str) -> int:
-    """``save_pretrained``'s sizes: an int of bytes, or "5GB" (10**9), "5GiB" (2**30), "500MB", "200KB"."""
+    """``save_pretrained``'s sizes: an int of bytes (a string of digits too: the command line's), or "5GB" (10**9),
+    "5GiB" (2**30), "500MB", "200KB"."""
     if isinstance(size, int) and size > 0:
         return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)\s*", str(size), re.IGNORECASE)
-    if not match:
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B)?\s*", str(size), re.IGNORECASE)
+    if not match or (match.group(2) is None and not match.group(1).isdigit()) or float(match.group(1)) <= 0:
         raise ValueError(f"max_shard_size must be a number of bytes or a size like '5GB' or '500MB', got {size!r}")
+    if match.group(2) is None:
+        return int(match.group(1))
     unit = match.group(2).upper()
     scale = (1024 if "I" in unit else 1000) ** ("KMGT".index(unit[0]) + 1)
     return int(float(match.group(1)) * scale)

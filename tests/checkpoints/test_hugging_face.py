@@ -122,6 +122,7 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
         ({"dtype": torch.float64}, ValueError, "dtype must be torch.float32, torch.bfloat16 or torch.float16"),
         ({"max_shard_size": "5 gigs"}, ValueError, "max_shard_size must be a number of bytes or a size like '5GB'"),
         ({"max_shard_size": 0}, ValueError, "max_shard_size must be"),
+        ({"max_shard_size": "1.5"}, ValueError, "max_shard_size must be"),  # a fraction of a byte
     ]
     for options, error, message in cases:
         output = options.pop("output", tmp_path / "out")
@@ -130,7 +131,10 @@ def test_bad_arguments_are_refused_before_anything_is_written(tmp_path):
     assert not (tmp_path / "out").exists() and a_file.read_bytes() == b"mine"
 
 
-@pytest.mark.parametrize(("size", "limit"), [(1000, 1000), ("1.5kB", 1500), ("1KiB", 1024), (" 2 KB ", 2000)])
+# "1000": bytes as the command line gives them (--max-shard-size 100000000 was refused)
+@pytest.mark.parametrize(
+    ("size", "limit"), [(1000, 1000), ("1000", 1000), ("1.5kB", 1500), ("1KiB", 1024), (" 2 KB ", 2000)]
+)
 def test_shard_sizes_read_as_save_pretrained_reads_them(tmp_path, size, limit):
     quarter = {f"t{i}": torch.zeros(limit // 4, dtype=torch.uint8) for i in range(5)}
     shards = sorted(set(write(tmp_path, quarter, max_shard_size=size).values()))
