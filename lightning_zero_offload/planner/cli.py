@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -100,8 +101,8 @@ def positive(kind: type, zero: bool = False) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(
                 f"{text!r} is not {'a whole number' if kind is int else 'a number'}"
             ) from None
-        if not (value >= 0 if zero else value > 0):
-            raise argparse.ArgumentTypeError(f"{text!r} must be {'zero or more' if zero else 'above zero'}")
+        if not (value >= 0 if zero else value > 0) or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {'zero or more' if zero else 'above zero'} and finite")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its message

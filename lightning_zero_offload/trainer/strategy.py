@@ -140,6 +140,7 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         if self.options.offload_params:
             if fitting(trainer):
                 refuse_weight_averaging(trainer)
+                refuse_narrow_frozen_parameters(trainer, module, self.options.cpu_state)
             # FSDP2 replaces the parameters: shard before configure_optimizers builds the optimizer over them.
             ParamOffloadSession.shard(module, self.root_device, precision, self.options, world, self.num_processes)
         if not self.options.offload_params and on_meta(module, partly=True):
@@ -284,3 +285,20 @@ def refuse_weight_averaging(trainer: Trainer) -> None:
                 "strategy='auto', or remove the callback (Lightning's FSDP and DeepSpeed strategies refuse "
                 "StochasticWeightAveraging for the same reason)."
             )
+
+
+def refuse_narrow_frozen_parameters(trainer: Trainer, module: torch.nn.Module, cpu_state: str) -> None:
+    """A finetuning callback will unfreeze parameters frozen now; with fp32 state a frozen one built in bf16/fp16
+    keeps that dtype when sharded (its storage), and its shard cannot become an fp32 master later: refused now, not
+    an epoch into the run."""
+    if cpu_state == "bf16" or not any(isinstance(c, callbacks.BaseFinetuning) for c in trainer.callbacks):
+        return
+    frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad and p.is_floating_point()]
+    narrow = next(((n, p.dtype) for n, p in frozen if p.dtype.itemsize < 4), None)
+    if narrow is not None:
+        raise ValueError(
+            f"a finetuning callback will unfreeze parameters that are frozen now, and {narrow[0]!r} is "
+            f"{narrow[1]}: with offload_params=True a parameter frozen when the "
+            "model is sharded keeps the dtype it was built in, and fp32 master weights cannot be made of its shard "
+            "later. Build the model in float32 (model.float()), or set cpu_state='bf16', or use offload_params=False"
+        )

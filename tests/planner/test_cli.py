@@ -36,13 +36,20 @@ def test_cli_errors(capsys):
 @pytest.mark.parametrize(
     ("given", "said"),
     [
-        (["--hidden", "-5"], "argument --hidden: '-5' must be above zero"),  # planned -4871 GB per GPU, "fits"
-        (["--host-bandwidth-gbs", "-60"], "argument --host-bandwidth-gbs: '-60' must be above zero"),
-        (["--host-memory-gb", "-10"], "argument --host-memory-gb: '-10' must be above zero"),  # "DOES NOT FIT", exit 3
-        (["--device-tflops", "0"], "argument --device-tflops: '0' must be above zero"),  # ZeroDivisionError
-        (["--batch-size", "0"], "argument --batch-size: '0' must be above zero"),  # a traceback
+        (
+            ["--hidden", "-5"],
+            "argument --hidden: '-5' must be above zero and finite",
+        ),  # planned -4871 GB per GPU, "fits"
+        (["--host-bandwidth-gbs", "-60"], "argument --host-bandwidth-gbs: '-60' must be above zero and finite"),
+        (
+            ["--host-memory-gb", "-10"],
+            "argument --host-memory-gb: '-10' must be above zero and finite",
+        ),  # "DOES NOT FIT", exit 3
+        (["--device-tflops", "0"], "argument --device-tflops: '0' must be above zero and finite"),  # ZeroDivisionError
+        (["--batch-size", "0"], "argument --batch-size: '0' must be above zero and finite"),  # a traceback
         (["--params", "0.5"], "argument --params: '0.5' is not a whole number"),  # planned as 0
-        (["--link-latency-s", "-1"], "argument --link-latency-s: '-1' must be zero or more"),
+        (["--host-bandwidth-gbs", "inf"], "argument --host-bandwidth-gbs: 'inf' must be above zero and finite"),
+        (["--link-latency-s", "-1"], "argument --link-latency-s: '-1' must be zero or more and finite"),
         (["--model", "no_such_package.Model"], "ModuleNotFoundError: No module named 'no_such_package'"),
     ],
 )

@@ -523,6 +523,23 @@ def test_backbone_finetuning_after_validation_trains_as_under_auto():
     assert relative_error(runs["ours"], runs["auto"]) < FP32_ROUNDING
 
 
+def test_a_backbone_built_in_bf16_that_a_callback_will_unfreeze_is_refused_at_setup():
+    """A frozen parameter keeps the dtype it was built in when sharded, and with fp32 state an unfrozen bf16 shard
+    cannot be a master: the unfreeze failed an epoch into the run (found by a review)."""
+    module = FinetunedWithValidation()
+    module.to(torch.bfloat16)
+    finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1)
+    trainer = L.Trainer(
+        strategy=ZeroOffloadStrategy(offload_params=True),
+        precision="bf16-mixed",
+        callbacks=[finetuning],
+        max_epochs=2,
+        **QUIET,
+    )
+    with pytest.raises(ValueError, match=r"'model\.embed\.weight' is torch.bfloat16: .*\(model\.float\(\)\)"):
+        trainer.fit(module, block_data(32), block_data(8))
+
+
 def fit_weights(module) -> dict[str, torch.Tensor]:
     return {n: getattr(p, "full_tensor", p.detach)().detach().clone() for n, p in module.model.named_parameters()}
 

@@ -122,7 +122,9 @@ def check_shard(param: nn.Parameter, slot: ShardSlot, state_dtype: torch.dtype, 
         raise ValueError(
             f"a trainable parameter's shard is {shard.dtype}, and cpu_state asks for {state_dtype} master weights: "
             f"the sharded parameter is the master, so convert the model to {state_dtype} (model.to(...)) before fit "
-            "and before any fully_shard call of yours, or set cpu_state to match"
+            "and before any fully_shard call of yours, or set cpu_state to match (a parameter frozen when the model "
+            "was sharded keeps the dtype it was built in, so one unfrozen later, by BackboneFinetuning say, meets "
+            "this: build the model in float32)"
         )
     if not shard.is_contiguous():
         raise ValueError(f"a trainable parameter's shard (shape {tuple(shard.shape)}) is not contiguous")
