@@ -145,7 +145,7 @@ def shard_model(
     for unit in wrapped:  # Hugging Face's generate runs the encoder, not forward: FSDP2 gathers around it too
         if callable(getattr(unit, "generate", None)):
             register_fsdp_forward_method(unit, "generate")
-    if around:  # by name, so that a copy of the model gathers its own
+    if around:  # by name: the hook holds no module
         names = tuple(name for name, child in module.named_children() if any(child is h for h in around))
         module.register_forward_pre_hook(functools.partial(gather_children, names=names))
     materialize(module, mesh_device(mesh), initialize=initialize, init_fn=init_fn)
