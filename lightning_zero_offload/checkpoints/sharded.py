@@ -59,7 +59,6 @@ if TYPE_CHECKING:
 META_FILE = "meta.pt"
 SHARD_KEYS = ("master", "exp_avg", "exp_avg_sq")
 _VERSION = re.compile(r"^v(\d{6,})$")
-_OURS = re.compile(r"^(v\d{6,}|meta\.pt|shard_\d{5,}\.pt)$")  # versions, and a version-1 layout's files
 
 
 def shard_file(rank: int) -> str:
@@ -237,8 +236,8 @@ def publish_version(meta: dict[str, Any], root: Location, version_name: str) -> 
     save_file(meta, version / META_FILE)  # the new checkpoint is the current one from here on
     version.fsync_dir()
     for name in root.children():  # the earlier versions; what else is there (an export, notes) is not ours
-        if name != version_name and _OURS.match(name):
-            _remove_version(root / name)
+        if name != version_name and (_VERSION.match(name) or name == META_FILE or name.startswith("shard_")):
+            _remove_version(root / name)  # a version, or a version-1 layout's meta.pt and shards
 
 
 def attempt(fn: Callable[..., Any], *args: Any) -> Any:

@@ -117,10 +117,9 @@ class EngineSession:
         is the clamped gradients' norm), which the step's fused clip cannot do; refused rather than applied
         otherwise."""
         if self._clip:
-            (earlier, earlier_limit), *_ = self._clip.items()
             raise ValueError(
                 f"zero_offload applies one gradient clip per optimizer step, fused into its CPU update, and this step "
-                f"has one already: {_CLIPS[earlier]}={earlier_limit}, then {_CLIPS[kind]}={limit}. torch would apply "
+                f"has one already: {self._recorded_clip()}, then {_CLIPS[kind]}={limit}. torch would apply "
                 "the second to the gradients the first left, which the fused clip cannot. Clip once per step, after "
                 "the window's last backward (two clips of one kind act as the smaller one), or train with "
                 'strategy="auto"'
@@ -131,13 +130,17 @@ class EngineSession:
         """A backward after a clip and before its step: torch clipped only the gradients accumulated so far, and
         the step's clip would apply to the whole window; refused."""
         if self._clip:
-            (kind, limit), *_ = self._clip.items()
             raise ValueError(
                 f"zero_offload clips the gradients at the optimizer step, fused into its CPU update, and "
-                f"{_CLIPS[kind]}={limit} was recorded before this backward: torch would clip only the gradients "
+                f"{self._recorded_clip()} was recorded before this backward: torch would clip only the gradients "
                 "accumulated so far and add this backward's unclipped, where the step would clip the whole window. "
                 "Clip after the window's last backward, just before optimizer.step()"
             )
+
+    def _recorded_clip(self) -> str:
+        """The clip recorded for the coming step, as the errors name it ("a clip by norm (max_norm)=0.5")."""
+        ((kind, limit),) = self._clip.items()
+        return f"{_CLIPS[kind]}={limit}"
 
     def _checked_norm(self, norm: float, error_if_nonfinite: bool) -> float:
         """``norm``, or with ``error_if_nonfinite`` an error on inf/nan as ``torch.nn.utils.clip_grad_norm_``
