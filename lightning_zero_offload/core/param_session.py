@@ -32,7 +32,8 @@ from lightning_zero_offload.engine.offload_params.full_state import (
     load_full_model_state,
     load_full_optimizer_state,
 )
-from lightning_zero_offload.engine.offload_params.placement import device_resident, reshard_all, shard_model
+from lightning_zero_offload.engine.offload_params.gathering import reshard_all
+from lightning_zero_offload.engine.offload_params.placement import device_resident, shard_model
 from lightning_zero_offload.planner import check_host_memory
 from lightning_zero_offload.planner.device_share import ShareChoice, auto_device_share
 
@@ -174,13 +175,6 @@ class ParamOffloadSession(EngineSession):
     def skip_step(self) -> None:
         self._clip = {}
         self.engine.skip_step()
-
-    @staticmethod
-    def after_evaluation(module: nn.Module) -> None:
-        """After an evaluation step: no unit stays gathered (FSDP2 keeps the root's and the holders' copies after a
-        forward without backward), so the module's parameters are its shards again, those the optimizer holds
-        (``BaseFinetuning`` maps one to the other by identity)."""
-        reshard_all(module)
 
     def sync(self) -> None:
         """The parameters are the master: nothing to bring up to date."""

@@ -196,10 +196,7 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
         assert self.lightning_module is not None
         with context:
             module = self.lightning_module
-            output = self._forward_redirection(module, module, name, *args, **kwargs)
-        if name != "training_step":
-            ParamOffloadSession.after_evaluation(module)
-        return output
+            return self._forward_redirection(module, module, name, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

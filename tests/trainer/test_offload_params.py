@@ -540,6 +540,30 @@ def test_a_backbone_built_in_bf16_that_a_callback_will_unfreeze_is_refused_at_se
         trainer.fit(module, block_data(32), block_data(8))
 
 
+class SamplesAtEpochEnd(L.Callback):
+    def on_train_epoch_end(self, trainer, pl_module):
+        with torch.no_grad():
+            pl_module(block_data(8).dataset.tensors[0])
+
+
+class FinetunedWithForward(FinetunedWithValidation):
+    def forward(self, x):
+        return self.head(self.model(x))
+
+
+def test_backbone_finetuning_after_a_callbacks_forward_trains_as_under_auto():
+    """A callback's forward under no_grad between epochs left the root's and the backbone's gathered copies in
+    place of the shards (BaseFinetuning then failed: "aten.equal.default got mixed torch.Tensor and DTensor")."""
+    runs = {}
+    for name, strategy in {"auto": "auto", "ours": ZeroOffloadStrategy(offload_params=True)}.items():
+        module = FinetunedWithForward()
+        finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)
+        trainer = L.Trainer(strategy=strategy, max_epochs=2, callbacks=[finetuning, SamplesAtEpochEnd()], **QUIET)
+        trainer.fit(module, block_data(32))
+        runs[name] = {n: getattr(p, "full_tensor", p.detach)().detach().clone() for n, p in module.named_parameters()}
+    assert relative_error(runs["ours"], runs["auto"]) < FP32_ROUNDING
+
+
 def fit_weights(module) -> dict[str, torch.Tensor]:
     return {n: getattr(p, "full_tensor", p.detach)().detach().clone() for n, p in module.model.named_parameters()}
 

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
+from lightning_zero_offload.engine.offload_params.gathering import ReshardAfterInference, gather_children
 from lightning_zero_offload.engine.offload_params.materialize import InitFn, keeps_shards_on_host, materialize
 from lightning_zero_offload.engine.step.layout import count_within_share
 
@@ -145,6 +146,9 @@ def shard_model(
     for unit in wrapped:  # Hugging Face's generate runs the encoder, not forward: FSDP2 gathers around it too
         if callable(getattr(unit, "generate", None)):
             register_fsdp_forward_method(unit, "generate")
+    after_inference = ReshardAfterInference()
+    for unit in [*around, module]:
+        after_inference.attach(unit)
     if around:  # by name: the hook holds no module
         names = tuple(name for name, child in module.named_children() if any(child is h for h in around))
         module.register_forward_pre_hook(functools.partial(gather_children, names=names))
@@ -303,24 +307,6 @@ def holders(module: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
         and _own_count(child, units)
         and _shared_outside(child, owners) is None
     ]
-
-
-def gather_children(module: nn.Module, _args: object, names: tuple[str, ...]) -> None:
-    """The root's forward pre-hook, after FSDP2's: gather the holders, since a step may call a holder's layers and
-    never the holder itself."""
-    for name in names:
-        child = getattr(module, name)
-        if isinstance(child, FSDPModule):
-            child.unshard()
-
-
-def reshard_all(module: nn.Module) -> None:
-    """Free every gathered copy of ``module``'s units. Backward reshards the units it ran through; a forward without
-    backward (a training step that returned None, evaluation) leaves the root and the holders gathered, and a
-    step writing the shards under them would leave the next forward the old weights."""
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
 
 
 def _owners(module: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
