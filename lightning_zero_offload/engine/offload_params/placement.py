@@ -302,7 +302,7 @@ def holders(module: nn.Module, units: list[nn.Module]) -> list[nn.Module]:
         child
         for child in holding
         if id(child) not in inner
-        and type(child).forward is not nn.Module.forward
+        and getattr(child.forward, "__func__", None) is not nn.Module.forward  # torch.compile's is the instance's
         and (sole or any(id(m) in inner for m in child.modules()))
         and _own_count(child, units)
         and _shared_outside(child, owners) is None

@@ -107,6 +107,20 @@ def test_generate_gathers_the_parameters_as_forward_does(mesh, held):
         assert torch.equal(model.generate(tokens()), eager.generate(tokens()))
 
 
+def test_a_compiled_submodel_is_a_holder_and_runs_when_called_directly(mesh):
+    """``self.model = torch.compile(model)``: the compiled module's forward is its instance's, not its class's, so
+    it was taken for a container and left to the root (``lit.model(x)`` failed after fit: "got mixed torch.Tensor
+    and DTensor")."""
+    torch.manual_seed(0)
+    eager = Net()
+    root = nn.Module()
+    root.model = torch.compile(copy.deepcopy(eager), backend="eager")
+    shard_model(root, mesh, param_dtype=torch.float32)
+    assert isinstance(root.model, FSDPModule)
+    with torch.no_grad():
+        torch.testing.assert_close(root.model(tokens()), eager(tokens()), rtol=0, atol=1e-6)
+
+
 def test_the_users_units_are_kept_and_only_the_root_is_wrapped(mesh):
     torch.manual_seed(0)
     eager = Net()
