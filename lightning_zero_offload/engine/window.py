@@ -104,6 +104,8 @@ class AccumulationWindow:
         that exists zero: as in torch, its parameter is then updated by the next step even if no backward
         reaches it)."""
         self.finish_backward()
+        if self.schedule.updates_during_backward:
+            self.schedule.settle()  # steps speculated from the gradients dropped now are taken back
         self._carried = None
         if set_to_none:
             self.grads.new_window()
