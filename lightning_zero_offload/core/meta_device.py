@@ -28,7 +28,7 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-from lightning_zero_offload.engine.initialization import allocate
+from lightning_zero_offload.engine.meta_init.initialization import allocate
 
 
 @contextmanager

@@ -214,5 +214,5 @@ def check_model(
 
 
 def _placeholder_like(tensor: torch.Tensor) -> bool:
-    """An expanded zero standing for a parameter of a model built on the meta device (engine/blockwise.py)."""
+    """An expanded zero standing for a parameter of a model built on the meta device (engine/meta_init/blockwise.py)."""
     return tensor.numel() > 1 and 0 in tensor.stride()

@@ -37,9 +37,9 @@ from lightning_zero_offload.core.options import STRATEGY_DESCRIPTION, resolve_pr
 from lightning_zero_offload.core.session_base import EngineSession, the_optimizer
 from lightning_zero_offload.core.session_checkpoints import SessionCheckpoints, state_dict_keys
 from lightning_zero_offload.engine import OffloadEngine, OffloadOptions, StepStats
-from lightning_zero_offload.engine.blockwise import BlockwiseInit
 from lightning_zero_offload.engine.infra.collectives import broadcast_tensors_
-from lightning_zero_offload.engine.initialization import on_meta
+from lightning_zero_offload.engine.meta_init.blockwise import BlockwiseInit
+from lightning_zero_offload.engine.meta_init.initialization import on_meta
 from lightning_zero_offload.engine.offload_params.materialize import materialize
 from lightning_zero_offload.engine.offload_params.placement import init_units
 from lightning_zero_offload.planner import check_host_memory

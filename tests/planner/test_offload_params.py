@@ -11,7 +11,7 @@ from planner_helpers import CPU_BOX, GPU_BOX, h200, layers
 from torch import nn
 
 from lightning_zero_offload.engine import OffloadOptions
-from lightning_zero_offload.engine.blockwise import BlockwiseInit
+from lightning_zero_offload.engine.meta_init.blockwise import BlockwiseInit
 from lightning_zero_offload.engine.offload_params import ParamOffloadEngine
 from lightning_zero_offload.engine.offload_params.placement import device_resident, init_units, shard_model
 from lightning_zero_offload.planner import Machine, check_host_memory, largest_models, plan, presets, with_rates

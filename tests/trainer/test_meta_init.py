@@ -308,3 +308,41 @@ def test_a_setup_that_fails_after_the_placeholders_leaves_the_model_on_the_meta_
     with pytest.raises(RuntimeError, match="multiple optimizers"):
         L.Trainer(strategy=ZeroOffloadStrategy(), max_steps=1, **QUIET).fit(module, block_data(64))
     assert all(p.is_meta for p in module.parameters())  # not the placeholders' zeros
+
+
+class LoraInConfigureModel(CausalLM):
+    """PEFT's LoRA on a Hugging Face Llama, both built in configure_model (on the meta device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = None
+        self.start: dict[str, torch.Tensor] = {}
+
+    def configure_model(self) -> None:
+        from offload_params_helpers import tiny_llama_config
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaForCausalLM
+
+        if self.model is None:
+            lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+            self.model = get_peft_model(LlamaForCausalLM(tiny_llama_config()), lora)
+
+    def on_train_start(self) -> None:
+        self.start = {n: getattr(p, "full_tensor", p.detach)().clone() for n, p in self.named_parameters()}
+
+
+@pytest.mark.slow  # transformers' and PEFT's imports
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # PEFT asks transformers
+@pytest.mark.parametrize("offload_params", [False, True], ids=["zero2", "offload-params"])
+def test_lora_adapters_built_in_configure_model_start_as_peft_initializes_them(offload_params):
+    """B zero (the adapted model starts as the base model), A within nn.Linear's kaiming bound; the model's own
+    init gave both the values of an ordinary layer."""
+    pytest.importorskip("peft")
+    module = LoraInConfigureModel()
+    strategy = ZeroOffloadStrategy(in_place_on_cpu=False, offload_params=offload_params)
+    tokens = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(3))
+    L.Trainer(strategy=strategy, max_steps=1, **QUIET).fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
+    b = [t for n, t in module.start.items() if "lora_B" in n]
+    a = torch.cat([t.flatten() for n, t in module.start.items() if "lora_A" in n])
+    assert len(b) == 6 and all(not t.any() for t in b)
+    assert 0 < a.abs().max() <= 1 / 64**0.5  # kaiming_uniform_(a=sqrt(5)) over the width of 64

@@ -4,8 +4,8 @@
 only this rank's shards, on the host (``CPUOffloadPolicy``; the device share's units: on the device), and its
 buffers on the mesh's device; a plain module gets its tensors on ``device``, whole (a module partly on the meta
 device: what is there). The ZeRO-2
-engine takes a model built on the meta device in two steps instead (engine/blockwise.py). Both plan and
-initialize with engine/initialization.py.
+engine takes a model built on the meta device in two steps instead (engine/meta_init/blockwise.py). Both plan and
+initialize with engine/meta_init/initialization.py.
 
 Values, module by module in module order (``module.modules()``, parents first; for a Hugging Face model
 the order of its own ``initialize_weights``: children first). Each module that owns tensors on the meta
@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from lightning_zero_offload.engine.initialization import (
+from lightning_zero_offload.engine.meta_init.initialization import (
     InitFn,
     allocate,
     by_unit,

@@ -7,7 +7,7 @@ import torch
 from offload_params_helpers import Net, Rotary, assert_same_state
 from torch import nn
 
-from lightning_zero_offload.engine.blockwise import BlockwiseInit
+from lightning_zero_offload.engine.meta_init.blockwise import BlockwiseInit
 from lightning_zero_offload.engine.offload_params.materialize import materialize
 from lightning_zero_offload.engine.offload_params.placement import shard_model
 from lightning_zero_offload.testing.ranks import run_ranks

@@ -8,8 +8,8 @@ import torch
 from offload_params_helpers import VOCAB, WIDTH, Net, Rotary, full_state
 from torch import nn
 
-from lightning_zero_offload.engine import blockwise as blockwise_module
-from lightning_zero_offload.engine.blockwise import BlockwiseInit
+from lightning_zero_offload.engine.meta_init import blockwise as blockwise_module
+from lightning_zero_offload.engine.meta_init.blockwise import BlockwiseInit
 from lightning_zero_offload.engine.offload_params.placement import init_units
 
 

@@ -2,7 +2,7 @@
 be built over the parameters the engine will hold, then the values unit by unit (its repeated blocks), each
 handed to the engine's master weights as it is initialized: the host never holds more than one block whole,
 nor the device more than its low-precision copy. The planning and the initialization are
-engine/initialization.py's.
+engine/meta_init/initialization.py's.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Iterable
 import torch
 from torch import nn
 
-from lightning_zero_offload.engine.initialization import (
+from lightning_zero_offload.engine.meta_init.initialization import (
     by_unit,
     init_plan,
     initialized,

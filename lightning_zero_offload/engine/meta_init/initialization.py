@@ -1,4 +1,4 @@
-"""Initializing a model built on the meta device one unit at a time, for both modes (engine/blockwise.py,
+"""Initializing a model built on the meta device one unit at a time, for both modes (engine/meta_init/blockwise.py,
 engine/offload_params/materialize.py): which modules to initialize and with what (``init_plan``: each
 module's ``reset_parameters()``, a Hugging Face model's ``_init_weights``, or ``init_fn``), in runs of one
 unit (``unit_of``, ``by_unit``), each parameter initialized whole in a scratch tensor standing in for it
@@ -14,6 +14,8 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+
+from lightning_zero_offload.engine.meta_init.peft_adapters import adapter_layers, adapter_modules, adapter_plan
 
 InitFn = Callable[[nn.Module], None]
 
@@ -102,7 +104,13 @@ def init_plan(
     whether it is on the meta device); refuses a module that owns such tensors and that nothing can
     initialize."""
     plan, refused = [], []
+    adapters = adapter_layers(
+        module
+    )  # PEFT's: initialized after the model, as PEFT does (engine/meta_init/peft_adapters.py)
+    theirs = {id(m) for layer, _ in adapters for m in adapter_modules(layer)}
     for m, owner in _in_init_order(module):
+        if id(m) in theirs:
+            continue
         on_meta = {n for n, t in (*m._parameters.items(), *m._buffers.items()) if t is not None and pending(m, n, t)}
         # A Hugging Face model's init visits every module, as its own initialize_weights does.
         wanted = (on_meta or owner is not None) if initialize else on_meta & m._non_persistent_buffers_set
@@ -118,6 +126,8 @@ def init_plan(
             plan.append((m, _reset))
         else:
             refused.append(type(m).__name__)
+    if initialize and not buffers_only:
+        plan += adapter_plan(adapters, pending)
     if refused:
         what = "parameters or buffers" if initialize else "non-persistent buffers (no checkpoint holds them)"
         raise ValueError(
