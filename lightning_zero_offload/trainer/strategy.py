@@ -243,6 +243,9 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
     def on_validation_start(self) -> None:
         if (session := training_session(self.session)) is not None:
             session.sync()  # evaluation sees fully updated parameters, also with a delayed update
+        if self.options.offload_params and self.world_size > 1:
+            assert self.lightning_module is not None
+            refuse_uneven_batches(self.lightning_module.trainer, self)
 
     on_test_start = on_predict_start = on_validation_start
 
@@ -267,6 +270,36 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
                 raise
         finally:
             self._optimizers = optimizers
+
+
+def refuse_uneven_batches(trainer: Trainer, strategy: ParallelLikeDDP) -> None:
+    """``offload_params`` gathers each unit's parameters from every rank in each forward (FSDP2), so an evaluation
+    loop must run as many batches on every rank: a rank that ran out would leave the others waiting in an
+    all-gather (a hang, or gloo's "Connection closed by peer"). Lightning's predict sampler does not pad, nor does
+    a sampler of the user's. Compared before the first batch (one all-gather per loop)."""
+    stage, counts = next(
+        (stage, counts)
+        for stage, counts, now in (
+            ("predict", trainer.num_predict_batches, trainer.predicting),
+            ("test", trainer.num_test_batches, trainer.testing),
+            ("val", trainer.num_sanity_val_batches, trainer.sanity_checking),
+            ("val", trainer.num_val_batches, True),
+        )
+        if now
+    )
+    mine = torch.tensor([float(c) for c in counts], dtype=torch.float64, device=strategy.root_device)
+    every = strategy.all_gather(mine).reshape(strategy.world_size, -1).cpu()
+    if every.isinf().any() or (every == every[0]).all():
+        return  # an iterable without a length cannot be counted ahead
+    per_rank = ", ".join(f"rank {r}: {[int(c) for c in row]}" for r, row in enumerate(every.tolist()))
+    raise ValueError(
+        f"offload_params=True: this {stage} loop would run a different number of batches per rank ({per_rank}, per "
+        "dataloader), and FSDP2 gathers each block's parameters from every rank in each forward, so a rank that ran "
+        "out would leave the others waiting. Lightning's predict sampler pads nothing, nor does a sampler of your "
+        "own. Fix: make the dataset's length a multiple of world_size x batch_size (pad it), or set "
+        f"limit_{stage}_batches to the smallest count, or run it with offload_params=False (the ZeRO-2 mode runs "
+        "uneven batches as DDP does)."
+    )
 
 
 def refuse_weight_averaging(trainer: Trainer) -> None:

@@ -2,11 +2,16 @@
 DDP with torch AdamW (tests/workers/train.py: the same global batches at every world size, odd layer widths,
 so the FSDP2 shards are uneven at 2 and 3 ranks)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import assert_clipping_triggered
 from helpers import train_in_ranks as train
 from workers.train import fit as fit_in_this_process
+
+from lightning_zero_offload.testing.ranks import run_script_ranks
 
 pytestmark = pytest.mark.slow  # every case launches ranks in processes
 CLIP = 0.45  # the residual blocks' norms run 0.40-0.67 here: the clip acts on some steps and not on others
@@ -84,3 +89,20 @@ def test_a_block_frozen_and_unfrozen_mid_window_trains_as_one_process_under_auto
     assert runs["freezing2"]["grad_norms"] == pytest.approx(want["grad_norms"], rel=1e-6)
     for key, ref in want["params"].items():
         torch.testing.assert_close(runs["freezing2"]["params"][key], ref, rtol=0, atol=1e-6, msg=key)
+
+
+def predict_in_ranks(*args: str) -> list:
+    script = Path(__file__).parents[1] / "workers" / "uneven_batches.py"
+    return run_script_ranks([sys.executable, str(script), *args], 2)
+
+
+def test_an_evaluation_loop_with_uneven_batches_is_refused_on_every_rank_with_the_fixes():
+    """FSDP2 gathers each block from every rank in each forward: the rank with one more batch waited for the other
+    (a hang), or gloo failed with "Connection closed by peer". Refused before the first batch; with
+    limit_predict_batches at the smaller count it runs."""
+    for done in predict_in_ranks("--samples", "17"):
+        assert done.returncode != 0
+        assert "different number of batches per rank (rank 0: [2], rank 1: [1]" in done.output
+        assert "limit_predict_batches" in done.output and "offload_params=False" in done.output
+    for rank, done in enumerate(predict_in_ranks("--samples", "17", "--limit", "1")):
+        assert done.returncode == 0 and f"rank {rank} predicted 1 batches" in done.output, done.output[-3000:]
