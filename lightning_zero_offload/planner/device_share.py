@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_zero_offload.engine.infra.collectives import least_over_ranks
 from lightning_zero_offload.engine.offload_params.placement import device_resident
 from lightning_zero_offload.engine.options import OffloadOptions, resolve
-from lightning_zero_offload.engine.step.device_share import AUTO_ACTIVATION_RESERVE, ShareChoice
+from lightning_zero_offload.engine.step.device_share import AUTO_ACTIVATION_RESERVE, ShareChoice, parameters_text
 from lightning_zero_offload.planner.machine import GB, Machine, format_gb, probes
 from lightning_zero_offload.planner.memory import DEVICE_CONTEXT_BYTES
 from lightning_zero_offload.planner.offload_params import (
@@ -100,7 +100,7 @@ def choose_device_share(
         reasons.append("the host holds everything")
     fraction = device_fraction(units, shares[k])
     why = (
-        f"auto: {params / 1e6:.1f}M parameters ({fraction:.1%}) on the device, {format_gb(cost(shares[k]))} of "
+        f"auto: {parameters_text(params)} parameters ({fraction:.1%}) on the device, {format_gb(cost(shares[k]))} of "
         f"state there, of {format_gb(room)} it may take ({AUTO_ACTIVATION_RESERVE:.0%} of the "
         f"{format_gb(max(0, device_free - sum(own.values())))} free beyond FSDP2's buffers kept for activations): "
         + "; ".join(reasons)
@@ -123,7 +123,8 @@ def auto_device_share(
     if any(isinstance(m, FSDPModule) for m in module.modules()):
         held = sum(p.numel() for p in device_resident(module))
         share = min(1.0, (held + 0.5) / sum(p.numel() for p in module.parameters())) if held else 0.0
-        return ShareChoice(share, held, f"auto: {held / 1e6:.1f}M parameters kept on the device where setup put them")
+        kept = f"auto: {parameters_text(held)} parameters kept on the device where setup put them"
+        return ShareChoice(share, held, kept)
     available, _ = probes.host_memory_limit()
     resident = resident_bytes(module)
     device_free = None

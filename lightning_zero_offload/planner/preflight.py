@@ -21,7 +21,7 @@ from torch import nn
 
 from lightning_zero_offload.engine.infra.collectives import least_over_ranks
 from lightning_zero_offload.engine.options import OffloadOptions, Resolved, resolve, with_compact_state
-from lightning_zero_offload.engine.step.device_share import AUTO_ACTIVATION_RESERVE, ShareChoice
+from lightning_zero_offload.engine.step.device_share import AUTO_ACTIVATION_RESERVE, ShareChoice, parameters_text
 from lightning_zero_offload.planner.machine import format_gb, probes
 from lightning_zero_offload.planner.memory import HostMemory, device_memory, host_memory, state_bytes_per_param
 from lightning_zero_offload.planner.offload_params import fsdp_units, host_memory_params, initialized_unit_bytes
@@ -98,9 +98,9 @@ def check_host_memory(
             return ShareChoice(
                 fraction,
                 params,
-                f"auto: {params / 1e6:.1f}M parameters from setup on: the host holds the rest only with their state "
-                f"on the device (this node then needs {format_gb(peak)} of its {format_gb(budget)}), which has room "
-                f"for it ({format_gb(device_bytes)} of {format_gb(device_free)} free); re-chosen after the second "
+                f"auto: {parameters_text(params)} parameters from setup on: the host holds the rest only with their "
+                f"state on the device (this node then needs {format_gb(peak)} of its {format_gb(budget)}), which has "
+                f"room for it ({format_gb(device_bytes)} of {format_gb(device_free)} free); re-chosen after the second "
                 "step, never less",
             )
     worst = max(failed, key=lambda c: c.need)

@@ -177,6 +177,12 @@ def format_summary(session: OffloadSession | ParamOffloadSession, totals: dict[s
     choice = choice or getattr(engine, "share_floor", None)
     if choice is not None and choice.why:
         lines.append(f"  device_share={choice.why}")
+    elif resolved.device_share and not report["device_share_params"]:
+        last = "unit (the root's own parameters, or a block)" if resolved.offload_params else "bucket (bucket_size_mb)"
+        lines.append(
+            f"  device share: none: device_share={resolved.device_share:g} holds less than the last {last}, "
+            "which it takes whole; give a larger fraction"
+        )
     if steps:
         per = {k: 1e3 * v / steps for k, v in totals.items()}
         hidden = 100 * hidden_fraction(totals["transfer"], totals["transfer_wait"])

@@ -149,6 +149,14 @@ def zero2_fit(share, cpu_state, tmp_path, max_steps=6, ckpt_path=None, save=None
     return {k: v.detach().float().clone() for k, v in module.state_dict().items()}, trainer
 
 
+def test_a_share_smaller_than_the_last_bucket_says_it_holds_nothing(tmp_path):
+    _, trainer = zero2_fit(0.01, "fp32", tmp_path, max_steps=1)
+    session = trainer.strategy.session
+    assert session.engine.memory_report()["device_share_params"] == 0
+    summary = format_summary(session, {}, 0)
+    assert "device share: none: device_share=0.01 holds less than the last bucket (bucket_size_mb)" in summary
+
+
 @pytest.mark.parametrize(("cpu_state", "checkpoint_format"), [("fp32", "full"), ("bf16", "sharded")])
 def test_zero2_buckets_take_a_share_and_checkpoints_move_between_shares(cpu_state, checkpoint_format, tmp_path):
     want, _ = zero2_fit(0.0, cpu_state, tmp_path)

@@ -15,6 +15,7 @@ keeps its units; ``check_units`` refuses the settings this mode cannot train wit
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch import nn
@@ -113,6 +114,13 @@ def shard_model(
     user_wrapped = any(isinstance(m, FSDPModule) for m in module.modules())
     if user_wrapped:
         check_units(module)
+        earlier = _SHARED_AT_SETUP.get(module)
+        if earlier is not None and not holds_share(module, device_share):
+            raise ValueError(
+                f"device_share={device_share:g}, and an earlier setup sharded this model with device_share="
+                f"{earlier:g}: FSDP2 keeps a unit's shards where it first put them. Fit it again with "
+                f"device_share={earlier:g} (or 'auto', which keeps them), or build the model anew for another share"
+            )
         if device_share and not holds_share(module, device_share):
             raise ValueError(
                 f"device_share={device_share} chooses the units to keep on the device, and you called fully_shard "
@@ -153,7 +161,13 @@ def shard_model(
         names = tuple(name for name, child in module.named_children() if any(child is h for h in around))
         module.register_forward_pre_hook(functools.partial(gather_children, names=names))
     materialize(module, mesh_device(mesh), initialize=initialize, init_fn=init_fn)
+    if not user_wrapped:
+        _SHARED_AT_SETUP[module] = device_share
     return module
+
+
+# The share each model this process sharded was given, so that another fit of it is told why its share cannot change.
+_SHARED_AT_SETUP: weakref.WeakKeyDictionary[nn.Module, float] = weakref.WeakKeyDictionary()
 
 
 def cast_to_master(unit: nn.Module, master_dtype: torch.dtype | None) -> None:

@@ -10,7 +10,8 @@ buckets; the speculative pipeline of :func:`exposed_after_backward`, each bucket
 tied embedding's gradient, complete only when backward ends, lands last whatever its place), counting the step's
 measured tail (validation, copy-back: no share removes it), and never more state than
 :data:`AUTO_ACTIVATION_RESERVE` short of the device memory the peak so far left free. Where the target is out of
-reach (``cpu_step="sync"`` steps everything after backward), the most buckets that fit. Where the host holds the
+reach (``cpu_step="sync"`` steps everything after backward), the most buckets that fit. Its share starts at a
+parameter's edge (a split parameter's buckets go together). Where the host holds the
 rest only with a share, the pre-flight starts the engine with it (planner/preflight.py): "auto" keeps at least
 those buckets.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,6 +84,7 @@ def choose_bucket_share(
     transfer_s_per_element: float = 0.0,
     tail_s: float = 0.0,
     floor: int = 0,
+    starts: Collection[int] | None = None,
 ) -> ShareChoice:
     """The device share of the last buckets (``shards``: this rank's elements of each bucket, ``numels``: all
     ranks', in layout order), from the measured step's ``backward_s``, CPU step and gradient transfer time per
@@ -90,7 +92,9 @@ def choose_bucket_share(
     ``device_room`` bytes (the reserve taken off already). The bound is one (median) bucket's CPU step after
     backward, the step's own ``tail_s`` included; where that tail alone exceeds it, no CPU step left after
     backward. The last ``floor`` buckets stay whatever the rule and the room say (on the device already: the host
-    holds the rest only without them)."""
+    holds the rest only without them). ``starts``: the buckets no parameter continues into from the one before
+    (None: every bucket); the share starts at one of them (or at the floor), so that no parameter has its state
+    on both sides, where ``optimizer.state[p]`` could show no live view of its moments."""
     total = sum(numels)
     one_bucket = step_s_per_element * statistics.median(shards)
     allowed = max(0.0, one_bucket - tail_s)  # of the host buckets' work after backward
@@ -99,7 +103,9 @@ def choose_bucket_share(
     while fitting < len(shards) and state_bytes_per_element * sum(shards[len(shards) - fitting - 1 :]) <= device_room:
         fitting += 1
     fitting = max(fitting, floor)
-    for kept in range(floor, fitting + 1):
+    whole = [k for k in range(floor, fitting + 1) if k == floor or starts is None or len(shards) - k in starts]
+    fitting = whole[-1]
+    for kept in whole:
         on_host = len(shards) - kept
         if not on_host:
             return _choice(kept, numels, total, "every bucket", floor)
@@ -125,7 +131,12 @@ def _choice(kept: int, numels: Sequence[int], total: int, why: str, floor: int) 
     share = min(1.0, (params + 0.5) / total) if params else 0.0
     if floor:
         why += f"; {floor} of them on the device since setup, without which the host would not hold the rest"
-    return ShareChoice(share, params, f"auto: {params / 1e6:.1f}M parameters, {why}")
+    return ShareChoice(share, params, f"auto: {parameters_text(params)} parameters, {why}")
+
+
+def parameters_text(params: int) -> str:
+    """A parameter count as the summary prints it: in millions, or whole where that would read 0.0M."""
+    return f"{params / 1e6:.1f}M" if params >= 10**5 else f"{params:,}"
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -181,4 +192,5 @@ def auto_bucket_share(
         -minus_transfer_rate,
         -minus_tail,
         floor,
+        starts={run.start for run in layout.bucket_runs()},
     )

@@ -124,6 +124,17 @@ def test_a_share_is_refused_where_it_cannot_apply(mesh):
         shard_model(model, mesh, param_dtype=torch.float32, device_share=0.5, pin_memory=False)
 
 
+@pytest.mark.parametrize(("first", "second"), [(0.5, 0.0), (0.5, 0.75), (0.0, 0.5)])
+def test_another_share_at_a_second_setup_is_refused_naming_the_first(mesh, first, second):
+    """FSDP2 keeps a unit's shards where it first put them: a second fit asking for another share was told it had
+    called fully_shard itself, or (a share of 0) silently kept the first one's units on the device."""
+    model = nn.Sequential(*(MlpBlock(8) for _ in range(4)))
+    shard_model(model, mesh, param_dtype=torch.float32, device_share=first, pin_memory=False)
+    shard_model(model, mesh, param_dtype=torch.float32, device_share=first, pin_memory=False)  # the same: kept
+    with pytest.raises(ValueError, match=f"an earlier setup sharded this model with device_share={first:g}.*"):
+        shard_model(model, mesh, param_dtype=torch.float32, device_share=second, pin_memory=False)
+
+
 def test_a_root_without_parameters_of_its_own_is_passed_over(mesh):
     """Every parameter in a block: the share starts at the first block, and the model so wrapped holds the share
     it was given (a second fit finds the wrapping its own)."""

@@ -140,7 +140,7 @@ def share_at_rank(rank: int, share: float | str, cpu_state: str) -> tuple[list[t
         from lightning_zero_offload.engine.step import device_share
 
         device_share.room_after_peak = lambda device: 10**9  # as an accelerator might have
-        device_share.choose_bucket_share = lambda *args: ShareChoice(0.5, 0, "auto: as an accelerator might")
+        device_share.choose_bucket_share = lambda *args, **kwargs: ShareChoice(0.5, 0, "auto: as an accelerator might")
         share, floor = "auto", ShareChoice(0.2, 0, "auto: a short host's floor")
     _, engine = train(share, cpu_state, cpu_step="speculative", rank=rank, world=2, share_floor=floor)
     assert engine.layout.world_size == 2 and (engine.state.device_share_numel > 0) == (share != 0.0)
@@ -230,6 +230,18 @@ def test_auto_keeps_the_bucket_whose_step_no_backward_is_left_to_hide():
     assert first_device_bucket(layout, choice.share) == 4
 
 
+def test_auto_starts_its_share_at_a_parameters_edge():
+    """Bucket 3 continues a parameter split from bucket 2: the rule's two last buckets would put that parameter's
+    state on both sides (its optimizer.state then refuses to be read, at whatever step "auto" decides), so "auto"
+    takes three; where the room holds fewer, one."""
+    shards, rate, starts = [10] * 5, 1 / 30, {0, 1, 2, 4}
+    assert choose_bucket_share(shards, shards, 1.0, rate, 16, device_room=10**6, speculative=True).params == 20
+    whole = choose_bucket_share(shards, shards, 1.0, rate, 16, device_room=10**6, speculative=True, starts=starts)
+    assert whole.params == 30 and "fewest last buckets (3)" in whole.why
+    short = choose_bucket_share(shards, shards, 1.0, rate, 16, device_room=16 * 25, speculative=True, starts=starts)
+    assert short.params == 10 and "(1 buckets)" in short.why
+
+
 def test_auto_stays_within_the_room_and_takes_the_most_it_can_where_the_target_is_out_of_reach():
     shards = [10, 10, 10, 10, 40]
     none = choose_bucket_share(shards, shards, 1.0, 1 / 80, 16, device_room=16 * 40 - 1, speculative=True)
@@ -277,9 +289,9 @@ def test_auto_starts_with_the_share_the_host_needs_and_keeps_it(monkeypatch):
     given = []
     choose = device_share.choose_bucket_share
 
-    def more(*args):
+    def more(*args, starts):
         given.append(args[-1])
-        return choose(*args[:-1], floor=len(args[0]) - 1)  # every bucket but the first
+        return choose(*args[:-1], floor=len(args[0]) - 1, starts=starts)  # every bucket but the first
 
     monkeypatch.setattr(device_share, "room_after_peak", lambda device: 10**9)
     monkeypatch.setattr(device_share, "choose_bucket_share", more)
@@ -304,7 +316,7 @@ def test_a_larger_share_moves_its_buckets_to_the_device_in_place(monkeypatch, cp
     _, built = train(0.5, cpu_state, dtype, cpu_step="speculative", steps=1)
     half = ShareChoice(0.5, built.state.device_share_numel, "auto: half, as an accelerator might")
     monkeypatch.setattr(device_share, "room_after_peak", lambda device: 10**9)
-    monkeypatch.setattr(device_share, "choose_bucket_share", lambda *args: half)
+    monkeypatch.setattr(device_share, "choose_bucket_share", lambda *args, **kwargs: half)
     gathered, publishers = [], []
     monkeypatch.setattr(state_dicts, "full_tensors", lambda *args: gathered.append(args))
     publisher = engine_module.Publisher
@@ -329,7 +341,7 @@ def test_the_room_is_what_the_peak_left_less_the_reserve_and_the_bf16_steps_scra
     _, engine = train(0.0, cpu_step="speculative", steps=2)
     rooms = []
     monkeypatch.setattr(device_share, "room_after_peak", lambda device: 10**6)
-    monkeypatch.setattr(device_share, "choose_bucket_share", lambda *args: rooms.append(args[5]))
+    monkeypatch.setattr(device_share, "choose_bucket_share", lambda *args, **kwargs: rooms.append(args[5]))
     device_share.auto_bucket_share(engine.layout, engine.state, engine.last, True, engine.device, [], False)
     scratch = BF16_STATE_SCRATCH_BYTES * min(BF16_STATE_CHUNK, max(b.shard_numel for b in engine.layout.buckets))
     assert rooms == [int(0.8 * 10**6) - scratch]
@@ -372,12 +384,12 @@ def test_auto_re_plans_after_the_second_step_and_trains_as_none(monkeypatch):
     chosen = []
     choose = device_share.choose_bucket_share
 
-    def watched(shards, numels, backward_s, rate, state_bytes, room, speculative, leads, transfer_rate, tail_s, floor):
+    def watched(shards, numels, backward_s, rate, nbytes, room, speculative, leads, transfer_rate, tail_s, floor, **kw):
         assert backward_s > 0 and rate > 0 and transfer_rate > 0 and tail_s > 0 and speculative and floor == 0
         assert 0 < room < 0.8 * 10**9
         assert len(leads) == len(shards) and all(0 <= lead <= backward_s for lead in leads)
-        args = (shards, numels, backward_s, rate, state_bytes, room, speculative, leads, transfer_rate, tail_s)
-        measured = choose(*args)
+        args = (shards, numels, backward_s, rate, nbytes, room, speculative, leads, transfer_rate, tail_s)
+        measured = choose(*args, **kw)
         assert 0 <= measured.share <= 1  # on these CPUs it may be none: the re-plan is tested with half
         chosen.append(ShareChoice(0.5, 0, "auto: as an accelerator might"))
         return chosen[-1]
