@@ -19,6 +19,8 @@ Names: a checkpoint's names may carry one prefix more or less than the model's (
 holding the Hugging Face model as ``self.model``, a base-model checkpoint loaded into a ``...ForCausalLM``):
 the one prefix to add or remove that matches the most names is applied. A tied weight stored once
 (Hugging Face drops ``lm_head.weight`` when it is the embedding's) fills every name it has in the model.
+A PEFT model takes its base model's checkpoint: a layer PEFT wrapped holds its weights as ``base_layer.*``,
+and the adapters, which a base checkpoint has none of, keep their initialization (not counted missing).
 Missing and unexpected names are refused before anything is read, as ``load_state_dict(strict=True)``
 does; ``strict=False`` loads the rest and returns them.
 """
@@ -40,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_zero_offload.engine.lifecycle import engine_training
+from lightning_zero_offload.engine.meta_init.peft_adapters import adapter_layers, adapter_modules
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -78,12 +81,16 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, *, strict: bool 
             f"{on_meta[0]} (and {len(on_meta) - 1} more) are on the meta device: materialize the model first, "
             "e.g. materialize(module, device, initialize=False) or shard_model(..., initialize=False)."
         )
+    # PEFT's adapters (their modules' own tensors: the layer's base_layer is the model's)
+    adapters = {
+        id(t) for layer, _ in adapter_layers(module) for m in adapter_modules(layer) for t in m._parameters.values()
+    }
     with open_checkpoint(path) as checkpoint:
         rename = _prefix_rule(list(targets), list(checkpoint.shapes))
-        names = {key: rename(key) for key in checkpoint.shapes}
+        names = {key: _into_wrapped(rename(key), targets) for key in checkpoint.shapes}
         unexpected = sorted(key for key, name in names.items() if name not in targets)
         filled = {id(targets[name]) for name in names.values() if name in targets}
-        missing = [name for name, t in targets.items() if id(t) not in filled]
+        missing = [name for name, t in targets.items() if id(t) not in filled and id(t) not in adapters]
         if strict and (missing or unexpected):
             raise RuntimeError(
                 f"the checkpoint at {path} does not match the model: missing {missing or 'nothing'}; "
@@ -173,6 +180,14 @@ def _prefix_rule(model_names: list[str], checkpoint_names: list[str]) -> Callabl
             votes[rule] = votes.get(rule, 0) + 1
     strip, add = max(votes, key=lambda rule: (votes[rule], rule == ("", "")))
     return lambda name: add + name.removeprefix(strip)
+
+
+def _into_wrapped(name: str, targets: dict[str, torch.Tensor]) -> str:
+    """A layer PEFT wrapped holds its own weights as ``base_layer.*``: a base checkpoint's ``...q_proj.weight`` is
+    the model's ``...q_proj.base_layer.weight``."""
+    head, _, leaf = name.rpartition(".")
+    wrapped = f"{head}.base_layer.{leaf}"
+    return wrapped if name not in targets and wrapped in targets else name
 
 
 def _cuts(name: str) -> Iterator[int]:

@@ -10,6 +10,7 @@ from offload_params_helpers import full_state, one_rank_group, tiny_llama_config
 
 from lightning_zero_offload.engine.offload_params.materialize import materialize
 from lightning_zero_offload.engine.offload_params.placement import shard_model
+from lightning_zero_offload.engine.offload_params.pretrained import load_pretrained
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -88,3 +89,31 @@ def test_adapters_computed_from_the_base_weights_are_refused_with_the_ways_aroun
         materialize(model, "cpu")
     assert "Build the PEFT model over a model built eagerly" in str(refused.value)
     assert "load_pretrained" in str(refused.value)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "sharded"])
+def test_the_base_models_checkpoint_loads_into_the_peft_model(sharded, tmp_path):
+    """PEFT holds a wrapped layer's weights as ``base_layer.*`` and the adapters are its own: the base model's
+    checkpoint left q_proj and v_proj at their random init (strict: refused as missing and unexpected)."""
+    torch.manual_seed(7)
+    base = transformers.LlamaForCausalLM(tiny_llama_config())
+    base.save_pretrained(tmp_path)
+    model = lora()
+    if sharded:
+        with one_rank_group() as mesh:
+            shard_model(model, mesh, param_dtype=torch.float32)
+            check_base_loaded(model, base, tmp_path)
+    else:
+        materialize(model, "cpu")
+        check_base_loaded(model, base, tmp_path)
+
+
+def check_base_loaded(model: torch.nn.Module, base: torch.nn.Module, path) -> None:
+    assert load_pretrained(model, path) == ([], [])
+    loaded = {name.replace(".base_layer", ""): t for name, t in full_state(model).items() if "lora_" not in name}
+    want = full_state(base)
+    assert {name.removeprefix("base_model.model.") for name in loaded} == set(want)
+    assert all(torch.equal(t, want[name.removeprefix("base_model.model.")]) for name, t in loaded.items())
+    assert all(not b.any() for b in adapters(model, "B"))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=IDS).logits, base(input_ids=IDS).logits)
