@@ -564,6 +564,29 @@ def test_backbone_finetuning_after_a_callbacks_forward_trains_as_under_auto():
     assert relative_error(runs["ours"], runs["auto"]) < FP32_ROUNDING
 
 
+def test_backbone_finetuning_under_bf16_mixed_trains_as_the_zero2_mode():
+    """bf16-mixed: the frozen backbone in fp32 as it is (FSDP2 gathered it in bf16), and unfrozen at epoch 1 in bf16
+    with its gradients (FSDP2 had fixed the backbone's gradient dtype at the first forward, while it was frozen:
+    "attempting to assign a gradient with dtype BFloat16 to a tensor with grad_dtype Float"). Bitwise the ZeRO-2
+    mode's result, which keeps frozen parameters as AMP does."""
+    runs = {}
+    for params in (False, True):
+        module = FinetunedWithValidation()
+        finetuning = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)
+        strategy = ZeroOffloadStrategy(offload_params=params, in_place_on_cpu=False)
+        trainer = L.Trainer(
+            strategy=strategy,
+            precision="bf16-mixed",
+            max_epochs=2,
+            callbacks=[finetuning],
+            **QUIET,
+            limit_val_batches=0,
+        )
+        trainer.fit(module, block_data(32))
+        runs[params] = {n: getattr(p, "full_tensor", p.detach)().detach().float() for n, p in module.named_parameters()}
+    assert not [name for name, t in runs[True].items() if not torch.equal(t, runs[False][name])]
+
+
 def fit_weights(module) -> dict[str, torch.Tensor]:
     return {n: getattr(p, "full_tensor", p.detach)().detach().clone() for n, p in module.model.named_parameters()}
 

@@ -24,7 +24,9 @@ def gather_children(module: nn.Module, _args: object, names: tuple[str, ...]) ->
     for name in names:
         child = getattr(module, name)
         if isinstance(child, FSDPModule):
-            child.unshard()
+            for group in child._get_fsdp_state()._fsdp_param_groups:  # not unshard(): it resets each dtype
+                group.unshard()
+                group.wait_for_unshard()
 
 
 def reshard_all(module: nn.Module) -> None:
@@ -75,3 +77,38 @@ class ReshardAfterInference:
         if not self.depth and not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)):
             reshard_all(unit)
         return output
+
+
+def frozen_in_their_dtype(module: nn.Module, _args: object) -> None:
+    """The root's forward pre-hook, before FSDP2's: each frozen parameter is gathered in its own dtype, a trainable
+    one in the compute dtype. FSDP2's ``MixedPrecisionPolicy`` casts every parameter of a unit alike, so a frozen
+    fp32 weight reached forward rounded to bf16 (or, under fp16, inf beyond its range), where AMP and the ZeRO-2 mode
+    use it as it is. FSDP2 also fixes a unit's gradient dtypes at its first forward from the parameters trainable
+    then, so a unit frozen there and unfrozen later (``BaseFinetuning``) failed to take its bf16 gradients. Read
+    again at every forward, as a finetuning callback freezes and unfreezes between steps."""
+    module._get_fsdp_state()._lazy_init()  # FSDP2 sets the dtypes there once: this hook keeps them up to date
+    for unit in module.modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            params = group.fsdp_params
+            wanted = [_gathered_dtype(p, group.mp_policy.param_dtype) for p in params]
+            now = [p.param_dtype for p in params]
+            trainable = {p.orig_dtype for p in params if p.sharded_param.requires_grad}
+            if now == wanted and group._orig_dtype in (trainable or {None}):
+                continue
+            group.reshard()  # no gathered copy in the old dtype may outlive the change
+            group._init_mp_dtypes()  # the gradients' dtypes, for the parameters trainable now
+            for param, before, dtype in zip(params, now, wanted):
+                param.param_dtype = dtype
+                if before != dtype:
+                    param.all_gather_outputs = []  # allocated again, in the new dtype, at the next gather
+                    if hasattr(param, "_unsharded_param"):
+                        del param._unsharded_param
+
+
+def _gathered_dtype(param: Any, compute: torch.dtype | None) -> torch.dtype | None:
+    """FSDP2's ``param_dtype`` for one of its parameters: the compute dtype for a trainable floating-point one
+    stored in another, else None (gathered as stored)."""
+    trainable = param.sharded_param.requires_grad and param.orig_dtype.is_floating_point
+    return compute if trainable and compute not in (None, param.orig_dtype) else None

@@ -29,7 +29,11 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_zero_offload.engine.offload_params.gathering import ReshardAfterInference, gather_children
+from lightning_zero_offload.engine.offload_params.gathering import (
+    ReshardAfterInference,
+    frozen_in_their_dtype,
+    gather_children,
+)
 from lightning_zero_offload.engine.offload_params.materialize import InitFn, keeps_shards_on_host, materialize
 from lightning_zero_offload.engine.step.layout import count_within_share
 
@@ -157,6 +161,7 @@ def shard_model(
     after_inference = ReshardAfterInference()
     for unit in [*around, module]:
         after_inference.attach(unit)
+    module.register_forward_pre_hook(frozen_in_their_dtype, prepend=True)  # before FSDP2's gathers
     if around:  # by name: the hook holds no module
         names = tuple(name for name, child in module.named_children() if any(child is h for h in around))
         module.register_forward_pre_hook(functools.partial(gather_children, names=names))

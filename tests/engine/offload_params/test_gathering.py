@@ -55,3 +55,37 @@ def test_a_call_no_backward_can_follow_leaves_only_the_shards_and_one_it_can_kee
         assert not only_shards(model)
         output.sum().backward()
         assert only_shards(model)
+
+
+class Casting(nn.Module):
+    """A linear layer that computes in its weight's dtype, as autocast would: what dtype it was gathered in shows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.seen: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = self.linear.weight.dtype
+        return nn.functional.linear(x.to(self.seen), self.linear.weight, self.linear.bias).float()
+
+
+def test_frozen_parameters_are_gathered_in_their_own_dtype_and_trainable_ones_in_the_compute_dtype(mesh):
+    """FSDP2's MixedPrecisionPolicy casts a unit's parameters alike, so a frozen fp32 weight reached forward rounded to
+    bf16 (or, under fp16, inf beyond its range), where AMP and the ZeRO-2 mode use it as it is. Read at every forward:
+    unfrozen, it computes in bf16 and its gradient is reduced with the others'; frozen again, in fp32."""
+    model = nn.Sequential(Casting(), Casting(), Casting())
+    shard_model(model, mesh, param_dtype=torch.bfloat16)
+    x = torch.randn(4, 8)
+    model[1].requires_grad_(False)
+    for frozen in (True, False, True):
+        model[1].requires_grad_(not frozen)
+        model(x).sum().backward()
+        assert [block.seen for block in model] == [
+            torch.bfloat16,
+            torch.float32 if frozen else torch.bfloat16,
+            torch.bfloat16,
+        ]
+        assert (model[1].linear.weight.grad is None) == frozen
+        for p in model.parameters():
+            p.grad = None
