@@ -287,6 +287,8 @@ def refuse_uneven_batches(trainer: Trainer, strategy: ParallelLikeDDP) -> None:
         )
         if now
     )
+    if not counts:  # no dataloader: Lightning skips the loop on every rank
+        return
     mine = torch.tensor([float(c) for c in counts], dtype=torch.float64, device=strategy.root_device)
     every = strategy.all_gather(mine).reshape(strategy.world_size, -1).cpu()
     if every.isinf().any() or (every == every[0]).all():

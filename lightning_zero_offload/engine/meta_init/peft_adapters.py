@@ -7,7 +7,8 @@ adapted model starts as the base model). On the meta device all of that did noth
 layers, silently. ``adapter_layers`` finds PEFT's tuner layers (by PEFT's own attributes: this package does
 not import peft), the initialization leaves them out of the model's own plan, and ``adapter_plan`` replays
 what PEFT did, in the order an eager ``get_peft_model`` does it (after every module of the base model;
-adapter by adapter, layer by layer), so that the values are an eager build's with the same seed. What
+adapter by adapter, layer by layer): B zero, A from PEFT's distribution, drawn from the random stream after the
+model's initialization (an eager build's construction draws from it too, so the values are not its). What
 cannot be replayed without the base weights, which are not there yet (PiSSA, OLoRA, LoftQ and the other
 initializations computed from them, DoRA's magnitudes), and tuner layers other than LoRA's linear ones, are
 refused with the ways around.

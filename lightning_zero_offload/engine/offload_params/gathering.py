@@ -2,8 +2,8 @@
 
 FSDP2 keeps the root's gathered parameters from forward to backward (it would gather them again at once), and
 ``placement.shard_model`` wraps the holders (submodels) the same way. These hooks gather the holders with the root,
-for a step that calls a holder's layers and never the holder, and free every gathered copy where no backward
-will come to free it.
+for a step that calls a holder's layers and never the holder, free every gathered copy where no backward will come
+to free it, and gather each frozen parameter in its own dtype, not the compute dtype FSDP2 gives every parameter.
 """
 
 from __future__ import annotations
