@@ -15,10 +15,13 @@ Model and data default to :class:`~lightning_zero_offload.demo.GPT` and
 from __future__ import annotations
 
 import platform
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -29,15 +32,25 @@ from lightning_zero_offload.planner.cli import importable_cwd
 
 DEFAULT_MODEL = f"{GPT.__module__}.{GPT.__qualname__}"
 DEFAULT_DATA = f"{StdlibCorpusDataModule.__module__}.{StdlibCorpusDataModule.__qualname__}"
+DEMO = {"model": DEFAULT_MODEL, "data": DEFAULT_DATA}
 
 
 class ZeroOffloadCLI(LightningCLI):
     """``LightningCLI`` with the demo defaults, the ``block_size`` link and a baseline report after fit."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
+        parser.set_defaults({key: {"class_path": class_path} for key, class_path in DEMO.items()})
         # Skipped by jsonargparse when the chosen data or model class has no `block_size` argument.
         parser.link_arguments("data.init_args.block_size", "model.init_args.block_size")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """The demo's classes are defaults only where the command names no model or data class: jsonargparse carries
+        a default's init_args into the class named instead wherever the names match (the demo's ``lr`` and
+        ``batch_size`` became the user's), even in ``--print_config``."""
+        named = {key: None for key in DEMO if names_class(key, sys.argv[1:] if args is None else args)}
+        for each in getattr(self, "_subcommand_parsers", {}).values() or [parser]:
+            each.set_defaults(named)
+        super().parse_arguments(parser, args)
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
@@ -57,6 +70,24 @@ class ZeroOffloadCLI(LightningCLI):
 
     def after_fit(self) -> None:
         report_fit(self.trainer, self.datamodule)
+
+
+def names_class(key: str, args: Any) -> bool:
+    """Whether the command line (or a config file it gives) sets ``key`` (``model``, ``data``) itself."""
+    if isinstance(args, dict):
+        return key in args or any(isinstance(v, dict) and key in v for v in args.values())
+    args = [str(arg) for arg in args or []]
+    for index, arg in enumerate(args):
+        if arg == f"--{key}" or arg.startswith((f"--{key}=", f"--{key}.class_path")):
+            return True
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else None
+        if arg in ("-c", "--config") and index + 1 < len(args):
+            path = args[index + 1]
+        if path is not None and Path(path).is_file():
+            config = yaml.safe_load(Path(path).read_text()) or {}
+            if isinstance(config, dict) and key in config:
+                return True
+    return False
 
 
 BF16_MAX_SLOWDOWN = 1.5  # bf16-mixed is chosen where a bf16 matmul takes at most this many times the fp32 one

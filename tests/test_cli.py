@@ -450,3 +450,18 @@ def test_tiny_fit_with_parameters_offloaded(tmp_path, capsys):
     assert isinstance(cli.trainer.strategy, lightning_zero_offload.ZeroOffloadStrategy)
     assert cli.trainer.strategy.options.offload_params
     check_tiny_fit(cli, rows, out)
+
+
+@pytest.mark.parametrize("given", ["argument", "config"])
+def test_a_named_model_and_data_take_their_own_defaults_not_the_demos(given, tmp_path, capsys):
+    """jsonargparse carries a default class's init_args into the class named instead wherever the names match: the
+    demo's lr (1e-3) and batch_size (32) became a user's Classifier's and data's, silently (0.8 off in a run)."""
+    model, data = "helpers.Classifier", "lightning.pytorch.demos.boring_classes.BoringDataModule"
+    if given == "argument":
+        print_config(f"--model={model}", "--data", data)
+    else:
+        (tmp_path / "run.yaml").write_text(f"model:\n  class_path: {model}\ndata:\n  class_path: {data}\n")
+        print_config("--config", str(tmp_path / "run.yaml"))
+    cfg = printed(capsys)
+    assert cfg["model"] == {"class_path": model, "init_args": {"width": 32, "lr": 0.01, "scheduler": True, "seed": 0}}
+    assert cfg["data"] == {"class_path": data}
