@@ -321,7 +321,7 @@ def load_sharded(path: PathLike, with_optimizer: bool = True, weights_only: bool
             if param["step"] > 0:
                 step = torch.tensor(float(param["step"]), dtype=torch.float32)
                 state[param["torch_index"]] = {"step": step, "exp_avg": m, "exp_avg_sq": v}
-        checkpoint["optimizer_states"] = [{"state": state, "param_groups": saved["param_groups"]}]
+        checkpoint["optimizer_states"] = [{**saved, "state": state}]  # Fabric's engine state rides along in it
     return checkpoint
 
 

@@ -92,9 +92,15 @@ def test_setup_keeps_fp32_weights_off_the_device_and_zero_grad_drops_gradients()
     assert not torch.equal(next(iter(masters.values())), reference[0])
 
 
+# The delayed update pending at the save (warm-up over by then): the sharded format had dropped the engine's state
+# from Fabric's optimizer entry, so the run went on as sync from the resume (5.8e-2 off the uninterrupted one).
+DELAYED = {"cpu_step": "delayed", "dpu_warmup_steps": 2}
+
+
+@pytest.mark.parametrize("schedule", [{}, DELAYED], ids=["sync", "delayed"])
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
-def test_save_load_resumes_bitwise_and_exports_fp32(tmp_path, fmt):
-    options = {"checkpoint_format": fmt}
+def test_save_load_resumes_bitwise_and_exports_fp32(tmp_path, fmt, schedule):
+    options = {"checkpoint_format": fmt, **schedule}
     full = train(fabric(precision="bf16-mixed", **options), steps=10)
     ckpt = tmp_path / "state.ckpt"
     first = train(fabric(precision="bf16-mixed", **options), steps=10, save=str(ckpt), save_at=4)
