@@ -89,7 +89,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     if not isinstance(optimizer, (torch.optim.Adam, CPUAdam)):
         raise TypeError(
             f"zero_offload runs Adam-family updates in its CPU kernel and cannot run "
-            f"{type(optimizer).__name__}. Return {SUPPORTED} from configure_optimizers."
+            f"{type(optimizer).__name__}. Use {SUPPORTED} (what configure_optimizers returns, or what you give "
+            "fabric.setup)."
         )
     overridden = overridden_update_methods(optimizer)
     if overridden:
@@ -101,8 +102,9 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             f"{base.__module__}.{base.__qualname__}. zero_offload never calls the optimizer's step(): its CPU "
             f"kernel runs {base.__name__}'s own Adam math on the offloaded fp32 master weights, so "
             f"{cls.__name__}'s step() would never run and the model would silently train as a plain "
-            f"{base.__name__}. Return {SUPPORTED} from configure_optimizers (move the extra logic into the model "
-            "or a callback), or train with strategy='auto' (or 'deepspeed'), which call the optimizer's step()."
+            f"{base.__name__}. Use {SUPPORTED} (from configure_optimizers, or given to fabric.setup; move the extra "
+            "logic into the model or a callback), or train with strategy='auto' (or 'deepspeed'), which call the "
+            "optimizer's step()."
         )
     for index, group in enumerate(optimizer.param_groups):
         read_hyperparams(optimizer, group, index)
