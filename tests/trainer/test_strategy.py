@@ -295,7 +295,7 @@ class _TwoOptimizers(Classifier):
 @pytest.mark.parametrize(
     ("model", "error", "message"),
     [
-        (_SGD, TypeError, "cannot run SGD. Return torch.optim.AdamW"),
+        (_SGD, TypeError, "cannot run SGD. Use torch.optim.AdamW"),
         (_TwoOptimizers, ValueError, "exactly one optimizer"),
     ],
 )
