@@ -78,8 +78,10 @@ def load_pretrained(module: nn.Module, path: str | os.PathLike, *, strict: bool 
     targets = module.state_dict(keep_vars=True)  # FSDP2 reshards before this: targets are the shards
     if on_meta := [name for name, t in targets.items() if t.is_meta]:
         raise ValueError(
-            f"{on_meta[0]} (and {len(on_meta) - 1} more) are on the meta device: materialize the model first, "
-            "e.g. materialize(module, device, initialize=False) or shard_model(..., initialize=False)."
+            f"{on_meta[0]} (and {len(on_meta) - 1} more) are on the meta device: load once the model has memory. "
+            "Under the Trainer or Fabric that is after setup (in on_fit_start, or after fabric.setup), not in "
+            "configure_model or under init_module(empty_init=True); in plain torch, materialize(module, device, "
+            "initialize=False) or shard_model(..., initialize=False) first."
         )
     # PEFT's adapters (their modules' own tensors: the layer's base_layer is the model's)
     adapters = {

@@ -147,7 +147,7 @@ def test_a_model_still_on_the_meta_device_is_refused(tmp_path):
     safetensors_torch.save_file(trained().state_dict(), tmp_path / "model.safetensors")
     with torch.device("meta"):
         net = Net()
-    with pytest.raises(ValueError, match="on the meta device: materialize the model first"):
+    with pytest.raises(ValueError, match="on the meta device: load once the model has memory.*after setup"):
         load_pretrained(net, tmp_path)
 
 
