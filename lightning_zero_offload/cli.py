@@ -74,6 +74,8 @@ class ZeroOffloadCLI(LightningCLI):
 
 def names_class(key: str, args: Any) -> bool:
     """Whether the command line (or a config file it gives) sets ``key`` (``model``, ``data``) itself."""
+    if hasattr(args, "as_dict"):  # a jsonargparse Namespace, as LightningCLI takes too
+        args = args.as_dict()
     if isinstance(args, dict):
         return key in args or any(isinstance(v, dict) and key in v for v in args.values())
     args = [str(arg) for arg in args or []]
