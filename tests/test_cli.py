@@ -465,3 +465,17 @@ def test_a_named_model_and_data_take_their_own_defaults_not_the_demos(given, tmp
     cfg = printed(capsys)
     assert cfg["model"] == {"class_path": model, "init_args": {"width": 32, "lr": 0.01, "scheduler": True, "seed": 0}}
     assert cfg["data"] == {"class_path": data}
+
+
+def test_names_class_reads_every_form_of_arguments_lightningcli_takes(tmp_path):
+    from jsonargparse import Namespace
+
+    from lightning_zero_offload.cli import names_class
+
+    (tmp_path / "run.yaml").write_text("data:\n  class_path: my.Data\n")
+    assert names_class("model", ["fit", "--model", "my.Model"]) and names_class("model", ["--model=my.Model"])
+    assert names_class("model", ["fit", "--model.class_path", "my.Model"])
+    assert names_class("data", ["fit", "-c", str(tmp_path / "run.yaml")])
+    assert not names_class("model", ["fit", f"--config={tmp_path / 'run.yaml'}", "--model.lr", "1"])
+    assert names_class("model", {"fit": {"model": "my.Model"}}) and not names_class("data", {"fit": {}})
+    assert names_class("model", Namespace(fit=Namespace(model="my.Model")))
