@@ -104,9 +104,8 @@ def init_plan(
     whether it is on the meta device); refuses a module that owns such tensors and that nothing can
     initialize."""
     plan, refused = [], []
-    adapters = adapter_layers(
-        module
-    )  # PEFT's: initialized after the model, as PEFT does (engine/meta_init/peft_adapters.py)
+    # PEFT's adapters are left out of the model's plan and initialized after it, as PEFT does (peft_adapters.py)
+    adapters = adapter_layers(module)
     theirs = {id(m) for layer, _ in adapters for m in adapter_modules(layer)}
     for m, owner in _in_init_order(module):
         if id(m) in theirs:
