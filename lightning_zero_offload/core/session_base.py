@@ -78,6 +78,10 @@ class EngineSession:
         """fp16's dynamic loss scale now; None without loss scaling (bf16, fp32)."""
         return self.engine.loss_scale if self.engine.scaler is not None else None
 
+    def grad_scaler_state_dict(self) -> dict[str, float | int] | None:
+        """fp16's loss scaler in the format of torch's ``GradScaler.state_dict()``; None without loss scaling."""
+        return self.engine.scaler.grad_scaler_state_dict() if self.engine.scaler is not None else None
+
     @property
     def last_step(self) -> StepStats:
         """What the last optimizer step did and where its time went."""

@@ -67,6 +67,24 @@ class DynamicLossScaler:
         return {"scale": self.scale, "good_steps": self._good_steps, "hysteresis_left": self._hysteresis_left}
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """:meth:`state_dict` back, or torch's ``GradScaler.state_dict()`` (a run resumed from AMP keeps its
+        scale and its run of good steps; this scaler's own options stay the ones it was built with)."""
         self.scale = float(state["scale"])
+        if "_growth_tracker" in state:
+            self._good_steps = int(state["_growth_tracker"])
+            self._hysteresis_left = self.config.hysteresis
+            return
         self._good_steps = int(state["good_steps"])
         self._hysteresis_left = int(state["hysteresis_left"])
+
+    def grad_scaler_state_dict(self) -> dict[str, float | int]:
+        """This state as torch's ``GradScaler.state_dict()`` holds its own, for a run resumed under AMP."""
+        cfg = self.config
+        return {
+            "scale": self.scale,
+            "growth_factor": cfg.growth_factor,
+            "backoff_factor": cfg.backoff_factor,
+            "growth_interval": cfg.growth_interval,
+            # GradScaler counts good steps since its last growth; this one since the last overflow.
+            "_growth_tracker": self._good_steps % cfg.growth_interval,
+        }

@@ -22,6 +22,9 @@ from lightning_zero_offload.warning import ZeroOffloadWarning
 
 __all__ = ["ENGINE_STATE_KEY", "ZeroOffloadPrecision"]
 
+# Where Lightning's precision plugins with a GradScaler save its state: their class names.
+_AMP_STATE_KEYS = ("MixedPrecision", "FSDPPrecision")
+
 
 class ZeroOffloadPrecision(Precision):
     """Precision for ``zero_offload``: what the device holds and how the step is taken.
@@ -157,11 +160,21 @@ class ZeroOffloadPrecision(Precision):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.session is not None:
             checkpoint[ENGINE_STATE_KEY] = self.session.engine_state_dict()
+            # fp16: the loss scale also where Lightning's AMP plugin reads its GradScaler's, so a run resumed
+            # under strategy="auto" (or DDP) continues with it rather than its initial scale.
+            amp_state = self.session.grad_scaler_state_dict()
+            if amp_state is not None:
+                checkpoint[_AMP_STATE_KEYS[0]] = amp_state
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if ENGINE_STATE_KEY in checkpoint:
             self._load_engine_state(checkpoint[ENGINE_STATE_KEY])
+            return
+        # A checkpoint of Lightning's AMP (or FSDP) precision in fp16: its GradScaler's scale carries over.
+        amp_state = next((checkpoint[key] for key in _AMP_STATE_KEYS if checkpoint.get(key)), None)
+        if amp_state is not None and "scale" in amp_state:
+            self._load_engine_state({"loss_scaler": amp_state})
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from lightning_zero_offload.engine import DynamicLossScaler, LossScalerConfig
 
@@ -24,6 +25,24 @@ def test_state_round_trip():
     b = DynamicLossScaler(LossScalerConfig())
     b.load_state_dict(a.state_dict())
     assert b.state_dict() == a.state_dict() == {"scale": 4.0, "good_steps": 1, "hysteresis_left": 1}
+
+
+def test_torch_grad_scaler_state_round_trip():
+    """The state a Lightning AMP run saves loads here and back: the scale and the good steps since the last
+    growth, so growth comes when torch's GradScaler would have grown."""
+    ours = DynamicLossScaler(LossScalerConfig(init_scale=2.0**10, growth_interval=4))
+    for _ in range(6):
+        ours.update(overflow=False)  # grows at the 4th, then 2 good steps
+    torch_scaler = torch.amp.GradScaler("cpu")
+    torch_scaler.load_state_dict(ours.grad_scaler_state_dict())
+    assert torch_scaler.get_scale() == 2.0**11
+    assert torch_scaler.state_dict()["_growth_tracker"] == 2
+    back = DynamicLossScaler(LossScalerConfig(growth_interval=4))
+    back.load_state_dict(torch_scaler.state_dict())
+    assert back.scale == 2.0**11
+    back.update(overflow=False)
+    back.update(overflow=False)
+    assert back.scale == 2.0**12  # 2 + 2 good steps: the interval of 4
 
 
 @pytest.mark.parametrize(

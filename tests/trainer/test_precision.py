@@ -6,6 +6,7 @@ import lightning as L
 import pytest
 import torch
 from helpers import QUIET, WEIGHTS_ONLY, Classifier, loader
+from lightning.pytorch.plugins import MixedPrecision
 
 import lightning_zero_offload  # noqa: F401  (registers the strategy)
 from lightning_zero_offload import ZeroOffloadPrecision, ZeroOffloadStrategy
@@ -73,3 +74,43 @@ def test_a_0_1_0_checkpoint_resumes_bitwise(tmp_path):
     assert trainer.strategy.session.step_calls == 16
     assert resumed.losses == full.losses[8:]
     assert all(torch.equal(p, q) for p, q in zip(full.parameters(), resumed.parameters()))
+
+
+class _ScalerAtStart(L.Callback):
+    """The loss scaler's state as the resumed run starts, in torch's GradScaler format under either strategy."""
+
+    def on_train_start(self, trainer, pl_module):
+        if isinstance(trainer.strategy, ZeroOffloadStrategy):
+            self.state = trainer.strategy.session.grad_scaler_state_dict()
+        else:
+            self.state = trainer.precision_plugin.scaler.state_dict()
+
+
+def _fp16_trainer(kind: str, init_scale: float, max_steps: int) -> L.Trainer:
+    if kind == "auto":
+        strategy = "auto"
+        plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))
+    else:
+        strategy = ZeroOffloadStrategy(in_place_on_cpu=False, loss_scale_init=init_scale, loss_scale_hysteresis=1)
+        plugin = ZeroOffloadPrecision("16-mixed")
+    return L.Trainer(strategy=strategy, plugins=[plugin], max_steps=max_steps, callbacks=[_ScalerAtStart()], **QUIET)
+
+
+@pytest.mark.parametrize(("first", "then"), [("auto", "zero_offload"), ("zero_offload", "auto")])
+def test_the_fp16_loss_scale_carries_over_between_auto_and_zero_offload(tmp_path, first, then):
+    """Resumed under the other strategy, fp16 goes on with the saved scale and its run of good steps, as a resume
+    under the same one does: it used to restart from the new run's initial scale (and skip steps until the scale
+    came back down, or grow it late)."""
+    saving = _fp16_trainer(first, init_scale=2.0**22, max_steps=8)  # one epoch  # overflows: the scale comes down
+    saving.fit(Classifier(scheduler=False), loader(n=64))
+    saving.save_checkpoint(tmp_path / "fp16.ckpt")
+    if first == "auto":
+        saved = saving.precision_plugin.scaler.state_dict()
+    else:
+        saved = saving.strategy.session.grad_scaler_state_dict()
+    assert saved["scale"] < 2.0**22 and saved["_growth_tracker"] > 0
+
+    resuming = _fp16_trainer(then, init_scale=2.0**4, max_steps=9)
+    resuming.fit(Classifier(scheduler=False), loader(n=64), ckpt_path=tmp_path / "fp16.ckpt", **WEIGHTS_ONLY)
+    at_start = next(c.state for c in resuming.callbacks if isinstance(c, _ScalerAtStart))
+    assert (at_start["scale"], at_start["_growth_tracker"]) == (saved["scale"], saved["_growth_tracker"])
