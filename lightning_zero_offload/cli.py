@@ -47,10 +47,15 @@ class ZeroOffloadCLI(LightningCLI):
         """The demo's classes are defaults only where the command names no model or data class: jsonargparse carries
         a default's init_args into the class named instead wherever the names match (the demo's ``lr`` and
         ``batch_size`` became the user's), even in ``--print_config``."""
-        named = {key: None for key in DEMO if names_class(key, sys.argv[1:] if args is None else args)}
+        given = sys.argv[1:] if args is None else args
+        named = {key: None for key in DEMO if names_class(key, given)}
         for each in getattr(self, "_subcommand_parsers", {}).values() or [parser]:
             each.set_defaults(named)
-        super().parse_arguments(parser, args)
+        with_class_path = strategy_name_as_class_path(given)
+        if with_class_path is not None:
+            self.config = parser.parse_args(with_class_path)
+        else:
+            super().parse_arguments(parser, args)
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
@@ -82,14 +87,51 @@ def names_class(key: str, args: Any) -> bool:
     for index, arg in enumerate(args):
         if arg == f"--{key}" or arg.startswith((f"--{key}=", f"--{key}.class_path")):
             return True
-        path = arg.split("=", 1)[1] if arg.startswith("--config=") else None
-        if arg in ("-c", "--config") and index + 1 < len(args):
-            path = args[index + 1]
-        if path is not None and Path(path).is_file():
-            config = yaml.safe_load(Path(path).read_text()) or {}
-            if isinstance(config, dict) and key in config:
-                return True
+        config = _config_file(args, index)
+        if config is not None and key in config:
+            return True
     return False
+
+
+# The registered names of the strategy, and the options each stands for.
+STRATEGY_NAMES = {"zero_offload": [], "zero_offload_params": ["--trainer.strategy.offload_params=true"]}
+STRATEGY_CLASS_PATH = "lightning_zero_offload.ZeroOffloadStrategy"
+
+
+def strategy_name_as_class_path(args: Any) -> list[str] | None:
+    """Options for a strategy given by its registered name (``--trainer.strategy zero_offload``, or
+    ``strategy: zero_offload`` in a config file) followed by ``--trainer.strategy.cpu_step sync``: jsonargparse
+    takes options only for a class path ("Does not validate against any of the Union subtypes"), so the class
+    path is given just before them. None where the arguments have nothing to rewrite."""
+    if not isinstance(args, (list, tuple)):
+        return None
+    args = [str(arg) for arg in args]
+    name = None
+    for index, arg in enumerate(args):
+        if arg.startswith("--trainer.strategy."):
+            if not isinstance(name, str) or name not in STRATEGY_NAMES:
+                return None
+            return [*args[:index], f"--trainer.strategy={STRATEGY_CLASS_PATH}", *STRATEGY_NAMES[name], *args[index:]]
+        if arg == "--trainer.strategy" and index + 1 < len(args):
+            name = args[index + 1]
+        elif arg.startswith("--trainer.strategy="):
+            name = arg.split("=", 1)[1]
+        config = _config_file(args, index)
+        if config is not None:
+            name = (config.get("trainer") or {}).get("strategy", name)
+    return None
+
+
+def _config_file(args: list[str], index: int) -> dict[str, Any] | None:
+    """The config file ``args[index]`` gives (``--config F``, ``-c F``, ``--config=F``), read; else None."""
+    arg = args[index]
+    path = arg.split("=", 1)[1] if arg.startswith("--config=") else None
+    if arg in ("-c", "--config") and index + 1 < len(args):
+        path = args[index + 1]
+    if path is None or not Path(path).is_file():
+        return None
+    config = yaml.safe_load(Path(path).read_text()) or {}
+    return config if isinstance(config, dict) else None
 
 
 BF16_MAX_SLOWDOWN = 1.5  # bf16-mixed is chosen where a bf16 matmul takes at most this many times the fp32 one

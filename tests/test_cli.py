@@ -479,3 +479,36 @@ def test_names_class_reads_every_form_of_arguments_lightningcli_takes(tmp_path):
     assert not names_class("model", ["fit", f"--config={tmp_path / 'run.yaml'}", "--model.lr", "1"])
     assert names_class("model", {"fit": {"model": "my.Model"}}) and not names_class("data", {"fit": {}})
     assert names_class("model", Namespace(fit=Namespace(model="my.Model")))
+
+
+@pytest.mark.parametrize(
+    ("given", "offload_params"),
+    [
+        (["--trainer.strategy", "zero_offload"], False),
+        (["--trainer.strategy=zero_offload_params"], True),
+        (["--config", str(REPO / "configs" / "cpu_demo.yaml")], False),  # strategy: zero_offload in the file
+        (["--config", str(REPO / "configs" / "dpu.yaml")], False),  # a class path there already
+    ],
+)
+def test_strategy_options_follow_its_registered_name(given, offload_params, capsys):
+    """``--trainer.strategy zero_offload --trainer.strategy.cpu_step sync`` (or after a config file naming it):
+    jsonargparse refused options for a registered name ("Does not validate against any of the Union subtypes")."""
+    print_config(*given, "--trainer.strategy.cpu_step", "sync")
+    strategy = printed(capsys)["trainer"]["strategy"]
+    assert strategy["class_path"] == "lightning_zero_offload.ZeroOffloadStrategy"
+    assert strategy["init_args"]["cpu_step"] == "sync"
+    assert strategy["init_args"]["offload_params"] is offload_params
+
+
+def test_registered_names_are_rewritten_only_where_options_follow():
+    from lightning_zero_offload.cli import strategy_name_as_class_path
+
+    assert strategy_name_as_class_path(["fit", "--trainer.strategy", "zero_offload"]) is None
+    assert strategy_name_as_class_path(["--trainer.strategy", "ddp", "--trainer.strategy.static_graph", "1"]) is None
+    assert strategy_name_as_class_path({"trainer": {"strategy": "zero_offload"}}) is None
+    rewritten = strategy_name_as_class_path(["--trainer.strategy=zero_offload", "--trainer.strategy.cpu_step=sync"])
+    assert rewritten == [
+        "--trainer.strategy=zero_offload",
+        "--trainer.strategy=lightning_zero_offload.ZeroOffloadStrategy",
+        "--trainer.strategy.cpu_step=sync",
+    ]
