@@ -119,6 +119,8 @@ def plan(
     if n_layer is not None and n_layer < 1:
         raise ValueError(f"n_layer must be >= 1, got {n_layer}")
     shape = replace(ModelShape.of(model), configure_model=configure_model)
+    if offload_params and shape.units_refused:
+        raise ValueError(f"offload_params=True refuses this model: {shape.units_refused}")
     if hidden is not None:
         shape = replace(shape, hidden=hidden)
     elif shape.shapes is None and n_layer:
@@ -324,7 +326,8 @@ def _notes(result: Plan) -> list[str]:
     if m.device_type == "cpu":
         notes.append(
             "CPU device: forward/backward and the CPU step share the cores, so no schedule overlaps them; the "
-            "device's memory is host memory, counted in the host RAM above"
+            "device's memory is host memory, counted in the host RAM above (model states, frozen parameters and "
+            "activations)"
         )
     elif m.device_memory_gb is None:
         notes.append("device memory not checked: the machine's device_memory_gb is not known")

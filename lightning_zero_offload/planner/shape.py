@@ -34,6 +34,7 @@ class ModelShape:
     largest_tensor: int = 0  # elements of the largest parameter (a streamed full export holds one at a time)
     largest_unit_tensor: int = 0  # elements of the largest parameter of a unit (gathered one tensor at a time)
     root_tied: int = 0  # elements of the root's parameters that several modules use (tied embedding and head)
+    units_refused: str = ""  # why offload_params would refuse the model (no blocks, a weight tied across blocks)
     configure_model: bool = False  # built in configure_model / init_module(empty_init=True): never whole
 
     @property
@@ -67,19 +68,17 @@ class ModelShape:
         linear: dict[tuple[int, int], int] = {}
         matmul = 0
         for module in model.modules():
-            if isinstance(module, nn.Linear):
-                # The sizes, never ``module.weight``: on a parametrized layer that runs the parametrization
-                # (spectral_norm's power iteration updates its buffers in training mode).
-                weight = module.in_features * module.out_features
+            sizes = _matmul_sizes(module)
+            if sizes is not None:
+                weight = sizes[0] * sizes[1]
                 matmul += weight
-                widths[module.in_features] = widths.get(module.in_features, 0) + weight
-                key = (module.in_features, module.out_features)
-                linear[key] = linear.get(key, 0) + 1
+                widths[sizes[0]] = widths.get(sizes[0], 0) + weight
+                linear[sizes] = linear.get(sizes, 0) + 1
         hidden = max(widths, key=widths.get) if widths else 1024
         matmul = matmul or sum(s.numel() for s in shapes)
         linear = linear or {(hidden, 4 * hidden): 1}
         blocks = _repeated_blocks(model)
-        units, root, unit_tensor, root_tied = _fsdp_units(model)
+        units, root, unit_tensor, root_tied, refused = _fsdp_units(model)
         largest = max(p.numel() for p in model.parameters())
         return cls(
             shapes,
@@ -94,12 +93,26 @@ class ModelShape:
             largest_tensor=largest,
             largest_unit_tensor=unit_tensor,
             root_tied=root_tied,
+            units_refused=refused,
         )
 
     @property
     def built_bytes(self) -> int:
         """Host bytes of the module's parameters as built (a parameter count: fp32)."""
         return self.module_bytes or 4 * (self.params + self.frozen)
+
+
+def _matmul_sizes(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) of a layer that multiplies its input by its weight: ``nn.Linear``, or Hugging Face's ``Conv1D``
+    (GPT-2's layers: the weight stored as in x out); None for any other module. Read from the sizes, never
+    ``module.weight``: on a parametrized layer that runs the parametrization (spectral_norm's power iteration
+    updates its buffers in training mode)."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    weight = module._parameters.get("weight")
+    if type(module).__name__ == "Conv1D" and weight is not None and weight.dim() == 2:
+        return weight.shape[0], weight.shape[1]
+    return None
 
 
 def _repeated_blocks(model: nn.Module) -> int | None:
@@ -111,24 +124,25 @@ def _repeated_blocks(model: nn.Module) -> int | None:
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(module.children())
-        if len(children) < 2 or len({type(child) for child in children}) > 1 or isinstance(children[0], nn.Linear):
+        if len(children) < 2 or len({type(child) for child in children}) > 1 or _matmul_sizes(children[0]):
             continue
-        if any(isinstance(m, nn.Linear) for m in children[0].modules()):
+        if any(_matmul_sizes(m) for m in children[0].modules()):
             candidate = (sum(p.numel() for p in module.parameters()), len(children))
             best = max(best or candidate, candidate)
     return best[1] if best else None
 
 
-def _fsdp_units(model: nn.Module) -> tuple[tuple[int, ...], int, int, int]:
+def _fsdp_units(model: nn.Module) -> tuple[tuple[int, ...], int, int, int, str]:
     """The parameters of each unit ``offload_params`` wraps with ``fully_shard`` (the engine's own choice,
     ``placement.find_units``: the repeated blocks, then big modules outside them), what is left to the root,
-    the largest parameter of a unit, and what of the root several modules use (tied weights). A model the
-    engine would refuse (no repeated blocks) is planned as the one unit it would be. Counts every parameter
-    once, frozen ones too (FSDP2 shards them all)."""
+    the largest parameter of a unit, what of the root several modules use (tied weights), and why the engine
+    would refuse the model ("" where it takes it). Counts every parameter once, frozen ones too (FSDP2 shards
+    them all)."""
+    refused = ""
     try:
         modules = find_units(model)
-    except ValueError:
-        modules = []
+    except ValueError as error:
+        modules, refused = [], str(error)
     seen: set[int] = set()
     units, unit_tensors = [], []
     for unit in modules:
@@ -143,7 +157,7 @@ def _fsdp_units(model: nn.Module) -> tuple[tuple[int, ...], int, int, int]:
             if p is not None:
                 holders[id(p)] = holders.get(id(p), 0) + 1
     tied = sum(p.numel() for p in model.parameters() if id(p) not in seen and holders[id(p)] > 1)
-    return tuple(units), total - sum(units), max(unit_tensors, default=0), tied
+    return tuple(units), total - sum(units), max(unit_tensors, default=0), tied, refused
 
 
 # Depth of the planner's model family when only a parameter count is known (--largest's default too).

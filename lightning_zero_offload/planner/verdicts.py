@@ -177,6 +177,11 @@ def evaluate(
         activations = activation_estimate(batch_size, seq_len, shape.hidden, n_layer, dtype, checkpointing)
     per_step = (activations.bytes if activations else 0) + cycled
     on_gpu = machine.device_type != "cpu"  # a CPU device is host memory: no CUDA runtime, counted on the host
+    if not on_gpu:  # the host buffers hold the device's model states already; what else it holds, added
+        beside = {"device_activations": activations.bytes if activations else 0}
+        if not options.offload_params:
+            beside["device_frozen_params"] = 4 * shape.frozen  # offload_params: in the frozen shards
+        host = {s: _with_device_memory(h, beside) for s, h in host.items()}
     runtime = device_runtime_bytes(per_step) if on_gpu else 0
     total = once + per_step + runtime
     host_gb = machine.host_memory_gb * GB
@@ -196,3 +201,9 @@ def evaluate(
             checks.append(Check(f"device memory per GPU ({what})", total, device_gb))
             verdicts[f"{schedule}/{checkpoint_format}"] = Verdict(schedule, checkpoint_format, checks)
     return Evaluation(layout, host, states, total, activations, verdicts, configs, runtime, room, units)
+
+
+def _with_device_memory(host: HostMemory, beside: dict[str, int]) -> HostMemory:
+    """``host`` with the CPU device's memory beyond the model states the engine's host buffers count already."""
+    per_rank = {**host.per_rank, **beside}
+    return replace(host, per_rank=per_rank, per_node=sum(per_rank.values()) * host.ranks_per_node)

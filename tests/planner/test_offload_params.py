@@ -242,19 +242,36 @@ def test_70b_on_an_8_gpu_node_fits_built_in_configure_model_only(cpu_state):
     assert "host RAM, setup" in str(whole).split("Smallest changes")[0]
 
 
-def test_a_model_the_root_holds_whole_is_said():
+def test_a_model_the_root_holds_mostly_is_said():
     class Blob(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.weight = nn.Parameter(torch.empty(1000, 1000))
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(10, 10)) for _ in range(2))
 
     with torch.device("meta"):
         blob = Blob()
     p = plan(blob, batch_size=1, seq_len=8, n_layer=1, machine=GPU_BOX, offload_params=True)
-    assert p.device_bytes["root_params"] == 2 * 10**6 and p.params_offload.units.units == 0
+    assert p.device_bytes["root_params"] == 2 * 10**6 and p.params_offload.units.units == 2
     assert any(n.startswith("the root keeps 1.0M parameters") for n in p.notes)
     cpu = plan(tiny(), batch_size=1, seq_len=8, n_layer=3, machine=CPU_BOX, offload_params=True)
     assert cpu.host["sync"].per_rank["device_buffers"] == sum(cpu.device_bytes.values())  # a CPU device is the host
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_model_the_mode_refuses_is_refused_with_the_engines_words(tied):
+    """The plan of a model without repeated blocks, or with a weight tied across blocks, said it fits (as one unit
+    the root gathers whole), where the strategy refuses it."""
+    model = tiny()
+    if tied:
+        model.blocks[1][0].weight = model.blocks[0][0].weight
+        match = r"offload_params=True refuses this model: parameter .* is also used outside that block"
+    else:
+        model = nn.Linear(100, 100)
+        match = r"offload_params=True refuses this model: found no repeated blocks in Linear"
+    with pytest.raises(ValueError, match=match):
+        plan(model, batch_size=1, seq_len=8, n_layer=1, machine=GPU_BOX, offload_params=True)
+    assert plan(model, batch_size=1, seq_len=8, n_layer=1, machine=GPU_BOX).fits  # the ZeRO-2 mode takes it
 
 
 def test_the_zero2_mode_built_in_configure_model_holds_one_unit_at_setup_not_the_module():
@@ -318,8 +335,10 @@ def test_the_command_line_takes_the_mode(capsys):
 # texts hash to the earlier digest, 4fbdfbea5ae29b807cd4c395c4b9ff041d13290cfbe300e8af481480701e8516; and the
 # fixes offer "build the model in configure_model" to this mode too: without those lines, f9530c9881108f809e8
 # 2623d7edb9e49caab73ded1ccdd40c3e76599725b6cdd; and the resolved options' JSON has device_share (0.0 in this
-# mode): without it, 732829084d440578f3f77995c1127415cc0021143d57b88cd3cc38f3a25e1242.
-ZERO2_DIGEST = "fd2b2ea60c1ad8a2405fe4865cb502876bf97e21eaa5e8a36edb35664eb9126d"
+# mode): without it, 732829084d440578f3f77995c1127415cc0021143d57b88cd3cc38f3a25e1242. The CPU device's plan
+# counts its activations on the host (a "device_activations" row and the note's words): without those,
+# fd2b2ea60c1ad8a2405fe4865cb502876bf97e21eaa5e8a36edb35664eb9126d.
+ZERO2_DIGEST = "183752da03d22ce6051e8a9a9b288d96f218b065202d3d089be70c0a93ef7429"
 
 
 def test_the_zero2_answers_are_unchanged():
