@@ -56,18 +56,21 @@ def build_model(spec: str, kwargs: dict) -> torch.nn.Module:
     """The model to plan, on the meta device (no memory): ``package.module.Class`` (or ``package.module:Class``)
     built with ``kwargs``; or a Hugging Face model from its config, when ``spec`` is a folder holding
     ``config.json``, a config file, or a hub id (``org/name``), ``kwargs`` overriding the config's fields."""
-    if "/" in spec or os.path.exists(spec):
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"--model-args must be a JSON object of keyword arguments, got {kwargs!r}")
+    if "/" in spec or os.path.exists(spec) or "." not in spec.replace(":", "."):  # gpt2, t5-small: hub ids too
         return _hugging_face_model(spec, kwargs)
     module_name, _, name = spec.replace(":", ".").rpartition(".")
-    if not module_name:
-        raise SystemExit(
-            f"--model must be a dotted path like package.module.Class, or a Hugging Face model (a folder with "
-            f"config.json, a config file, or a hub id like org/name), got {spec!r}"
-        )
     importable_cwd()
     cls = getattr(importlib.import_module(module_name), name)
-    with torch.device("meta"):
-        return cls(**kwargs)
+    try:
+        with torch.device("meta"):
+            model = cls(**kwargs)
+    except TypeError as error:  # the arguments do not fit the class
+        raise ValueError(f"--model {spec} with --model-args {json.dumps(kwargs)}: {error}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"--model {spec} built a {type(model).__name__}, not an nn.Module")
+    return model
 
 
 def _hugging_face_model(spec: str, overrides: dict) -> torch.nn.Module:
@@ -75,14 +78,24 @@ def _hugging_face_model(spec: str, overrides: dict) -> torch.nn.Module:
     try:
         import transformers
     except ImportError:
+        if "/" not in spec and not os.path.exists(spec):  # a bare name: a hub id, or a class without its module
+            raise SystemExit(
+                f"--model {spec!r}: a class is given by a dotted path like package.module.Class; as a Hugging Face "
+                "hub id, planning it needs transformers (pip install transformers)"
+            ) from None
         raise SystemExit(
             f"--model {spec!r} is a Hugging Face model: planning it needs transformers (pip install "
             "transformers), or give its class as a dotted path or --params"
         ) from None
     try:
-        config = transformers.AutoConfig.from_pretrained(spec, **overrides)
+        config, unused = transformers.AutoConfig.from_pretrained(spec, return_unused_kwargs=True, **overrides)
     except (OSError, ValueError) as error:
-        raise SystemExit(f"--model {spec!r}: no Hugging Face config there ({error})") from None
+        raise SystemExit(
+            f"--model {spec!r}: no Hugging Face config there ({error}); a class is given by its dotted path, "
+            "package.module.Class"
+        ) from None
+    if unused:  # a misspelt field would plan the model unchanged
+        raise ValueError(f"--model-args {sorted(unused)}: not fields of {type(config).__name__}")
     architecture = getattr(transformers, (config.architectures or ["AutoModelForCausalLM"])[0], None)
     with torch.device("meta"):
         if architecture is None or architecture.__name__.startswith("Auto"):
@@ -109,6 +122,25 @@ def positive(kind: type, zero: bool = False) -> Callable[[str], float]:
     return parse
 
 
+MAX_PARAMS = 10**15  # beyond any host: the layout's sizes would overflow an index
+
+
+def parameter_count(text: str) -> int:
+    """An argparse type: ``--params``, a whole number from 1 to :data:`MAX_PARAMS`."""
+    count = positive(int)(text)
+    if count > MAX_PARAMS:
+        raise argparse.ArgumentTypeError(f"{text!r} is more parameters than the planner takes (at most {MAX_PARAMS:g})")
+    return int(count)
+
+
+def device_type(text: str) -> str:
+    """An argparse type: ``--device-type``, a device type torch knows (cuda, cpu, xpu...)."""
+    try:
+        return torch.device(text).type
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device type (e.g. cuda, cpu)") from None
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zero-offload-plan",
@@ -117,11 +149,11 @@ def parser() -> argparse.ArgumentParser:
         f"Exit status: {EXIT_FITS} a configuration fits, {EXIT_DOES_NOT_FIT} none fits, {EXIT_USAGE} usage error.",
     )
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--params", type=positive(int), help="trainable parameters (e.g. 1.3e9)")
+    what.add_argument("--params", type=parameter_count, help="trainable parameters (e.g. 1.3e9)")
     what.add_argument(
         "--model",
         help="dotted path of an nn.Module class, or a Hugging Face model (a folder with config.json, a config "
-        "file, or a hub id like org/name): built on the meta device",
+        "file, or a hub id like org/name or gpt2): built on the meta device",
     )
     what.add_argument(
         "--largest",
@@ -168,7 +200,9 @@ def parser() -> argparse.ArgumentParser:
         type=_share,
         default=0.0,
         help="the fraction of the parameters whose units (with --offload-params) or last buckets stay on the device, "
-        "or with --offload-params \"auto\" (the strategy's choice with this machine's device memory free)",
+        "or \"auto\": with --offload-params the strategy's choice with this machine's device memory free; without, "
+        "the share a run starts with (the smallest with which the host holds the rest; the run chooses after its "
+        "second step)",
     )
     p.add_argument(
         "--configure-model",
@@ -185,7 +219,7 @@ def parser() -> argparse.ArgumentParser:
             kind = int if f.name in ("cpu_cores", "torch_threads") else float
             rates.add_argument(
                 "--" + f.name.replace("_", "-"),
-                type=str if f.name == "device_type" else positive(kind, zero=f.name.endswith("_s")),
+                type=device_type if f.name == "device_type" else positive(kind, zero=f.name.endswith("_s")),
             )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p

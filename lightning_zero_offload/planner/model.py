@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from numbers import Integral
 
 import torch
 from torch import nn
@@ -101,9 +102,12 @@ def plan(
     """
     if precision not in DTYPES:
         raise ValueError(f"precision must be one of {sorted(DTYPES)}, got {precision!r}")
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("devices", devices)):
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+    sizes = {"batch_size": batch_size, "seq_len": seq_len, "devices": devices}
+    if hidden is not None:
+        sizes["hidden"] = hidden
+    for name, value in sizes.items():
+        if not isinstance(value, Integral) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     if num_nodes < 1 or accumulate_grad_batches < 1:
         raise ValueError("num_nodes and accumulate_grad_batches must be >= 1")
     options = OffloadOptions(  # checks each option as the strategy does

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Integral
 
 import torch
 from torch import nn
@@ -45,7 +46,10 @@ class ModelShape:
     def of(cls, model: nn.Module | int | float) -> ModelShape:
         if isinstance(model, float) and model.is_integer():  # 7e9
             model = int(model)
-        if isinstance(model, int):
+        if not isinstance(model, (nn.Module, Integral)) or isinstance(model, bool):
+            raise TypeError(f"the model must be an nn.Module or a whole parameter count, got {model!r}")
+        if isinstance(model, Integral):
+            model = int(model)
             if model < 1:
                 raise ValueError(f"the parameter count must be >= 1, got {model}")
             hidden = max(64, min(8192, 64 * round(math.sqrt(model / 12 / 32) / 64)))  # a 32-layer-ish guess

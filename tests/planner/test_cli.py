@@ -51,6 +51,13 @@ def test_cli_errors(capsys):
         (["--host-bandwidth-gbs", "inf"], "argument --host-bandwidth-gbs: 'inf' must be above zero and finite"),
         (["--link-latency-s", "-1"], "argument --link-latency-s: '-1' must be zero or more and finite"),
         (["--model", "no_such_package.Model"], "ModuleNotFoundError: No module named 'no_such_package'"),
+        # The rest raised a traceback.
+        (["--params", "1e30"], "argument --params: '1e30' is more parameters than the planner takes (at most 1e+15)"),
+        (["--device-type", "tpu"], "argument --device-type: 'tpu' is not a torch device type"),
+        (["--model", "torch.nn.Linear"], "--model-args {}: Linear.__init__() missing 2 required positional"),
+        (["--model", "torch.nn.Linear", "--model-args", '{"in_features": 8, "nope": 1}'], "unexpected keyword"),
+        (["--model", "torch.nn.Linear", "--model-args", "[8, 8]"], "--model-args must be a JSON object"),
+        (["--model", "collections.OrderedDict"], "built a OrderedDict, not an nn.Module"),
     ],
 )
 def test_impossible_numbers_and_models_are_usage_errors(given, said, capsys):
@@ -116,7 +123,7 @@ def test_a_hugging_face_model_without_transformers_names_what_to_install(tmp_pat
     for spec in (str(tmp_path), str(tmp_path / "config.json"), "meta-llama/Llama-3.1-8B"):
         with pytest.raises(SystemExit, match=r"is a Hugging Face model: planning it needs transformers \(pip"):
             main(["--model", spec, *GH200])
-    with pytest.raises(SystemExit, match="a dotted path like package.module.Class, or a Hugging Face model"):
+    with pytest.raises(SystemExit, match=r"a dotted path like package.module.Class; as a Hugging Face hub id, plan"):
         main(["--model", "GPT", *GH200])
 
 
@@ -136,3 +143,9 @@ def test_a_hugging_face_model_is_planned_from_its_config(tmp_path, capsys, monke
         assert data["params"] == block and data["params_offload"]["units"]["units"] == layers  # the blocks
     with pytest.raises(SystemExit, match=r"--model 'nobody/nothing': no Hugging Face config there"):
         main(["--model", "nobody/nothing", *GH200])
+    with pytest.raises(SystemExit, match=r"--model 'gpt2': no Hugging Face config there"):  # a hub id, not a class
+        main(["--model", "gpt2", *GH200])
+    with pytest.raises(SystemExit) as exc:  # a misspelt field planned the model unchanged
+        main(["--model", str(tmp_path), "--model-args", '{"num_hiden_layers": 5}', *GH200])
+    said = capsys.readouterr().err
+    assert exc.value.code == 2 and "--model-args ['num_hiden_layers']: not fields of LlamaConfig" in said

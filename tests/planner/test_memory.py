@@ -219,6 +219,7 @@ def test_a_cpu_device_counts_its_activations_and_frozen_parameters_on_the_host(o
     assert cpu.verdict("sync", "full").checks[0].need >= cpu.host["sync"].per_node >= beyond
     assert "device_activations" not in gpu.host["sync"].per_rank
 
+
 def test_the_save_peak_is_one_constant(monkeypatch):
     from lightning_zero_offload.planner import memory as planner_memory
 

@@ -1,4 +1,5 @@
 import math
+import re
 
 import pytest
 import torch
@@ -177,3 +178,18 @@ def test_the_largest_model_per_way_of_training_on_the_h200_box():
     assert [r.refused != "" for r in refused] == expected
     with pytest.raises(ValueError, match="device_memory_gb"):
         largest_models(CPU_BOX)
+
+
+@pytest.mark.parametrize(
+    ("model", "given", "error", "said"),
+    [
+        ("7e9", {}, TypeError, "the model must be an nn.Module or a whole parameter count, got '7e9'"),
+        (1e9 + 0.5, {}, TypeError, "a whole parameter count, got 1000000000.5"),
+        (1e9, {"hidden": 0}, ValueError, "hidden must be a whole number >= 1, got 0"),  # a ZeroDivisionError
+        (1e9, {"hidden": -64}, ValueError, "hidden must be a whole number >= 1, got -64"),  # planned
+        (1e9, {"batch_size": 2.5}, ValueError, "batch_size must be a whole number >= 1, got 2.5"),  # planned
+    ],
+)
+def test_plan_refuses_what_is_not_a_model_or_a_size(model, given, error, said):
+    with pytest.raises(error, match=re.escape(said)):
+        plan(model, **{"batch_size": 1, "seq_len": 64, "machine": CPU_BOX, **given})
