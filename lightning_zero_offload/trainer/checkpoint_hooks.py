@@ -114,12 +114,16 @@ class TrainerCheckpoints(Strategy):
         if weights_only is None:
             weights_only = getattr(self, "_weights_only", None)
         training = fitting(getattr(self.lightning_module, "_trainer", None))  # else no optimizer state is read
-        if isinstance(self.session, ParamOffloadSession) and is_distributed_checkpoint(checkpoint_path):
+        # In place into the shards only for the module this fit trains: after a fit, validate/test/predict of
+        # another module would load into the last fit's module (and evaluate the new one as built).
+        session = training_session(self.session)
+        in_place = isinstance(session, ParamOffloadSession) and session.module is self.lightning_module
+        if in_place and is_distributed_checkpoint(checkpoint_path):
             opened = OpenedCheckpoint(checkpoint_path, weights_only=weights_only is not False)
             if training and not opened.info["with_optimizer"]:
                 raise KeyError(_weights_only_resume_message(checkpoint_path))
             strict = getattr(self.lightning_module, "strict_loading", True)
-            self.session.load_opened(opened, model=True, optimizer=False, strict=strict)
+            session.load_opened(opened, model=True, optimizer=False, strict=strict)
             self._model_loaded_in_place = True
             self._optimizer_to_load = opened if training else None
             return {**opened.extra, "state_dict": {}, "optimizer_states": [{}]}

@@ -155,6 +155,28 @@ def test_the_sharded_checkpoint_is_read_whole_where_no_shards_await_it(tmp_path)
     assert all(torch.equal(p.full_tensor(), saved[f"model.{k}"]) for k, p in module.model.named_parameters())
 
 
+def test_evaluating_another_module_from_a_sharded_checkpoint_after_fit_loads_into_that_module(tmp_path):
+    """validate/predict(another_module, ckpt_path=...) (test alike) on the Trainer that just fit: the checkpoint went into
+    the fitted module (through the ended fit's session), and the other module was evaluated as built, as under
+    auto it is not: the numbers were those of an untrained model, silently."""
+    trainer = L.Trainer(
+        strategy=ZeroOffloadStrategy(offload_params=True, checkpoint_format="sharded"), max_steps=3, **QUIET
+    )
+    fitted = Evaluated()
+    trainer.fit(fitted, block_data(24))
+    trainer.save_checkpoint(tmp_path / "dcp.ckpt")
+    trained = fit_weights(fitted)
+    saved = convert_checkpoint_to_fp32_state_dict(tmp_path / "dcp.ckpt")
+    for evaluate in (trainer.validate, trainer.predict):
+        other = Evaluated()
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(1.0)  # unlike the checkpoint wherever it is not loaded
+        kwargs = {"verbose": False} if evaluate.__name__ == "validate" else {}
+        evaluate(other, block_data(8), ckpt_path=tmp_path / "dcp.ckpt", **kwargs)
+        assert all(torch.equal(p.full_tensor(), saved[f"model.{k}"]) for k, p in other.model.named_parameters())
+        assert all(torch.equal(v, trained[k]) for k, v in fit_weights(fitted).items())  # untouched
+
 @pytest.mark.parametrize("cpu_state", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_sharded_checkpoints_resume_as_the_full_format_does(cpu_state, tmp_path):
     """checkpoint_format='sharded': every rank saves its shards through torch.distributed.checkpoint; the resumed
