@@ -33,11 +33,16 @@ class _ChecksumWriter:
 
     def __init__(self, f: BinaryIO) -> None:
         self.f, self.size, self.crc = f, 0, 0
+        self.error: OSError | None = None  # torch.save reports a failed write as its own RuntimeError
 
     def write(self, data: bytes) -> int:
         self.crc = zlib.crc32(data, self.crc)
         self.size += len(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as error:
+            self.error = error
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -100,10 +105,16 @@ class DeviceTensors:
 def write_torch_file(obj: Any, f: BinaryIO, streamed: StreamedStorages | None = None) -> FileRecord:
     """Write ``obj`` as ``torch.save`` does into the open file ``f``; ``streamed``: its placeholders' source."""
     writer = _ChecksumWriter(f)
-    if streamed is None:
-        torch.save(obj, writer)
-    else:
-        _save_streaming(obj, writer, streamed)
+    try:
+        if streamed is None:
+            torch.save(obj, writer)
+        else:
+            _save_streaming(obj, writer, streamed)
+    except Exception as error:
+        if writer.error is None or writer.error is error:
+            raise
+        # A full disk midway reached the caller as torch's "unexpected pos 64 vs 0": the OSError says what to fix.
+        raise writer.error from None
     writer.flush()
     return FileRecord(writer.size, writer.crc)
 

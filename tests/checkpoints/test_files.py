@@ -1,6 +1,8 @@
 """Checkpoint files (checkpoints/files.py, full.py): crash safety at every step of a save, safe temporaries,
 the mode torch.save gives, corruption and pickled code named on load, memory-mapped loads."""
 
+import errno
+import io
 import os
 import random
 from pathlib import Path
@@ -54,6 +56,27 @@ def test_atomic_save_never_leaves_a_half_written_file(tmp_path, monkeypatch):
     assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))
     assert [p.name for p in tmp_path.iterdir()] == ["model.ckpt"]  # no temporary left behind
 
+
+class FillsUp(io.BytesIO):
+    """A file on a disk with room for ``room`` bytes."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+
+    def write(self, data) -> int:
+        if self.tell() + len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(data)
+
+
+@pytest.mark.parametrize("room", [0, 200, 3000])
+def test_a_full_disk_midway_is_reported_as_the_os_reports_it(room):
+    """Where the first write went through, torch.save turned the OSError into its own "unexpected pos 64 vs 0"."""
+    with pytest.raises(OSError, match="No space left on device") as caught:
+        checkpoint_writer.write_torch_file({"w": torch.ones(1000)}, FillsUp(room))
+    assert caught.value.errno == errno.ENOSPC
+    assert checkpoint_writer.write_torch_file({"w": torch.ones(10)}, FillsUp(10**6)).size > 0  # room: written
 
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_temporary_files_never_follow_a_planted_symlink(tmp_path, fmt):
