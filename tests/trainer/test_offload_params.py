@@ -156,9 +156,9 @@ def test_the_sharded_checkpoint_is_read_whole_where_no_shards_await_it(tmp_path)
 
 
 def test_evaluating_another_module_from_a_sharded_checkpoint_after_fit_loads_into_that_module(tmp_path):
-    """validate/predict(another_module, ckpt_path=...) (test alike) on the Trainer that just fit: the checkpoint went into
-    the fitted module (through the ended fit's session), and the other module was evaluated as built, as under
-    auto it is not: the numbers were those of an untrained model, silently."""
+    """validate/predict(another_module, ckpt_path=...) (test alike) on the Trainer that just fit: the checkpoint
+    went into the fitted module (through the ended fit's session), and the other module was evaluated as built,
+    as under auto it is not: the numbers were those of an untrained model, silently."""
     trainer = L.Trainer(
         strategy=ZeroOffloadStrategy(offload_params=True, checkpoint_format="sharded"), max_steps=3, **QUIET
     )
