@@ -78,6 +78,7 @@ def test_a_full_disk_midway_is_reported_as_the_os_reports_it(room):
     assert caught.value.errno == errno.ENOSPC
     assert checkpoint_writer.write_torch_file({"w": torch.ones(10)}, FillsUp(10**6)).size > 0  # room: written
 
+
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
 def test_temporary_files_never_follow_a_planted_symlink(tmp_path, fmt):
     victim = tmp_path / "victim"

@@ -177,6 +177,7 @@ def test_evaluating_another_module_from_a_sharded_checkpoint_after_fit_loads_int
         assert all(torch.equal(p.full_tensor(), saved[f"model.{k}"]) for k, p in other.model.named_parameters())
         assert all(torch.equal(v, trained[k]) for k, v in fit_weights(fitted).items())  # untouched
 
+
 @pytest.mark.parametrize("cpu_state", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_sharded_checkpoints_resume_as_the_full_format_does(cpu_state, tmp_path):
     """checkpoint_format='sharded': every rank saves its shards through torch.distributed.checkpoint; the resumed
