@@ -32,7 +32,7 @@ from lightning_zero_offload.engine.offload_params.full_state import (
     load_full_model_state,
     load_full_optimizer_state,
 )
-from lightning_zero_offload.engine.offload_params.gathering import reshard_all
+from lightning_zero_offload.engine.offload_params.gathering import compute_in, reshard_all
 from lightning_zero_offload.engine.offload_params.placement import device_resident, shard_model
 from lightning_zero_offload.planner import check_host_memory
 from lightning_zero_offload.planner.device_share import ShareChoice, auto_device_share
@@ -120,6 +120,7 @@ class ParamOffloadSession(EngineSession):
         options = replace(options, device_share=choice.share if choice is not None else 0.0)
         resident = device_resident(module)
         engine = ParamOffloadEngine(optimizer, device, param_dtype, options, world_size, local_world_size, resident)
+        compute_in(module, param_dtype)  # an earlier fit left fp32 (close)
         return cls(module, engine)
 
     # -- what the engine is and did ----------------------------------------------------------------
@@ -186,6 +187,8 @@ class ParamOffloadSession(EngineSession):
 
     def close(self, after_failure: bool = False) -> None:
         self.engine.close()
+        if not after_failure:  # outside fit no autocast: fp32 inputs meet the weights as under auto, in fp32
+            compute_in(self.module, torch.float32)
 
     # -- checkpoints (the full format: gathered whole on rank 0, engine/offload_params/full_state.py) ------
 

@@ -614,14 +614,29 @@ def fit_weights(module) -> dict[str, torch.Tensor]:
     return {n: getattr(p, "full_tensor", p.detach)().detach().clone() for n, p in module.model.named_parameters()}
 
 
-def test_after_fit_the_inner_model_runs_when_called_directly():
+@pytest.mark.parametrize(
+    ("precision", "cpu_state"), [("32-true", "fp32"), ("bf16-mixed", "fp32"), ("bf16-mixed", "bf16")]
+)
+def test_after_fit_the_inner_model_runs_when_called_directly(precision, cpu_state):
     """The LightningModule holds its parameters in one child (``self.model``): that child is an FSDP2 unit of its
-    own (the LightningModule, the root, owns nothing), so a direct call after fit gathers them as under auto."""
+    own (the LightningModule, the root, owns nothing), so a direct call after fit gathers them as under auto. Under
+    a mixed precision they are gathered in fp32, as the module computes under auto after fit: in the compute dtype,
+    a call with fp32 inputs (there is no autocast outside fit) failed with "mat1 and mat2 must have the same
+    dtype"; another fit gathers them in the compute dtype again (bitwise the ZeRO-2 mode fitting twice)."""
+    strategy = lambda: ZeroOffloadStrategy(offload_params=True, cpu_state=cpu_state)  # noqa: E731
     module = BlockRegression()
-    L.Trainer(strategy=ZeroOffloadStrategy(offload_params=True), max_steps=2, **QUIET).fit(module, block_data(32))
+    L.Trainer(strategy=strategy(), max_steps=2, precision=precision, **QUIET).fit(module, block_data(32))
     assert isinstance(module.model, FSDPModule) and not list(module.parameters(recurse=False))
     plain = BlockRegression()
-    plain.model.load_state_dict(fit_weights(module))
+    plain.model.load_state_dict({k: v.float() for k, v in fit_weights(module).items()})
     x = block_data(8).dataset.tensors[0]
     with torch.no_grad():
         torch.testing.assert_close(module.model(x), plain.model(x), rtol=0, atol=1e-6)
+    gathered = []  # the dtype a block's weight is gathered in for the second fit's forwards
+    hook = module.model.blocks[0].register_forward_pre_hook(lambda m, _: gathered.append(m.fc1.weight.dtype))
+    zero2 = BlockRegression()
+    for trained, each in ((module, strategy), *[(zero2, lambda: ZeroOffloadStrategy(cpu_state=cpu_state))] * 2):
+        L.Trainer(strategy=each(), max_steps=2, precision=precision, **QUIET).fit(trained, block_data(32))
+    hook.remove()
+    assert set(gathered) == {torch.float32 if precision == "32-true" else torch.bfloat16}
+    assert all(torch.equal(v.float(), zero2.model.state_dict()[k].float()) for k, v in fit_weights(module).items())

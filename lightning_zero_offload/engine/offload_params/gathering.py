@@ -8,6 +8,7 @@ to free it, and gather each frozen parameter in its own dtype, not the compute d
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -105,6 +106,18 @@ def frozen_in_their_dtype(module: nn.Module, _args: object) -> None:
                     param.all_gather_outputs = []  # allocated again, in the new dtype, at the next gather
                     if hasattr(param, "_unsharded_param"):
                         del param._unsharded_param
+
+
+def compute_in(module: nn.Module, dtype: torch.dtype) -> None:
+    """Gather the trainable parameters of ``module`` (the root) in ``dtype`` from now on: the compute dtype while a
+    fit trains; fp32 after it, as a module computes under auto after fit, where a call with fp32 inputs and no
+    autocast met bf16 weights ("mat1 and mat2 must have the same dtype"). Frozen ones keep their own. Set on every
+    unit's ``MixedPrecisionPolicy``, which FSDP2 reads again at ``unshard()``."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                group.mp_policy = dataclasses.replace(group.mp_policy, param_dtype=dtype)
+    frozen_in_their_dtype(module, ())
 
 
 def _gathered_dtype(param: Any, compute: torch.dtype | None) -> torch.dtype | None:
