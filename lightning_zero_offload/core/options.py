@@ -131,10 +131,10 @@ OPTIONS_DOC = """\
             or ``"32-true"``; with ``cpu_step="speculative"`` the rollback is a snapshot.
         speculation_rollback: how ``cpu_step="speculative"`` takes a speculated bucket back when clipping
             triggers or a gradient overflows: ``"undo"`` inverts the Adam step algebraically (no extra memory;
-            equal to sync within fp32 rounding), ``"snapshot"`` copies the bucket's state before speculating
-            (bitwise equal to sync; 12 bytes of host memory per parameter, 6 with ``cpu_state="bf16"``, where
-            it is the only rollback). ``"auto"``: the snapshot (after a clipped
-            spike the undo's moments lose precision to cancellation: docs/dpu.md).
+            near sync while clipping scales a step mildly, far from it after a clipped spike), ``"snapshot"``
+            copies the bucket's state before speculating (bitwise equal to sync; 12 bytes of host memory per
+            parameter, 6 with ``cpu_state="bf16"``, where it is the only rollback). ``"auto"``: the snapshot
+            (after a clipped spike the undo's moments lose precision to cancellation: docs/dpu.md).
         loss_scale_init: fp16 only: initial dynamic loss scale.
         loss_scale_growth_interval: fp16 only: overflow-free steps before the scale grows.
         loss_scale_growth_factor: fp16 only: factor by which the scale grows.
@@ -174,7 +174,8 @@ OPTIONS_DOC = """\
             host hold the rest (with ``cpu_step="speculative"`` at least the last unit), within 80% of the device
             memory free beyond FSDP2's buffers; the summary says what it chose and why. Without
             ``offload_params`` (ZeRO-2), the last buckets, whole, keep master weights, moments and gradients on
-            the device (a fixed fraction; not with ``cpu_step="delayed"``; docs/usage.md, "A device share").
+            the device (a fraction, or ``"auto"``: chosen after the second step from its times and the device
+            memory its peak left; not with ``cpu_step="delayed"``; docs/usage.md, "A device share").
         process_group_backend: torch.distributed backend (default: nccl on CUDA, gloo on CPU).
         timeout: how long any collective (the engine's, checkpointing's and Lightning's own) may wait for the
             other ranks before it raises: a ``timedelta`` or seconds. Default: torch's 30 minutes. A rank that
