@@ -253,8 +253,9 @@ def load_file(source: Location, what: str, weights_only: bool = True, mmap: bool
             raise CheckpointError(
                 f"{what} {source} was refused by weights_only loading: it holds Python objects or code "
                 f"({', '.join(refused)}), which unpickling would import and may run. Load only files you trust "
-                "with weights_only=False: to resume, trainer.fit(..., weights_only=False); or re-save the "
-                "checkpoint holding only tensors, numbers, strings and containers of them"
+                "with weights_only=False: to resume, trainer.fit(..., weights_only=False) or fabric.load(..., "
+                "weights_only=False); or allow the classes named with torch.serialization.add_safe_globals; or "
+                "re-save the checkpoint holding only tensors, numbers, strings and containers of them"
             ) from None
         raise CheckpointError(_damaged(source, what)) from None
     except Exception as error:

@@ -106,7 +106,7 @@ STRATEGY_DESCRIPTION = "ZeRO-Offload: fp32 master weights and Adam on the CPU, l
 # The Args section of both front ends' docstrings (LightningCLI shows it as each option's help).
 OPTIONS_DOC = """\
         bucket_size_mb: size of a gradient bucket on the device. Gradients leave the device a bucket at a
-            time during backward and at most about two buckets exist there; larger buckets mean fewer,
+            time during backward and at most three buckets exist there; larger buckets mean fewer,
             more efficient transfers and collectives, smaller ones less device memory.
         pin_memory: page-lock the host staging buffers (CUDA only) so transfers are asynchronous and fast.
             Only bucket-sized buffers are pinned, never the master weights or the optimizer state.

@@ -265,6 +265,14 @@ class SessionStrategy:
             raise RuntimeError("zero_offload is not training (not set up yet, or torn down): no step to announce")
         session.expect_step(publish_early)
 
+    def sync(self) -> None:
+        """Bring the module's parameters up to date with every step taken. Only ``cpu_step="delayed"`` leaves them
+        a step behind between steps (its update runs behind the next forward): the Trainer syncs before each
+        evaluation and at the end of fit, Fabric before a forward in eval mode without gradients; call it before
+        reading the weights yourself (``model.state_dict()`` in a Fabric loop). Nothing to do when not training."""
+        if (session := training_session(self.session)) is not None:
+            session.sync()
+
     @property
     def last_step_stats(self) -> StepStats | None:
         """What the last optimizer step did and where its time went (gradient norm, loss scale, skipped,

@@ -34,7 +34,20 @@ class ZeroOffloadFabricPrecision(Precision):
     def forward_context(self) -> AbstractContextManager:
         if torch.is_grad_enabled() and self.session is not None:
             self.session.before_training_forward()  # a training forward: unfrozen parameters / added groups
+        elif self._evaluating_behind_a_delayed_update():
+            self.session.sync()  # the weights of every step taken, as the Trainer's evaluation sees them
         return forward_context(self.device_type, self.param_dtype)
+
+    def _evaluating_behind_a_delayed_update(self) -> bool:
+        """A forward without gradients in eval mode (``model.eval()``: a no-grad forward in train mode may sit inside
+        a step, between its forward and backward) while ``cpu_step="delayed"`` keeps the weights a step behind."""
+        session = self.session
+        return (
+            session is not None
+            and session.training
+            and session.resolved.cpu_step == "delayed"
+            and not session.module.training
+        )
 
     @override
     def convert_input(self, data: Any) -> Any:

@@ -119,6 +119,41 @@ def test_save_load_resumes_bitwise_and_exports_fp32(tmp_path, fmt, schedule):
         assert ref["losses"][0] == pytest.approx(resumed["losses"][0], rel=1e-2)
 
 
+def test_under_the_delayed_update_an_eval_mode_forward_sees_every_step_taken():
+    """With cpu_step="delayed" the module's weights run a step behind between steps: an evaluation in a Fabric loop
+    (model.eval(), no_grad) computed with them (0.06 off the weights the steps made) where the Trainer syncs first;
+    and training goes on as without the evaluation, bitwise. A no-grad forward in train mode does not sync (it may
+    sit between a step's forward and backward); ``fabric.strategy.sync()`` brings the module up to date."""
+
+    def run(evaluate: bool) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        f = fabric(**DELAYED)
+        net = make_net()
+        model, optimizer = f.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+        batch = batches(1)[0]
+        x = batch[0]
+        gaps = []
+        for step in range(8):
+            f.backward(loss_fn(model, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+            if evaluate and step in (3, 5):
+                steps_made = make_net()
+                steps_made.load_state_dict(f.strategy.master_state_dict(model))
+                model.eval()
+                with torch.no_grad():
+                    gaps.append(float((model(x) - steps_made(x)).abs().max()))
+                model.train()
+        behind = {k: v.clone() for k, v in model.module.state_dict().items()}
+        f.strategy.sync()
+        return gaps, behind, {k: v.clone() for k, v in model.module.state_dict().items()}
+
+    gaps, _, evaluated = run(evaluate=True)
+    assert gaps == [0.0, 0.0]
+    _, behind, synced = run(evaluate=False)
+    assert all(torch.equal(v, synced[k]) for k, v in evaluated.items())  # the evaluations changed nothing
+    assert any(not torch.equal(v, synced[k]) for k, v in behind.items())  # a step behind until sync()
+
+
 def trained_and_saved_head(f: L.Fabric, path: Path) -> dict[str, torch.Tensor]:
     """Three steps of make_net, then ``fabric.save`` with a filter that keeps the head ("4.*", as a fine-tune keeps
     its adapters); the master weights saved, by name."""
