@@ -8,6 +8,7 @@ from numbers import Integral
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_zero_offload.engine.offload_params.placement import find_units
 from lightning_zero_offload.engine.options import OffloadOptions
@@ -143,10 +144,13 @@ def _fsdp_units(model: nn.Module) -> tuple[tuple[int, ...], int, int, int, str]:
     would refuse the model ("" where it takes it). Counts every parameter once, frozen ones too (FSDP2 shards
     them all)."""
     refused = ""
-    try:
-        modules = find_units(model)
-    except ValueError as error:
-        modules, refused = [], str(error)
+    if any(isinstance(m, FSDPModule) for m in model.modules()):  # the user's own fully_shard units, as the engine
+        modules = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    else:
+        try:
+            modules = find_units(model)
+        except ValueError as error:
+            modules, refused = [], str(error)
     seen: set[int] = set()
     units, unit_tensors = [], []
     for unit in modules:

@@ -9,6 +9,7 @@ import torch
 from offload_params_helpers import one_rank_group, tokens
 from planner_helpers import CPU_BOX, GPU_BOX, h200, layers
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
 from lightning_zero_offload.engine import OffloadOptions
 from lightning_zero_offload.engine.meta_init.blockwise import BlockwiseInit
@@ -272,6 +273,10 @@ def test_a_model_the_mode_refuses_is_refused_with_the_engines_words(tied):
     with pytest.raises(ValueError, match=match):
         plan(model, batch_size=1, seq_len=8, n_layer=1, machine=GPU_BOX, offload_params=True)
     assert plan(model, batch_size=1, seq_len=8, n_layer=1, machine=GPU_BOX).fits  # the ZeRO-2 mode takes it
+    with one_rank_group() as mesh:  # the fix the message names: the user's own fully_shard, which the mode honours
+        fully_shard(model, mesh=mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        planned = plan(model, batch_size=1, seq_len=8, n_layer=1, machine=GPU_BOX, offload_params=True)
+    assert planned.params_offload.units.root_params == sum(p.numel() for p in model.parameters())
 
 
 def test_the_zero2_mode_built_in_configure_model_holds_one_unit_at_setup_not_the_module():
