@@ -117,8 +117,9 @@ def strategy_name_as_class_path(args: Any) -> list[str] | None:
         elif arg.startswith("--trainer.strategy="):
             name = arg.split("=", 1)[1]
         config = _config_file(args, index)
-        if config is not None:
-            name = (config.get("trainer") or {}).get("strategy", name)
+        trainer = config.get("trainer") if config is not None else None
+        if isinstance(trainer, dict):  # not a path to another file, which jsonargparse takes there too
+            name = trainer.get("strategy", name)
     return None
 
 

@@ -500,8 +500,11 @@ def test_strategy_options_follow_its_registered_name(given, offload_params, caps
     assert strategy["init_args"]["offload_params"] is offload_params
 
 
-def test_registered_names_are_rewritten_only_where_options_follow():
+def test_registered_names_are_rewritten_only_where_options_follow(tmp_path):
     from lightning_zero_offload.cli import strategy_name_as_class_path
+
+    (tmp_path / "run.yaml").write_text("trainer: trainer.yaml\n")  # a path to another file: no dict to read
+    assert strategy_name_as_class_path(["--config", str(tmp_path / "run.yaml"), "--trainer.strategy.x=1"]) is None
 
     assert strategy_name_as_class_path(["fit", "--trainer.strategy", "zero_offload"]) is None
     assert strategy_name_as_class_path(["--trainer.strategy", "ddp", "--trainer.strategy.static_graph", "1"]) is None

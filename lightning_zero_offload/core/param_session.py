@@ -32,7 +32,7 @@ from lightning_zero_offload.engine.offload_params.full_state import (
     load_full_model_state,
     load_full_optimizer_state,
 )
-from lightning_zero_offload.engine.offload_params.gathering import compute_in, reshard_all
+from lightning_zero_offload.engine.offload_params.gathering import gather_for_calls, gather_for_training, reshard_all
 from lightning_zero_offload.engine.offload_params.placement import device_resident, shard_model
 from lightning_zero_offload.planner import check_host_memory
 from lightning_zero_offload.planner.device_share import ShareChoice, auto_device_share
@@ -103,6 +103,13 @@ class ParamOffloadSession(EngineSession):
             for group in optimizer.param_groups:
                 group["params"] = [sharded[names[id(p)]] for p in group["params"]]
 
+    @staticmethod
+    def gather_for_stage(module: nn.Module, running: bool) -> None:
+        """A stage without training (``validate``/``test``/``predict``) begins (``running``): the units gather in the
+        compute dtype, under the precision's autocast; it ends: in fp32 again, for calls outside the Trainer (a fit
+        does both through :meth:`start` and :meth:`close`)."""
+        (gather_for_training if running else gather_for_calls)(module)
+
     @classmethod
     def start(
         cls,
@@ -120,7 +127,7 @@ class ParamOffloadSession(EngineSession):
         options = replace(options, device_share=choice.share if choice is not None else 0.0)
         resident = device_resident(module)
         engine = ParamOffloadEngine(optimizer, device, param_dtype, options, world_size, local_world_size, resident)
-        compute_in(module, param_dtype)  # an earlier fit left fp32 (close)
+        gather_for_training(module)  # an earlier fit left fp32 (close)
         return cls(module, engine)
 
     # -- what the engine is and did ----------------------------------------------------------------
@@ -187,8 +194,8 @@ class ParamOffloadSession(EngineSession):
 
     def close(self, after_failure: bool = False) -> None:
         self.engine.close()
-        if not after_failure:  # outside fit no autocast: fp32 inputs meet the weights as under auto, in fp32
-            compute_in(self.module, torch.float32)
+        if not after_failure:  # outside fit no autocast: fp32 inputs meet the weights as under auto
+            gather_for_calls(self.module)
 
     # -- checkpoints (the full format: gathered whole on rank 0, engine/offload_params/full_state.py) ------
 

@@ -268,8 +268,9 @@ class SessionStrategy:
     def sync(self) -> None:
         """Bring the module's parameters up to date with every step taken. Only ``cpu_step="delayed"`` leaves them
         a step behind between steps (its update runs behind the next forward): the Trainer syncs before each
-        evaluation and at the end of fit, Fabric before a forward in eval mode without gradients; call it before
-        reading the weights yourself (``model.state_dict()`` in a Fabric loop). Nothing to do when not training."""
+        evaluation and at the end of fit, Fabric (one rank) before a forward in eval mode without gradients; call it
+        before reading the weights yourself (``model.state_dict()`` in a Fabric loop). At several ranks a collective:
+        call it on every rank. Nothing to do when not training."""
         if (session := training_session(self.session)) is not None:
             session.sync()
 

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from lightning_zero_offload.checkpoints import FABRIC_KEY, FORMAT_KEY
+from lightning_zero_offload.checkpoints.distributed import is_distributed_checkpoint
+from lightning_zero_offload.core import ParamOffloadSession
 
 
 def refuse_sharded_filter(filter: dict[str, Any] | None, keys: dict[str, str | None]) -> None:
@@ -27,6 +29,16 @@ def refuse_sharded_filter(filter: dict[str, Any] | None, keys: dict[str, str | N
             "rank its shard of the weights and moments). Save a filtered checkpoint with "
             "ZeroOffloadFabricStrategy(checkpoint_format='full'), or filter other entries only"
         )
+
+
+def loads_in_place(session: Any, path: Any, state: Any) -> bool:
+    """Whether ``fabric.load(path, state)`` reads ``offload_params``' sharded checkpoint in place into the shards and
+    moments of ``session``: only where ``state`` names the module it trains. Another module (one set up for
+    evaluation) reads it whole, as the full format does: in place, the checkpoint went into the trained module and
+    the other stayed as built."""
+    if not (isinstance(session, ParamOffloadSession) and session.training and is_distributed_checkpoint(path)):
+        return False
+    return any(value is session.module for value in (state.values() if isinstance(state, dict) else [state]))
 
 
 def sharded_from_fabric_checkpoint(checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -43,7 +55,7 @@ def fabric_checkpoint_from_sharded(checkpoint: dict[str, Any]) -> dict[str, Any]
     keys = checkpoint.pop(FABRIC_KEY)
     checkpoint.pop(FORMAT_KEY)
     checkpoint[keys["model"]] = checkpoint.pop("state_dict")
-    if keys["optimizer"] is not None:
+    if keys["optimizer"] is not None and "optimizer_states" in checkpoint:  # not read for a model alone
         checkpoint[keys["optimizer"]] = checkpoint.pop("optimizer_states")[0]
     return checkpoint
 

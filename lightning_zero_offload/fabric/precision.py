@@ -12,12 +12,14 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import Precision
 from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from typing_extensions import override
 
 from lightning_zero_offload.core import OffloadSession, resolve_precision
 from lightning_zero_offload.mixed_precision import forward_context
+from lightning_zero_offload.warning import ZeroOffloadWarning
 
 
 class ZeroOffloadFabricPrecision(Precision):
@@ -35,7 +37,15 @@ class ZeroOffloadFabricPrecision(Precision):
         if torch.is_grad_enabled() and self.session is not None:
             self.session.before_training_forward()  # a training forward: unfrozen parameters / added groups
         elif self._evaluating_behind_a_delayed_update():
-            self.session.sync()  # the weights of every step taken, as the Trainer's evaluation sees them
+            if self.session.engine.layout.world_size == 1:
+                self.session.sync()  # the weights of every step taken, as the Trainer's evaluation sees them
+            else:  # a collective: an evaluation on one rank (if fabric.is_global_zero) would wait for the others
+                rank_zero_warn(
+                    'cpu_step="delayed" keeps the weights a step behind between steps: this evaluation computes with '
+                    "them. Call fabric.strategy.sync() on every rank before evaluating (a collective) for the weights "
+                    "of every step taken.",
+                    category=ZeroOffloadWarning,
+                )
         return forward_context(self.device_type, self.param_dtype)
 
     def _evaluating_behind_a_delayed_update(self) -> bool:

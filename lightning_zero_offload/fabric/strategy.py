@@ -32,7 +32,6 @@ from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_zero_offload.checkpoints import FABRIC_KEY, FORMAT_KEY
-from lightning_zero_offload.checkpoints.distributed import is_distributed_checkpoint
 from lightning_zero_offload.core import (
     OPTIONS_DOC,
     BlockwiseInit,
@@ -52,6 +51,7 @@ from lightning_zero_offload.core import (
 from lightning_zero_offload.core.checkpoint_io import load_checkpoint, save_checkpoint, uses_own_writer
 from lightning_zero_offload.fabric.checkpoints import (
     fabric_checkpoint_from_sharded,
+    loads_in_place,
     refuse_sharded_filter,
     restore_objects,
     sharded_from_fabric_checkpoint,
@@ -355,7 +355,7 @@ class ZeroOffloadFabricStrategy(SessionStrategy, DDPWithoutWrapper):
         ``offload_params=True``: read in place into the shards and moments, every rank its own rows)."""
         loaded_in_place: set[str] = set()
         with_optimizer = _wants_optimizer(state)
-        if isinstance(self.session, ParamOffloadSession) and is_distributed_checkpoint(path):
+        if loads_in_place(self.session, path, state):
             checkpoint = self.session.load_sharded(path, with_optimizer, strict)
             # a Trainer's checkpoint names its entries as the Trainer does
             keys = checkpoint.pop(FABRIC_KEY, {"model": "state_dict", "optimizer": "optimizer_states"})

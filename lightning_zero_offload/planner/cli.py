@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import math
 import os
@@ -63,11 +64,14 @@ def build_model(spec: str, kwargs: dict) -> torch.nn.Module:
     module_name, _, name = spec.replace(":", ".").rpartition(".")
     importable_cwd()
     cls = getattr(importlib.import_module(module_name), name)
-    try:
-        with torch.device("meta"):
-            model = cls(**kwargs)
-    except TypeError as error:  # the arguments do not fit the class
+    try:  # the arguments against the signature: a TypeError raised inside the constructor is the class's own
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as error:
         raise ValueError(f"--model {spec} with --model-args {json.dumps(kwargs)}: {error}") from None
+    except ValueError:  # no signature to read (a builtin): the constructor says it
+        pass
+    with torch.device("meta"):
+        model = cls(**kwargs)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"--model {spec} built a {type(model).__name__}, not an nn.Module")
     return model

@@ -22,8 +22,10 @@ from lightning_zero_offload.warning import ZeroOffloadWarning
 
 __all__ = ["ENGINE_STATE_KEY", "ZeroOffloadPrecision"]
 
-# Where Lightning's precision plugins with a GradScaler save its state: their class names.
-_AMP_STATE_KEYS = ("MixedPrecision", "FSDPPrecision")
+# Where Lightning's precision plugins with a GradScaler save its state: their class names (AMP's first, which
+# strategy="auto" and DDP read).
+_AMP_STATE_KEY = "MixedPrecision"
+_AMP_STATE_KEYS = (_AMP_STATE_KEY, "FSDPPrecision")
 
 
 class ZeroOffloadPrecision(Precision):
@@ -164,7 +166,7 @@ class ZeroOffloadPrecision(Precision):
             # under strategy="auto" (or DDP) continues with it rather than its initial scale.
             amp_state = self.session.grad_scaler_state_dict()
             if amp_state is not None:
-                checkpoint[_AMP_STATE_KEYS[0]] = amp_state
+                checkpoint[_AMP_STATE_KEY] = amp_state
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

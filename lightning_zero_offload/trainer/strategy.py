@@ -21,6 +21,7 @@ from lightning.pytorch.core.optimizer import _MockOptimizer
 from lightning.pytorch.plugins.environments import ClusterEnvironment
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
+from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_zero_offload.core import (
@@ -143,6 +144,8 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
                 refuse_narrow_frozen_parameters(trainer, module, self.options.cpu_state)
             # FSDP2 replaces the parameters: shard before configure_optimizers builds the optimizer over them.
             ParamOffloadSession.shard(module, self.root_device, precision, self.options, world, self.num_processes)
+            if not fitting(trainer):  # evaluation after a fit gathers in the compute dtype again, not fp32
+                ParamOffloadSession.gather_for_stage(module, running=True)
         if not self.options.offload_params and on_meta(module, partly=True):
             if fitting(trainer):  # placeholders for configure_optimizers, filled block by block by the engine
                 self._blockwise = OffloadSession.placeholders(module, self.root_device)
@@ -255,6 +258,9 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
             # Hand the module back holding the trained fp32 master weights; the CPU optimizer state stays
             # with the closed engine so `trainer.save_checkpoint` after fit still saves it.
             self.session.close()
+        module = self.lightning_module
+        if self.options.offload_params and isinstance(module, FSDPModule) and not self._failed:
+            ParamOffloadSession.gather_for_stage(module, running=False)  # an evaluation stage ends: fp32 for calls
         # Lightning's teardown moves optimizer state to the CPU through optimizer.state; the engine's is there
         # already (and at several ranks optimizer.state refuses: the moments are sharded).
         optimizers, self._optimizers = self._optimizers, []

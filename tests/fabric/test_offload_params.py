@@ -174,6 +174,31 @@ def test_a_sharded_checkpoint_resumes_bitwise_and_restores_the_other_entries(tmp
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
 
 
+def test_a_sharded_checkpoint_loaded_into_another_module_goes_into_that_module(tmp_path):
+    """fabric.load(path, {"model": other}) with a second module set up for evaluation: the checkpoint went into the
+    trained module's shards in place (it lost its steps since the save) and the other stayed as built; it also
+    failed for a model alone (KeyError 'optimizer_states')."""
+    strategy = ZeroOffloadFabricStrategy(offload_params=True, checkpoint_format="sharded")
+    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    net = Blocks()
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    (x, y), *_ = batches(steps=1, micro=1)[0]
+    for step in range(3):
+        fabric.backward(loss_of(model, x, y, 1))
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 1:
+            fabric.save(tmp_path / "ckpt", {"model": model, "optimizer": optimizer})
+    whole = lambda module: {k: getattr(p, "full_tensor", p.detach)().clone() for k, p in module.named_parameters()}  # noqa: E731
+    trained = whole(net)
+    other = Blocks()
+    fabric.load(tmp_path / "ckpt", {"model": fabric.setup(other)})
+    saved = lightning_zero_offload.convert_checkpoint_to_fp32_state_dict(tmp_path / "ckpt")
+    assert all(torch.equal(v, saved[k]) for k, v in whole(other).items())
+    assert all(torch.equal(v, trained[k]) for k, v in whole(net).items())  # untouched
+
+
 @pytest.mark.parametrize("two_calls", [False, True])
 def test_a_device_share_trains_as_none(two_calls):
     """A share in both of Fabric's setups (the meta-device build with the two calls): the same weights, within

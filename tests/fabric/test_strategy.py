@@ -121,7 +121,7 @@ def test_save_load_resumes_bitwise_and_exports_fp32(tmp_path, fmt, schedule):
 
 def test_under_the_delayed_update_an_eval_mode_forward_sees_every_step_taken():
     """With cpu_step="delayed" the module's weights run a step behind between steps: an evaluation in a Fabric loop
-    (model.eval(), no_grad) computed with them (0.06 off the weights the steps made) where the Trainer syncs first;
+    (model.eval(), no_grad) computed with them (0.42 off the weights the steps made) where the Trainer syncs first;
     and training goes on as without the evaluation, bitwise. A no-grad forward in train mode does not sync (it may
     sit between a step's forward and backward); ``fabric.strategy.sync()`` brings the module up to date."""
 

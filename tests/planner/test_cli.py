@@ -54,8 +54,11 @@ def test_cli_errors(capsys):
         # The rest raised a traceback.
         (["--params", "1e30"], "argument --params: '1e30' is more parameters than the planner takes (at most 1e+15)"),
         (["--device-type", "tpu"], "argument --device-type: 'tpu' is not a torch device type"),
-        (["--model", "torch.nn.Linear"], "--model-args {}: Linear.__init__() missing 2 required positional"),
-        (["--model", "torch.nn.Linear", "--model-args", '{"in_features": 8, "nope": 1}'], "unexpected keyword"),
+        (["--model", "torch.nn.Linear"], "--model-args {}: missing a required argument: 'in_features'"),
+        (
+            ["--model", "torch.nn.Linear", "--model-args", '{"in_features": 8, "out_features": 8, "nope": 1}'],
+            "unexpected keyword argument 'nope'",
+        ),
         (["--model", "torch.nn.Linear", "--model-args", "[8, 8]"], "--model-args must be a JSON object"),
         (["--model", "collections.OrderedDict"], "built a OrderedDict, not an nn.Module"),
     ],

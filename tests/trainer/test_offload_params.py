@@ -393,6 +393,25 @@ def test_validate_predict_after_fit_and_fit_again_on_the_sharded_model():
     assert again.global_step == 6
 
 
+def test_evaluation_stages_gather_in_the_compute_dtype_and_calls_after_them_in_fp32():
+    """After a fit the units gather in fp32 for direct calls; a validate/predict stage, under the precision's
+    autocast, gathers in the compute dtype again (fp32 doubled a block in flight there), then hands fp32 back."""
+    module = Evaluated()
+    strategy = lambda: ZeroOffloadStrategy(offload_params=True)  # noqa: E731
+    L.Trainer(strategy=strategy(), max_steps=2, precision="bf16-mixed", **QUIET).fit(module, block_data(32))
+    gathered = []
+    hook = module.model.blocks[0].register_forward_pre_hook(lambda m, _: gathered.append(m.fc1.weight.dtype))
+    trainer = L.Trainer(strategy=strategy(), precision="bf16-mixed", **QUIET)
+    trainer.validate(module, block_data(16), verbose=False)
+    trainer.predict(module, block_data(16))
+    assert set(gathered) == {torch.bfloat16}
+    gathered.clear()
+    with torch.no_grad():
+        assert module.model(block_data(8).dataset.tensors[0]).dtype == torch.float32  # fp32 inputs, no autocast
+    hook.remove()
+    assert set(gathered) == {torch.float32}
+
+
 class CallsTheModelsLayers(BlockRegression):
     """A step that runs ``self.model``'s layers itself and never calls ``self.model`` (as a step computing a loss
     from a Hugging Face model's ``.model`` and ``.lm_head`` does)."""

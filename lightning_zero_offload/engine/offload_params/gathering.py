@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -108,16 +109,35 @@ def frozen_in_their_dtype(module: nn.Module, _args: object) -> None:
                         del param._unsharded_param
 
 
-def compute_in(module: nn.Module, dtype: torch.dtype) -> None:
-    """Gather the trainable parameters of ``module`` (the root) in ``dtype`` from now on: the compute dtype while a
-    fit trains; fp32 after it, as a module computes under auto after fit, where a call with fp32 inputs and no
-    autocast met bf16 weights ("mat1 and mat2 must have the same dtype"). Frozen ones keep their own. Set on every
-    unit's ``MixedPrecisionPolicy``, which FSDP2 reads again at ``unshard()``."""
-    for unit in module.modules():
-        if isinstance(unit, FSDPModule):
-            for group in unit._get_fsdp_state()._fsdp_param_groups:
-                group.mp_policy = dataclasses.replace(group.mp_policy, param_dtype=dtype)
+def gather_for_calls(module: nn.Module) -> None:
+    """Outside the Trainer's stages and a Fabric run, gather the trainable parameters of ``module`` (the root) in
+    fp32, as a module computes under auto after fit: in the compute dtype, a call with fp32 inputs and no autocast
+    met bf16 weights ("mat1 and mat2 must have the same dtype"). Frozen ones keep their own dtype. Each unit's
+    ``MixedPrecisionPolicy`` is kept for :func:`gather_for_training` (FSDP2 derives the gathered dtypes from it:
+    ``frozen_in_their_dtype`` and ``unshard()``)."""
+    for group in _param_groups(module):
+        if group not in _TRAINING_POLICIES:
+            _TRAINING_POLICIES[group] = group.mp_policy
+            group.mp_policy = dataclasses.replace(group.mp_policy, param_dtype=torch.float32)
     frozen_in_their_dtype(module, ())
+
+
+def gather_for_training(module: nn.Module) -> None:
+    """Each unit's own ``MixedPrecisionPolicy`` back (the compute dtype, the reduce dtype), after
+    :func:`gather_for_calls`: for a fit or an evaluation stage."""
+    for group in _param_groups(module):
+        if (policy := _TRAINING_POLICIES.pop(group, None)) is not None:
+            group.mp_policy = policy
+    frozen_in_their_dtype(module, ())
+
+
+def _param_groups(module: nn.Module) -> list[Any]:
+    units = [unit for unit in module.modules() if isinstance(unit, FSDPModule)]
+    return [group for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups]
+
+
+# FSDP2's parameter groups whose policy gather_for_calls replaced, with the policy to give back.
+_TRAINING_POLICIES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _gathered_dtype(param: Any, compute: torch.dtype | None) -> torch.dtype | None:
