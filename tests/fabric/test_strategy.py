@@ -154,6 +154,15 @@ def test_under_the_delayed_update_an_eval_mode_forward_sees_every_step_taken():
     assert any(not torch.equal(v, synced[k]) for k, v in behind.items())  # a step behind until sync()
 
 
+@pytest.mark.slow  # two ranks in processes
+def test_an_evaluation_on_one_rank_under_the_delayed_update_warns_instead_of_waiting_for_the_others():
+    """At several ranks the sync of an eval-mode forward is a collective: rank 0 evaluating alone timed out in an
+    all-gather while rank 1 waited in its backward (a 30-minute hang at the default timeout)."""
+    output = launch([sys.executable, str(Path(__file__).parents[1] / "workers" / "fabric_rank0_evaluation.py")], 240)
+    assert "rank 0 finished" in output and "rank 1 finished" in output, output[-3000:]
+    assert "Call fabric.strategy.sync() on every rank before evaluating" in output
+
+
 def trained_and_saved_head(f: L.Fabric, path: Path) -> dict[str, torch.Tensor]:
     """Three steps of make_net, then ``fabric.save`` with a filter that keeps the head ("4.*", as a fine-tune keeps
     its adapters); the master weights saved, by name."""
