@@ -244,8 +244,7 @@ class ZeroOffloadStrategy(SessionStrategy, TrainerCheckpoints, ParallelLikeDDP):
 
     @override
     def on_validation_start(self) -> None:
-        if (session := training_session(self.session)) is not None:
-            session.sync()  # evaluation sees fully updated parameters, also with a delayed update
+        self.sync()  # evaluation sees fully updated parameters, also with a delayed update
         if self.options.offload_params and self.world_size > 1:
             assert self.lightning_module is not None
             refuse_uneven_batches(self.lightning_module.trainer, self)

@@ -89,24 +89,21 @@ def frozen_in_their_dtype(module: nn.Module, _args: object) -> None:
     then, so a unit frozen there and unfrozen later (``BaseFinetuning``) failed to take its bf16 gradients. Read
     again at every forward, as a finetuning callback freezes and unfreezes between steps."""
     module._get_fsdp_state()._lazy_init()  # FSDP2 sets the dtypes there once: this hook keeps them up to date
-    for unit in module.modules():
-        if not isinstance(unit, FSDPModule):
+    for group in _param_groups(module):
+        params = group.fsdp_params
+        wanted = [_gathered_dtype(p, group.mp_policy.param_dtype) for p in params]
+        now = [p.param_dtype for p in params]
+        trainable = {p.orig_dtype for p in params if p.sharded_param.requires_grad}
+        if now == wanted and group._orig_dtype in (trainable or {None}):
             continue
-        for group in unit._get_fsdp_state()._fsdp_param_groups:
-            params = group.fsdp_params
-            wanted = [_gathered_dtype(p, group.mp_policy.param_dtype) for p in params]
-            now = [p.param_dtype for p in params]
-            trainable = {p.orig_dtype for p in params if p.sharded_param.requires_grad}
-            if now == wanted and group._orig_dtype in (trainable or {None}):
-                continue
-            group.reshard()  # no gathered copy in the old dtype may outlive the change
-            group._init_mp_dtypes()  # the gradients' dtypes, for the parameters trainable now
-            for param, before, dtype in zip(params, now, wanted):
-                param.param_dtype = dtype
-                if before != dtype:
-                    param.all_gather_outputs = []  # allocated again, in the new dtype, at the next gather
-                    if hasattr(param, "_unsharded_param"):
-                        del param._unsharded_param
+        group.reshard()  # no gathered copy in the old dtype may outlive the change
+        group._init_mp_dtypes()  # the gradients' dtypes, for the parameters trainable now
+        for param, before, dtype in zip(params, now, wanted):
+            param.param_dtype = dtype
+            if before != dtype:
+                param.all_gather_outputs = []  # allocated again, in the new dtype, at the next gather
+                if hasattr(param, "_unsharded_param"):
+                    del param._unsharded_param
 
 
 def gather_for_calls(module: nn.Module) -> None:
