@@ -8,6 +8,13 @@ import torch
 # tests directory is not on sys.path by itself.
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The tests never reach the Hugging Face hub (CI has no network): a hub id looked up online there retries for
+# about 23 s before it fails. Subprocesses inherit the variable; huggingface_hub reads it once, at its import,
+# which pyproject's filterwarnings has already caused (the package -> Lightning -> torchmetrics -> transformers).
+os.environ["HF_HUB_OFFLINE"] = "1"
+if (hub := sys.modules.get("huggingface_hub")) is not None:
+    hub.constants.HF_HUB_OFFLINE = True
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread():

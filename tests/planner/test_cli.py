@@ -131,11 +131,10 @@ def test_a_hugging_face_model_without_transformers_names_what_to_install(tmp_pat
 
 
 @pytest.mark.slow  # transformers
-def test_a_hugging_face_model_is_planned_from_its_config(tmp_path, capsys, monkeypatch):
+def test_a_hugging_face_model_is_planned_from_its_config(tmp_path, capsys):
     from offload_params_helpers import tiny_llama_config
     from transformers import LlamaForCausalLM
 
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     config = tiny_llama_config()
     config.save_pretrained(tmp_path)
     want = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
