@@ -88,8 +88,7 @@ class AccumulationWindow:
             return
         self._take_up_carried("the gradients written after optimizer.step() without optimizer.zero_grad()")
         self.finish_backward()
-        if self.schedule.updates_during_backward:
-            self.schedule.settle()  # steps speculated from the gradients as they were are taken back
+        self.schedule.take_back_speculation()
         scale = self.loss_scale
         scaled: dict[int, torch.Tensor | None] = {}
         for index, value in values.items():
@@ -104,8 +103,7 @@ class AccumulationWindow:
         that exists zero: as in torch, its parameter is then updated by the next step even if no backward
         reaches it)."""
         self.finish_backward()
-        if self.schedule.updates_during_backward:
-            self.schedule.settle()  # steps speculated from the gradients dropped now are taken back
+        self.schedule.take_back_speculation()
         self._carried = None
         if set_to_none:
             self.grads.new_window()

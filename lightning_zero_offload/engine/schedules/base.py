@@ -88,6 +88,10 @@ class Schedule:
     def settle(self) -> None:
         """Make the CPU state final and consistent (wait for running work, drop unvalidated work)."""
 
+    def take_back_speculation(self) -> None:
+        """The window's gradients are dropped or replaced (``zero_grad``, a write to ``p.grad``): steps taken
+        from them during backward are taken back. None are where no step runs during backward."""
+
     def sync(self) -> None:
         """Make the device parameters fully up to date (evaluation, end of training)."""
 
