@@ -155,6 +155,26 @@ def test_no_schedule_or_part_imports_the_orchestrator():
     assert [name for name in below if {f"{engine}.engine", f"{engine}.lifecycle"} & graph[name]] == []
 
 
+def test_tensor_collectives_go_through_the_collectives_module():
+    """NCCL takes no host tensors: engine/infra/collectives.py moves them to the backend's device and back. A
+    direct ``dist.all_reduce`` of a host tensor passes every gloo test here and fails on the first NCCL run (the
+    offload_params gradient norm did). Object collectives and barriers move nothing the caller holds."""
+    direct = [
+        f"{path.relative_to(ROOT)}:{node.lineno} dist.{node.func.attr}"
+        for path in ROOT.rglob("*.py")
+        if path.name != "collectives.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "dist"
+        and not node.func.attr.endswith("_object")
+        and not node.func.attr.endswith("_object_list")
+        and node.func.attr.startswith(("all_", "reduce", "broadcast", "gather", "scatter", "send", "recv"))
+    ]
+    assert direct == []
+
+
 def test_no_folder_is_a_crowd_and_no_file_too_long():
     crowded = {
         str(folder.relative_to(ROOT)): count

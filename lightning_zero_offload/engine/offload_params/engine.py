@@ -24,11 +24,11 @@ from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.engine.failures import NonFinitePolicy
+from lightning_zero_offload.engine.infra.collectives import all_reduce_sum
 from lightning_zero_offload.engine.infra.streams import worker_pool
 from lightning_zero_offload.engine.offload_params.shards import (
     ShardSlot,
@@ -213,8 +213,9 @@ class ParamOffloadEngine:
                 part, bad = sum_of_squares(slot, grad, self._threads)
                 sumsq, nonfinite = sumsq + part, nonfinite or bad
             if self.world_size > 1:
-                summary = torch.tensor([sumsq, float(nonfinite)], dtype=torch.float64)
-                dist.all_reduce(summary)
+                summary = all_reduce_sum(
+                    torch.tensor([sumsq, float(nonfinite)], dtype=torch.float64), None, self.device
+                )
                 sumsq, nonfinite = float(summary[0]), bool(summary[1] > 0)
             self._summary = (sumsq, nonfinite or not math.isfinite(sumsq))
         return self._summary
