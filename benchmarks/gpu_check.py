@@ -264,9 +264,11 @@ def check_micro(device: torch.device, tiny: bool, results: Path) -> dict[str, An
 
 
 def check_cuda_tests(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
-    """tests/cuda (skipped without CUDA), its output straight into pytest.txt, so a timeout keeps what ran."""
+    """tests/cuda (skipped without CUDA), its output straight into pytest.txt, so a timeout keeps what ran. Not its
+    sanitizer test (a fresh process under TORCH_CUDA_SANITIZER, tens of seconds): the sanitizer sub-check runs it."""
     path = results / "pytest.txt"
     command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(ROOT / "tests" / "cuda")]
+    command += ["-k", f"not {SANITIZER_TEST}"]
     with open(path, "w") as out:
         rc, left = run_in_group(command, time_left(), out)
     lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
@@ -678,10 +680,13 @@ def check_compact_state(device: torch.device, tiny: bool, results: Path) -> dict
     }
 
 
+SANITIZER_TEST = "test_reused_device_buffers_pass_the_cuda_sanitizer"
+
+
 def check_sanitizer(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
     """Under TORCH_CUDA_SANITIZER=1 (set by the driver), with every side-stream copy and copy-back held back:
     the same results, for the speculative schedule (the GPU default; bitwise the synchronous step's
-    without clipping) and for DPU."""
+    without clipping) and for DPU. Then tests/cuda's sanitizer test, its output after the others' in pytest.txt."""
     sync = train(device, tiny, bucket_size_mb=0.05, cpu_step="sync")
     speculative = train(device, tiny, bucket_size_mb=0.05, cpu_step="speculative")
     speculative_delayed = train(device, tiny, bucket_size_mb=0.05, cpu_step="speculative", sleep=SLEEP_CYCLES)
@@ -695,6 +700,12 @@ def check_sanitizer(device: torch.device, tiny: bool, results: Path) -> dict[str
         "speculated_fraction_max": speculated,
         "sanitizer_on": os.environ.get("TORCH_CUDA_SANITIZER") == "1",
     }
+    test = f"{ROOT / 'tests' / 'cuda' / 'test_cuda_paths.py'}::{SANITIZER_TEST}"
+    with open(results / "pytest.txt", "a") as out:
+        rc, left = run_in_group(
+            [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", test], time_left(), out
+        )
+    result["reused_buffers_test"] = rc in (0, 5) and not left  # 5: skipped without CUDA
     return {"ok": all(v for k, v in result.items() if k != "sanitizer_on") and speculated > 0, **result}
 
 
@@ -1140,7 +1151,7 @@ CHECKS: dict[str, tuple[Callable[..., dict[str, Any]], int, dict[str, str]]] = {
     "zero2_share": (check_zero2_share, 25, {}),
     "zero2_share_start": (check_zero2_share_start, 25, {}),
     "throughput": (check_throughput, 120, {}),
-    "sanitizer": (check_sanitizer, 40, {"TORCH_CUDA_SANITIZER": "1"}),
+    "sanitizer": (check_sanitizer, 70, {"TORCH_CUDA_SANITIZER": "1"}),
     "determinism": (check_determinism, 35, {}),
     "compact_state": (check_compact_state, 25, {}),
     "fit_resume": (check_fit_resume, 40, {}),

@@ -52,7 +52,10 @@ class ParamWriteWatch:
         self.checksums = checksums  # False in place: the parameters are the master, only reassignment matters
         self._views = [flat_params[layout.slot_range(i)].view(slot.shape) for i, slot in enumerate(layout.slots)]
         self._pointers = [view.data_ptr() for view in self._views]
-        self._prints: list[torch.Tensor | None] = [None] * len(layout.buckets)
+        # Every bucket's checksum in one device tensor (a 0-dim tensor each took an allocator block apiece on
+        # CUDA: 512 bytes, not the 8 the ledger books); a bucket not recorded yet differs from anything.
+        self._prints = flat_params.new_zeros(len(layout.buckets), dtype=torch.int64) if checksums else None
+        self._recorded = [False] * len(layout.buckets)
         self.record_in(current_ledger())
 
     def record_in(self, ledger: MemoryLedger | None) -> None:
@@ -71,8 +74,9 @@ class ParamWriteWatch:
 
     def record(self, bucket: Bucket) -> None:
         """The engine just wrote ``bucket`` (queued on the current stream: the checksum is queued after it)."""
-        if self.checksums:
+        if self._prints is not None:
             self._prints[bucket.index] = kernels.fingerprint16(self._bucket_words(bucket))
+            self._recorded[bucket.index] = True
 
     def record_all(self) -> None:
         for bucket in self.layout.buckets:
@@ -104,13 +108,12 @@ class ParamWriteWatch:
     def written_buckets(self) -> list[int]:
         """Buckets whose device contents differ from what the engine last wrote there."""
         moved = self.reattach()
-        if not self.checksums:
+        if self._prints is None:
             return sorted({b for i in moved for b in self.layout.slots[i].buckets})
         buckets = self.layout.buckets
-        current = [kernels.fingerprint16(self._bucket_words(b)) for b in buckets]
-        recorded = [p if p is not None else torch.zeros_like(c) for p, c in zip(self._prints, current)]
-        differs = (torch.stack(current) != torch.stack(recorded)).tolist()  # one synchronisation
-        return [b.index for b, d in zip(buckets, differs) if d or self._prints[b.index] is None]
+        current = torch.stack([kernels.fingerprint16(self._bucket_words(b)) for b in buckets])
+        differs = (current != self._prints).tolist()  # one synchronisation
+        return [b.index for b, d in zip(buckets, differs) if d or not self._recorded[b.index]]
 
     def find_writes(self, bucket: Bucket, published: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where this rank's chunk of ``bucket`` on the device differs from ``published`` (the chunk the
