@@ -161,8 +161,10 @@ class TorchBackend:
             torch._foreach_add_(list(steps), 1.0)
             step_tensors = list(steps)
         else:
-            # float32, as torch keeps state["step"]: CUDA's fused Adam reads the counter as a float
-            step_tensors = [torch.tensor(float(s), dtype=torch.float32, device=params[0].device) for s in steps]
+            # float32, as torch keeps state["step"]: CUDA's fused Adam reads the counter as a float. One tensor
+            # of them all: one host-to-device copy (each a blocking one from pageable memory), not one per parameter.
+            counters = torch.tensor([float(s) for s in steps], dtype=torch.float32, device=params[0].device)
+            step_tensors = list(counters.unbind())
         if grads[0].dtype != torch.float32 or grad_scale != 1.0:
             grads = [g.to(torch.float32, copy=True).mul_(grad_scale) for g in grads]
         before = [p.clone() for p in params] if extrapolate and params_out is not None else None
