@@ -299,7 +299,8 @@ class SpeculativeSchedule(Schedule):
     def take_back_speculation(self) -> None:
         # Not settle() where nothing was speculated: it marks every snapshot out of date, and Lightning calls
         # zero_grad before each backward, after the snapshot behind the forward was taken; backward then took
-        # it again, exposed (sim_device_share.py: speculative with a share 1.33x sync -> 1.05x).
+        # it again, exposed (docs/benchmarks.md, "The ZeRO-2 share after Lightning's zero_grad stopped undoing
+        # the snapshot").
         if self.speculated or self.stale:
             self.settle()
 

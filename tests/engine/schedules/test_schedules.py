@@ -133,7 +133,7 @@ def test_an_announced_step_that_never_comes_is_rolled_back():
 def test_zero_grad_between_forward_and_backward_keeps_the_snapshot_taken_behind_the_forward(monkeypatch):
     """Lightning's loop calls zero_grad after the training forward and before backward: with nothing speculated
     yet, the snapshot taken behind that forward still holds, and backward takes none (it took each bucket's again,
-    exposed: the simulated GPT-2's step 1.33x -> 1.05x sync)."""
+    exposed: docs/benchmarks.md, "The ZeRO-2 share after Lightning's zero_grad stopped undoing the snapshot")."""
     from lightning_zero_offload.engine.step.cpu_state import CpuState
 
     taken = []
