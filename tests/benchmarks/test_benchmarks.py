@@ -268,18 +268,25 @@ ANSWER_HELP = """
 import contextlib, io, json, runpy, sys, traceback
 from pathlib import Path
 
-answers = {}
+answers, path = {}, list(sys.path)
+helpers = tuple(str(Path(folder).resolve()) for folder in ("benchmarks", "scripts", "tests"))
 for script in sys.argv[1:]:
-    sys.argv, sys.path[0], said = [script, "--help"], str(Path(script).parent), io.StringIO()
+    # As a fresh `python script`: its directory first, none of an earlier script's paths or helper modules
+    # (torch and the package stay imported: a C extension cannot be imported twice).
+    sys.path[:], sys.argv = [str(Path(script).parent), *path[1:]], [script, "--help"]
+    for name, module in list(sys.modules.items()):
+        if (getattr(module, "__file__", None) or "").startswith(helpers):
+            del sys.modules[name]
+    said, errors = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(errors):
             runpy.run_path(script, run_name="__main__")
         code = 0
     except SystemExit as exit:
         code = exit.code or 0
     except BaseException:
         code = traceback.format_exc()[-2000:]
-    answers[script] = {"code": code, "stdout": said.getvalue()}
+    answers[script] = {"code": code, "stdout": said.getvalue(), "stderr": errors.getvalue()[-2000:]}
 print(json.dumps(answers))
 """
 
@@ -298,7 +305,7 @@ def help_answers() -> dict[str, dict]:
 def test_every_script_imports_and_answers_help(script, help_answers):
     """A moved module breaks a benchmark's imports long before anyone runs it again: each one at least starts."""
     answer = help_answers[script]
-    assert answer["code"] == 0, answer["code"]
+    assert answer["code"] == 0, (answer["code"], answer["stderr"])
     assert "usage:" in answer["stdout"]
 
 
