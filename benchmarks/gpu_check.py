@@ -263,12 +263,14 @@ def check_micro(device: torch.device, tiny: bool, results: Path) -> dict[str, An
     return {"ok": pinned_faster is not False, "pinned_at_least_pageable": pinned_faster, **out}
 
 
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
+
+
 def check_cuda_tests(device: torch.device, tiny: bool, results: Path) -> dict[str, Any]:
     """tests/cuda (skipped without CUDA), its output straight into pytest.txt, so a timeout keeps what ran. Not its
     sanitizer test (a fresh process under TORCH_CUDA_SANITIZER, tens of seconds): the sanitizer sub-check runs it."""
     path = results / "pytest.txt"
-    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(ROOT / "tests" / "cuda")]
-    command += ["-k", f"not {SANITIZER_TEST}"]
+    command = [*PYTEST, str(ROOT / "tests" / "cuda"), "-k", f"not {SANITIZER_TEST}"]
     with open(path, "w") as out:
         rc, left = run_in_group(command, time_left(), out)
     lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
@@ -702,9 +704,7 @@ def check_sanitizer(device: torch.device, tiny: bool, results: Path) -> dict[str
     }
     test = f"{ROOT / 'tests' / 'cuda' / 'test_cuda_paths.py'}::{SANITIZER_TEST}"
     with open(results / "pytest.txt", "a") as out:
-        rc, left = run_in_group(
-            [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", test], time_left(), out
-        )
+        rc, left = run_in_group([*PYTEST, test], time_left(), out)
     result["reused_buffers_test"] = rc == 0 and not left  # 0 also where it skipped (no CUDA)
     return {"ok": all(v for k, v in result.items() if k != "sanitizer_on") and speculated > 0, **result}
 

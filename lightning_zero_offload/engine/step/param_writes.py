@@ -49,18 +49,18 @@ class ParamWriteWatch:
         self._rounding = master_dtype if narrower else None
         self.params = params
         self.flat_params = flat_params
-        self.checksums = checksums  # False in place: the parameters are the master, only reassignment matters
         self._views = [flat_params[layout.slot_range(i)].view(slot.shape) for i, slot in enumerate(layout.slots)]
         self._pointers = [view.data_ptr() for view in self._views]
         # Every bucket's checksum in one device tensor (a 0-dim tensor each took an allocator block apiece on
-        # CUDA: 512 bytes, not the 8 the ledger books); a bucket not recorded yet differs from anything.
+        # CUDA: 512 bytes, not the 8 the ledger books); a bucket not recorded yet differs from anything. None in
+        # place: the parameters are the master, only reassignment matters.
         self._prints = flat_params.new_zeros(len(layout.buckets), dtype=torch.int64) if checksums else None
         self._recorded = [False] * len(layout.buckets)
         self.record_in(current_ledger())
 
     def record_in(self, ledger: MemoryLedger | None) -> None:
         """Count the checksums in ``ledger``: one 8-byte checksum per bucket, where the device copy is."""
-        if ledger is not None and self.checksums:
+        if ledger is not None and self._prints is not None:
             ledger.add(DEVICE, "checksums", 8 * len(self.layout.buckets))
 
     def _bucket_words(self, bucket: Bucket) -> torch.Tensor:
