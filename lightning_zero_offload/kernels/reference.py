@@ -65,10 +65,11 @@ def sr_bits(
     """The 16 random bits of p, m and v for elements ``offset .. offset + n - 1`` (int64 tensors on ``device``)."""
     index = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
     high, low = index >> 32, index & _M32
-    key_pm, key_v = torch.empty_like(index), torch.empty_like(index)
+    key_pm, key_v = torch.zeros_like(index), torch.zeros_like(index)
     for h in range(offset >> 32, ((offset + n - 1) >> 32) + 1 if n else 0):
-        where = high == h
-        key_pm[where], key_v[where] = _sr_keys(seed, step, h)
+        where = high == h  # torch.where, not a masked assignment: no nonzero(), so no wait for a GPU
+        pm_key, v_key = _sr_keys(seed, step, h)
+        key_pm, key_v = torch.where(where, pm_key, key_pm), torch.where(where, v_key, key_v)
     pm, v = _hash32(low ^ key_pm), _hash32((low >> 1) ^ key_v)  # elements 2k, 2k + 1 share one v hash
     return pm >> 16, pm & 0xFFFF, torch.where((low & 1) == 1, v & 0xFFFF, v >> 16)
 
