@@ -161,11 +161,13 @@ def auto_bucket_share(
     speculative: bool,
     device: torch.device,
     leads: Sequence[float],
+    backward_s: float,
     keeps_its_share: bool = False,
 ) -> ShareChoice:
-    """:func:`choose_bucket_share` from the ``measured`` step's own backward, CPU step and transfer times (the
-    transfer: the gradients' copy to the host and accumulation there, which the gradient worker does before a
-    bucket's step) and tail, each bucket's measured landing ``leads`` and the device memory the peak left (with
+    """:func:`choose_bucket_share` from the ``measured`` step's CPU step and transfer times (the transfer: the
+    gradients' copy to the host and accumulation there, which the gradient worker does before a bucket's step) and
+    tail, each bucket's measured landing ``leads`` before the end of its last backward pass, that pass's
+    ``backward_s`` on the same clock (engine/step/landings.py) and the device memory the peak left (with
     ``keeps_its_share``, the buckets the state holds on the device now stay there, a short host's start: their state
     is in the peak, yet counted against the room: that covers the move's moment with one buffer's old and new device
     parts; the weights' device copy stays as it is); every rank from the same figures (the least room and backward
@@ -177,7 +179,7 @@ def auto_bucket_share(
     left = left or 0  # a CPU device: nothing beyond the floor given
     rate, transfer_rate = (seconds / max(1, state.split) for seconds in (measured.cpu_step_s, measured.transfer_s))
     left, backward_s, minus_rate, minus_transfer_rate, minus_tail, *leads = least_over_ranks(
-        [left, measured.backward_s, -rate, -transfer_rate, -measured.tail_s, *leads], layout.world_size, device
+        [left, backward_s, -rate, -transfer_rate, -measured.tail_s, *leads], layout.world_size, device
     )
     scratch = BF16_STATE_SCRATCH_BYTES * min(BF16_STATE_CHUNK, max(b.shard_numel for b in layout.buckets))
     return choose_bucket_share(

@@ -119,7 +119,8 @@ class GradientStreamer:
         self.check_worker()
         check_gradient(grad, self._seen[index])
         self._seen[index] = True
-        self._open = True
+        if not self._open:  # a backward nobody announced: it started no later than its first gradient
+            self.begin()
         flat = grad.reshape(-1)
         param.grad = None
         self.has_grad[index] = True
@@ -241,6 +242,8 @@ class GradientStreamer:
 
     def begin(self) -> None:
         """A backward pass starts: its flush will launch every bucket, even if this rank got no gradient."""
+        if not self._open:  # on the compute stream, behind the forward: when backward starts there
+            self.landings.pass_started(time.perf_counter(), record_event(self.device, timing=True))
         self._open = True
 
     def finish_backward(self) -> bool:
