@@ -115,12 +115,12 @@ class GradientStreamer:
         grad = param.grad
         if grad is None:
             return
+        if not self._open:  # a backward nobody announced: it started no later than its first gradient
+            self.begin()
         self.landings.hook_started()
         self.check_worker()
         check_gradient(grad, self._seen[index])
         self._seen[index] = True
-        if not self._open:  # a backward nobody announced: it started no later than its first gradient
-            self.begin()
         flat = grad.reshape(-1)
         param.grad = None
         self.has_grad[index] = True
