@@ -159,10 +159,9 @@ class EngineLifecycle:
                 device_share.reset_peak_memory(self.device)
             return None
         speculative = self.cpu_step == "speculative"
-        # in place: no bucket lands (and a CPU device)
-        leads, pass_s = ([], 0.0) if self.in_place else (self.grads.landings.leads, self.grads.landings.pass_s)
+        landings = None if self.in_place else self.grads.landings  # in place: no bucket lands (and a CPU device)
         self.share_choice = choice = device_share.auto_bucket_share(
-            self.layout, self.state, self.last, speculative, self.device, leads, pass_s, self.share_floor is not None
+            self.layout, self.state, self.last, speculative, self.device, landings, self.share_floor is not None
         )
         if self.state.takes_more(choice.share):  # never fewer: it starts from none, or from a short host's floor
             self.take_device_share(choice.share)

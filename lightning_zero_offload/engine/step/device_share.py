@@ -32,6 +32,7 @@ from lightning_zero_offload.kernels.device import BF16_STATE_CHUNK, BF16_STATE_S
 if TYPE_CHECKING:
     from lightning_zero_offload.engine.stats import StepStats
     from lightning_zero_offload.engine.step.cpu_state import CpuState
+    from lightning_zero_offload.engine.step.landings import LandingClock
     from lightning_zero_offload.engine.step.layout import Layout
 
 AUTO_ACTIVATION_RESERVE = 0.2  # of the device memory left free: never the share's (activations vary by batch)
@@ -160,14 +161,13 @@ def auto_bucket_share(
     measured: StepStats,
     speculative: bool,
     device: torch.device,
-    leads: Sequence[float],
-    backward_s: float,
+    landings: LandingClock | None,
     keeps_its_share: bool = False,
 ) -> ShareChoice:
     """:func:`choose_bucket_share` from the ``measured`` step's CPU step and transfer times (the transfer: the
     gradients' copy to the host and accumulation there, which the gradient worker does before a bucket's step) and
-    tail, each bucket's measured landing ``leads`` before the end of its last backward pass, that pass's
-    ``backward_s`` on the same clock (engine/step/landings.py) and the device memory the peak left (with
+    tail, the ``landings`` of its last backward pass (each bucket's lead before its end and the pass's length, on
+    one clock: engine/step/landings.py; None: no bucket lands, in place) and the device memory the peak left (with
     ``keeps_its_share``, the buckets the state holds on the device now stay there, a short host's start: their state
     is in the peak, yet counted against the room: that covers the move's moment with one buffer's old and new device
     parts; the weights' device copy stays as it is); every rank from the same figures (the least room and backward
@@ -178,6 +178,7 @@ def auto_bucket_share(
         return ShareChoice(0.0, 0, "auto: none, a CPU device is host memory")
     left = left or 0  # a CPU device: nothing beyond the floor given
     rate, transfer_rate = (seconds / max(1, state.split) for seconds in (measured.cpu_step_s, measured.transfer_s))
+    leads, backward_s = ([], 0.0) if landings is None else (landings.leads, landings.pass_s)
     left, backward_s, minus_rate, minus_transfer_rate, minus_tail, *leads = least_over_ranks(
         [left, backward_s, -rate, -transfer_rate, -measured.tail_s, *leads], layout.world_size, device
     )

@@ -115,8 +115,7 @@ class GradientStreamer:
         grad = param.grad
         if grad is None:
             return
-        if not self._open:  # a backward nobody announced: it started no later than its first gradient
-            self.begin()
+        self.begin()  # a backward nobody announced: it started no later than its first gradient
         self.landings.hook_started()
         self.check_worker()
         check_gradient(grad, self._seen[index])

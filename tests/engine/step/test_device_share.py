@@ -342,7 +342,7 @@ def test_the_room_is_what_the_peak_left_less_the_reserve_and_the_bf16_steps_scra
     rooms = []
     monkeypatch.setattr(device_share, "room_after_peak", lambda device: 10**6)
     monkeypatch.setattr(device_share, "choose_bucket_share", lambda *args, **kwargs: rooms.append(args[5]))
-    device_share.auto_bucket_share(engine.layout, engine.state, engine.last, True, engine.device, [], 0.0, False)
+    device_share.auto_bucket_share(engine.layout, engine.state, engine.last, True, engine.device, None, False)
     scratch = BF16_STATE_SCRATCH_BYTES * min(BF16_STATE_CHUNK, max(b.shard_numel for b in engine.layout.buckets))
     assert rooms == [int(0.8 * 10**6) - scratch]
 
