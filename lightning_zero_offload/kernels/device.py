@@ -10,7 +10,9 @@ one device; on a CPU "device" (the tests' accelerator) this is the code a GPU ru
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -27,7 +29,8 @@ from lightning_zero_offload.kernels.arguments import (
     real,
 )
 from lightning_zero_offload.kernels.backends import REFERENCE
-from lightning_zero_offload.kernels.reference import bf16_state_step
+from lightning_zero_offload.kernels.reference import BF16StatePass, bf16_state_pass, bf16_state_step
+from lightning_zero_offload.warning import ZeroOffloadRuntimeWarning
 
 # Elements per pass of the bf16-state step: a large parameter is a few dozen passes, not thousands of small
 # launches, and the passes' float64 and int64 temporaries stay under 600 MB (docs/benchmarks.md, "The device
@@ -88,7 +91,42 @@ def adam_step_bf16_state(
     grad_scale, step = check_bf16_state_call(hparams, grad_scale, step, seed, offset, tensors, param.device)
     flat = (t.view(-1) for t in (param, grad, exp_avg, exp_avg_sq))  # element i is the i-th in memory, as natively
     call = FlatAdamCall(hparams, *flat, step, grad_scale, 1, int(seed), int(offset))
-    bf16_state_step(call, BF16_STATE_CHUNK)
+    bf16_state_step(call, BF16_STATE_CHUNK, FUSED_PASS if param.device.type != "cpu" else bf16_state_pass)
+
+
+class FusedPass:
+    """:func:`reference.bf16_state_pass` compiled (``torch.compile``) into one kernel: unfused, each of its
+    operations is a kernel reading and writing float64 and int64 temporaries of the pass's size; fused, the state
+    is read and written once (docs/benchmarks.md, "The device share's bf16 step, fused"). Compiled once per
+    process for any size, step or hyperparameters (tensors, not constants) and per update rule (L2 or not). Where
+    compiling fails (no Triton, no compiler), a warning says why and the unfused pass takes over: the same
+    arithmetic, so the same bits; the pass is pure, so the failed call is simply run again."""
+
+    def __init__(self) -> None:
+        self._compiled: BF16StatePass | None = None
+        self.failure: str | None = None
+
+    def __call__(self, *args: Any) -> tuple[Tensor, Tensor, Tensor]:
+        if self.failure is None:
+            if self._compiled is None:
+                self._compiled = torch.compile(bf16_state_pass, dynamic=True, fullgraph=True)
+            try:
+                return self._compiled(*args)
+            except torch.OutOfMemoryError:  # the device's, not the compiler's: the unfused pass needs more
+                raise
+            except Exception as error:  # noqa: BLE001 - the unfused pass below raises what is not the compiler's
+                self.failure = f"{type(error).__name__}: {error}".splitlines()[0]
+                warnings.warn(
+                    f"zero_offload: the device share's bf16 step runs unfused, many times slower, since "
+                    f"torch.compile failed ({self.failure}). Install Triton for this device (it comes with "
+                    "torch's CUDA wheels), or use cpu_state='fp32', whose device step is torch's fused Adam.",
+                    ZeroOffloadRuntimeWarning,
+                    stacklevel=2,
+                )
+        return bf16_state_pass(*args)
+
+
+FUSED_PASS = FusedPass()
 
 
 def sum_of_squares(src: Tensor) -> tuple[float, bool]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -62,14 +63,27 @@ def _hash32(x: Tensor) -> Tensor:
 def sr_bits(
     seed: int, step: int, offset: int, n: int, device: torch.device | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The 16 random bits of p, m and v for elements ``offset .. offset + n - 1`` (int64 tensors on ``device``)."""
-    index = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
-    high, low = index >> 32, index & _M32
-    key_pm, key_v = torch.zeros_like(index), torch.zeros_like(index)
-    for h in range(offset >> 32, ((offset + n - 1) >> 32) + 1 if n else 0):
-        where = high == h  # torch.where, not a masked assignment: no nonzero(), so no wait for a GPU
-        pm_key, v_key = _sr_keys(seed, step, h)
-        key_pm, key_v = torch.where(where, pm_key, key_pm), torch.where(where, v_key, key_v)
+    """The 16 random bits of p, m and v for elements ``offset .. offset + n - 1`` (int64 tensors on ``device``;
+    at most 2**32 elements: two values of the index's high word)."""
+    if n > 2**32:
+        raise ValueError(f"sr_bits takes at most 2**32 elements at a time, got {n}")
+    return _sr_bits_at(torch.tensor(_pass_index(seed, step, offset), device=device), n)
+
+
+def _pass_index(seed: int, step: int, offset: int) -> list[int]:
+    """Where a pass of the bf16-state step starts (its first element's global index) and the hash keys of that
+    index's high word and of the next: what :func:`_sr_bits_at` takes, as one int64 tensor."""
+    high = offset >> 32
+    return [offset, *_sr_keys(seed, step, high), *_sr_keys(seed, step, high + 1)]
+
+
+def _sr_bits_at(where: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`sr_bits` for the ``n`` elements from ``where`` (:func:`_pass_index`, on their device): tensors only,
+    so the compiled pass (kernels/device.py) takes another step or offset without compiling again."""
+    index = where[0] + torch.arange(n, dtype=torch.int64, device=where.device)
+    first = (index >> 32) == (where[0] >> 32)
+    key_pm, key_v = torch.where(first, where[1], where[3]), torch.where(first, where[2], where[4])
+    low = index & _M32
     pm, v = _hash32(low ^ key_pm), _hash32((low >> 1) ^ key_v)  # elements 2k, 2k + 1 share one v hash
     return pm >> 16, pm & 0xFFFF, torch.where((low & 1) == 1, v & 0xFFFF, v >> 16)
 
@@ -112,6 +126,13 @@ def bf16_state_update(
     multiply-adds rounded once (_fma32), the constants of dispatch.c adam_consts. m and v are the fp32
     step's; p differs from it by a few fp32 ulp: one division fewer (sqrt(v) * (1 / sqrt(bc2)) + eps,
     then a fused multiply-add), which the kernel's divider needs."""
+    constants, has_l2, from_end = _update_constants(hp, step, grad_scale)
+    return _update(torch.tensor(constants, dtype=torch.float64, device=p.device), has_l2, from_end, p, g, m, v)
+
+
+def _update_constants(hp: AdamArgs, step: int, grad_scale: float) -> tuple[list[float], bool, bool]:
+    """dispatch.c adam_consts: the step's constants in fp32 (the order :func:`_update` reads them), whether an L2
+    term is added to the gradient, and whether m moves from the gradient's end (a lerp weight of 0.5 or more)."""
     bc1, bc2 = 1.0 - hp.beta1**step, 1.0 - hp.beta2**step  # pow, as adam_consts computes them
     scale = _f32(-grad_scale if hp.maximize else grad_scale)
     l2 = 0.0 if hp.adamw_mode else _f32(hp.weight_decay)
@@ -120,27 +141,56 @@ def bf16_state_update(
     lerp_w = _f32(w - 1.0) if from_end else w
     beta2, one_minus_beta2 = _f32(hp.beta2), _f32(1.0 - hp.beta2)
     inv_bc2_sqrt, neg_step_size, eps = _f32(1.0 / bc2**0.5), _f32(-(hp.lr / bc1)), _f32(hp.eps)
+    constants = [scale, l2, adamw_decay(hp), lerp_w, beta2, one_minus_beta2, inv_bc2_sqrt, neg_step_size, eps]
+    return constants, l2 != 0.0, from_end
+
+
+def _update(
+    constants: Tensor, has_l2: bool, from_end: bool, p: Tensor, g: Tensor, m: Tensor, v: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`bf16_state_update` from :func:`_update_constants` (``constants`` a float64 tensor on the state's
+    device: the compiled pass takes another step, learning rate or scale without compiling again)."""
+    scale, l2, decay, lerp_w, beta2, one_minus_beta2, inv_bc2_sqrt, neg_step_size, eps = constants.unbind()
     gi = _r32(g * scale)
-    if l2 != 0.0:
+    if has_l2:
         gi = _fma32(p, l2, gi)
-    p = _r32(p * adamw_decay(hp))
+    p = _r32(p * decay)
     m = _fma32(lerp_w, _r32(gi - m), gi if from_end else m)
     v = _fma32(_r32(one_minus_beta2 * gi), gi, _r32(v * beta2))
     denom = _fma32(inv_bc2_sqrt, _r32(v.sqrt()), eps)
     return _fma32(neg_step_size, _r32(m / denom), p), m, v
 
 
-def bf16_state_step(call: FlatAdamCall, chunk: int) -> None:
+def bf16_state_pass(
+    p: Tensor, g: Tensor, m: Tensor, v: Tensor, constants: Tensor, where: Tensor, has_l2: bool, from_end: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One pass of the bf16-state step: the new bf16 p, m and v of these elements (the fp32 update of the widened
+    state, stochastically rounded with the native hash's bits), from :func:`_update_constants` and
+    :func:`_pass_index` as tensors on the state's device. A pure function of tensors, so that kernels/device.py can
+    compile it into one kernel."""
+    updated = _update(constants, has_l2, from_end, *(t.double() for t in (p, g, m, v)))
+    bits = _sr_bits_at(where, p.numel())
+    return tuple(round_bf16_stochastic(x.float(), r) for x, r in zip(updated, bits))  # type: ignore[return-value]
+
+
+BF16StatePass = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, bool], tuple[Tensor, Tensor, Tensor]]
+
+
+def bf16_state_step(call: FlatAdamCall, chunk: int, run_pass: BF16StatePass = bf16_state_pass) -> None:
     """:func:`bf16_state_update`, then the native hash and stochastic rounding, ``chunk`` elements at a time on
-    the tensors' own device: the same bits as every native backend."""
+    the tensors' own device (``run_pass``: :func:`bf16_state_pass` or its compiled form): the same bits as every
+    native backend. The passes' constants and indices reach the device in two copies that do not wait for it."""
     param, grad, exp_avg, exp_avg_sq = call.param, call.grad, call.exp_avg, call.exp_avg_sq
-    for start in range(0, param.numel(), chunk):
+    values, has_l2, from_end = _update_constants(call.hparams, call.step, call.grad_scale)
+    starts = range(0, param.numel(), chunk)
+    constants = torch.tensor(values, dtype=torch.float64).to(param.device, non_blocking=True)
+    wheres = torch.tensor([_pass_index(call.seed, call.step, call.offset + start) for start in starts])
+    wheres = wheres.to(param.device, non_blocking=True)
+    for start, where in zip(starts, wheres):
         window = slice(start, start + chunk)
-        state = (t[window].double() for t in (param, grad, exp_avg, exp_avg_sq))
-        updated = bf16_state_update(call.hparams, call.step, call.grad_scale, *state)
-        bits = sr_bits(call.seed, call.step, call.offset + start, updated[0].numel(), param.device)
-        for t, x, r in zip((param, exp_avg, exp_avg_sq), updated, bits):
-            t[window] = round_bf16_stochastic(x.float(), r)
+        state = (t[window] for t in (param, grad, exp_avg, exp_avg_sq))
+        for t, x in zip((param, exp_avg, exp_avg_sq), run_pass(*state, constants, where, has_l2, from_end)):
+            t[window] = x
 
 
 class TorchBackend:

@@ -8,7 +8,9 @@ import torch
 from kernel_helpers import HP, adam_args, grads_like
 
 from lightning_zero_offload import kernels
-from lightning_zero_offload.kernels import device
+from lightning_zero_offload.kernels import device, reference
+from lightning_zero_offload.kernels.arguments import FlatAdamCall
+from lightning_zero_offload.warning import ZeroOffloadRuntimeWarning
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "torch_seed")
 
@@ -41,6 +43,56 @@ def test_bf16_state_step_gives_the_native_bits(grad_dtype, adamw_mode):
         device.adam_step_bf16_state(ours[0], grad, ours[1], ours[2], **common)
         flat = [t.view(-1) for t in (native[0], grad, native[1], native[2])]
         kernels.adam_step_bf16_state(*flat, **common)
+    for got, want in zip(ours, native):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def fused_steps(run_pass, adamw_mode: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Two steps of the bf16-state step through ``run_pass`` and of the native kernel, on the same numbers (the
+    element numbers crossing a 2**32 boundary, passes of 1000 elements and a tail)."""
+    hparams = adam_args(adamw_mode=adamw_mode)
+    ours, native = state(torch.bfloat16, 1), state(torch.bfloat16, 1)
+    for step, grad in enumerate(grads_like(ours[0].numel(), 2, seed=2), start=1):
+        grad = grad.bfloat16()
+        flat = [t.view(-1) for t in (ours[0], grad, ours[1], ours[2])]
+        reference.bf16_state_step(FlatAdamCall(hparams, *flat, step, 0.5, 1, 7, 2**32 - 5), 1000, run_pass)
+        kernels.adam_step_bf16_state(
+            *(t.view(-1) for t in (native[0], grad, native[1], native[2])),
+            hparams=hparams,
+            step=step,
+            seed=7,
+            offset=2**32 - 5,
+            grad_scale=0.5,
+        )
+    return ours, native
+
+
+@pytest.mark.slow  # compiles twice with the CPU's inductor: about 20 s
+def test_the_fused_pass_gives_the_native_bits():
+    """The compiled pass an accelerator runs, compiled here by the CPU's inductor: the same bits (the GPU's Triton
+    code is gpu_check.sh's device_step to check)."""
+    fused = device.FusedPass()
+    for adamw_mode in (True, False):  # AdamW, and Adam with an L2 term: two compiled variants
+        ours, native = fused_steps(fused, adamw_mode)
+        assert fused.failure is None
+        for got, want in zip(ours, native):
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_where_compiling_fails_the_unfused_pass_gives_the_same_bits_and_says_why(monkeypatch):
+    def compile_fails(fn, **options):
+        def compiled(*args):
+            raise RuntimeError("no working C++ compiler\nmore lines")
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", compile_fails)
+    fused = device.FusedPass()
+    with pytest.warns(
+        ZeroOffloadRuntimeWarning, match=r"runs unfused.*\(RuntimeError: no working C\+\+ compiler\)\. Install"
+    ):
+        ours, native = fused_steps(fused, adamw_mode=True)
+    assert fused.failure == "RuntimeError: no working C++ compiler"
     for got, want in zip(ours, native):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
