@@ -111,7 +111,8 @@ class FusedPass:
             if self._compiled is None:
                 self._compiled = torch.compile(bf16_state_pass, dynamic=True, fullgraph=True)
             try:
-                return self._compiled(*args)
+                with torch.no_grad():  # a step: compiled without autograd's graph whatever the caller's grad mode
+                    return self._compiled(*args)
             except torch.OutOfMemoryError:  # the device's, not the compiler's: the unfused pass needs more
                 raise
             except Exception as error:  # noqa: BLE001 - the unfused pass below raises what is not the compiler's
