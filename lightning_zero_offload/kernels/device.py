@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.torch_version import TorchVersion
 
 from lightning_zero_offload.kernels.arguments import (
     GRAD_DTYPES,
@@ -94,37 +95,50 @@ def adam_step_bf16_state(
     bf16_state_step(call, BF16_STATE_CHUNK, FUSED_PASS if param.device.type != "cpu" else bf16_state_pass)
 
 
+def compile_options(torch_version: str) -> dict[str, Any]:
+    """``torch.compile``'s options for the pass under ``torch_version``: before 2.13 without pattern matching, whose
+    pointless_convert there merges a float64 -> float32 -> float64 round trip into nothing (every fp32 rounding of
+    the update is one); 2.13 keeps a narrowing round trip, and its pattern matching makes the pass faster."""
+    older = TorchVersion(torch_version) < (2, 13)
+    return {"dynamic": True, "fullgraph": True, "options": {"pattern_matcher": False} if older else {}}
+
+
+COMPILE_OPTIONS = compile_options(torch.__version__)
+
+
 class FusedPass:
     """:func:`reference.bf16_state_pass` compiled (``torch.compile``) into one kernel: unfused, each of its
     operations is a kernel reading and writing float64 and int64 temporaries of the pass's size; fused, the state
-    is read and written once (docs/benchmarks.md, "The device share's bf16 step, fused"). Compiled once per
-    process for any size, step or hyperparameters (tensors, not constants) and per update rule (L2 or not). Where
-    compiling fails (no Triton, no compiler), a warning says why and the unfused pass takes over: the same
-    arithmetic, so the same bits; the pass is pure, so the failed call is simply run again."""
+    is read and written once (docs/benchmarks.md, "The device share's bf16 step, fused"). One compiled graph serves
+    every size from 2 elements, step, offset, hyperparameter and update rule (all tensors); another gradient dtype
+    compiles another. Where compiling fails (no Triton, no compiler), a warning says why and the unfused pass takes
+    over: the same arithmetic, so the same bits; the pass is pure, so the failed call is simply run again."""
 
     def __init__(self) -> None:
         self._compiled: BF16StatePass | None = None
         self.failure: str | None = None
 
-    def __call__(self, *args: Any) -> tuple[Tensor, Tensor, Tensor]:
-        if self.failure is None:
+    def __call__(
+        self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, constants: Tensor, where: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        if self.failure is None and p.numel() > 1:  # dynamo compiles sizes 0 and 1 apart: leave them unfused
             if self._compiled is None:
-                self._compiled = torch.compile(bf16_state_pass, dynamic=True, fullgraph=True)
+                self._compiled = torch.compile(bf16_state_pass, **COMPILE_OPTIONS)
             try:
-                with torch.no_grad():  # a step: compiled without autograd's graph whatever the caller's grad mode
-                    return self._compiled(*args)
+                # ``where`` a tensor of its own: as a view, its base's size is guarded (one pass, or several)
+                return self._compiled(p, g, m, v, constants, where.clone())
             except torch.OutOfMemoryError:  # the device's, not the compiler's: the unfused pass needs more
                 raise
             except Exception as error:  # noqa: BLE001 - the unfused pass below raises what is not the compiler's
                 self.failure = f"{type(error).__name__}: {error}".splitlines()[0]
                 warnings.warn(
-                    f"zero_offload: the device share's bf16 step runs unfused, many times slower, since "
-                    f"torch.compile failed ({self.failure}). Install Triton for this device (it comes with "
-                    "torch's CUDA wheels), or use cpu_state='fp32', whose device step is torch's fused Adam.",
+                    f"zero_offload: the device share's bf16 step runs unfused, many times slower (the same bits), "
+                    f"since torch.compile failed ({self.failure}). A missing Triton comes with torch's CUDA wheels; "
+                    "cpu_state='fp32' steps the device share with torch's fused Adam instead.",
                     ZeroOffloadRuntimeWarning,
                     stacklevel=2,
                 )
-        return bf16_state_pass(*args)
+        return bf16_state_pass(p, g, m, v, constants, where)
 
 
 FUSED_PASS = FusedPass()

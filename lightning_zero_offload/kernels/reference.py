@@ -126,13 +126,14 @@ def bf16_state_update(
     multiply-adds rounded once (_fma32), the constants of dispatch.c adam_consts. m and v are the fp32
     step's; p differs from it by a few fp32 ulp: one division fewer (sqrt(v) * (1 / sqrt(bc2)) + eps,
     then a fused multiply-add), which the kernel's divider needs."""
-    constants, has_l2, from_end = _update_constants(hp, step, grad_scale)
-    return _update(torch.tensor(constants, dtype=torch.float64, device=p.device), has_l2, from_end, p, g, m, v)
+    constants = torch.tensor(update_constants(hp, step, grad_scale), dtype=torch.float64, device=p.device)
+    return update_values(constants, p, g, m, v)
 
 
-def _update_constants(hp: AdamArgs, step: int, grad_scale: float) -> tuple[list[float], bool, bool]:
-    """dispatch.c adam_consts: the step's constants in fp32 (the order :func:`_update` reads them), whether an L2
-    term is added to the gradient, and whether m moves from the gradient's end (a lerp weight of 0.5 or more)."""
+def update_constants(hp: AdamArgs, step: int, grad_scale: float) -> list[float]:
+    """dispatch.c adam_consts: the step's constants in fp32, in the order :func:`update_values` reads them, with its
+    two choices as 1.0 or 0.0: whether an L2 term is added to the gradient, and whether m moves from the gradient's
+    end (a lerp weight of 0.5 or more)."""
     bc1, bc2 = 1.0 - hp.beta1**step, 1.0 - hp.beta2**step  # pow, as adam_consts computes them
     scale = _f32(-grad_scale if hp.maximize else grad_scale)
     l2 = 0.0 if hp.adamw_mode else _f32(hp.weight_decay)
@@ -142,54 +143,55 @@ def _update_constants(hp: AdamArgs, step: int, grad_scale: float) -> tuple[list[
     beta2, one_minus_beta2 = _f32(hp.beta2), _f32(1.0 - hp.beta2)
     inv_bc2_sqrt, neg_step_size, eps = _f32(1.0 / bc2**0.5), _f32(-(hp.lr / bc1)), _f32(hp.eps)
     constants = [scale, l2, adamw_decay(hp), lerp_w, beta2, one_minus_beta2, inv_bc2_sqrt, neg_step_size, eps]
-    return constants, l2 != 0.0, from_end
+    return [*constants, float(l2 != 0.0), float(from_end)]
 
 
-def _update(
-    constants: Tensor, has_l2: bool, from_end: bool, p: Tensor, g: Tensor, m: Tensor, v: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`bf16_state_update` from :func:`_update_constants` (``constants`` a float64 tensor on the state's
-    device: the compiled pass takes another step, learning rate or scale without compiling again)."""
-    scale, l2, decay, lerp_w, beta2, one_minus_beta2, inv_bc2_sqrt, neg_step_size, eps = constants.unbind()
+def update_values(constants: Tensor, p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`bf16_state_update` from :func:`update_constants` as a float64 tensor on the state's device. Its two
+    choices are made by ``torch.where``, not by Python, so that one compiled pass (kernels/device.py) serves every
+    step, learning rate, scale and update rule; each branch is computed as the native kernel computes it."""
+    scale, l2, decay, lerp_w, beta2, one_minus_beta2, inv_bc2_sqrt, neg_step_size, eps, has_l2, from_end = (
+        constants.unbind()
+    )
     gi = _r32(g * scale)
-    if has_l2:
-        gi = _fma32(p, l2, gi)
+    gi = torch.where(has_l2 != 0, _fma32(p, l2, gi), gi)
     p = _r32(p * decay)
-    m = _fma32(lerp_w, _r32(gi - m), gi if from_end else m)
+    m = _fma32(lerp_w, _r32(gi - m), torch.where(from_end != 0, gi, m))
     v = _fma32(_r32(one_minus_beta2 * gi), gi, _r32(v * beta2))
     denom = _fma32(inv_bc2_sqrt, _r32(v.sqrt()), eps)
     return _fma32(neg_step_size, _r32(m / denom), p), m, v
 
 
 def bf16_state_pass(
-    p: Tensor, g: Tensor, m: Tensor, v: Tensor, constants: Tensor, where: Tensor, has_l2: bool, from_end: bool
+    p: Tensor, g: Tensor, m: Tensor, v: Tensor, constants: Tensor, where: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One pass of the bf16-state step: the new bf16 p, m and v of these elements (the fp32 update of the widened
-    state, stochastically rounded with the native hash's bits), from :func:`_update_constants` and
+    state, stochastically rounded with the native hash's bits), from :func:`update_constants` and
     :func:`_pass_index` as tensors on the state's device. A pure function of tensors, so that kernels/device.py can
     compile it into one kernel."""
-    updated = _update(constants, has_l2, from_end, *(t.double() for t in (p, g, m, v)))
+    updated = update_values(constants, *(t.double() for t in (p, g, m, v)))
     bits = _sr_bits_at(where, p.numel())
     return tuple(round_bf16_stochastic(x.float(), r) for x, r in zip(updated, bits))  # type: ignore[return-value]
 
 
-BF16StatePass = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, bool, bool], tuple[Tensor, Tensor, Tensor]]
+BF16StatePass = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
 
 
+@torch.no_grad()  # an optimizer's step: a parameter that requires grad is written in place
 def bf16_state_step(call: FlatAdamCall, chunk: int, run_pass: BF16StatePass = bf16_state_pass) -> None:
     """:func:`bf16_state_update`, then the native hash and stochastic rounding, ``chunk`` elements at a time on
     the tensors' own device (``run_pass``: :func:`bf16_state_pass` or its compiled form): the same bits as every
     native backend. The passes' constants and indices reach the device in two copies that do not wait for it."""
     param, grad, exp_avg, exp_avg_sq = call.param, call.grad, call.exp_avg, call.exp_avg_sq
-    values, has_l2, from_end = _update_constants(call.hparams, call.step, call.grad_scale)
     starts = range(0, param.numel(), chunk)
+    values = update_constants(call.hparams, call.step, call.grad_scale)
     constants = torch.tensor(values, dtype=torch.float64).to(param.device, non_blocking=True)
     wheres = torch.tensor([_pass_index(call.seed, call.step, call.offset + start) for start in starts])
     wheres = wheres.to(param.device, non_blocking=True)
     for start, where in zip(starts, wheres):
         window = slice(start, start + chunk)
         state = (t[window] for t in (param, grad, exp_avg, exp_avg_sq))
-        for t, x in zip((param, exp_avg, exp_avg_sq), run_pass(*state, constants, where, has_l2, from_end)):
+        for t, x in zip((param, exp_avg, exp_avg_sq), run_pass(*state, constants, where)):
             t[window] = x
 
 

@@ -30,9 +30,10 @@ class LandingClock:
         self._last_gradient: tuple[float, float] | None = None  # its hook's start, the hook seconds before it
 
     def pass_started(self, at: float, event: torch.Event | None) -> None:
-        """Backward starts at ``at`` (and ``event`` where the device has events); a pass begun keeps its start."""
-        if self._started is None:
-            self._started = (at, event)
+        """Backward starts at ``at`` (and ``event`` where the device has events): a pass that failed before its end
+        leaves nothing behind."""
+        self._started = (at, event)
+        self._launched, self._hook_s, self._hook_started, self._last_gradient = {}, 0.0, None, None
 
     def hook_started(self) -> None:
         self._hook_started = time.perf_counter()

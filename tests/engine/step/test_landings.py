@@ -20,8 +20,9 @@ def test_a_lead_counts_backwards_time_not_the_hooks_after_the_launch(monkeypatch
         now[0] = end
         clock.hook_ended()
 
+    clock.pass_started(-3.0, None)  # a pass that failed before its end
+    hook(-2.0, -1.0, {2: -1.5})
     clock.pass_started(-0.5, None)
-    clock.pass_started(-0.2, None)  # announced twice: the pass started at the first
     hook(0.0, 1.0, {0: 0.5})  # backward computes from 1 to 3
     hook(3.0, 5.0, {1: 3.2})  # a split parameter's hook: its buckets leave while backward has nothing left
     hook(5.0, 5.5, {})  # the last gradient: backward's end
