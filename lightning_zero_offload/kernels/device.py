@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.torch_version import TorchVersion
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from lightning_zero_offload.kernels.arguments import (
     GRAD_DTYPES,
@@ -121,7 +122,9 @@ class FusedPass:
     def __call__(
         self, p: Tensor, g: Tensor, m: Tensor, v: Tensor, constants: Tensor, where: Tensor
     ) -> tuple[Tensor, Tensor, Tensor]:
-        if self.failure is None and p.numel() > 1:  # dynamo compiles sizes 0 and 1 apart: leave them unfused
+        # Unfused: sizes 0 and 1 (dynamo compiles them apart), and under a dispatch mode (the CUDA sanitizer, a FLOP
+        # counter), where dynamo compiles nothing and fullgraph=True fails: that call only.
+        if self.failure is None and p.numel() > 1 and not is_in_torch_dispatch_mode():
             if self._compiled is None:
                 self._compiled = torch.compile(bf16_state_pass, **COMPILE_OPTIONS)
             try:

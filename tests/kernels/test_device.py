@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_helpers import HP, adam_args, grads_like
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_zero_offload import kernels
 from lightning_zero_offload.kernels import device, reference
@@ -152,6 +153,34 @@ def test_where_compiling_fails_the_unfused_pass_gives_the_same_bits_and_says_why
     assert fused.failure == "RuntimeError: no working C++ compiler"
     for got, want in zip(ours, native):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+class SeesEveryOperation(TorchDispatchMode):
+    """A dispatch mode, as the CUDA sanitizer and torch's FLOP counter are."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_a_dispatch_mode_the_pass_runs_unfused_for_that_call_only(monkeypatch):
+    """Dynamo compiles nothing under a dispatch mode (fullgraph=True raises): not a failure of the compiler."""
+    compiled_calls = []
+
+    def compile_records(fn, **options):
+        def compiled(*args):
+            compiled_calls.append(fn)
+            return fn(*args)
+
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", compile_records)
+    fused = device.FusedPass()
+    with SeesEveryOperation():
+        ours, native = fused_steps(fused, adamw_mode=True)
+    assert compiled_calls == [] and fused.failure is None
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(ours, native))
+    fused_steps(fused, adamw_mode=True)
+    assert compiled_calls and fused.failure is None
 
 
 def test_a_step_writes_a_parameter_that_requires_grad_whatever_the_grad_mode():
