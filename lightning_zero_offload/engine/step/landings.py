@@ -54,8 +54,8 @@ class LandingClock:
         launched, self._launched = self._launched, {}
         last, self._last_gradient = self._last_gradient, None
         host_end, hooks_by_end = (backward_end, self._hook_s) if last is None else last
-        started, self._started = self._started, None
-        start_at, start_event = (host_end, None) if started is None else started
+        start, self._started = self._started, None
+        start_at, start_event = (host_end, None) if start is None else start
         self._hook_s, self._hook_started = 0.0, None
         if device_end is not None and start_event is not None:
             self.pass_s = start_event.elapsed_time(device_end) / 1e3
